@@ -1,0 +1,132 @@
+"""``specforge-kimi``: thin subcommands over the modules; heavy imports happen per command.
+
+Bad input (:class:`errors.KimiInputError`) prints one ``error: ...`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from specforge_kimi.errors import KimiInputError
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from specforge_kimi.tiny import TinySpec, write_tiny
+
+    spec = TinySpec(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
+                    experts_per_token=args.experts_per_token, moe_intermediate=args.moe_intermediate,
+                    dense_intermediate=args.dense_intermediate, q_lora_rank=args.q_lora_rank,
+                    vocab=args.vocab, seed=args.seed)
+    out = write_tiny(args.out_dir, spec)
+    print(f"wrote tiny Kimi-K2.5 checkpoint to {out}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from specforge_kimi.target import inspect_target
+
+    info = asdict(inspect_target(args.target))
+    info.pop("text")
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _cmd_layer_ids(args: argparse.Namespace) -> int:
+    from specforge_kimi.layer_ids import ENGINES, AuxLayers
+
+    aux = AuxLayers.from_engine(args.engine, [int(x) for x in args.ids.split(",")], args.num_layers)
+    table = {"captured_positions": list(aux.positions)}
+    for engine in ENGINES:
+        try:
+            table[engine] = aux.to_engine(engine)
+        except KimiInputError as exc:
+            table[engine] = f"unreachable: {exc}"
+    print(json.dumps(table, indent=2))
+    return 0
+
+
+def _cmd_export_check(args: argparse.Namespace) -> int:
+    from specforge_kimi.export import check_sglang_export
+
+    print(json.dumps(check_sglang_export(args.draft, target_dir=args.target), indent=2))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from specforge_kimi.demo import DemoSettings, run_demo
+
+    settings = DemoSettings(out_dir=args.out, steps=args.steps, pretrain_seconds=args.pretrain_seconds,
+                            seed=args.seed, progress=not args.no_progress)
+    result = run_demo(settings)
+    return 0 if result["ok"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specforge-kimi", description="Kimi-K2.5 EAGLE-3 drafts with SpecForge")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tiny", help="write a tiny random Kimi-K2.5 checkpoint (K2.5 names and nesting)")
+    t.add_argument("out_dir")
+    t.add_argument("--layers", type=int, default=8)
+    t.add_argument("--hidden", type=int, default=512)
+    t.add_argument("--heads", type=int, default=8)
+    t.add_argument("--experts", type=int, default=8)
+    t.add_argument("--experts-per-token", type=int, default=2)
+    t.add_argument("--moe-intermediate", type=int, default=256)
+    t.add_argument("--dense-intermediate", type=int, default=1024)
+    t.add_argument("--q-lora-rank", type=int, default=1536)
+    t.add_argument("--vocab", type=int, default=163840)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_cmd_tiny)
+
+    i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")
+    i.add_argument("target")
+    i.set_defaults(func=_cmd_inspect)
+
+    lid = sub.add_parser("layer-ids", help="convert aux layer ids between SpecForge/SGLang, vLLM and HF")
+    lid.add_argument("ids", help="comma-separated, e.g. 1,29,57")
+    lid.add_argument("--engine", default="specforge", choices=("specforge", "sglang", "vllm", "hf"))
+    lid.add_argument("--num-layers", type=int, default=61)
+    lid.set_defaults(func=_cmd_layer_ids)
+
+    e = sub.add_parser("export-check", help="check an exported SGLang draft against what its loader needs")
+    e.add_argument("draft")
+    e.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
+    e.set_defaults(func=_cmd_export_check)
+
+    d = sub.add_parser("demo", help="CPU demo: tiny K2.5 -> features -> SpecForge EAGLE-3 training -> export")
+    d.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    d.add_argument("--steps", type=int, default=300, help="SpecForge optimizer steps")
+    d.add_argument("--pretrain-seconds", type=float, default=60.0, help="tiny-target pretraining budget")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=_cmd_demo)
+
+    for name in ("prepare", "regenerate"):
+        try:
+            module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
+        except ModuleNotFoundError:
+            continue
+        module.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KimiInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

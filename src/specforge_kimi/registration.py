@@ -1,0 +1,92 @@
+"""What :func:`specforge_kimi.register` installs, seam by seam.
+
+Scope: in-process registration only; it changes no file on disk. Every step is idempotent and
+imports transformers/specforge lazily. The seams:
+
+1. transformers ``AutoConfig``: ``kimi_k25`` -> :class:`target.KimiK25Config` (no remote code;
+   top-level ``hidden_size``/``vocab_size``/``num_hidden_layers`` read through ``text_config``,
+   which is what SpecForge's ``TargetHead`` and draft-config derivation read).
+2. SpecForge weight loaders (``TargetHead.load_weights``,
+   ``TargetEmbeddingsAndHead._load_weights``, ``Eagle3DraftModel.load_embedding``): a key that
+   a local checkpoint does not contain is resolved to the checkpoint's own embedding / LM-head
+   name (K2.5 ``language_model.*``, NVFP4 ``language_model.layers.*``) instead of a KeyError.
+   Keys that exist are passed through untouched. These are wrappers, not rewrites: SpecForge's
+   own loading code still runs.
+3. SpecForge ``TEMPLATE_REGISTRY``: the ``kimi-k2.5`` chat template.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+_DONE = False
+_WRAPPED_FLAG = "__specforge_kimi_wrapped__"
+
+
+def _resolving(role: str, key_arg: str, key_pos: int, default: str):
+    """Decorator factory: resolve ``key_arg`` (positional index ``key_pos`` after self/path)."""
+
+    def deco(fn):
+        if getattr(fn, _WRAPPED_FLAG, False):
+            return fn
+
+        @functools.wraps(fn)
+        def wrapper(self, model_path, *args, **kwargs):
+            from specforge_kimi.target import resolve_weight_key
+
+            if isinstance(model_path, (str, os.PathLike)) and os.path.isdir(model_path):
+                if key_arg in kwargs:
+                    kwargs[key_arg] = resolve_weight_key(model_path, kwargs[key_arg] or default, role)
+                elif len(args) > key_pos:
+                    args = list(args)
+                    args[key_pos] = resolve_weight_key(model_path, args[key_pos] or default, role)
+                else:
+                    kwargs[key_arg] = resolve_weight_key(model_path, default, role)
+            return fn(self, model_path, *args, **kwargs)
+
+        setattr(wrapper, _WRAPPED_FLAG, True)
+        return wrapper
+
+    return deco
+
+
+def _install_weight_key_resolution() -> None:
+    from specforge.modeling.draft.base import Eagle3DraftModel
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
+
+    TargetHead.load_weights = _resolving("lm_head", "lm_head_key", 0, "lm_head.weight")(TargetHead.load_weights)
+    Eagle3DraftModel.load_embedding = _resolving("embedding", "embedding_key", 0, "model.embed_tokens.weight")(
+        Eagle3DraftModel.load_embedding
+    )
+    original = TargetEmbeddingsAndHead._load_weights
+    if not getattr(original, _WRAPPED_FLAG, False):
+
+        @functools.wraps(original)
+        def _load_weights(self, model_path, embed_key, lm_head_key, tie_weights):
+            from specforge_kimi.target import resolve_weight_key
+
+            if os.path.isdir(model_path):
+                embed_key = resolve_weight_key(model_path, embed_key, "embedding")
+                if not tie_weights:
+                    lm_head_key = resolve_weight_key(model_path, lm_head_key, "lm_head")
+            return original(self, model_path, embed_key, lm_head_key, tie_weights)
+
+        setattr(_load_weights, _WRAPPED_FLAG, True)
+        TargetEmbeddingsAndHead._load_weights = _load_weights
+
+
+def register_all() -> None:
+    """Run every registration step once per process."""
+    global _DONE
+    if _DONE:
+        return
+    from specforge_kimi.target import register_config
+
+    register_config()
+    _install_weight_key_resolution()
+    from specforge_kimi.chat_template import register_template
+
+    register_template()
+    _DONE = True

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny K2.5 checkpoints built once per session, GPU test gating."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-gpu", action="store_true", help="run tests marked gpu (needs CUDA + pinned stack)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-gpu"):
+        return
+    skip = pytest.mark.skip(reason="gpu test: run on the GPU box with --run-gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+#: Small enough for CPU tests, K2.5's nesting/names/MLA dims; heads and experts divide by 8.
+TEST_SPEC = dict(layers=6, hidden=64, heads=8, experts=8, experts_per_token=2, moe_intermediate=32,
+                 dense_intermediate=128, q_lora_rank=64, vision_hidden=32, vision_heads=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from specforge_kimi.tiny import TinySpec, write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("tiny") / "k25", TinySpec(**TEST_SPEC))
