@@ -1,0 +1,277 @@
+"""``specforge-kimi demo``: the whole K2.5 draft pipeline on a 2-core CPU, in a few minutes.
+
+Scope: the embedded default job. A tiny K2.5-shaped target (K2.5 names, nesting, MLA dims,
+MoE; small sizes) is pretrained for about a minute on a synthetic structured corpus
+(:mod:`corpus`) so its predictions carry signal -- a random-weight target gives a draft little
+to learn. Conversations are rendered with the ``kimi-k2.5`` template and tokenized with the
+stand-in tokenizer (K2.5's special ids, byte-level text); aux + last hidden states are captured
+with the reference hooks (:mod:`capture`, what SGLang captures) into SpecForge's offline
+feature format; SpecForge's own EAGLE-3 trainer trains a Llama-style draft; the draft is
+exported in SGLang's format with K2.5's ``eagle_config`` and provenance and checked. Reported:
+loss curve (PNG), simulated acceptance length (:mod:`simulate`) before and after training on
+held-out samples, the export path. The online path (SGLang capture -> Mooncake) replaces the
+hook capture on GPUs; everything downstream of the features is the same SpecForge code.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specforge_kimi.errors import KimiInputError
+
+#: The demo's target: K2.5's structure at CPU size (4 heads: the demo never runs tensor-parallel).
+DEMO_TARGET = dict(layers=6, hidden=256, heads=4, experts=8, experts_per_token=2, moe_intermediate=128,
+                   dense_intermediate=512, q_lora_rank=256, vision_hidden=32, vision_heads=8)
+#: SpecForge ids; SGLang 0.5.14 captures positions [2, 3, 4] (= HF hidden_states[2..4]) for them.
+DEMO_AUX_IDS = (1, 2, 3)
+MARKER = ".specforge-kimi-demo"
+
+
+@dataclass
+class DemoSettings:
+    out_dir: str = "runs/demo"
+    steps: int = 300
+    pretrain_seconds: float = 60.0
+    seed: int = 0
+    train_conversations: int = 400
+    heldout_conversations: int = 48
+    ttt_length: int = 4
+    eval_steps: int = 3          # chain length for simulated acceptance: 3 steps, topk 1
+    draft_vocab_size: int = 1024
+    learning_rate: float = 3e-4
+    progress: bool = True
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise KimiInputError(f"{out} exists, is not empty and is not a demo directory; choose --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by specforge-kimi demo; safe to delete\n")
+
+
+def _rows(records, tokenizer):
+    from specforge_kimi.chat_template import encode_spans, training_rows
+    from specforge_kimi.conversation import conversation_from_record
+
+    rows = []
+    for rec in records:
+        for spans in training_rows(conversation_from_record(rec)):
+            ids, mask = encode_spans(spans, tokenizer)
+            rows.append((ids, mask))
+    return rows
+
+
+def _draft_config(hidden: int, draft_vocab: int, aux_ids: list[int]) -> dict:
+    from specforge_kimi.tiny import K25_BOS, K25_EOS, K25_PAD, K25_VOCAB
+
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": 4 * hidden, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "head_dim": hidden // 4, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "vocab_size": K25_VOCAB, "draft_vocab_size": draft_vocab, "target_hidden_size": hidden,
+        "bos_token_id": K25_BOS, "eos_token_id": K25_EOS, "pad_token_id": K25_PAD,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True},
+    }
+
+
+def _load_draft(draft_config_path: str, target_dir: str, embedding_key: str, vocab_mapping: str, state=None):
+    import torch
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    cfg = AutoDraftModelConfig.from_file(draft_config_path)
+    model = AutoDraftModel.from_config(cfg, attention_backend="sdpa", torch_dtype=torch.float32)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any("embed" not in k for k in missing):
+            raise RuntimeError(f"checkpoint does not fit the draft: missing={missing} unexpected={unexpected}")
+    model.load_embedding(target_dir, embedding_key=embedding_key)
+    model.load_vocab_mapping(vocab_mapping)
+    return model.float().eval()
+
+
+def _plot(losses: list[float], acc: list[list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax[0].plot(range(1, len(losses) + 1), losses, lw=0.8)
+    w = max(1, len(losses) // 20)
+    smooth = [sum(losses[max(0, i - w + 1): i + 1]) / len(losses[max(0, i - w + 1): i + 1]) for i in range(len(losses))]
+    ax[0].plot(range(1, len(losses) + 1), smooth, lw=2)
+    ax[0].set(xlabel="optimizer step", ylabel="SpecForge train/loss", title="EAGLE-3 draft loss (tiny K2.5)")
+    if acc:
+        for j in range(len(acc[0])):
+            ax[1].plot([a[j] for a in acc], lw=0.8, label=f"TTT position {j}")
+        ax[1].set(xlabel="optimizer step", ylabel="train/acc_j", title="per-position accuracy")
+        ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(s: DemoSettings) -> dict:
+    """Run the demo; returns (and writes ``demo_result.json``) the measured results."""
+    import torch
+    from tqdm import tqdm
+
+    import specforge_kimi
+    from specforge_kimi import corpus
+    from specforge_kimi.capture import capture
+    from specforge_kimi.export import finalize_sglang_export, versions
+    from specforge_kimi.layer_ids import AuxLayers
+    from specforge_kimi.offline_train import export_sglang, train_offline
+    from specforge_kimi.pretrain import pretrain
+    from specforge_kimi.simulate import add_target_greedy, simulated_acceptance
+    from specforge_kimi.target import inspect_target, load_text_model
+    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.vocab_mapping import build_vocab_mapping, save_vocab_mapping
+
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    say = print if s.progress else (lambda *a, **k: None)
+    specforge_kimi.register()
+    torch.manual_seed(s.seed)
+    out = Path(s.out_dir).resolve()
+    _prepare_out(out)
+
+    def lap(name: str, since: float) -> float:
+        timings[name] = round(time.monotonic() - since, 2)
+        return time.monotonic()
+
+    # 1. data: K2.5 chat format, stand-in tokenizer
+    t = time.monotonic()
+    tokenizer = build_standin_tokenizer()
+    train_recs = list(corpus.conversations(s.train_conversations, seed=s.seed))
+    held_recs = list(corpus.conversations(s.heldout_conversations, seed=s.seed + 10_000))
+    (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_recs))
+    train_rows, held_rows = _rows(train_recs, tokenizer), _rows(held_recs, tokenizer)
+    say(f"[1/6] {len(train_rows)} training rows, {len(held_rows)} held-out rows rendered with the kimi-k2.5 "
+        f"template ({sum(len(i) for i, _ in train_rows)} tokens, {sum(sum(m) for _, m in train_rows)} trained)")
+    t = lap("data", t)
+
+    # 2. tiny target, pretrained briefly on the corpus
+    spec = TinySpec(seed=s.seed, **DEMO_TARGET)
+    random_dir = write_tiny(out / "target-random", spec)
+    say(f"[2/6] pretraining the tiny K2.5 target for up to {s.pretrain_seconds:.0f}s on the synthetic corpus "
+        "(a random-weight target's predictions carry little signal)")
+    pre = pretrain(str(random_dir), [i for i, _ in train_rows], str(out / "target"), seconds=s.pretrain_seconds,
+                   seed=s.seed, progress=s.progress)
+    shutil.rmtree(random_dir)
+    target_dir = out / "target"
+    tokenizer.save_pretrained(target_dir)
+    info = inspect_target(target_dir)
+    say(f"      target loss {pre.first_loss:.3f} -> {pre.last_loss:.3f} in {pre.steps} steps")
+    t = lap("pretrain", t)
+
+    # 3. capture aux + last hidden states with the reference hooks -> SpecForge offline features
+    aux = AuxLayers.from_specforge(DEMO_AUX_IDS, info.num_layers)
+    model = load_text_model(target_dir)
+    # SpecForge feeds features to the draft without a cast, so they carry the training dtype:
+    # bf16 on GPUs; fp32 on a CPU, where bf16 matmuls run 4-6x slower (measured, NOTES.md).
+    feat_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    feat_dir = out / "features"
+    feat_dir.mkdir()
+    held = []
+    counts: Counter = Counter()
+    for n, (ids, mask) in enumerate(tqdm(train_rows + held_rows, desc="[3/6] capture", disable=not s.progress)):
+        cap = capture(model, torch.tensor([ids]), aux)
+        sample = {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
+                  "hidden_state": cap.last.to(feat_dtype), "aux_hidden_state": cap.aux.to(feat_dtype)}
+        if n < len(train_rows):
+            torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
+            counts.update(t_ for t_, m in zip(ids, mask) if m)
+        else:
+            held.append(sample)
+    del model
+    t = lap("capture", t)
+
+    # 4. vocab mapping + draft config
+    mapping = build_vocab_mapping(counts, draft_vocab_size=s.draft_vocab_size, target_vocab_size=info.vocab_size,
+                                  source={"demo": str(out)})
+    vm_path = save_vocab_mapping(mapping, out / "vocab_mapping.pt")
+    draft_cfg_path = out / "draft_config.json"
+    draft_cfg_path.write_text(json.dumps(_draft_config(info.hidden_size, s.draft_vocab_size, aux.specforge_ids()),
+                                         indent=2))
+    from safetensors import safe_open
+
+    from specforge_kimi.target import weight_index
+
+    with safe_open(str(target_dir / weight_index(target_dir)[info.lm_head_key]), framework="pt") as f:
+        head_w = f.get_tensor(info.lm_head_key).float()
+    add_target_greedy(held, head_w)
+    torch.manual_seed(s.seed)
+    untrained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path))
+    before = simulated_acceptance(untrained, head_w, held, s.eval_steps)
+    say(f"[4/6] untrained draft: simulated acceptance length {before.mean_acceptance_length:.3f} "
+        f"({s.eval_steps} steps, topk 1, {before.chains} held-out chains)")
+    t = lap("eval_before", t)
+
+    # 5. SpecForge's own EAGLE-3 training
+    say(f"[5/6] SpecForge EAGLE-3 training, {s.steps} steps (TTT length {s.ttt_length})")
+    result = train_offline(target_dir=str(target_dir), draft_config_path=str(draft_cfg_path),
+                           hidden_states_path=str(feat_dir), vocab_mapping_path=str(vm_path),
+                           output_dir=str(out / "train"), max_steps=s.steps, ttt_length=s.ttt_length,
+                           learning_rate=s.learning_rate, max_length=2048, seed=s.seed,
+                           embedding_key=info.embedding_key, lm_head_key=info.lm_head_key,
+                           chat_template="kimi-k2.5",
+                           extra_overrides={"model.torch_dtype": str(feat_dtype).replace("torch.", "")})
+    losses = result["losses"]
+    t = lap("train", t)
+    from specforge.export.checkpoint_io import resolve_training_state
+
+    state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
+    trained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path), state=state)
+    after = simulated_acceptance(trained, head_w, held, s.eval_steps)
+    t = lap("eval_after", t)
+
+    # 6. export for SGLang, K2.5 eagle_config + provenance, checks
+    export_dir = out / "export-sglang"
+    export_sglang(result["checkpoint_dir"], str(draft_cfg_path), str(export_dir), str(vm_path))
+    finalize_sglang_export(export_dir, target_dir=target_dir, aux=aux, command=sys.argv,
+                           extra={"demo": {"steps": s.steps, "seed": s.seed}})
+    t = lap("export", t)
+
+    k = max(1, min(20, len(losses) // 5))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    gain = after.mean_acceptance_length - before.mean_acceptance_length
+    _plot(losses, result.get("acc_per_position") or [], out / "loss_curve.png")
+    summary = {
+        "ok": bool(last < first and gain > 0),
+        "command": sys.argv,
+        "environment": {"platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
+                        "cuda": torch.cuda.is_available(), "versions": versions()},
+        "settings": asdict(s),
+        "target": {"dir": str(target_dir), "spec": asdict(spec), "pretrain_steps": pre.steps,
+                   "pretrain_loss_first": pre.first_loss, "pretrain_loss_last": pre.last_loss,
+                   "aux_specforge_ids": list(DEMO_AUX_IDS), "captured_positions": list(aux.positions)},
+        "train": {"steps": len(losses), "loss_first_mean": first, "loss_last_mean": last, "losses": losses,
+                  "acc_per_position_last": (result.get("acc_per_position") or [[]])[-1],
+                  "checkpoint_dir": result["checkpoint_dir"]},
+        "simulated_acceptance": {
+            "steps": s.eval_steps, "topk": 1, "heldout_chains": after.chains,
+            "before": before.mean_acceptance_length, "after": after.mean_acceptance_length, "gain": gain,
+            "per_step_before": before.per_step_accuracy, "per_step_after": after.per_step_accuracy},
+        "export_dir": str(export_dir),
+        "loss_curve_png": str(out / "loss_curve.png"),
+        "timings_s": {**timings, "total": round(time.monotonic() - t0, 2)},
+    }
+    (out / "demo_result.json").write_text(json.dumps(summary, indent=2))
+    say(f"[6/6] exported SGLang draft: {export_dir}")
+    say(f"loss {first:.3f} -> {last:.3f} (mean of first/last {k} steps); simulated acceptance length "
+        f"{before.mean_acceptance_length:.3f} -> {after.mean_acceptance_length:.3f} (+{gain:.3f}); "
+        f"curve {out / 'loss_curve.png'}; results {out / 'demo_result.json'}; {summary['timings_s']['total']:.0f}s")
+    return summary

@@ -1,0 +1,100 @@
+"""Simulated acceptance length of an EAGLE-3 draft on held-out captured features.
+
+Scope: chain drafting with top-k 1 and greedy verification (SGLang ``--speculative-eagle-topk 1``),
+computed offline from captured target features. It unrolls SpecForge's own TTT recurrence (the
+same draft calls ``OnlineEagle3Model.forward`` makes with the sdpa backend): at step ``j`` the
+draft, fed its own previous hidden state and the token at ``t+1+j``, predicts the target's greedy
+token at ``t+2+j``. A chain starting after position ``t`` accepts while every step so far matched
+the target's argmax; acceptance length = 1 (the target's own token) + accepted draft tokens,
+averaged over start positions whose predicted tokens are all trained (loss-masked) tokens.
+Because the inputs are teacher-forced data tokens, this equals real greedy speculation only
+when the data is the target's own greedy output; otherwise it is an estimate. The real number
+comes from SGLang's speculative decoding (the bench command).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+def add_target_greedy(samples: list[dict], target_head_weight) -> None:
+    """Cache each sample's target greedy tokens (``target_greedy`` [L]); reused across drafts."""
+    import torch
+
+    w = target_head_weight.float()
+    with torch.no_grad():
+        for s in samples:
+            last = s["hidden_state"].reshape(-1, w.shape[1]).float()
+            s["target_greedy"] = (last @ w.T).argmax(-1)
+
+
+@dataclass
+class AcceptanceResult:
+    mean_acceptance_length: float
+    per_step_accuracy: list[float]  # P(step j correct | steps < j correct)
+    chains: int
+
+
+def _shift(t, n: int):
+    import torch
+
+    if n == 0:
+        return t
+    pad = torch.zeros_like(t[:, :n])
+    return torch.cat([t[:, n:], pad], dim=1)
+
+
+def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], steps: int) -> AcceptanceResult:
+    """``samples``: dicts with ``input_ids`` [L], ``loss_mask`` [L], ``aux_hidden_state`` [1,L,3H],
+    ``hidden_state`` [1,L,H] (SpecForge's offline feature format). ``draft``: a SpecForge
+    ``Eagle3DraftModel`` with ``t2d``/``d2t`` loaded."""
+    import torch
+
+    draft = draft.eval()
+    dtype = next(draft.parameters()).dtype
+    w = target_head_weight.to(dtype)
+    total_len, chains = 0.0, 0
+    reached = [0] * (steps + 1)
+    correct_at = [0] * steps
+    with torch.no_grad():
+        for s in samples:
+            ids = s["input_ids"].reshape(1, -1).long()
+            mask = s["loss_mask"].reshape(1, -1).long()
+            L = ids.shape[1]
+            if L < 3:
+                continue
+            aux = s["aux_hidden_state"].reshape(1, L, -1).to(dtype)
+            last = s["hidden_state"].reshape(1, L, -1).to(dtype)
+            greedy = s.get("target_greedy")
+            if greedy is None:
+                greedy = (last @ w.T).argmax(-1)                  # at i: the target's greedy token i+1
+            target_tok = _shift(greedy.reshape(1, L), 1)          # at t: the target's greedy token t+2
+            inp = _shift(ids, 1)                                  # token t+1 at t
+            valid0 = _shift(mask, 2)                              # token t+2 is a trained token
+            hidden = draft.project_hidden_states(aux)
+            pos = torch.arange(L).unsqueeze(0)
+            attn = draft.prepare_decoder_attention_mask(
+                attention_mask=torch.ones(1, L, dtype=torch.bool), hidden_states=hidden,
+                batch_size=1, seq_length=L, past_key_values_length=0)
+            cache_hidden = [[], []]
+            ok = valid0.bool().clone()
+            start = ok.clone()
+            length = ok.long()
+            for j in range(steps):
+                emb = draft.embed_input_ids(_shift(inp, j)).to(dtype)
+                hidden = draft.backbone(input_embeds=emb, hidden_states=hidden, cache_hidden=cache_hidden,
+                                        attention_mask=attn, position_ids=pos, past_key_values=None, use_cache=True)
+                pred = draft.compute_logits(hidden).argmax(-1)
+                pred = pred + draft.d2t[pred]
+                hit = (pred == _shift(target_tok, j)) & _shift(mask, 2 + j).bool()
+                reached[j] += int(ok.sum())
+                ok = ok & hit
+                correct_at[j] += int(ok.sum())
+                length = length + ok.long()
+            total_len += float(length[start].sum())
+            chains += int(start.sum())
+    if chains == 0:
+        raise ValueError("no trained positions in the held-out samples")
+    per_step = [correct_at[j] / reached[j] if reached[j] else 0.0 for j in range(steps)]
+    return AcceptanceResult(total_len / chains, per_step, chains)

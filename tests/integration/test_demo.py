@@ -1,0 +1,33 @@
+"""The embedded demo end to end at reduced size: loss falls, simulated acceptance rises, export sound."""
+
+import json
+
+import pytest
+
+from specforge_kimi.demo import DemoSettings, run_demo
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.export import check_sglang_export
+
+
+@pytest.mark.slow
+def test_demo_small(tmp_path):
+    out = tmp_path / "demo"
+    s = DemoSettings(out_dir=str(out), steps=120, pretrain_seconds=25, train_conversations=240,
+                     heldout_conversations=24, progress=False)
+    result = run_demo(s)
+    on_disk = json.loads((out / "demo_result.json").read_text())
+    assert on_disk["train"]["steps"] == 120 == len(on_disk["train"]["losses"])
+    assert result["train"]["loss_last_mean"] < result["train"]["loss_first_mean"]
+    sim = result["simulated_acceptance"]
+    assert sim["after"] - sim["before"] >= 0.3, sim
+    assert (out / "loss_curve.png").stat().st_size > 10_000
+    summary = check_sglang_export(out / "export-sglang", target_dir=out / "target")
+    assert summary["captured_positions"] == [2, 3, 4]
+    assert (out / "export-sglang" / "provenance.json").is_file()
+
+
+def test_demo_refuses_foreign_directory(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(KimiInputError, match="not a demo directory"):
+        run_demo(DemoSettings(out_dir=str(tmp_path), progress=False))
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
