@@ -1,0 +1,170 @@
+"""``specforge-kimi setup``: apply our patch set to SpecForge and SpecForge's + ours to SGLang.
+
+Scope: the pinned versions only -- a SpecForge checkout at commit a6b6b023 or the installed
+``specforge==0.2.0`` wheel, and the installed ``sglang==0.5.14``. Each patch is classified
+before anything is written: *applied* (reverse dry-run succeeds), *applicable* (forward dry-run
+succeeds) or *drift* (neither: the target file changed under us; a clear error names the patch
+and the file). ``--check`` classifies only. Applying twice is a no-op. The inventory of what
+each patch touches and why is ``patches/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from specforge_kimi.errors import KimiInputError
+
+SPECFORGE_PIN_COMMIT = "a6b6b023"
+SPECFORGE_PIN = "0.2.0"
+SGLANG_PIN = "0.5.14"
+CAPTURE_PATCH = Path("patches/sglang/v0.5.14/spec-capture.patch")  # inside a SpecForge checkout
+
+
+def patches_root() -> Path:
+    """``patches/`` of this specforge-kimi checkout (editable install)."""
+    root = Path(__file__).resolve().parents[2] / "patches"
+    if not root.is_dir():
+        raise KimiInputError(f"{root} not found: run setup from a specforge-kimi checkout (pip install -e .)")
+    return root
+
+
+@dataclass
+class PatchStatus:
+    patch: Path
+    root: Path
+    strip: int
+    state: str  # applied | applicable | drift
+    files: list[str]
+    detail: str = ""
+
+
+def _files(patch: Path, strip: int) -> list[str]:
+    out = []
+    for line in patch.read_text().splitlines():
+        m = re.match(r"^\+\+\+ (\S+)", line)
+        if m:
+            out.append("/".join(m.group(1).split("/")[strip:]))
+    return out
+
+
+def _dry(patch: Path, root: Path, strip: int, reverse: bool) -> subprocess.CompletedProcess:
+    args = ["patch", f"-p{strip}", "-d", str(root), "--dry-run", "--batch", "--silent", "-f"]
+    if reverse:
+        args.append("-R")
+    return subprocess.run(args + ["-i", str(patch)], capture_output=True, text=True)
+
+
+def classify(patch: Path, root: Path, strip: int) -> PatchStatus:
+    if shutil.which("patch") is None:
+        raise KimiInputError("the `patch` program is missing (apt-get install patch)")
+    files = _files(patch, strip)
+    missing = [f for f in files if not (root / f).is_file() and "/dev/null" not in f]
+    new_files = [f for f in missing if _creates(patch, f)]
+    missing = [f for f in missing if f not in new_files]
+    if missing:
+        return PatchStatus(patch, root, strip, "drift", files, f"files not found under {root}: {missing}")
+    if _dry(patch, root, strip, reverse=True).returncode == 0:
+        return PatchStatus(patch, root, strip, "applied", files)
+    fwd = _dry(patch, root, strip, reverse=False)
+    if fwd.returncode == 0:
+        return PatchStatus(patch, root, strip, "applicable", files)
+    return PatchStatus(patch, root, strip, "drift", files, (fwd.stdout + fwd.stderr).strip()[-400:])
+
+
+def _creates(patch: Path, rel: str) -> bool:
+    text = patch.read_text()
+    return bool(re.search(r"^--- /dev/null\n\+\+\+ \S*" + re.escape(rel) + r"\s*$", text, re.M))
+
+
+def apply(status: PatchStatus) -> None:
+    res = subprocess.run(["patch", f"-p{status.strip}", "-d", str(status.root), "--batch", "--forward",
+                          "--no-backup-if-mismatch", "-i", str(status.patch)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise KimiInputError(f"applying {status.patch} to {status.root} failed: {(res.stdout + res.stderr)[-400:]}")
+
+
+def specforge_root(checkout: str | None) -> Path:
+    """Directory holding ``specforge/``: the checkout (at the pinned commit) or site-packages."""
+    if checkout:
+        root = Path(checkout)
+        if not (root / "specforge" / "cli.py").is_file():
+            raise KimiInputError(f"{root} is not a SpecForge checkout (no specforge/cli.py)")
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode == 0 and not head.stdout.strip().startswith(SPECFORGE_PIN_COMMIT):
+            raise KimiInputError(f"{root} is at {head.stdout.strip()[:12]}, patches are for {SPECFORGE_PIN_COMMIT}")
+        return root
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("specforge")
+    except PackageNotFoundError:
+        raise KimiInputError("specforge is not installed and no --specforge-checkout was given") from None
+    if v != SPECFORGE_PIN:
+        raise KimiInputError(f"installed specforge is {v}; the patches are for {SPECFORGE_PIN}")
+    import importlib.util
+
+    return Path(importlib.util.find_spec("specforge").origin).parent.parent
+
+
+def sglang_root() -> Path:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("sglang")
+    except PackageNotFoundError:
+        raise KimiInputError("sglang is not installed") from None
+    if v != SGLANG_PIN:
+        raise KimiInputError(f"installed sglang is {v}; the capture patches are for {SGLANG_PIN}")
+    import importlib.util
+
+    return Path(importlib.util.find_spec("sglang").origin).parent.parent
+
+
+def plan(checkout: str | None, *, sglang: bool) -> list[PatchStatus]:
+    """Every patch with its state; SGLang patches only when ``sglang`` (needs the checkout)."""
+    root = patches_root()
+    statuses = [classify(p, specforge_root(checkout), 1) for p in sorted((root / "specforge" / SPECFORGE_PIN).glob("*.patch"))]
+    if sglang:
+        if not checkout:
+            raise KimiInputError("SGLang's capture patch ships only in a SpecForge checkout: pass --specforge-checkout "
+                                 "(or --no-sglang to patch SpecForge alone)")
+        capture = Path(checkout) / CAPTURE_PATCH
+        if not capture.is_file():
+            raise KimiInputError(f"{capture} not found in the SpecForge checkout")
+        site = sglang_root()
+        statuses.append(classify(capture, site, 2))
+        statuses += [classify(p, site, 2) for p in sorted((root / "sglang" / SGLANG_PIN).glob("*.patch"))]
+    return statuses
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("setup", help="apply our patches to SpecForge and SpecForge's + ours to the installed SGLang")
+    p.add_argument("--specforge-checkout", default=None,
+                   help="SpecForge checkout at a6b6b023 (patched in place; its SGLang capture patch is applied "
+                        "to the installed sglang). Without it the installed specforge 0.2.0 is patched.")
+    p.add_argument("--check", action="store_true", help="dry run: report each patch's state, change nothing")
+    p.add_argument("--no-sglang", action="store_true", help="leave the installed sglang alone")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    statuses = plan(args.specforge_checkout, sglang=not args.no_sglang)
+    drift = [s for s in statuses if s.state == "drift"]
+    for s in statuses:
+        print(f"{s.state:10s} {s.patch.name:40s} -> {s.root} ({', '.join(s.files)})")
+    if drift:
+        s = drift[0]
+        raise KimiInputError(f"{s.patch} does not apply to {s.root}/{s.files[0] if s.files else ''}: the file "
+                             f"changed (version drift?). {s.detail}")
+    if args.check:
+        return 0
+    for s in statuses:
+        if s.state == "applicable":
+            apply(s)
+            print(f"applied    {s.patch.name}")
+    return 0

@@ -1,0 +1,69 @@
+"""Our SpecForge patches apply to the pinned wheel (CI's check), idempotently, and drift is named."""
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specforge_kimi import setup_patches
+from specforge_kimi.errors import KimiInputError
+
+WHEEL_PKG = Path(importlib.util.find_spec("specforge").origin).parent
+
+
+def test_check_against_installed_wheel(capsys):
+    # CI runs on a clean install: every SpecForge patch must be applicable (or already applied).
+    statuses = setup_patches.plan(None, sglang=False)
+    assert statuses, "no SpecForge patches found"
+    assert all(s.state in ("applicable", "applied") for s in statuses), [(s.patch.name, s.detail) for s in statuses]
+    assert setup_patches.run(argparse.Namespace(specforge_checkout=None, check=True, no_sglang=True)) == 0
+
+
+@pytest.fixture
+def fake_checkout(tmp_path):
+    """A copy of the wheel's specforge package laid out like a checkout (not a git repo)."""
+    root = tmp_path / "SpecForge"
+    shutil.copytree(WHEEL_PKG, root / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def _run(root, check=False):
+    return setup_patches.run(argparse.Namespace(specforge_checkout=str(root), check=check, no_sglang=True))
+
+
+def test_apply_is_idempotent_and_plugins_load(fake_checkout):
+    assert _run(fake_checkout, check=True) == 0
+    assert "_load_plugins" not in (fake_checkout / "specforge/cli.py").read_text()  # --check wrote nothing
+    assert _run(fake_checkout) == 0
+    assert "_load_plugins()" in (fake_checkout / "specforge/cli.py").read_text()
+    assert [s.state for s in setup_patches.plan(str(fake_checkout), sglang=False)] == ["applied"]
+    assert _run(fake_checkout) == 0  # second apply: no-op
+    # The patched entry point registers specforge_kimi in a fresh process via SPECFORGE_PLUGINS.
+    code = ("import specforge.cli as c; c._load_plugins();"
+            "from transformers.models.auto.configuration_auto import CONFIG_MAPPING;"
+            "print('kimi_k25' in CONFIG_MAPPING._extra_content)")
+    env = {**os.environ, "SPECFORGE_PLUGINS": "specforge_kimi",
+           "PYTHONPATH": os.pathsep.join([str(fake_checkout), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("True")
+    env["SPECFORGE_PLUGINS"] = "json"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "has no register()" in bad.stderr
+
+
+def test_drift_names_the_file(fake_checkout):
+    cli = fake_checkout / "specforge/cli.py"
+    cli.write_text(cli.read_text().replace("def main(argv", "def main_renamed(argv"))
+    with pytest.raises(KimiInputError, match="0001-load-plugins.patch does not apply to .*specforge/cli.py"):
+        _run(fake_checkout, check=True)
+
+
+def test_sglang_needs_checkout():
+    with pytest.raises(KimiInputError, match="only in a SpecForge checkout"):
+        setup_patches.plan(None, sglang=True)
