@@ -57,6 +57,18 @@ def _cmd_export_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recipe(args: argparse.Namespace) -> int:
+    from specforge_kimi.recipes import load_recipe, memory_plan, render
+
+    recipe = load_recipe(args.recipe)
+    if args.action == "validate":
+        print(json.dumps({"name": recipe.name, "tp": recipe.tp, "memory_plan": memory_plan(recipe)}, indent=2))
+        return 0
+    out = render(recipe, args.out or f"{recipe.output_dir}/rendered")
+    print(json.dumps(out["commands"], indent=2))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from specforge_kimi.demo import DemoSettings, run_demo
 
@@ -98,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("draft")
     e.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
     e.set_defaults(func=_cmd_export_check)
+
+    rc = sub.add_parser("recipe", help="validate a recipe or render it to SpecForge config + launch commands")
+    rc.add_argument("action", choices=("validate", "render"))
+    rc.add_argument("recipe")
+    rc.add_argument("--out", default=None, help="render directory (default: OUTPUT_DIR/rendered)")
+    rc.set_defaults(func=_cmd_recipe)
 
     d = sub.add_parser("demo", help="CPU demo: tiny K2.5 -> features -> SpecForge EAGLE-3 training -> export")
     d.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")

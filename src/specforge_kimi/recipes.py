@@ -1,0 +1,281 @@
+"""Recipe schema: one YAML per (model, topology) -> SpecForge run config + server/Mooncake argv.
+
+Scope: the online co-located topology (SGLang TP=N capture server, Mooncake master, SpecForge
+producer and N consumer ranks on the same N GPUs per node; ``nnodes > 1`` spreads server TP and
+trainer ranks over nodes). Unknown fields are rejected everywhere (``extra="forbid"``); the
+rendered SpecForge config is validated by SpecForge's own ``Config``. The memory split is
+computed and checked here, before anything is launched: server ``mem_fraction_static`` must
+hold its weights and KV cache, and the trainer's estimated peak must fit in the rest.
+Estimates are stated formulas (``memory_plan``), meant to be replaced by measured peaks.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specforge_kimi.errors import KimiInputError
+
+GIB = 1 << 30
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetSection(_Strict):
+    path: str = Field(description="Local K2.5 checkpoint directory (or tiny one)")
+    num_layers: int = Field(gt=0, description="text_config.num_hidden_layers (checked against the checkpoint)")
+    hidden_size: int = Field(gt=0, description="text_config.hidden_size")
+    vocab_size: int = Field(gt=0, description="text_config.vocab_size")
+    num_attention_heads: int = Field(gt=0, description="text_config.num_attention_heads (TP must divide it)")
+    weights_gib: float = Field(gt=0, description="Total checkpoint weight size on GPU, GiB (K2.5 INT4 experts: ~554)")
+    kv_bytes_per_token: int = Field(gt=0, description="MLA KV per token per GPU: (kv_lora 512 + rope 64) x layers x 2 B")
+    aux_layer_ids: list[int] = Field(description="SpecForge ids; SGLang shifts all by +1 when the first is 1")
+    embedding_key: str = Field(default="language_model.model.embed_tokens.weight", description="Embedding tensor")
+    lm_head_key: str = Field(default="language_model.lm_head.weight", description="LM head tensor")
+
+
+class GpuSection(_Strict):
+    kind: str = Field(description="GPU model, for humans and doctor (e.g. B200, B300, H200)")
+    per_node: int = Field(gt=0, description="GPUs per node; server TP per node and trainer ranks per node")
+    memory_gib: float = Field(gt=0, description="Usable memory per GPU, GiB")
+    nnodes: int = Field(default=1, gt=0, description="Nodes; SGLang TP = per_node x nnodes")
+
+
+class ServerSection(_Strict):
+    mem_fraction_static: float = Field(gt=0, lt=1, description="SGLang static pool fraction (weights + KV)")
+    kv_tokens: int = Field(gt=0, description="KV-cache tokens the capture server must hold (max batch x length)")
+    attention_backend: str = Field(default="flashinfer", description="SGLang --attention-backend")
+    allreduce_fusion: bool = Field(default=True, description="False adds --enforce-disable-flashinfer-allreduce-fusion")
+    host: str = Field(default="127.0.0.1", description="Bind address; loopback unless multi-node")
+    port: int = Field(default=30000, gt=0, lt=65536, description="HTTP port")
+    disable_cuda_graph: bool = Field(default=False, description="--disable-cuda-graph (tiny smoke runs)")
+    extra_args: list[str] = Field(default_factory=list, description="More SGLang launch_server args, verbatim")
+
+
+class MooncakeSection(_Strict):
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="Transfer protocol")
+    host: str = Field(default="127.0.0.1", description="Master/metadata host")
+    rpc_port: int = Field(default=35551, description="Master RPC port")
+    metadata_port: int = Field(default=35880, description="HTTP metadata server port")
+    rdma_devices: Optional[str] = Field(default=None, description="RDMA NICs for protocol rdma")
+
+
+class TrainerSection(_Strict):
+    draft: dict[str, Any] = Field(description="Draft config JSON (LlamaForCausalLMEagle3), written beside the run")
+    max_steps: int = Field(gt=0, description="Optimizer steps")
+    learning_rate: float = Field(gt=0, description="Peak learning rate")
+    ttt_length: int = Field(default=7, gt=0, description="EAGLE-3 TTT unroll")
+    max_length: int = Field(gt=0, description="Max tokens per sample")
+    batch_size: Literal[1] = Field(default=1, description="Online disaggregated runs use batch 1")
+    save_interval: int = Field(default=1000, ge=0, description="Checkpoint every N steps")
+    seed: int = Field(default=0, description="Seed")
+    reserve_gib: float = Field(default=6.0, ge=0, description="Per-GPU headroom (CUDA context, NCCL, fragmentation)")
+
+
+class DataSection(_Strict):
+    prompts_path: str = Field(description="specforge-kimi prepare output prompts.jsonl")
+    vocab_mapping_path: str = Field(description="specforge-kimi prepare output vocab_mapping.pt")
+
+
+class BenchSection(_Strict):
+    min_acceptance_length: float = Field(gt=1, description="Fail the recipe below this mean acceptance length")
+    steps: int = Field(default=3, description="--speculative-num-steps")
+    topk: int = Field(default=1, description="--speculative-eagle-topk")
+    draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens")
+
+
+class Recipe(_Strict):
+    name: str = Field(description="Run id")
+    output_dir: str = Field(description="Run directory (refs, ledger, logs, checkpoints)")
+    target: TargetSection
+    gpus: GpuSection
+    server: ServerSection
+    mooncake: MooncakeSection = MooncakeSection()
+    trainer: TrainerSection
+    data: DataSection
+    bench: BenchSection
+
+    @model_validator(mode="after")
+    def _check(self) -> "Recipe":
+        from specforge_kimi.layer_ids import AuxLayers
+
+        tp = self.tp
+        if self.target.num_attention_heads % tp:
+            raise ValueError(f"TP={tp} does not divide num_attention_heads={self.target.num_attention_heads}")
+        AuxLayers.from_specforge(self.target.aux_layer_ids, self.target.num_layers)
+        d = self.trainer.draft
+        if d.get("hidden_size") != self.target.hidden_size:
+            raise ValueError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {self.target.hidden_size}")
+        if d.get("vocab_size") != self.target.vocab_size:
+            raise ValueError(f"draft vocab_size {d.get('vocab_size')} != target vocab_size {self.target.vocab_size}")
+        if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
+            raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
+        plan = memory_plan(self)
+        if not plan["fits"]:
+            raise ValueError(f"memory split does not fit: {plan['why']}")
+        return self
+
+    @property
+    def tp(self) -> int:
+        return self.gpus.per_node * self.gpus.nnodes
+
+
+def _draft_params(d: dict) -> int:
+    h, inter = d["hidden_size"], d["intermediate_size"]
+    heads, kv = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
+    hd = d.get("head_dim", h // heads)
+    attn = 2 * h * heads * hd + 2 * 2 * h * kv * hd + heads * hd * h  # q,k,v take [emb, hidden] (2h)
+    mlp = 3 * h * inter
+    return 3 * h * h + attn + mlp + d["draft_vocab_size"] * h + 3 * h
+
+
+def memory_plan(r: Recipe) -> dict:
+    """Per-GPU memory estimate (GiB) for server and trainer, and whether they fit.
+
+    server = mem_fraction_static x GPU memory, must hold weights/TP + kv_tokens x KV bytes;
+    trainer = draft params x 16 B (bf16 weights + fp32 master + Adam m, v + bf16 grads)
+              + frozen embedding and teacher head, bf16 (vocab x hidden x 2 B each)
+              + activations: max_length x ttt_length x (draft_vocab x 12 B + hidden x 64 B)
+              + teacher logits chunk: max_length x 32768 x 4 B (SpecForge chunks the full-vocab teacher)
+              + reserve.
+    """
+    g, t, s, tr = r.gpus, r.target, r.server, r.trainer
+    d = tr.draft
+    weights = t.weights_gib / r.tp
+    kv = s.kv_tokens * t.kv_bytes_per_token / GIB
+    server_pool = s.mem_fraction_static * g.memory_gib
+    params = _draft_params(d)
+    trainer = (params * 16 + 2 * t.vocab_size * t.hidden_size * 2
+               + tr.max_length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64)
+               + tr.max_length * 32768 * 4) / GIB + tr.reserve_gib
+    trainer_room = (1 - s.mem_fraction_static) * g.memory_gib
+    why = []
+    if weights + kv > server_pool:
+        why.append(f"server needs {weights:.1f} GiB weights + {kv:.1f} GiB KV > {server_pool:.1f} GiB "
+                   f"(mem_fraction_static {s.mem_fraction_static} x {g.memory_gib} GiB)")
+    if trainer > trainer_room:
+        why.append(f"trainer peak ~{trainer:.1f} GiB > {trainer_room:.1f} GiB left beside the server")
+    return {"server_weights_gib": round(weights, 2), "server_kv_gib": round(kv, 2),
+            "server_pool_gib": round(server_pool, 2), "draft_params": params,
+            "trainer_peak_gib": round(trainer, 2), "trainer_room_gib": round(trainer_room, 2),
+            "fits": not why, "why": "; ".join(why)}
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    import yaml
+    from pydantic import ValidationError
+
+    p = Path(path)
+    if not p.is_file():
+        raise KimiInputError(f"recipe {p} not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise KimiInputError(f"recipe {p} is not valid YAML: {exc}") from None
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise KimiInputError(f"recipe {p}: {loc}: {first['msg']}") from None
+
+
+def server_argv(r: Recipe) -> list[str]:
+    """``python -m specforge_kimi.capture_server`` args (SGLang's CLI + SpecForge's capture flags)."""
+    from specforge_kimi.layer_ids import AuxLayers
+
+    aux = AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)
+    argv = ["--model-path", r.target.path, "--dtype", "bfloat16", "--tp-size", str(r.tp),
+            "--host", r.server.host, "--port", str(r.server.port),
+            "--mem-fraction-static", str(r.server.mem_fraction_static), "--attention-backend", r.server.attention_backend,
+            "--skip-tokenizer-init", "--chunked-prefill-size", "-1", "--disable-radix-cache",
+            "--context-length", str(r.trainer.max_length + 256),
+            "--enable-spec-capture", "--spec-capture-method", "eagle3",
+            "--spec-capture-aux-layer-ids", *[str(i) for i in aux.specforge_ids()]]
+    if r.gpus.nnodes > 1:
+        argv += ["--nnodes", str(r.gpus.nnodes), "--dist-init-addr", f"{r.server.host}:50000", "--node-rank", "${NODE_RANK}"]
+    if not r.server.allreduce_fusion:
+        argv.append("--enforce-disable-flashinfer-allreduce-fusion")
+    if r.server.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    return argv + list(r.server.extra_args)
+
+
+def server_env(r: Recipe) -> dict[str, str]:
+    """Mooncake settings SpecForge's capture sink reads from the server's environment."""
+    mc = r.mooncake
+    env = {"MOONCAKE_METADATA_SERVER": f"http://{mc.host}:{mc.metadata_port}/metadata",
+           "MOONCAKE_MASTER_SERVER_ADDR": f"{mc.host}:{mc.rpc_port}", "MOONCAKE_PROTOCOL": mc.protocol,
+           "MOONCAKE_LOCAL_HOSTNAME": mc.host, "SPECFORGE_PLUGINS": "specforge_kimi"}
+    if mc.rdma_devices:
+        env["MOONCAKE_RDMA_DEVICES"] = mc.rdma_devices
+    return env
+
+
+def specforge_config(r: Recipe, draft_config_path: str) -> dict:
+    """The SpecForge run config (external disaggregated mode); validated by SpecForge's ``Config``."""
+    mc = r.mooncake
+    out = Path(r.output_dir)
+    cfg = {
+        "run_id": r.name,
+        "output_dir": str(out),
+        "model": {"target_model_path": r.target.path, "draft_model_config": draft_config_path,
+                  "vocab_mapping_path": r.data.vocab_mapping_path, "embedding_key": r.target.embedding_key,
+                  "lm_head_key": r.target.lm_head_key, "aux_hidden_state_layer_ids": list(r.target.aux_layer_ids),
+                  "torch_dtype": "bfloat16"},
+        "data": {"prompts_path": r.data.prompts_path, "max_length": r.trainer.max_length},
+        "training": {"strategy": "eagle3", "max_steps": r.trainer.max_steps, "batch_size": r.trainer.batch_size,
+                     "learning_rate": r.trainer.learning_rate, "ttt_length": r.trainer.ttt_length,
+                     "save_interval": r.trainer.save_interval, "seed": r.trainer.seed, "attention_backend": "sdpa"},
+        "deployment": {
+            "mode": "disaggregated",
+            "trainer": {"nnodes": r.gpus.nnodes, "nproc_per_node": r.gpus.per_node,
+                        **({"master_addr": r.server.host, "master_port": 29500} if r.gpus.nnodes > 1 else {})},
+            "disaggregated": {
+                "control_dir": str(out / "control"), "consumer_state_dir": str(out / "consumer-state"),
+                "backend": "mooncake", "server_urls": [f"http://{r.server.host}:{r.server.port}"],
+                "mooncake_metadata_server": f"http://{mc.host}:{mc.metadata_port}/metadata",
+                "mooncake_master_server_addr": f"{mc.host}:{mc.rpc_port}", "mooncake_protocol": mc.protocol,
+                **({"mooncake_rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}),
+            },
+        },
+    }
+    from specforge.config import Config
+
+    Config.model_validate(cfg)  # SpecForge's own schema: unknown/invalid fields fail here
+    return cfg
+
+
+def render(r: Recipe, out_dir: str | Path) -> dict:
+    """Write draft config, SpecForge config and a launch sheet under ``out_dir``; return them."""
+    import json
+
+    import yaml
+
+    o = Path(out_dir)
+    o.mkdir(parents=True, exist_ok=True)
+    draft_path = o / "draft_config.json"
+    draft_path.write_text(json.dumps(r.trainer.draft, indent=2))
+    cfg = specforge_config(r, str(draft_path))
+    (o / "specforge_run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    mc = r.mooncake
+    sheet = {
+        "env": {"SPECFORGE_PLUGINS": "specforge_kimi"},
+        "server_env": server_env(r),
+        "mooncake_master": ["mooncake_master", "--enable_http_metadata_server=true",
+                            f"--http_metadata_server_host={mc.host}", f"--rpc_port={mc.rpc_port}",
+                            f"--http_metadata_server_port={mc.metadata_port}"],
+        "capture_server": ["python", "-m", "specforge_kimi.capture_server", *server_argv(r)],
+        "producer": ["specforge", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
+        "consumer": ["torchrun", f"--nnodes={r.gpus.nnodes}", f"--nproc_per_node={r.gpus.per_node}",
+                     "-m", "specforge.cli", "train", "-c", str(o / "specforge_run.yaml"), "--role", "consumer"],
+        "memory_plan": memory_plan(r),
+    }
+    (o / "launch.json").write_text(json.dumps(sheet, indent=2))
+    return {"specforge_config": cfg, "launch": sheet,
+            "commands": {k: shlex.join(v) for k, v in sheet.items() if isinstance(v, list)}}

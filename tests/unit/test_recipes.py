@@ -1,0 +1,65 @@
+"""Every recipe in recipes/ loads, validates, renders a SpecForge-valid config; bad recipes fail clearly."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.recipes import Recipe, load_recipe, memory_plan, render
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+
+
+def test_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {"tiny-k25-tp2-h200x2.yaml", "kimi-k25-8xb200-lowered.yaml", "kimi-k25-8xb300.yaml",
+            "kimi-k25-2x8xb300.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_renders(path, tmp_path):
+    text = path.read_text()
+    assert text.startswith("# specforge-kimi recipe:") and "# launch:" in text and "memory budget" in text
+    r = load_recipe(path)
+    assert memory_plan(r)["fits"]
+    out = render(r, tmp_path)  # SpecForge's own Config validates inside
+    cfg = out["specforge_config"]
+    assert cfg["deployment"]["mode"] == "disaggregated"
+    assert cfg["deployment"]["trainer"]["nproc_per_node"] == r.gpus.per_node
+    assert cfg["model"]["embedding_key"].startswith("language_model.")
+    argv = out["launch"]["capture_server"]
+    assert "--enable-spec-capture" in argv and str(r.tp) == argv[argv.index("--tp-size") + 1]
+    assert out["launch"]["server_env"]["SPECFORGE_PLUGINS"] == "specforge_kimi"
+    assert (tmp_path / "specforge_run.yaml").is_file() and (tmp_path / "draft_config.json").is_file()
+
+
+def _raw():
+    return yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-8xb200-lowered.yaml").read_text())
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda r: r.update(surprise=1), "surprise: Extra inputs are not permitted"),
+    (lambda r: r["server"].update(mem_fraction_staticc=0.5), "mem_fraction_staticc"),
+    (lambda r: r["gpus"].update(per_node=6), "TP=6 does not divide num_attention_heads=64"),
+    (lambda r: r["target"].update(aux_layer_ids=[1, 29, 60]), "residual positions 1..60"),
+    (lambda r: r["server"].update(mem_fraction_static=0.3), "server needs 69.2 GiB weights"),
+    (lambda r: r["server"].update(mem_fraction_static=0.9), "trainer peak"),
+    (lambda r: r["trainer"]["draft"].update(hidden_size=4096), "draft hidden_size 4096 != target"),
+    (lambda r: r["gpus"].update(nnodes=2), "multi-node recipe needs server.host"),
+])
+def test_bad_recipes(tmp_path, mutate, msg):
+    raw = copy.deepcopy(_raw())
+    mutate(raw)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(KimiInputError, match=msg):
+        load_recipe(p)
+
+
+def test_schema_forbids_extra_everywhere():
+    for model in Recipe.model_fields.values():
+        ann = model.annotation
+        if hasattr(ann, "model_config"):
+            assert ann.model_config.get("extra") == "forbid"
