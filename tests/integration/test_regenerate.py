@@ -1,0 +1,388 @@
+"""``specforge-kimi regenerate`` against a small OpenAI-compatible server started by the test.
+
+The server (stdlib ``http.server`` on 127.0.0.1, a free port) answers deterministically from the
+last message, like a K2.5 SGLang server with the kimi_k2 reasoning and tool-call parsers:
+``reasoning_content`` + ``content``, or ``tool_calls`` for "weather:CITY" when tools are given.
+It can fail requests (HTTP 503) to exercise retries, and records every request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.regenerate import RegenerateOptions, main, regenerate
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+class FakeServer:
+    """Deterministic OpenAI-compatible chat server with failure injection."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.fail_first_attempts = 0  # per distinct request body
+        self.fail_after = None  # serve this many chat requests, then 503 forever
+        self.latency_s = 0.0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.attempts: dict[bytes, int] = {}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._reply(200, {"object": "list", "data": [{"id": "kimi-k2.5-test"}]})
+                else:
+                    self._reply(404, {"error": "not found"})
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                payload = json.loads(body)
+                with server.lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    attempt = server.attempts.get(body, 0)
+                    server.attempts[body] = attempt + 1
+                    served = len(server.requests)
+                    dead = server.fail_after is not None and served >= server.fail_after
+                    failing = attempt < server.fail_first_attempts or dead
+                    if not failing:
+                        server.requests.append(payload)
+                try:
+                    time.sleep(server.latency_s)
+                    if failing:
+                        self._reply(503, {"error": "overloaded"})
+                    else:
+                        self._reply(200, respond(payload))
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def respond(payload: dict) -> dict:
+    messages = payload["messages"]
+    assert payload["chat_template_kwargs"] == {"thinking": True}
+    last = messages[-1]
+    message: dict
+    if last["role"] == "tool":
+        message = {
+            "role": "assistant",
+            "content": f"It is {last['content']}.",
+            "reasoning_content": "Report the tool result.",
+        }
+    elif payload.get("tools") and last["content"].startswith("weather:"):
+        city = last["content"].split(":", 1)[1]
+        calls = sum(len(m.get("tool_calls") or []) for m in messages)
+        message = {
+            "role": "assistant", "content": "", "reasoning_content": f"Look up {city}.",
+            "tool_calls": [{"id": f"functions.get_weather:{calls}", "type": "function",
+                            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}],
+        }  # fmt: skip
+    elif last["content"] == "inline":
+        message = {"role": "assistant", "content": "thought inline</think>visible answer"}
+    elif last["content"] == "long":
+        return {
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "message": {"role": "assistant", "content": "..."},
+                }
+            ]
+        }
+    else:
+        message = {
+            "role": "assistant",
+            "content": f"echo {last['content']}",
+            "reasoning_content": f"think {last['content']}",
+        }
+    return {"id": "x", "object": "chat.completion", "model": payload["model"],
+            "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
+
+
+@pytest.fixture
+def server():
+    fake = FakeServer()
+    yield fake
+    fake.close()
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text, **extra):
+    return {"role": "assistant", "content": text, **extra}
+
+
+def rows_input(tmp_path: Path) -> Path:
+    rows = [
+        {"id": "a", "messages": [user("one"), assistant("old one"), user("two"), assistant("old two")]},
+        {"conversations": [{"from": "human", "value": "sharegpt"}, {"from": "gpt", "value": "old"}]},
+        {"id": "tool", "tools": TOOLS, "messages": [
+            user("weather:Paris"),
+            assistant("", tool_calls=[{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]),
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+            assistant("old answer"),
+        ]},
+        {"id": "diverge", "tools": TOOLS, "messages": [
+            user("weather:Rome"),
+            assistant("", tool_calls=[{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Milan"}'}}]),
+            {"role": "tool", "tool_call_id": "call_1", "content": "20C"},
+            assistant("old"),
+        ]},
+        {"messages": [user([{"type": "image_url", "image_url": {"url": "u"}}]), assistant("a cat")]},
+        "{broken json",
+        {"messages": [user("inline"), assistant("x")]},
+        {"messages": [user("long"), assistant("x")]},
+    ]  # fmt: skip
+    for i in range(8, 20):
+        rows.append({"messages": [user(f"q{i}"), assistant("old")]})
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def options(source: Path, out: Path, server: FakeServer, **kw) -> RegenerateOptions:
+    base = dict(
+        input_path=source,
+        out_path=out,
+        server=server.url,
+        concurrency=4,
+        retry_delay_s=0.01,
+        max_retries=3,
+    )
+    base.update(kw)
+    return RegenerateOptions(**base)
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regenerates_assistant_turns_with_reasoning(tmp_path, server):
+    source = rows_input(tmp_path)
+    out = tmp_path / "out.jsonl"
+    counts = regenerate(options(source, out, server))
+    rows = read(out)
+    by_line = {r["regenerate"]["source_line"]: r for r in rows}
+    assert [r["regenerate"]["source_line"] for r in rows] == sorted(by_line)  # input order
+    assert counts["written"] == len(rows) == 17 and counts["skipped"] == 3 and counts["failed"] == 0
+
+    first = by_line[1]
+    assert first["id"] == "a"
+    assert first["messages"] == [
+        user("one"), assistant("echo one", reasoning_content="think one"),
+        user("two"), assistant("echo two", reasoning_content="think two"),
+    ]  # fmt: skip
+    # history is sent with its regenerated reasoning; the template decides what the model sees
+    second_request = next(r for r in server.requests if r["messages"][-1]["content"] == "two")
+    assert second_request["messages"][1] == assistant("echo one", reasoning_content="think one")
+    assert second_request["model"] == "kimi-k2.5-test"
+
+    assert by_line[2]["messages"][1] == assistant(
+        "echo sharegpt", reasoning_content="think sharegpt"
+    )
+
+    tool = by_line[3]
+    assert tool["regenerate"] == {"source_line": 3, "regenerated_turns": 2, "truncated": False}
+    assert tool["tools"] == TOOLS
+    call = tool["messages"][1]["tool_calls"][0]
+    assert call["id"] == "functions.get_weather:0" and json.loads(
+        call["function"]["arguments"]
+    ) == {"city": "Paris"}
+    assert tool["messages"][2] == {
+        "role": "tool",
+        "content": "18C",
+        "tool_call_id": "functions.get_weather:0",
+    }
+    assert tool["messages"][3] == assistant(
+        "It is 18C.", reasoning_content="Report the tool result."
+    )
+
+    diverged = by_line[4]  # target calls Rome, source called Milan: its result cannot be reused
+    assert diverged["regenerate"]["truncated"] is True
+    assert (
+        len(diverged["messages"]) == 2
+        and diverged["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    )
+
+    assert by_line[7]["messages"][1] == assistant(
+        "visible answer", reasoning_content="thought inline"
+    )
+    errors = {e["line"]: e["error"] for e in read(tmp_path / "out.jsonl.errors.jsonl")}
+    assert sorted(errors) == [5, 6, 8]
+    assert (
+        "image/video" in errors[5]
+        and "invalid JSON" in errors[6]
+        and "finish_reason=length" in errors[8]
+    )
+
+
+def test_output_feeds_prepare(tmp_path, server):
+    from specforge_kimi.prepare import PrepareOptions, prepare
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    source = rows_input(tmp_path)
+    regenerate(options(source, tmp_path / "out.jsonl", server))
+    summary = prepare(
+        PrepareOptions(tmp_path / "out.jsonl", tmp_path / "prepared"), build_standin_tokenizer()
+    )
+    assert summary["rows"] == 17 and summary["errors"]["count"] == 0
+
+
+def test_retries_with_backoff(tmp_path, server):
+    server.fail_first_attempts = 2
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(5)
+        )
+    )
+    counts = regenerate(options(source, tmp_path / "out.jsonl", server, max_retries=2))
+    assert counts["written"] == 5 and counts["failed"] == 0
+    assert sorted(server.attempts.values()) == [3] * 5  # two 503s, then success, per request
+
+
+def test_concurrency_limit(tmp_path, server):
+    server.latency_s = 0.05
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(24)
+        )
+    )
+    regenerate(options(source, tmp_path / "out.jsonl", server, concurrency=3))
+    assert server.max_in_flight == 3
+
+
+def test_resume_after_interruption(tmp_path, server):
+    source = rows_input(tmp_path)
+    full = tmp_path / "full.jsonl"
+    regenerate(options(source, full, server))
+    full_requests = len(server.requests)
+
+    # A run that dies part-way: the server stops answering after 9 requests, --on-error fail.
+    partial_server = FakeServer()
+    try:
+        partial_server.fail_after = 9
+        out = tmp_path / "out.jsonl"
+        with pytest.raises(KimiInputError):
+            regenerate(options(source, out, partial_server, on_error="fail", max_retries=1))
+        done_first = read(out)
+        assert 0 < len(done_first) < 17
+        # and a torn last line, as a kill in the middle of a write leaves it
+        with open(out, "a") as stream:
+            stream.write('{"messages": [{"role": "us')
+        with pytest.raises(KimiInputError, match="--resume"):
+            regenerate(options(source, out, partial_server))
+    finally:
+        partial_server.close()
+
+    resumed = FakeServer()
+    try:
+        code = main(
+            [
+                str(source),
+                "--server",
+                resumed.url,
+                "--out",
+                str(out),
+                "--resume",
+                "--retry-delay",
+                "0.01",
+            ]
+        )
+        assert code == 0
+        assert out.read_text() == full.read_text()
+        done_lines = {r["regenerate"]["source_line"] for r in done_first}
+        asked = {json.dumps(r["messages"][0]) for r in resumed.requests}
+        for row in done_first:  # nothing already written was requested again
+            assert json.dumps(row["messages"][0]) not in asked
+        assert len(resumed.requests) == full_requests - sum(
+            r["regenerate"]["regenerated_turns"] for r in done_first
+        )
+        assert done_lines
+    finally:
+        resumed.close()
+
+
+def test_dead_server_stops_the_run(tmp_path, server):
+    server.fail_after = 0
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(50)
+        )
+    )
+    with pytest.raises(KimiInputError, match="rows in a row failed"):
+        regenerate(
+            options(
+                source, tmp_path / "out.jsonl", server, max_retries=0, max_consecutive_failures=5
+            )
+        )
+    assert read(tmp_path / "out.jsonl") == []
+
+
+def test_existing_output_needs_resume_or_overwrite(tmp_path, server):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": [user("q"), assistant("a")]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    with pytest.raises(KimiInputError, match="pass --resume"):
+        regenerate(options(source, out, server))
+    assert regenerate(options(source, out, server, overwrite=True))["written"] == 1
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": [user("q"), assistant("a")]}) + "\n")
+    fake = FakeServer()
+    url = fake.url
+    fake.close()  # nothing listens on this port any more
+    code = main(
+        [str(source), "--server", url, "--out", str(tmp_path / "o.jsonl"), "--max-retries", "0"]
+    )
+    assert code == 2

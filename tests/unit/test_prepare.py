@@ -1,0 +1,321 @@
+"""``specforge-kimi prepare``: outputs SpecForge reads, counts, malformed lines, determinism,
+atomic output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge_kimi import prepare as prepare_module
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.prepare import PrepareOptions, main, prepare
+
+IM_END, IM_ASSISTANT, THINK, END_THINK = 163586, 163588, 163606, 163607
+
+GOOD = [
+    {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "Add."}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+    {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y" * 50}]},
+]  # fmt: skip
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    with open(path, "w", encoding="utf-8") as out:
+        for line in lines:
+            out.write(line if isinstance(line, str) else json.dumps(line))
+            out.write("\n")
+    return path
+
+
+def read_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    return build_standin_tokenizer()
+
+
+def run(tmp_path: Path, tok, lines: list, **options) -> tuple[dict, Path]:
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / options.pop("out_name", "out")
+    summary = prepare(PrepareOptions(input_path=source, out_dir=out, **options), tok)
+    return summary, out
+
+
+def test_outputs_in_specforge_formats(tmp_path, tok):
+    summary, out = run(tmp_path, tok, GOOD, shuffle=False, draft_vocab_size=64)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "prompts.jsonl", "summary.json", "vocab_mapping.json", "vocab_mapping.pt",
+    ]  # fmt: skip
+    rows = read_rows(out)
+    assert [set(r) for r in rows] == [{"input_ids", "loss_mask"}] * 3
+    first = rows[0]
+    # the row for the thinking turn: ... <think> | Add.</think>4<|im_end|>
+    assert first["input_ids"][-8:] == [THINK, *b"Add.", END_THINK, *b"4", IM_END]
+    assert first["loss_mask"][-8:] == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert sum(first["loss_mask"]) == 7
+
+    # SpecForge's own reader for data.prompts_path accepts it unchanged
+    from specforge.data.prompt_builder import prepare_prompt_tasks
+
+    tasks = prepare_prompt_tasks(
+        out / "prompts.jsonl", None, chat_template="kimi-k2.5", max_length=8192,
+        is_preformatted=False, train_only_last_turn=False, cache_dir=None, cache_key=None,
+        num_proc=None,
+    )  # fmt: skip
+    assert [t["payload"] for t in tasks] == rows
+
+    mapping = torch.load(out / "vocab_mapping.pt")
+    assert set(mapping) == {"d2t", "t2d"}
+    from specforge_kimi.vocab_mapping import load_vocab_mapping
+
+    loaded = load_vocab_mapping(out / "vocab_mapping.pt")
+    trained_ids = {
+        i for r in rows for i, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m
+    }
+    assert trained_ids <= set(loaded.draft_ids)
+
+    assert summary["rows"] == 3
+    assert summary["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert summary["trained_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+    assert summary["trained_fraction"] == round(summary["trained_tokens"] / summary["tokens"], 6)
+    assert json.loads((out / "summary.json").read_text())["rows"] == 3
+
+
+def test_malformed_lines_are_skipped_with_line_numbers(tmp_path, tok):
+    lines = [
+        GOOD[0],
+        "{not json",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        "",
+        {"text": "no messages"},
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": "[oops"},
+            ]
+        },
+        [1, 2],
+        GOOD[1],
+    ]
+    summary, out = run(tmp_path, tok, lines)
+    assert summary["rows"] == 2
+    assert summary["blank_lines"] == 1
+    errors = {e["line"]: e["error"] for e in summary["errors"]["first"]}
+    assert summary["errors"]["count"] == 5
+    assert sorted(errors) == [2, 3, 5, 6, 7]
+    assert errors[2].startswith("invalid JSON")
+    assert "unsupported role 'robot'" in errors[3]
+    assert "neither 'messages' nor 'conversations'" in errors[5]
+    assert "tool_calls is a string that is not JSON" in errors[6]
+    assert "expected a JSON object" in errors[7]
+
+
+def test_on_error_fail_stops_with_the_line_and_leaves_nothing(tmp_path, tok, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [GOOD[0], GOOD[1], "{broken"])
+    out = tmp_path / "out"
+    code = main([str(source), "--out", str(out), "--standin-tokenizer", "--on-error", "fail"])
+    assert code == 2
+    assert f"{source}:3: invalid JSON" in capsys.readouterr().err
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [source]  # no staging directory left behind
+
+
+def test_drop_reasons_are_counted(tmp_path, tok):
+    media = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+            {"role": "assistant", "content": "a cat"},
+        ]
+    }
+    no_answer = {"messages": [{"role": "user", "content": "hello?"}]}
+    summary, _ = run(tmp_path, tok, [GOOD[0], media, no_answer, media])
+    assert summary["dropped"] == {"media": 2, "no_assistant_turn": 1}
+    assert summary["rows"] == 1
+
+
+def test_max_length_truncate_and_drop(tmp_path, tok):
+    long_row = GOOD[2]  # 131 stand-in tokens; its answer starts at token 80
+    summary, out = run(
+        tmp_path, tok, [GOOD[0], long_row], max_length=100, shuffle=False, out_name="t"
+    )
+    assert summary["truncated_rows"] == 1 and summary["rows"] == 2
+    rows = read_rows(out)
+    assert [len(r["input_ids"]) for r in rows] == [38, 100]
+    assert sum(rows[1]["loss_mask"]) == 20
+
+    summary, out = run(
+        tmp_path, tok, [GOOD[0], long_row], max_length=100, overflow="drop", out_name="d"
+    )
+    assert summary["dropped"] == {"too_long": 1} and summary["rows"] == 1
+    assert summary["truncated_rows"] == 0
+
+    # cut before the answer starts: nothing to train, dropped and counted
+    summary, _ = run(tmp_path, tok, [GOOD[0], long_row], max_length=60, out_name="n")
+    assert summary["dropped"] == {"truncated_before_answer": 1}
+    assert summary["truncated_rows"] == 0 and summary["rows"] == 1
+
+
+def test_deterministic_for_same_input_and_seed(tmp_path, tok):
+    lines = [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": f"a{i}", "reasoning_content": f"r{i}"},
+            ]
+        }
+        for i in range(200)
+    ]
+    _, a = run(tmp_path, tok, lines, seed=7, out_name="a")
+    _, b = run(tmp_path, tok, lines, seed=7, out_name="b")
+    _, c = run(tmp_path, tok, lines, seed=8, out_name="c")
+    for name in ("prompts.jsonl", "vocab_mapping.pt"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    summary_a = json.loads((a / "summary.json").read_text())
+    summary_b = json.loads((b / "summary.json").read_text())
+    for summary in (summary_a, summary_b):
+        summary.pop("run")
+        summary["options"].pop("out_dir")
+    assert summary_a == summary_b
+    # another seed: same rows, another order
+    assert (a / "prompts.jsonl").read_bytes() != (c / "prompts.jsonl").read_bytes()
+    assert sorted((a / "prompts.jsonl").read_text().splitlines()) == sorted(
+        (c / "prompts.jsonl").read_text().splitlines()
+    )
+
+
+def test_shuffle_over_several_buckets_keeps_every_row(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(prepare_module, "_SHUFFLE_BUCKET_BYTES", 2000)
+    lines = [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": f"a{i}"},
+            ]
+        }
+        for i in range(300)
+    ]
+    _, shuffled = run(tmp_path, tok, lines, out_name="s")
+    _, ordered = run(tmp_path, tok, lines, shuffle=False, out_name="o")
+    rows = (shuffled / "prompts.jsonl").read_text().splitlines()
+    assert rows != (ordered / "prompts.jsonl").read_text().splitlines()
+    assert sorted(rows) == sorted((ordered / "prompts.jsonl").read_text().splitlines())
+
+
+def test_failed_run_leaves_no_output(tmp_path, tok, monkeypatch):
+    import specforge_kimi.vocab_mapping as vocab_mapping
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(vocab_mapping, "save_vocab_mapping", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        run(tmp_path, tok, GOOD)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_existing_output_needs_overwrite(tmp_path, tok):
+    _, out = run(tmp_path, tok, GOOD[:1])
+    with pytest.raises(KimiInputError, match="already exists; pass --overwrite"):
+        run(tmp_path, tok, GOOD)
+    summary, out = run(tmp_path, tok, GOOD, overwrite=True)
+    assert summary["rows"] == 3 and len(read_rows(out)) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out"]
+
+    stranger = tmp_path / "mine"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("keep me")
+    with pytest.raises(KimiInputError, match="not a previous prepare output"):
+        run(tmp_path, tok, GOOD, out_name="mine", overwrite=True)
+    assert (stranger / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_options_fail_before_any_work(tmp_path, tok):
+    with pytest.raises(KimiInputError, match="--draft-vocab-size must be in 9..163840"):
+        run(tmp_path, tok, GOOD, draft_vocab_size=4)
+    with pytest.raises(KimiInputError, match="--max-length must be at least 2"):
+        run(tmp_path, tok, GOOD, max_length=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_nothing_survives_is_an_error(tmp_path, tok):
+    with pytest.raises(KimiInputError, match="no training rows survived"):
+        run(tmp_path, tok, ["{x", {"messages": [{"role": "user", "content": "q"}]}])
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_with_tokenizer_dir_and_one_row_per_answer(tmp_path, capsys):
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    build_standin_tokenizer(tmp_path / "tok")
+    multi = {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "r1"},
+        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!", "reasoning_content": "r2"},
+    ]}  # fmt: skip
+    source = write_jsonl(tmp_path / "in.jsonl", [multi])
+    code = main(
+        [
+            str(source),
+            "--out",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(tmp_path / "tok"),
+            "--one-row-per-answer",
+            "--no-shuffle",
+        ]
+    )
+    assert code == 0
+    assert "prepared 2 rows from 1 conversations" in capsys.readouterr().out
+    rows = read_rows(tmp_path / "o")
+    # "r1" </think> "Hello!" <|im_end|>, then "r2" </think> "Bye!" <|im_end|>
+    assert [sum(r["loss_mask"]) for r in rows] == [2 + 1 + 6 + 1, 2 + 1 + 4 + 1]
+
+
+def test_argparse_wiring():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    prepare_module.add_parser(sub)
+    args = parser.parse_args(
+        [
+            "prepare",
+            "in.jsonl",
+            "--out",
+            "d",
+            "--standin-tokenizer",
+            "--max-length",
+            "128",
+            "--overflow",
+            "drop",
+        ]
+    )
+    assert args.func is prepare_module.run
+    assert (args.max_length, args.overflow, args.on_error, args.draft_vocab_size, args.seed) == (
+        128,
+        "drop",
+        "skip",
+        32000,
+        42,
+    )
+
+
+def test_data_path_modules_import_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import specforge_kimi.chat_template, specforge_kimi.conversation, "
+        "specforge_kimi.tokenizer, specforge_kimi.tool_declaration, specforge_kimi.vocab_mapping, "
+        "specforge_kimi.prepare, specforge_kimi.regenerate; "
+        "print(','.join(m for m in ('torch', 'specforge', 'sglang', 'transformers', 'tokenizers', "
+        "'tqdm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
