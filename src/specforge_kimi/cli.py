@@ -69,6 +69,21 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    """``specforge train`` with specforge_kimi registered here and in every child SpecForge starts."""
+    import os
+
+    import specforge_kimi
+
+    plugins = [p for p in os.environ.get("SPECFORGE_PLUGINS", "").split(",") if p]
+    if "specforge_kimi" not in plugins:
+        os.environ["SPECFORGE_PLUGINS"] = ",".join(plugins + ["specforge_kimi"])
+    specforge_kimi.register()
+    from specforge.cli import main as specforge_main
+
+    return int(specforge_main(["train", *args.specforge_args]) or 0)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from specforge_kimi.demo import DemoSettings, run_demo
 
@@ -110,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("draft")
     e.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
     e.set_defaults(func=_cmd_export_check)
+
+    tr = sub.add_parser("train", help="`specforge train ...` with the K2.5 adapter registered (torchrun-able)",
+                        description="Passes its arguments to `specforge train`, e.g. "
+                                    "torchrun --nproc_per_node 8 -m specforge_kimi train -c run.yaml --role consumer")
+    tr.add_argument("specforge_args", nargs=argparse.REMAINDER)
+    tr.set_defaults(func=_cmd_train)
 
     rc = sub.add_parser("recipe", help="validate a recipe or render it to SpecForge config + launch commands")
     rc.add_argument("action", choices=("validate", "render"))

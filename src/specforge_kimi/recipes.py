@@ -271,9 +271,9 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
                             f"--http_metadata_server_host={mc.host}", f"--rpc_port={mc.rpc_port}",
                             f"--http_metadata_server_port={mc.metadata_port}"],
         "capture_server": ["python", "-m", "specforge_kimi.capture_server", *server_argv(r)],
-        "producer": ["specforge", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
+        "producer": ["specforge-kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
         "consumer": ["torchrun", f"--nnodes={r.gpus.nnodes}", f"--nproc_per_node={r.gpus.per_node}",
-                     "-m", "specforge.cli", "train", "-c", str(o / "specforge_run.yaml"), "--role", "consumer"],
+                     "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "consumer"],
         "memory_plan": memory_plan(r),
     }
     (o / "launch.json").write_text(json.dumps(sheet, indent=2))

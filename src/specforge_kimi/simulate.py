@@ -18,15 +18,19 @@ from dataclasses import dataclass
 from typing import Iterable
 
 
-def add_target_greedy(samples: list[dict], target_head_weight) -> None:
-    """Cache each sample's target greedy tokens (``target_greedy`` [L]); reused across drafts."""
+def add_target_greedy(samples: list[dict], target_head_weight, t2d=None) -> None:
+    """Cache per sample the target's greedy tokens (``target_greedy`` [L]) and, with ``t2d``, its
+    distribution over the draft vocab (``target_p_draft`` [L, V_draft], SpecForge's ``target_p``:
+    softmax of the target logits restricted to the draft vocab). Reused across drafts."""
     import torch
 
     w = target_head_weight.float()
     with torch.no_grad():
         for s in samples:
-            last = s["hidden_state"].reshape(-1, w.shape[1]).float()
-            s["target_greedy"] = (last @ w.T).argmax(-1)
+            logits = s["hidden_state"].reshape(-1, w.shape[1]).float() @ w.T
+            s["target_greedy"] = logits.argmax(-1)
+            if t2d is not None:
+                s["target_p_draft"] = torch.softmax(logits[:, t2d.bool()], dim=-1)
 
 
 @dataclass
@@ -34,6 +38,11 @@ class AcceptanceResult:
     mean_acceptance_length: float
     per_step_accuracy: list[float]  # P(step j correct | steps < j correct)
     chains: int
+    #: SpecForge's per-position loss (-sum target_p log q, target_p over the draft vocab) averaged
+    #: over TTT steps and trained positions; None unless ``target_p_draft`` was cached.
+    heldout_loss: float | None = None
+    #: mean entropy of target_p over the same positions: the floor of ``heldout_loss`` (KL = loss - this)
+    teacher_entropy: float | None = None
 
 
 def _shift(t, n: int):
@@ -57,6 +66,7 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
     total_len, chains = 0.0, 0
     reached = [0] * (steps + 1)
     correct_at = [0] * steps
+    loss_sum, loss_n, ent_sum = 0.0, 0, 0.0
     with torch.no_grad():
         for s in samples:
             ids = s["input_ids"].reshape(1, -1).long()
@@ -85,7 +95,18 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
                 emb = draft.embed_input_ids(_shift(inp, j)).to(dtype)
                 hidden = draft.backbone(input_embeds=emb, hidden_states=hidden, cache_hidden=cache_hidden,
                                         attention_mask=attn, position_ids=pos, past_key_values=None, use_cache=True)
-                pred = draft.compute_logits(hidden).argmax(-1)
+                logits = draft.compute_logits(hidden)
+                pred = logits.argmax(-1)
+                tp = s.get("target_p_draft")
+                if tp is not None:
+                    # draft step j at position t predicts what the target predicts at t+1+j
+                    tp_j = _shift(tp.reshape(1, L, -1), 1 + j).to(logits.dtype)
+                    ce = -(tp_j * torch.log_softmax(logits.float(), -1)).sum(-1)
+                    valid = _shift(mask, 2 + j).bool()
+                    ent = -(tp_j * torch.log(tp_j.clamp_min(1e-30))).sum(-1)
+                    loss_sum += float(ce[valid].sum())
+                    ent_sum += float(ent[valid].sum())
+                    loss_n += int(valid.sum())
                 pred = pred + draft.d2t[pred]
                 hit = (pred == _shift(target_tok, j)) & _shift(mask, 2 + j).bool()
                 reached[j] += int(ok.sum())
@@ -97,4 +118,5 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
     if chains == 0:
         raise ValueError("no trained positions in the held-out samples")
     per_step = [correct_at[j] / reached[j] if reached[j] else 0.0 for j in range(steps)]
-    return AcceptanceResult(total_len / chains, per_step, chains)
+    return AcceptanceResult(total_len / chains, per_step, chains, loss_sum / loss_n if loss_n else None,
+                            ent_sum / loss_n if loss_n else None)

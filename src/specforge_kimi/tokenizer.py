@@ -122,6 +122,26 @@ def _special_names() -> dict[int, str]:
     return names
 
 
+#: A text-only Jinja reduction of K2.5's chat template, saved with the stand-in tokenizer so an
+#: SGLang server can serve a tiny target's chat endpoint (``regenerate`` against a real server).
+#: Covers system/user/assistant text turns (history assistant turns render ``<think></think>``,
+#: as K2.5's template renders every turn up to the last answer) and the generation prompt with
+#: ``thinking`` (default on). Tools and media are out of its scope; ``render_messages`` is the
+#: full renderer. Equality with it on text-only conversations is tested.
+STANDIN_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|><think></think>"
+    "{{ m['content'] or '' }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
 class StandInTokenizer:
     """A byte-level tokenizer with K2.5's vocab size and special ids (tests, demo, CPU runs).
 
@@ -193,6 +213,7 @@ class StandInTokenizer:
             "model_max_length": 262144,
             "clean_up_tokenization_spaces": False,
             _STANDIN_MARKER: True,
+            "chat_template": STANDIN_CHAT_TEMPLATE,
         }
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return out

@@ -133,3 +133,26 @@ def test_wrong_vocab_size_is_reported():
 def test_not_a_tokenizer_dir(tmp_path):
     with pytest.raises(KimiInputError, match="not a tokenizer directory"):
         load_tokenizer(tmp_path)
+
+
+def test_standin_chat_template_matches_renderer(tmp_path):
+    """The Jinja saved with the stand-in renders text-only conversations exactly like render_messages."""
+    from transformers import AutoTokenizer
+
+    from specforge_kimi.chat_template import render_messages
+    from specforge_kimi.conversation import conversation_from_record
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    build_standin_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    convs = [
+        [{"role": "user", "content": "Count from 1 to 3."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "hello", "reasoning_content": "greet"}, {"role": "user", "content": "again"}],
+    ]
+    for msgs in convs:
+        for thinking in (True, False):
+            ours = render_messages(conversation_from_record({"messages": msgs}).messages, thinking=thinking,
+                                   add_generation_prompt=True)
+            theirs = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, thinking=thinking)
+            assert theirs == ours

@@ -1,0 +1,154 @@
+"""The text-only capture server: argv = SpecForge managed_local's, K2.5 forced text-only, lazy imports."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specforge_kimi import capture_server as cs
+
+
+def test_import_does_not_pull_sglang_or_specforge():
+    code = ("import sys, specforge_kimi.capture_server;"
+            "print(','.join(m for m in ('sglang','specforge','torch','mooncake','transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def _specforge_managed_local(monkeypatch, tmp_path, *, tp, port, ids, mem=0.4, backend="triton", max_length=2048):
+    """The capture-server and Mooncake services SpecForge 0.2.0's own launcher builds."""
+    import specforge.launch_plan as launch_plan
+    import specforge.training.capture_contract as capture_contract
+    from specforge.config import Config
+
+    # The contract normally comes from the target + draft configs; only its method/ids matter here.
+    monkeypatch.setattr(capture_contract, "resolve_server_capture_contract",
+                        lambda cfg, algorithm: capture_contract.ServerCaptureContract(
+                            method="eagle3", aux_layer_ids=tuple(ids), target_hidden_size=64,
+                            target_vocab_size=163840, draft_vocab_size=32000))
+    cfg = Config.model_validate({
+        "model": {"target_model_path": "/ckpt/k25", "sglang_attention_backend": backend,
+                  "sglang_mem_fraction_static": mem},
+        "data": {"prompts_path": str(tmp_path / "p.jsonl"), "max_length": max_length},
+        "deployment": {"mode": "disaggregated", "trainer": {"nproc_per_node": 1}, "disaggregated": {
+            "control_dir": str(tmp_path / "ctl"), "backend": "mooncake",
+            "managed_local": {"trainer_cuda_visible_devices": [str(tp)],
+                              "mooncake": {"rpc_port": 41001, "metadata_port": 41002, "metrics_port": 41003,
+                                           "global_segment_size_bytes": 4 << 30},
+                              "capture_servers": [{"port": port, "tp_size": tp,
+                                                   "cuda_visible_devices": [str(i) for i in range(tp)]}]}}},
+    })
+    mooncake_svc, server_svc = launch_plan._managed_local_services(cfg, algorithm=None)
+    return cfg, mooncake_svc.command, server_svc.command
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_argv_is_specforge_managed_local_argv(monkeypatch, tmp_path, tp):
+    cfg, _, theirs = _specforge_managed_local(monkeypatch, tmp_path, tp=tp, port=30123, ids=[1, 3, 4])
+    ours = cs.capture_server_argv("/ckpt/k25", tp=tp, port=30123, aux_specforge_ids=[1, 3, 4], fusion=False,
+                                  context_length=2048 + 7)
+    theirs = list(theirs.argv)
+    assert theirs[1:3] == ["-m", "sglang.launch_server"]
+    assert ours[1:3] == ["-m", "specforge_kimi.capture_server"]
+    # same flags in the same order; ours only appends
+    assert ours[3:len(theirs)] == theirs[3:]
+    assert ours[len(theirs):] == ["--disable-cuda-graph", "--enforce-disable-flashinfer-allreduce-fusion"]
+    for needed in ("--enable-spec-capture", "--skip-tokenizer-init", "--disable-radix-cache"):
+        assert needed in ours
+    i = ours.index("--spec-capture-aux-layer-ids")
+    assert ours[i + 1:i + 4] == ["1", "3", "4"] and ours[i - 1] == "eagle3"
+    assert ours[ours.index("--chunked-prefill-size") + 1] == "-1"
+
+
+def test_env_is_specforge_service_env(monkeypatch, tmp_path):
+    cfg, _, theirs = _specforge_managed_local(monkeypatch, tmp_path, tp=2, port=30123, ids=[1, 3, 4])
+    mc = cfg.deployment.disaggregated.managed_local.mooncake
+    ours = cs.capture_server_env(mc, cuda_visible_devices=[0, 1])
+    expected = {k: v for k, v in theirs.env.items() if k != "DISAGG_SERVER_URLS"}
+    assert {k: ours[k] for k in expected} == expected
+    assert ours["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert ours["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(4 << 30)
+    # multicast stays off in anything we start
+    assert ours["NCCL_NVLS_ENABLE"] == "0" and ours["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
+def test_mooncake_master_and_reader_match_specforge(monkeypatch, tmp_path):
+    cfg, master, _ = _specforge_managed_local(monkeypatch, tmp_path, tp=1, port=30123, ids=[1, 3, 4])
+    mc = cfg.deployment.disaggregated.managed_local.mooncake
+    ours = cs.mooncake_master_argv(mc, python="/py")
+    assert ours[:3] == ["/py", "-c", "from mooncake.cli import main; main()"]
+    assert master.argv[0] == "mooncake_master" and ours[3:] == list(master.argv[1:])
+    kw = cs.mooncake_reader_setup_kwargs(mc)
+    env = cs.mooncake_client_env(mc)
+    assert kw["metadata_server"] == env["MOONCAKE_METADATA_SERVER"]
+    assert kw["master_server_addr"] == env["MOONCAKE_MASTER_SERVER_ADDR"]
+    assert kw["global_segment_size"] == 0  # readers own no segment: the server holds the features
+
+
+def test_fusion_switch():
+    on = cs.capture_server_argv("/m", tp=2, port=1, aux_specforge_ids=[1, 3, 4], fusion=True)
+    off = cs.capture_server_argv("/m", tp=2, port=1, aux_specforge_ids=[1, 3, 4], fusion=False)
+    assert "--enforce-disable-flashinfer-allreduce-fusion" in off and "--flashinfer-allreduce-fusion-backend" not in off
+    assert "--enforce-disable-flashinfer-allreduce-fusion" not in on
+    assert on[on.index("--flashinfer-allreduce-fusion-backend") + 1] == "trtllm"  # never mnnvl (multicast)
+
+
+def test_knobs_and_validation():
+    argv = cs.capture_server_argv("/m", tp=1, port=9, aux_specforge_ids=[2, 30, 58], fusion=False,
+                                  attention_backend="flashinfer", mem_fraction_static=0.7,
+                                  disable_cuda_graph=False, extra=["--log-level", "debug"], python="/py")
+    assert argv[0] == "/py" and "--disable-cuda-graph" not in argv and "--context-length" not in argv
+    assert argv[argv.index("--attention-backend") + 1] == "flashinfer"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
+    assert argv[-2:] == ["--log-level", "debug"]
+    with pytest.raises(ValueError):
+        cs.capture_server_argv("/m", tp=0, port=9, aux_specforge_ids=[1], fusion=False)
+    with pytest.raises(ValueError):
+        cs.capture_server_argv("/m", tp=1, port=9, aux_specforge_ids=[], fusion=False)
+
+
+def test_detects_k25_checkpoints(tiny_dir, tmp_path):
+    assert cs.is_kimi_k25_checkpoint(tiny_dir)
+    plain = tmp_path / "dsv3"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
+                                                   "architectures": ["DeepseekV3ForCausalLM"]}))
+    assert not cs.is_kimi_k25_checkpoint(plain)
+    assert not cs.is_kimi_k25_checkpoint("moonshotai/Kimi-K2.5")  # hub ids: not a local dir
+    assert not cs.is_kimi_k25_checkpoint(None)
+
+
+def _sglang_argv_without_spec_flags(model_dir):
+    """Our argv minus the spec-capture flags, which only a patched sglang parses."""
+    argv = cs.capture_server_argv(model_dir, tp=1, port=30000, aux_specforge_ids=[1, 3, 4], fusion=False)[3:]
+    if not cs.spec_capture_supported():
+        i = argv.index("--enable-spec-capture")
+        argv = argv[:i] + argv[i + 7:]
+    return argv
+
+
+@pytest.mark.slow
+def test_sglang_parser_forces_text_only(tiny_dir, tmp_path, capsys):
+    ns = cs.parse_text_only_args(_sglang_argv_without_spec_flags(tiny_dir))
+    assert ns.enable_multimodal is False
+    assert "set enable_multimodal=False" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="text-only"):
+        cs.parse_text_only_args(_sglang_argv_without_spec_flags(tiny_dir) + ["--enable-multimodal"])
+    # another checkpoint type is left to SGLang's own default (None)
+    plain = tmp_path / "dsv3"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    argv = _sglang_argv_without_spec_flags(tiny_dir)
+    argv[argv.index("--model-path") + 1] = str(plain)
+    assert cs.parse_text_only_args(argv).enable_multimodal is None
+
+
+@pytest.mark.slow
+def test_server_args_model_config_is_text_only(tiny_dir):
+    """``ServerArgs.__post_init__`` caches a ModelConfig; it must already see the text-only choice
+    (CPU device so that no GPU is needed to build the arguments)."""
+    args = cs.prepare_text_only_server_args(_sglang_argv_without_spec_flags(tiny_dir) + ["--device", "cpu"])
+    assert args.enable_multimodal is False
+    assert args.get_model_config().is_multimodal is False
+    assert args.flashinfer_allreduce_fusion_backend is None
