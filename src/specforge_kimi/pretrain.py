@@ -30,7 +30,7 @@ class PretrainResult:
 
 def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *, seconds: float = 60.0,
              max_steps: int = 10_000, batch_size: int = 8, lr: float = 2e-3, seed: int = 0,
-             progress: bool = True) -> PretrainResult:
+             progress: bool = True, device: str = "cpu") -> PretrainResult:
     """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``."""
     import torch
     import torch.nn.functional as F
@@ -47,14 +47,14 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     spec = TinySpec(**cfg["specforge_kimi_tiny"])
     info = inspect_target(model_dir)
     torch.manual_seed(seed)
-    model = load_text_model(model_dir).train()
+    model = load_text_model(model_dir).to(device).train()
     used = sorted({t for s in sequences for t in s})
     if max(used) >= info.vocab_size:
         raise KimiInputError(f"token id {max(used)} is outside the target vocab {info.vocab_size}")
-    used_t = torch.tensor(used)
-    remap = torch.full((info.vocab_size,), -100, dtype=torch.long)
-    remap[used_t] = torch.arange(len(used))
-    seqs = [torch.tensor(s, dtype=torch.long) for s in sequences if len(s) >= 2]
+    used_t = torch.tensor(used, device=device)
+    remap = torch.full((info.vocab_size,), -100, dtype=torch.long, device=device)
+    remap[used_t] = torch.arange(len(used), device=device)
+    seqs = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences if len(s) >= 2]
     # Train embedding/head rows of the used tokens only: a dense update of two
     # 163,840-row matrices per step would cost more than the decoder itself on CPU.
     embed = torch.nn.Parameter(model.model.embed_tokens.weight.detach()[used_t].clone())
@@ -72,8 +72,8 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
         idx = torch.randint(len(seqs), (batch_size,), generator=gen)
         batch = [remap[seqs[i]] for i in idx]
         T = max(len(s) for s in batch)
-        ids = torch.zeros((len(batch), T), dtype=torch.long)
-        labels = torch.full((len(batch), T), -100, dtype=torch.long)
+        ids = torch.zeros((len(batch), T), dtype=torch.long, device=device)
+        labels = torch.full((len(batch), T), -100, dtype=torch.long, device=device)
         for b, s in enumerate(batch):
             ids[b, : len(s)] = s
             labels[b, : len(s) - 1] = s[1:]
@@ -93,5 +93,5 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
         model.model.embed_tokens.weight[used_t] = embed.detach()
         model.lm_head.weight.zero_()
         model.lm_head.weight[used_t] = head.detach()
-    write_tiny(out_dir, spec, state={k: v.detach() for k, v in model.state_dict().items()})
+    write_tiny(out_dir, spec, state={k: v.detach().cpu() for k, v in model.state_dict().items()})
     return PretrainResult(step, time.monotonic() - start, losses[0], sum(losses[-10:]) / len(losses[-10:]), losses)
