@@ -98,31 +98,25 @@ def specforge_root(checkout: str | None) -> Path:
         if head.returncode == 0 and not head.stdout.strip().startswith(SPECFORGE_PIN_COMMIT):
             raise KimiInputError(f"{root} is at {head.stdout.strip()[:12]}, patches are for {SPECFORGE_PIN_COMMIT}")
         return root
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        v = version("specforge")
-    except PackageNotFoundError:
-        raise KimiInputError("specforge is not installed and no --specforge-checkout was given") from None
-    if v != SPECFORGE_PIN:
-        raise KimiInputError(f"installed specforge is {v}; the patches are for {SPECFORGE_PIN}")
-    import importlib.util
-
-    return Path(importlib.util.find_spec("specforge").origin).parent.parent
+    return _installed_root("specforge", SPECFORGE_PIN, "and no --specforge-checkout was given")
 
 
 def sglang_root() -> Path:
+    return _installed_root("sglang", SGLANG_PIN)
+
+
+def _installed_root(package: str, pin: str, hint: str = "") -> Path:
+    """site-packages directory of the installed ``package``, which must be at ``pin``."""
+    import importlib.util
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        v = version("sglang")
+        v = version(package)
     except PackageNotFoundError:
-        raise KimiInputError("sglang is not installed") from None
-    if v != SGLANG_PIN:
-        raise KimiInputError(f"installed sglang is {v}; the capture patches are for {SGLANG_PIN}")
-    import importlib.util
-
-    return Path(importlib.util.find_spec("sglang").origin).parent.parent
+        raise KimiInputError(f"{package} is not installed {hint}".strip()) from None
+    if v != pin:
+        raise KimiInputError(f"installed {package} is {v}; the patches are for {pin}")
+    return Path(importlib.util.find_spec(package).origin).parent.parent
 
 
 def plan(checkout: str | None, *, sglang: bool) -> list[PatchStatus]:
