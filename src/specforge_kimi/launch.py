@@ -1,0 +1,104 @@
+"""Co-located launch: Mooncake master, SGLang capture server (TP=N), producer and N trainer ranks
+on the same N GPUs, supervised by SpecForge's own ``run_commands``.
+
+Scope: one node of a recipe (:mod:`recipes`). SpecForge 0.2.0's ``managed_local`` mode refuses
+trainer GPUs that overlap the capture server's; its supervisor does not care. So we build the
+``LaunchPlan`` ourselves -- ``managed_supervisor`` kind: service phase 0 the Mooncake master
+(readiness: metadata HTTP + RPC TCP), phase 1 the text-only capture server on all node GPUs
+(readiness: ``/health``), then the producer and the torchrun consumer on the same GPUs -- and hand
+it to ``specforge.launch_plan.run_commands``, which starts services in phase order, waits for
+readiness, stops everything if any child fails, forwards Ctrl-C/TERM/HUP and tears down process
+groups (grace, then SIGKILL). Every role writes its own log under ``<output_dir>/logs``. The
+memory split is checked when the recipe loads; nothing starts if it does not fit.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from specforge_kimi.errors import KimiInputError
+
+SERVER_START_TIMEOUT_S = 900.0  # K2.5 at TP=8 loads ~550 GB; first starts JIT-compile kernels
+MOONCAKE_START_TIMEOUT_S = 60.0
+
+
+def _logged(argv: list[str], log: Path) -> tuple[str, ...]:
+    """Run ``argv`` with stdout+stderr appended to ``log``; ``exec`` keeps the pid and signals."""
+    return ("/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', str(log), *argv)
+
+
+def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python"):
+    """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`)."""
+    from specforge.launch_plan import CommandSpec, LaunchPlan, ReadinessSpec, ServiceSpec
+
+    out = Path(recipe.output_dir)
+    logs = out / "logs"
+    launch: dict[str, Any] = rendered["launch"]
+    gpus = ",".join(str(i) for i in range(recipe.gpus.per_node))
+    mc = recipe.mooncake
+    services = []
+    if node_rank == 0:
+        services.append(ServiceSpec(
+            command=CommandSpec("mooncake", tuple(launch["mooncake_master"]), {}),
+            readiness=ReadinessSpec("mooncake", f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
+                                    MOONCAKE_START_TIMEOUT_S, tcp_host=mc.host, tcp_port=mc.rpc_port),
+            log_path=str(logs / "mooncake.log"), phase=0))
+    server_argv = [python if a == "python" else a for a in launch["capture_server"]]
+    server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in server_argv]
+    services.append(ServiceSpec(
+        command=CommandSpec("capture-server", tuple(server_argv),
+                            {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}),
+        readiness=ReadinessSpec("http", f"http://{recipe.server.host}:{recipe.server.port}/health",
+                                SERVER_START_TIMEOUT_S),
+        log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=1))
+    env = {"SPECFORGE_PLUGINS": "specforge_kimi", "CUDA_VISIBLE_DEVICES": gpus}
+    commands = []
+    if node_rank == 0:
+        commands.append(CommandSpec("producer", _logged(launch["producer"], logs / "producer.log"), env))
+    consumer = list(launch["consumer"])
+    if recipe.gpus.nnodes > 1:
+        consumer.insert(1, f"--node_rank={node_rank}")
+    commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
+    return LaunchPlan(kind="managed_supervisor", role="both", commands=tuple(commands), services=tuple(services),
+                      managed_root=str(out / "supervisor"), managed_ports=(mc.rpc_port, mc.metadata_port,
+                                                                          recipe.server.port) if node_rank == 0 else (),
+                      shutdown_grace_s=30.0)
+
+
+def run_plan(plan, **kwargs) -> int:
+    """``specforge.launch_plan.run_commands`` after making the log directory it expects."""
+    from specforge.launch_plan import run_commands
+
+    if plan.managed_root is None:
+        raise KimiInputError("plan has no managed_root")
+    logs = Path(plan.services[0].log_path).parent if plan.services else None
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    return run_commands(plan, **kwargs)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="co-located online run of a recipe on this node (server + Mooncake + trainer)")
+    p.add_argument("recipe")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+    import sys
+
+    from specforge_kimi.recipes import load_recipe, render
+
+    recipe = load_recipe(args.recipe)
+    rendered = render(recipe, Path(recipe.output_dir) / "rendered")
+    plan = build_colocated_plan(recipe, rendered, node_rank=args.node_rank, python=sys.executable)
+    if args.plan:
+        print(plan.render())
+        print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
+        return 0
+    print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
+    return run_plan(plan)
