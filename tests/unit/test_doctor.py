@@ -1,0 +1,72 @@
+"""doctor: every check reports a status and, when not ok, a fix; target checks catch bad checkpoints."""
+
+import copy
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specforge_kimi import doctor
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml"
+
+
+def _recipe_for(tiny_dir, tmp_path, **target):
+    from conftest import TEST_SPEC
+
+    raw = copy.deepcopy(yaml.safe_load(RECIPE.read_text()))
+    raw["target"].update(path=str(tiny_dir), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
+                         num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 2, 3])
+    raw["target"].update(target)
+    raw["trainer"]["draft"].update(hidden_size=TEST_SPEC["hidden"], num_attention_heads=8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        raw["mooncake"] = {"metadata_port": s.getsockname()[1]}
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_versions_match_pins_here():
+    checks = {c.name: c for c in doctor.check_versions()}
+    for dist in doctor.PINS:
+        assert checks[f"version {dist}"].status == "ok", checks[f"version {dist}"]
+    assert checks["mooncake"].status == "ok"
+
+
+def test_every_non_ok_check_has_a_fix(tiny_dir, tmp_path):
+    checks = doctor.run_checks(str(_recipe_for(tiny_dir, tmp_path)))
+    names = [c.name for c in checks]
+    for expected in ("cuda", "sglang spec-capture patch", "target vs recipe", "target tensors", "mooncake master",
+                     "gpu budget"):
+        assert expected in names
+    for c in checks:
+        assert c.status in ("ok", "warn", "fail")
+        if c.status != "ok":
+            assert c.fix, c
+    by = {c.name: c for c in checks}
+    assert by["target vs recipe"].status == "ok" and by["target tensors"].status == "ok", by
+    assert by["mooncake master"].status == "warn" and "mooncake_master" in by["mooncake master"].fix
+
+
+def test_target_mismatch_is_a_failure(tiny_dir, tmp_path):
+    checks = {c.name: c for c in doctor.run_checks(str(_recipe_for(tiny_dir, tmp_path, num_layers=7)))}
+    assert checks["target vs recipe"].status == "fail"
+    assert "num_layers: recipe 7, checkpoint 6" in checks["target vs recipe"].detail
+
+
+def test_bad_recipe_reported(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(RECIPE.read_text() + "surprise: 1\n")
+    checks = doctor.run_checks(str(p))
+    assert checks[-1].name == "recipe" and checks[-1].status == "fail" and "surprise" in checks[-1].detail
+
+
+def test_cli_json_and_exit_code(tiny_dir, tmp_path, capsys):
+    import argparse
+
+    rc = doctor.run(argparse.Namespace(recipe=str(_recipe_for(tiny_dir, tmp_path)), json=True))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == (1 if any(c["status"] == "fail" for c in out) else 0)
