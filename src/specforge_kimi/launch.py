@@ -67,6 +67,32 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
                       shutdown_grace_s=30.0)
 
 
+def preflight(plan) -> None:
+    """Refuse to start with one clear error: busy port, stale run directory, missing engines.
+
+    Covers what SpecForge's own managed preflight checks, as :class:`KimiInputError` with a fix.
+    """
+    import importlib.util
+    import shutil
+    import socket
+
+    if plan.managed_root and Path(plan.managed_root).exists():
+        raise KimiInputError(f"{plan.managed_root} exists: a previous launch used this output_dir; "
+                             "move it away or choose another output_dir")
+    for port in plan.managed_ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                raise KimiInputError(f"port 127.0.0.1:{port} is already in use; stop what holds it or change the "
+                                     "recipe's ports") from None
+    if any(s.command.label == "mooncake" for s in plan.services) and shutil.which("mooncake_master") is None:
+        raise KimiInputError("mooncake_master is not on PATH; pip install mooncake-transfer-engine-cuda13")
+    if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
+        raise KimiInputError("the installed sglang lacks SpecForge's spec-capture patch; "
+                             "run specforge-kimi setup --specforge-checkout /path/to/SpecForge")
+
+
 def run_plan(plan, **kwargs) -> int:
     """``specforge.launch_plan.run_commands`` after making the log directory it expects."""
     from specforge.launch_plan import run_commands
@@ -101,4 +127,5 @@ def run(args) -> int:
         print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
         return 0
     print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
-    return run_plan(plan)
+    preflight(plan)
+    return run_plan(plan, managed_preflight=lambda _plan: None)
