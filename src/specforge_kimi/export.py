@@ -142,6 +142,15 @@ def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.P
     hidden = cfg.get("hidden_size")
     draft_vocab = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
     fc, head, d2t, t2d = state["fc.weight"], state["lm_head.weight"], state["d2t"], state["t2d"]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if rope_type == "yarn":
+        # SpecForge trains a Llama-style draft's YaRN rope with cos/sin scale 1.0; SGLang's Llama
+        # draft applies YaRN's mscale (~1.416 for K2.5's factor 64), so served attention would
+        # differ from trained attention. Drafts see <= max_length tokens: plain rope is correct.
+        raise KimiInputError(f"{cfg_path}: the draft carries YaRN rope scaling, which SpecForge training and "
+                             "SGLang serving apply differently (scale 1.0 vs mscale); drop rope_scaling from "
+                             "the draft config and train with plain rope_theta")
     eagle = cfg.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if not ids:

@@ -70,6 +70,7 @@ def test_finalize_writes_sglang_ids_and_provenance(tiny_dir, tmp_path):
     ("d2t_t2d_disagree", "disagree"),
     ("head_shape", "lm_head.weight"),
     ("vocab_vs_target", "the target's is 163840"),
+    ("yarn_rope", "YaRN rope scaling"),
 ])
 def test_bad_exports(tiny_dir, tmp_path, case, msg):
     state = _state()
@@ -96,6 +97,9 @@ def test_bad_exports(tiny_dir, tmp_path, case, msg):
         state["lm_head.weight"] = torch.randn(DRAFT_VOCAB + 1, H)
     elif case == "vocab_vs_target":
         state = _state(vocab=1000)
+    elif case == "yarn_rope":
+        edit = lambda c: c.update(rope_scaling={"type": "yarn", "factor": 64.0,  # noqa: E731
+                                                "original_max_position_embeddings": 4096})
     d = _export(tmp_path, state, edit, hidden)
     with pytest.raises(KimiInputError, match=msg):
         check_sglang_export(d, target_dir=tiny_dir)
