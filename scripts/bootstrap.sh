@@ -15,6 +15,6 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 echo "installing the pinned stack into .venv (several GB on a fresh machine, a few minutes) ..."
-.venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q -e '.[test,cpu]' 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c 'import specforge_kimi, specforge, sglang, torch, transformers; print("stack:", "torch", torch.__version__, "transformers", transformers.__version__)'
 echo "$want" > "$stamp"
