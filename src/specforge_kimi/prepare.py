@@ -210,15 +210,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m specforge_kimi.prepare``)."""
-    parser = argparse.ArgumentParser(prog="specforge-kimi prepare", description=_DESCRIPTION)
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except KimiInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """Stand-alone entry point (``python -m specforge_kimi.prepare``) == ``specforge-kimi prepare``."""
+    from specforge_kimi.cli import main as cli_main
+
+    return cli_main(["prepare", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
