@@ -29,6 +29,11 @@ def _logged(argv: list[str], log: Path) -> tuple[str, ...]:
     return ("/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', str(log), *argv)
 
 
+def _py(argv: list[str], python: str) -> list[str]:
+    """The rendered sheet says ``python``; run with this interpreter."""
+    return [python if i == 0 and a == "python" else a for i, a in enumerate(argv)]
+
+
 def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python"):
     """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`)."""
     from specforge.launch_plan import CommandSpec, LaunchPlan, ReadinessSpec, ServiceSpec
@@ -41,12 +46,11 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
     services = []
     if node_rank == 0:
         services.append(ServiceSpec(
-            command=CommandSpec("mooncake", tuple(launch["mooncake_master"]), {}),
+            command=CommandSpec("mooncake", tuple(_py(launch["mooncake_master"], python)), {}),
             readiness=ReadinessSpec("mooncake", f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
                                     MOONCAKE_START_TIMEOUT_S, tcp_host=mc.host, tcp_port=mc.rpc_port),
             log_path=str(logs / "mooncake.log"), phase=0))
-    server_argv = [python if a == "python" else a for a in launch["capture_server"]]
-    server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in server_argv]
+    server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(launch["capture_server"], python)]
     services.append(ServiceSpec(
         command=CommandSpec("capture-server", tuple(server_argv),
                             {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}),
@@ -56,10 +60,10 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
     env = {"SPECFORGE_PLUGINS": "specforge_kimi", "CUDA_VISIBLE_DEVICES": gpus}
     commands = []
     if node_rank == 0:
-        commands.append(CommandSpec("producer", _logged(launch["producer"], logs / "producer.log"), env))
-    consumer = list(launch["consumer"])
+        commands.append(CommandSpec("producer", _logged(_py(launch["producer"], python), logs / "producer.log"), env))
+    consumer = _py(launch["consumer"], python)
     if recipe.gpus.nnodes > 1:
-        consumer.insert(1, f"--node_rank={node_rank}")
+        consumer.insert(3, f"--node_rank={node_rank}")
     commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
     return LaunchPlan(kind="managed_supervisor", role="both", commands=tuple(commands), services=tuple(services),
                       managed_root=str(out / "supervisor"), managed_ports=(mc.rpc_port, mc.metadata_port,
@@ -73,7 +77,6 @@ def preflight(plan) -> None:
     Covers what SpecForge's own managed preflight checks, as :class:`KimiInputError` with a fix.
     """
     import importlib.util
-    import shutil
     import socket
 
     if plan.managed_root and Path(plan.managed_root).exists():
@@ -86,8 +89,8 @@ def preflight(plan) -> None:
             except OSError:
                 raise KimiInputError(f"port 127.0.0.1:{port} is already in use; stop what holds it or change the "
                                      "recipe's ports") from None
-    if any(s.command.label == "mooncake" for s in plan.services) and shutil.which("mooncake_master") is None:
-        raise KimiInputError("mooncake_master is not on PATH; pip install mooncake-transfer-engine-cuda13")
+    if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
+        raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
         raise KimiInputError("the installed sglang lacks SpecForge's spec-capture patch; "
                              "run specforge-kimi setup --specforge-checkout /path/to/SpecForge")
@@ -126,6 +129,6 @@ def run(args) -> int:
         print(plan.render())
         print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
         return 0
-    print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
     preflight(plan)
+    print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
     return run_plan(plan, managed_preflight=lambda _plan: None)

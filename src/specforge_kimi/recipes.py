@@ -62,7 +62,9 @@ class MooncakeSection(_Strict):
     host: str = Field(default="127.0.0.1", description="Master/metadata host")
     rpc_port: int = Field(default=35551, description="Master RPC port")
     metadata_port: int = Field(default=35880, description="HTTP metadata server port")
+    metrics_port: int = Field(default=35903, description="Master metrics port")
     rdma_devices: Optional[str] = Field(default=None, description="RDMA NICs for protocol rdma")
+    global_segment_gib: float = Field(default=32, gt=0, description="Server-owned segment holding features in flight")
 
 
 class TrainerSection(_Strict):
@@ -206,15 +208,26 @@ def server_argv(r: Recipe) -> list[str]:
     return argv + list(r.server.extra_args)
 
 
-def server_env(r: Recipe) -> dict[str, str]:
-    """Mooncake settings SpecForge's capture sink reads from the server's environment."""
+def _mooncake(r: Recipe):
+    """SpecForge's own ``ManagedLocalMooncakeConfig`` for the recipe's Mooncake section."""
+    from specforge_kimi.capture_server import mooncake_config
+
     mc = r.mooncake
-    env = {"MOONCAKE_METADATA_SERVER": f"http://{mc.host}:{mc.metadata_port}/metadata",
-           "MOONCAKE_MASTER_SERVER_ADDR": f"{mc.host}:{mc.rpc_port}", "MOONCAKE_PROTOCOL": mc.protocol,
-           "MOONCAKE_LOCAL_HOSTNAME": mc.host, "SPECFORGE_PLUGINS": "specforge_kimi"}
-    if mc.rdma_devices:
-        env["MOONCAKE_RDMA_DEVICES"] = mc.rdma_devices
-    return env
+    extra = {"rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}
+    return mooncake_config(rpc_port=mc.rpc_port, metadata_port=mc.metadata_port, metrics_port=mc.metrics_port,
+                           global_segment_size_bytes=int(mc.global_segment_gib * GIB), protocol=mc.protocol,
+                           local_hostname=mc.host, **extra)
+
+
+def server_env(r: Recipe) -> dict[str, str]:
+    """The capture server's environment: SpecForge's managed-local Mooncake settings + our plugin."""
+    from specforge_kimi.capture_server import capture_server_env
+
+    env = capture_server_env(_mooncake(r))
+    if r.mooncake.host != "127.0.0.1":
+        env["MOONCAKE_METADATA_SERVER"] = f"http://{r.mooncake.host}:{r.mooncake.metadata_port}/metadata"
+        env["MOONCAKE_MASTER_SERVER_ADDR"] = f"{r.mooncake.host}:{r.mooncake.rpc_port}"
+    return {**env, "SPECFORGE_PLUGINS": "specforge_kimi"}
 
 
 def specforge_config(r: Recipe, draft_config_path: str) -> dict:
@@ -251,6 +264,14 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
     return cfg
 
 
+def _master_argv(r: Recipe) -> list[str]:
+    from specforge_kimi.capture_server import mooncake_master_argv
+
+    argv = mooncake_master_argv(_mooncake(r), python="python")
+    return [a.replace("--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_host={r.mooncake.host}")
+            for a in argv]
+
+
 def render(r: Recipe, out_dir: str | Path) -> dict:
     """Write draft config, SpecForge config and a launch sheet under ``out_dir``; return them."""
     import json
@@ -263,16 +284,14 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
     draft_path.write_text(json.dumps(r.trainer.draft, indent=2))
     cfg = specforge_config(r, str(draft_path))
     (o / "specforge_run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    mc = r.mooncake
     sheet = {
         "env": {"SPECFORGE_PLUGINS": "specforge_kimi"},
         "server_env": server_env(r),
-        "mooncake_master": ["mooncake_master", "--enable_http_metadata_server=true",
-                            f"--http_metadata_server_host={mc.host}", f"--rpc_port={mc.rpc_port}",
-                            f"--http_metadata_server_port={mc.metadata_port}"],
+        "mooncake_master": _master_argv(r),
         "capture_server": ["python", "-m", "specforge_kimi.capture_server", *server_argv(r)],
-        "producer": ["specforge-kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
-        "consumer": ["torchrun", f"--nnodes={r.gpus.nnodes}", f"--nproc_per_node={r.gpus.per_node}",
+        "producer": ["python", "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
+        "consumer": ["python", "-m", "torch.distributed.run", f"--nnodes={r.gpus.nnodes}",
+                     f"--nproc_per_node={r.gpus.per_node}",
                      "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "consumer"],
         "memory_plan": memory_plan(r),
     }
