@@ -113,7 +113,7 @@ def capture_server_argv(
     tp: int,
     port: int,
     aux_specforge_ids: Sequence[int],
-    fusion: bool,
+    fusion: Optional[bool],
     attention_backend: str = "triton",
     mem_fraction_static: float = 0.4,
     context_length: Optional[int] = None,
@@ -129,7 +129,8 @@ def capture_server_argv(
     (same fixed flags in the same order, then ``specforge.launch_plan._sglang_argv`` over a
     SpecForge ``ModelConfig`` for the ``sglang_*`` knobs), except that the module is this one and
     these are appended: ``--disable-cuda-graph`` (default; tiny/debug servers), and the all-reduce
-    fusion switch: ``fusion=False`` -> ``--enforce-disable-flashinfer-allreduce-fusion``;
+    fusion switch: ``fusion=None`` -> nothing (SGLang's own auto choice, e.g. on SM100);
+    ``fusion=False`` -> ``--enforce-disable-flashinfer-allreduce-fusion``;
     ``fusion=True`` -> ``--flashinfer-allreduce-fusion-backend trtllm`` (what ``auto`` picks on a
     single SM90 node; named so that the multicast-based ``mnnvl`` backend is never chosen).
 
@@ -166,7 +167,7 @@ def capture_server_argv(
         argv.append("--disable-cuda-graph")
     if fusion:
         argv += ["--flashinfer-allreduce-fusion-backend", FUSION_BACKEND_SM90]
-    else:
+    elif fusion is not None:
         argv.append("--enforce-disable-flashinfer-allreduce-fusion")
     argv += list(extra)
     return argv

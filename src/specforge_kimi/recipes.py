@@ -188,24 +188,25 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def server_argv(r: Recipe) -> list[str]:
-    """``python -m specforge_kimi.capture_server`` args (SGLang's CLI + SpecForge's capture flags)."""
+    """The capture server's command line (:func:`capture_server.capture_server_argv`, i.e. what
+    SpecForge's managed launcher builds, with our text-only module); ``python`` is a placeholder."""
+    from specforge_kimi.capture_server import capture_server_argv
     from specforge_kimi.layer_ids import AuxLayers
 
     aux = AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)
-    argv = ["--model-path", r.target.path, "--dtype", "bfloat16", "--tp-size", str(r.tp),
-            "--host", r.server.host, "--port", str(r.server.port),
-            "--mem-fraction-static", str(r.server.mem_fraction_static), "--attention-backend", r.server.attention_backend,
-            "--skip-tokenizer-init", "--chunked-prefill-size", "-1", "--disable-radix-cache",
-            "--context-length", str(r.trainer.max_length + 256),
-            "--enable-spec-capture", "--spec-capture-method", "eagle3",
-            "--spec-capture-aux-layer-ids", *[str(i) for i in aux.specforge_ids()]]
+    extra: list[str] = []
     if r.gpus.nnodes > 1:
-        argv += ["--nnodes", str(r.gpus.nnodes), "--dist-init-addr", f"{r.server.host}:50000", "--node-rank", "${NODE_RANK}"]
-    if not r.server.allreduce_fusion:
-        argv.append("--enforce-disable-flashinfer-allreduce-fusion")
-    if r.server.disable_cuda_graph:
-        argv.append("--disable-cuda-graph")
-    return argv + list(r.server.extra_args)
+        extra += ["--nnodes", str(r.gpus.nnodes), "--dist-init-addr", f"{r.server.host}:50000",
+                  "--node-rank", "${NODE_RANK}"]
+    # fusion: off when the recipe says so, else SGLang's own choice for the GPU (auto-enabled on
+    # SM90/SM100 for K2.5 at TP>1).
+    return capture_server_argv(r.target.path, tp=r.tp, port=r.server.port, aux_specforge_ids=aux.specforge_ids(),
+                               fusion=None if r.server.allreduce_fusion else False,
+                               attention_backend=r.server.attention_backend,
+                               mem_fraction_static=r.server.mem_fraction_static,
+                               context_length=r.trainer.max_length + 256, host=r.server.host,
+                               disable_cuda_graph=r.server.disable_cuda_graph, python="python",
+                               extra=[*extra, *r.server.extra_args])
 
 
 def _mooncake(r: Recipe):
@@ -288,7 +289,7 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
         "env": {"SPECFORGE_PLUGINS": "specforge_kimi"},
         "server_env": server_env(r),
         "mooncake_master": _master_argv(r),
-        "capture_server": ["python", "-m", "specforge_kimi.capture_server", *server_argv(r)],
+        "capture_server": server_argv(r),
         "producer": ["python", "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
         "consumer": ["python", "-m", "torch.distributed.run", f"--nnodes={r.gpus.nnodes}",
                      f"--nproc_per_node={r.gpus.per_node}",
