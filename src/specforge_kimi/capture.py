@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -97,9 +97,3 @@ def capture(model: nn.Module, input_ids: torch.Tensor, aux: AuxLayers) -> Captur
     with capture_aux(model, aux) as out:
         decoder(input_ids=input_ids, use_cache=False)
     return Captured(aux=out["aux"], last=out["last"])
-
-
-def capture_positions(model: nn.Module, input_ids: torch.Tensor, positions: Sequence[int]) -> list[torch.Tensor]:
-    """Captured residuals at raw positions (for tests that compare against HF indices)."""
-    cap = capture(model, input_ids, AuxLayers(tuple(positions), len(text_decoder(model).layers)))
-    return list(cap.aux.chunk(len(positions), dim=-1))

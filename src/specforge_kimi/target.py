@@ -150,18 +150,6 @@ def text_config_dict(config: dict, *, source: str = "config.json") -> dict:
     return text
 
 
-def text_config(config: Any) -> Any:
-    """``text_config`` of a transformers config object for wrapper and plain configs."""
-    if isinstance(config, dict):
-        return text_config_dict(config)
-    if getattr(config, "model_type", None) == WRAPPER_MODEL_TYPE:
-        sub = getattr(config, "text_config", None)
-        if sub is None:
-            raise KimiInputError("kimi_k25 config has no text_config")
-        return sub
-    return getattr(config, "text_config", config)
-
-
 # --------------------------------------------------------------------------------------------
 # checkpoint layout
 # --------------------------------------------------------------------------------------------
