@@ -20,6 +20,20 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
                     experts_per_token=args.experts_per_token, moe_intermediate=args.moe_intermediate,
                     dense_intermediate=args.dense_intermediate, q_lora_rank=args.q_lora_rank,
                     vocab=args.vocab, seed=args.seed)
+    if args.pretrain:
+        from specforge_kimi.pretrain import pretrain_structured_target
+
+        device = args.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=device)
+        tr, held = res["train"], res["heldout"]
+        print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
+              f"{tr['steps']} steps, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out answer loss "
+              f"{held['loss_corpus_tokens']:.3f} (greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
+        return 0
     out = write_tiny(args.out_dir, spec)
     print(f"wrote tiny Kimi-K2.5 checkpoint to {out}")
     return 0
@@ -75,10 +89,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     import specforge_kimi
 
+    sf = list(args.specforge_args)
+    for flag in ("-c", "--config"):
+        if flag in sf[:-1] and not os.path.exists(sf[sf.index(flag) + 1]):
+            raise KimiInputError(f"run config {sf[sf.index(flag) + 1]} does not exist")
     plugins = [p for p in os.environ.get("SPECFORGE_PLUGINS", "").split(",") if p]
     if "specforge_kimi" not in plugins:
         os.environ["SPECFORGE_PLUGINS"] = ",".join(plugins + ["specforge_kimi"])
     specforge_kimi.register()
+    from specforge_kimi.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # no-op with CUDA; lets a CPU-only rank (tests, debugging) train
     from specforge.cli import main as specforge_main
 
     return int(specforge_main(["train", *args.specforge_args]) or 0)
@@ -109,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--q-lora-rank", type=int, default=1536)
     t.add_argument("--vocab", type=int, default=163840)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--pretrain", type=float, default=0, metavar="SECONDS",
+                   help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)")
+    t.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")
@@ -146,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_cmd_demo)
 
-    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor"):
+    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report"):
         try:
             module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
         except ModuleNotFoundError:
@@ -156,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:2]):
+        # argparse's REMAINDER drops leading options ("train -c run.yaml"); hand them over whole
+        args = argparse.Namespace(func=_cmd_train, specforge_args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KimiInputError as exc:

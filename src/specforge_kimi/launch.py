@@ -108,6 +108,31 @@ def run_plan(plan, **kwargs) -> int:
     return run_commands(plan, **kwargs)
 
 
+def export_latest(recipe, rendered: dict) -> Path:
+    """Export the run's newest checkpoint (``<output_dir>/<run_id>-latest``) for SGLang.
+
+    SpecForge's ``export_to_sglang`` then our ``eagle_config`` (captured positions) and
+    provenance, into ``<output_dir>/export-sglang``; returns that directory.
+    """
+    import sys
+
+    from specforge_kimi.export import finalize_sglang_export
+    from specforge_kimi.layer_ids import AuxLayers
+    from specforge_kimi.offline_train import export_sglang
+
+    out = Path(recipe.output_dir)
+    latest = out / f"{recipe.name}-latest"
+    if not (latest / "training_state.pt").is_file():
+        raise KimiInputError(f"{latest} has no training_state.pt: the run wrote no checkpoint")
+    cfg = rendered["specforge_config"]
+    export_dir = out / "export-sglang"
+    export_sglang(str(latest), cfg["model"]["draft_model_config"], str(export_dir), cfg["model"]["vocab_mapping_path"])
+    aux = AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers)
+    finalize_sglang_export(export_dir, target_dir=recipe.target.path, aux=aux, command=sys.argv,
+                           extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name})
+    return export_dir
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="co-located online run of a recipe on this node (server + Mooncake + trainer)")
     p.add_argument("recipe")
@@ -131,4 +156,7 @@ def run(args) -> int:
         return 0
     preflight(plan)
     print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
-    return run_plan(plan, managed_preflight=lambda _plan: None)
+    rc = run_plan(plan, managed_preflight=lambda _plan: None)
+    if rc == 0:
+        print(f"exported draft: {export_latest(recipe, rendered)}", flush=True)
+    return rc

@@ -193,14 +193,16 @@ def server_argv(r: Recipe) -> list[str]:
     from specforge_kimi.capture_server import capture_server_argv
     from specforge_kimi.layer_ids import AuxLayers
 
-    aux = AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)
+    AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)  # validates
     extra: list[str] = []
     if r.gpus.nnodes > 1:
         extra += ["--nnodes", str(r.gpus.nnodes), "--dist-init-addr", f"{r.server.host}:50000",
                   "--node-rank", "${NODE_RANK}"]
+    # The server gets the very ids of the SpecForge config: the sink echoes them and SpecForge's
+    # producer refuses a capture whose echoed ids differ from its contract (same layers or not).
     # fusion: off when the recipe says so, else SGLang's own choice for the GPU (auto-enabled on
     # SM90/SM100 for K2.5 at TP>1).
-    return capture_server_argv(r.target.path, tp=r.tp, port=r.server.port, aux_specforge_ids=aux.specforge_ids(),
+    return capture_server_argv(r.target.path, tp=r.tp, port=r.server.port, aux_specforge_ids=list(r.target.aux_layer_ids),
                                fusion=None if r.server.allreduce_fusion else False,
                                attention_backend=r.server.attention_backend,
                                mem_fraction_static=r.server.mem_fraction_static,
@@ -291,7 +293,10 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
         "mooncake_master": _master_argv(r),
         "capture_server": server_argv(r),
         "producer": ["python", "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
-        "consumer": ["python", "-m", "torch.distributed.run", f"--nnodes={r.gpus.nnodes}",
+        # one node: --standalone picks a free rendezvous port (as SpecForge's own plan does)
+        "consumer": ["python", "-m", "torch.distributed.run",
+                     *(["--standalone"] if r.gpus.nnodes == 1 else
+                       [f"--nnodes={r.gpus.nnodes}", f"--master_addr={r.server.host}", "--master_port=29500"]),
                      f"--nproc_per_node={r.gpus.per_node}",
                      "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "consumer"],
         "memory_plan": memory_plan(r),

@@ -13,6 +13,14 @@ imports transformers/specforge lazily. The seams:
    Keys that exist are passed through untouched. These are wrappers, not rewrites: SpecForge's
    own loading code still runs.
 3. SpecForge ``TEMPLATE_REGISTRY``: the ``kimi-k2.5`` chat template.
+4. SpecForge's producer tokenizer (``training.assembly._load_text_tokenizer``, which calls
+   ``AutoTokenizer`` with the run's ``trust_remote_code``, False by default): a K2.5 checkpoint
+   whose tokenizer is remote code (``tokenization_kimi.py``, tiktoken) is loaded with
+   ``trust_remote_code=True`` from local files and its special ids are checked
+   (:func:`tokenizer.load_tokenizer`); the run's config (and with it the AutoConfig path) keeps
+   ``trust_remote_code: false``. Other targets pass through untouched.
+5. SpecForge's draft registry and ``eagle3`` algorithm: the MLA EAGLE-3 draft
+   (``Eagle3DeepseekV2ForCausalLM``, :func:`specforge_kimi.drafts.mla_eagle3.register_mla_draft`).
 """
 
 from __future__ import annotations
@@ -77,6 +85,36 @@ def _install_weight_key_resolution() -> None:
         TargetEmbeddingsAndHead._load_weights = _load_weights
 
 
+def _install_tokenizer_loader() -> None:
+    import json
+
+    from specforge.training import assembly
+
+    original = assembly._load_text_tokenizer
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def _load_text_tokenizer(cfg):
+        path = cfg.model.target_model_path
+        tok_cfg = os.path.join(path, "tokenizer_config.json") if os.path.isdir(path) else ""
+        if not cfg.model.trust_remote_code and tok_cfg and os.path.isfile(tok_cfg):
+            with open(tok_cfg, encoding="utf-8") as f:
+                remote = "auto_map" in json.load(f)
+            from specforge_kimi.capture_server import is_kimi_k25_checkpoint
+
+            if remote and is_kimi_k25_checkpoint(path):
+                from specforge_kimi.tokenizer import load_tokenizer
+
+                load_tokenizer(path)  # special-id check, with a clear error
+                model = cfg.model.model_copy(update={"trust_remote_code": True})
+                return original(cfg.model_copy(update={"model": model}))
+        return original(cfg)
+
+    setattr(_load_text_tokenizer, _WRAPPED_FLAG, True)
+    assembly._load_text_tokenizer = _load_text_tokenizer
+
+
 def register_all() -> None:
     """Run every registration step once per process."""
     global _DONE
@@ -89,4 +127,8 @@ def register_all() -> None:
     from specforge_kimi.chat_template import register_template
 
     register_template()
+    _install_tokenizer_loader()
+    from specforge_kimi.drafts.mla_eagle3 import register_mla_draft
+
+    register_mla_draft()
     _DONE = True

@@ -225,11 +225,13 @@ def _init(name: str, shape: tuple[int, ...], gen):
 
 
 def write_tiny(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(), *, shard_mb: int = 400,
-               state: dict | None = None) -> Path:
+               state: dict | None = None, tokenizer: bool = True) -> Path:
     """Write a tiny K2.5 checkpoint to ``out_dir`` (created; must be empty or absent).
 
     ``state`` may carry trained text weights (transformers names without the
     ``language_model.`` prefix, fused experts) to write instead of random ones.
+    ``tokenizer`` saves the stand-in tokenizer (:mod:`tokenizer`) beside the weights, as a real
+    checkpoint carries its own: SpecForge's producer and SGLang load it from the target path.
     Written into a temporary sibling and renamed, so a failure leaves no half checkpoint.
     """
     import shutil
@@ -285,6 +287,10 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(), *, shard
         (tmp / "config.json").write_text(json.dumps(config(spec), indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": K25_BOS, "eos_token_id": [K25_EOS, 163586], "do_sample": False}, indent=2))
+        if tokenizer:
+            from specforge_kimi.tokenizer import build_standin_tokenizer
+
+            build_standin_tokenizer(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)

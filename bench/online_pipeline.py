@@ -1,0 +1,243 @@
+"""Online-pipeline benchmark: capture overhead on SGLang prefill, feature bytes and transport rate,
+plus the trainer / end-to-end rates and GPU memory of an online run (from ``run-report``).
+
+Needs a GPU box with the pinned stack and SpecForge's spec-capture patch (the GPU bundle). For
+each TP size it starts one Mooncake master and one text-only capture server
+(``--enable-spec-capture``, all-reduce fusion off, triton attention), then for each batch shape
+(default 64x1024 and 16x4096 tokens) times, interleaved, 1 warm-up + ``--reps`` of
+  plain    POST /generate with the token batch, max_new_tokens 1 (no ``spec_capture``)
+  capture  SpecForge's producer call, ``SGLangServerCaptureAdapter.produce_refs`` (same server,
+           same prompts; the server copies aux + last hidden states to the host and puts them
+           into Mooncake before answering)
+  read     SpecForge's consumer read, ``MooncakeFeatureStore.get`` of every ref of the batch
+and reports medians: prefill tok/s both ways and their ratio, feature bytes per token, the
+capture write rate (feature bytes / capture time) and read rate. The server runs with
+``SGLANG_SPEC_CAPTURE_TIMING=1``; its per-batch sink timings (materialize, register, put) are
+summed per shape to show where capture time goes. Prompts are random token ids (prefill cost does
+not depend on them). Timings are measurements, never pass/fail.
+
+    python bench/online_pipeline.py --target runs/tiny-k25 --tp 1 2 \
+        --run-report /tmp/online-run/online_run.json --out bench/results/online_pipeline_h200x2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+AUX_IDS = [1, 3, 4]
+TIMING = re.compile(r"\[spec-capture-timing\] batch_sink samples=(\d+) objects=(\d+) bytes=(\d+) "
+                    r"materialize_ms=([\d.]+) register_ms=([\d.]+) put_ms=([\d.]+) total_ms=([\d.]+)")
+
+
+def _post(url: str, body: dict, timeout: float = 600.0):
+    import requests
+
+    r = requests.post(url, json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 150000) for _ in range(length)] for _ in range(n)]
+
+
+def _capture_tools(mc, hidden: int, vocab: int, run_id: str, url: str):
+    from specforge.algorithms.eagle3.providers import create_registration
+    from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
+    from specforge.inference.capture import CaptureConfig
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    from specforge_kimi.capture_server import mooncake_reader_setup_kwargs
+
+    algorithm = create_registration()
+    streaming = algorithm.providers.server_streaming_for("text")
+    layout = streaming.layout
+    schema = ServerCaptureSchema(aux_feature=layout.aux_feature, last_hidden_feature=layout.last_hidden_feature,
+                                 passthrough=layout.passthrough, attention_mask_feature=layout.attention_mask_feature)
+    contract = algorithm.spec.feature_contract("streaming", "text")
+    cfg = CaptureConfig.from_strategy(required_features=contract.required_tensors,
+                                      aux_hidden_state_layer_ids=tuple(AUX_IDS),
+                                      target_repr=streaming.target_representation, target_hidden_size=hidden,
+                                      target_vocab_size=vocab)
+    store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mc))
+    adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=algorithm.name, schema=schema,
+                                         timeout_s=600.0, target_model_version="bench")
+    return adapter, cfg, store
+
+
+def _tasks(prompts, run_id: str, tag: str):
+    from specforge.runtime.contracts import PromptTask
+
+    return [PromptTask(task_id=f"{tag}-{i}", run_id=run_id, source_id="bench", payload={
+        "input_ids": p, "loss_mask": [1] * len(p)}, max_length=len(p) + 1, metadata={"num_tokens": len(p)})
+        for i, p in enumerate(prompts)]
+
+
+def _free(store, refs) -> None:
+    from specforge.runtime.data_plane.feature_store import drain_feature_store_removals
+
+    for ref in refs:
+        try:
+            store.abort(ref.sample_id, reason="bench")
+        except Exception:
+            pass
+    drain_feature_store_removals(store)
+
+
+def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, log: Path) -> dict:
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    prompts = _prompts(n, length, seed=length * 1000 + n)
+    tokens = n * length
+    plain_s, capture_s, read_s, fbytes = [], [], [], []
+    log_start = log.stat().st_size if log.exists() else 0
+    for rep in range(reps + 1):
+        t = time.perf_counter()
+        _post(f"{url}/generate", {"input_ids": prompts, "extra_key": [uuid.uuid4().hex for _ in prompts],
+                                  "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
+        dt_plain = time.perf_counter() - t
+        tasks = _tasks(prompts, adapter.run_id, f"r{rep}-{n}x{length}")
+        t = time.perf_counter()
+        refs = adapter.produce_refs(tasks, capture=cfg)
+        dt_cap = time.perf_counter() - t
+        failed = [r for r in refs if isinstance(r, ServerCaptureFailure)]
+        if failed:
+            raise RuntimeError(f"capture failed: {failed[0].reason}")
+        for ref in refs:
+            store.adopt(ref)
+        t = time.perf_counter()
+        nbytes = 0
+        for ref in refs:
+            tensors, handle = store.get(ref)
+            nbytes += sum(int(v.numel() * v.element_size()) for v in tensors.values())
+            store.release(handle)
+        dt_read = time.perf_counter() - t
+        _free(store, refs)
+        if rep == 0:
+            continue  # warm-up
+        plain_s.append(dt_plain)
+        capture_s.append(dt_cap)
+        read_s.append(dt_read)
+        fbytes.append(nbytes)
+    sink = [tuple(float(x) for x in m.groups()) for m in TIMING.finditer(log.read_text(errors="replace")[log_start:])]
+    sink_tot = {k: sum(s[i] for s in sink) / (reps + 1) for i, k in
+                enumerate(("samples", "objects", "bytes", "materialize_ms", "register_ms", "put_ms", "total_ms"))}
+    p, c, r = statistics.median(plain_s), statistics.median(capture_s), statistics.median(read_s)
+    fb = statistics.median(fbytes)
+    return {"batch": n, "tokens_per_prompt": length, "tokens": tokens, "reps": reps,
+            "plain_s": plain_s, "capture_s": capture_s, "read_s": read_s,
+            "plain_tokens_per_s": tokens / p, "capture_tokens_per_s": tokens / c,
+            "capture_over_plain": p / c, "feature_bytes_per_token": fb / tokens,
+            "capture_write_gb_per_s": fb / c / 1e9, "read_gb_per_s": fb / r / 1e9,
+            "capture_extra_ms": (c - p) * 1000, "sink_per_request_mean": sink_tot, "sink_batches_seen": len(sink)}
+
+
+def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang") -> dict:
+    from specforge_kimi import services
+    from specforge_kimi.capture_server import capture_server_argv, capture_server_env
+
+    port = services.free_ports(1)[0]
+    longest = max(length for _, length in shapes)
+    result: dict = {"tp": tp}
+    with services.mooncake_master(workdir / f"mooncake-tp{tp}.log", segment_bytes=16 << 30) as mc:
+        argv = capture_server_argv(target, tp=tp, port=port, aux_specforge_ids=AUX_IDS, fusion=False,
+                                   attention_backend="triton", mem_fraction_static=0.5,
+                                   context_length=longest + 256, disable_cuda_graph=True, python=sys.executable)
+        if engine == "reference":  # the CPU stand-in: exercises this script without a GPU
+            argv = [sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", target,
+                    "--spec-capture-aux-layer-ids", *map(str, AUX_IDS), "--port", str(port), "--dtype", "bfloat16"]
+        env = {**capture_server_env(mc, cuda_visible_devices=list(range(tp))), "SGLANG_SPEC_CAPTURE_TIMING": "1"}
+        log = workdir / f"server-tp{tp}.log"
+        t = time.time()
+        with services.server(argv, env, log, port, timeout_s=420):
+            result["server_start_s"] = round(time.time() - t, 1)
+            result["server_argv"] = argv
+            adapter, cfg, store = _capture_tools(mc, info.hidden_size, info.vocab_size, f"bench-tp{tp}",
+                                                 f"http://127.0.0.1:{port}")
+            result["shapes"] = [bench_shape(f"http://127.0.0.1:{port}", adapter, cfg, store, n, length, reps, log)
+                                for n, length in shapes]
+            store.close() if hasattr(store, "close") else None
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--shapes", default="64x1024,16x4096")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
+    p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
+    p.add_argument("--engine", choices=("sglang", "reference"), default="sglang",
+                   help="reference = the CPU stand-in server (a dry run of this script, not a measurement)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+
+    import specforge_kimi
+    from specforge_kimi.export import versions
+    from specforge_kimi.target import inspect_target
+
+    specforge_kimi.register()
+    info = inspect_target(args.target)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    out = {"command": [sys.executable, *sys.argv], "engine": args.engine, "versions": versions(),
+           "environment": {"platform": platform.platform(), "gpu": [torch.cuda.get_device_name(i)
+                                                                   for i in range(torch.cuda.device_count())],
+                           "cpu_count": os.cpu_count()},
+           "config": {"target": args.target, "layers": info.num_layers, "hidden": info.hidden_size,
+                      "aux_specforge_ids": AUX_IDS, "shapes": args.shapes, "reps": args.reps,
+                      "mooncake_protocol": "tcp (loopback)", "allreduce_fusion": False,
+                      "attention_backend": "triton", "cuda_graph": False},
+           "baseline_capture_over_plain": {"what": "upstream path on the same box (issue 4): capture/plain prefill",
+                                           "tp1": {"64x1024": 0.55, "16x4096": 0.91},
+                                           "tp2": {"64x1024": 0.79, "16x4096": 0.92}},
+           "runs": []}
+    for tp in args.tp:
+        try:
+            out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine))
+        except Exception as exc:  # record and go on with the next TP size
+            out["runs"].append({"tp": tp, "error": f"{type(exc).__name__}: {exc}"})
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    if args.run_report and Path(args.run_report).is_file():
+        rep = json.loads(Path(args.run_report).read_text())
+        perf = rep.get("perf", {})
+        online = {"source": args.run_report, "perf": perf, "gpu_memory": rep.get("gpu_memory"),
+                  "ledger": rep.get("ledger"),
+                  "metadata_bytes_per_trained_token": rep.get("metadata_bytes_per_trained_token")}
+        caps = [s["capture_tokens_per_s"] for r in out["runs"] if r.get("tp") == 2 for s in r.get("shapes", [])]
+        stages = {k: v for k, v in {"trainer_only_tokens_per_s": perf.get("trainer_only_tokens_per_s"),
+                                    "capture_tokens_per_s_tp2_min": min(caps) if caps else None}.items() if v}
+        if perf.get("end_to_end_tokens_per_s") and stages:
+            online["slowest_stage"] = min(stages, key=stages.get)
+            online["end_to_end_over_slowest_stage"] = perf["end_to_end_tokens_per_s"] / min(stages.values())
+        out["online_run"] = online
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    for r in out["runs"]:
+        for s in r.get("shapes", []):
+            print(f"tp{r['tp']} {s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
+                  f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
+                  f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
+                  f"read {s['read_gb_per_s']:.2f} GB/s")
+        if "error" in r:
+            print(f"tp{r['tp']}: {r['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,374 @@
+"""Regenerate ``bench/REPORT.md`` and ``bench/plots/*.png`` from ``bench/results/*.json``.
+
+Usage::
+
+    python bench/report.py                        # bench/results -> bench/REPORT.md, bench/plots/
+    python bench/report.py --results DIR --out DIR/REPORT.md --plots DIR/plots
+
+Every number in the report is read from a results file, and each section names its files. A
+file is recognised by its content:
+
+- acceptance (``specforge-kimi bench``'s ``bench_result.json``: ``"benchmark": "acceptance"``);
+- capture parity (``"test": "tests/gpu/test_capture_parity.py"``);
+- data preparation memory (``bench/prepare_memory.py``: ``"benchmark": "prepare peak RSS vs input size"``);
+- regenerate against SGLang (``tests/gpu/test_regenerate_sglang.py`` summary: ``regenerate_stdout``);
+- online pipeline (``bench/online_pipeline.py``: ``baseline_capture_over_plain`` + ``runs``):
+  capture overhead per TP and batch shape; with its ``online_run`` part (from ``specforge-kimi
+  run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
+  (``"engine": "reference"``) are named but not tabulated: they are not measurements;
+- capture overhead, pipeline efficiency, trainer memory written by anything else:
+  ``{"benchmark": "capture_overhead" | "pipeline_efficiency" | "trainer_memory", "command": "...",
+  "rows": [{flat key: value}, ...]}``, shown as a table of their rows.
+
+A section with no file says "not measured yet" and what would measure it.
+
+Files matching none of these are listed at the end, not silently dropped. Plots need matplotlib
+(a dependency of specforge-kimi); nothing else outside the standard library is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+PLANNED = {
+    "capture_overhead": ("Capture overhead",
+                         "throughput of the same requests with and without `spec_capture` on one server "
+                         "(`bench/online_pipeline.py`). FACTS.md quotes an earlier ad-hoc measurement "
+                         "(TP=1 64x1024 tokens 0.55x, 16x4096 0.91x; TP=2 0.79x / 0.92x) that has no results file."),
+    "pipeline_efficiency": ("Pipeline efficiency",
+                            "trained tokens/s of the co-located online loop against its slowest stage "
+                            "(capture-only, trainer-only): `bench/online_pipeline.py --run-report` on the "
+                            "`specforge-kimi run-report` of an online run (issue 4b)."),
+    "trainer_memory": ("Trainer memory",
+                       "per-role peak GPU memory of an online run (`run-report --gpu-samples`, carried by "
+                       "`bench/online_pipeline.py --run-report`), against `recipes.memory_plan`'s estimate."),
+}
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    if isinstance(v, list):
+        return " / ".join(_fmt(x, 2) for x in v)
+    return str(v)
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def classify(data: Any) -> str:
+    """The kind of a results file (see the module docstring), ``unknown`` otherwise."""
+    if not isinstance(data, dict):
+        return "unknown"
+    bench = data.get("benchmark")
+    if bench == "acceptance":
+        return "acceptance"
+    if bench in PLANNED:
+        return bench
+    if bench == "prepare peak RSS vs input size":
+        return "prepare_memory"
+    if "baseline_capture_over_plain" in data and isinstance(data.get("runs"), list):
+        return "online_pipeline"
+    if data.get("test") == "tests/gpu/test_capture_parity.py":
+        return "capture_parity"
+    if "regenerate_stdout" in data:
+        return "regenerate"
+    return "unknown"
+
+
+def load_results(results_dir: Path) -> dict[str, list[tuple[str, dict]]]:
+    kinds: dict[str, list[tuple[str, dict]]] = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            kinds.setdefault("unreadable", []).append((path.name, {"error": str(exc)}))
+            continue
+        kinds.setdefault(classify(data), []).append((path.name, data))
+    return kinds
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# --------------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------------
+def _describe_target(res: dict) -> str:
+    t = res.get("target") or {}
+    spec = t.get("tiny_spec")
+    if not spec:
+        return Path(t.get("path", "?")).name
+    pre = t.get("pretrain") or {}
+    steps = (pre.get("train") or {}).get("steps")
+    return f"tiny {spec['layers']}L/{spec['hidden']}h" + (f", pretrained {steps} steps" if steps else ", random")
+
+
+def _describe_draft(res: dict) -> str:
+    d = res.get("draft") or {}
+    name = Path(d.get("path", "?")).name
+    arch = (d.get("architectures") or ["?"])[0]
+    return f"{name} ({arch}, draft vocab {d.get('draft_vocab_size')})"
+
+
+def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
+    out = ["## Acceptance length through SGLang EAGLE-3", ""]
+    if not files:
+        return out + ["Not measured yet: run `specforge-kimi bench --target DIR --draft DIR` on a GPU host and copy "
+                      "its `bench_result.json` here.", ""]
+    out += ["From `specforge-kimi bench` (engine counters in `/generate` `meta_info`; definitions in each file's "
+            "`metric_definitions`). AL = sum completion_tokens / sum spec_verify_ct (SGLang's spec_accept_length, "
+            "token-weighted); AL decode = tokens per verify step (excludes the prefill token); P(j) = share of "
+            "verify steps that accepted draft position j. Greedy.", ""]
+    rows, bars, curves = [], [], []
+    for name, res in files:
+        s = res.get("settings") or {}
+        for run in res.get("speculative") or []:
+            c = run["config"]
+            label = f"{Path(name).stem} {c['steps']}/{c['topk']}/{c['draft_tokens']}"
+            base = ((res.get("baseline") or {}).get("sets")) or {}
+            match = run.get("output_match") or {}
+            for set_name, m in run["sets"].items():
+                mm = match.get(set_name)
+                rows.append([name, _describe_target(res), f"{c['steps']}/{c['topk']}/{c['draft_tokens']}", set_name,
+                             m.get("requests"), m.get("acceptance_length"), m.get("acceptance_length_decode"),
+                             m.get("accept_rate"), (m.get("per_position") or {}).get("at_least"),
+                             _num(m.get("output_tok_per_s"), "{:.1f}"),
+                             _num((base.get(set_name) or {}).get("output_tok_per_s"), "{:.1f}"),
+                             _num((run.get("speedup") or {}).get(set_name), "{:.2f}x"),
+                             f"{mm['identical']}/{mm['identical'] + mm['different']}" if mm else None])
+            bars.append((label, {k: v.get("acceptance_length") for k, v in run["sets"].items()}))
+            curves.append((label, (run["overall"].get("per_position") or {}).get("at_least") or []))
+        th = res.get("threshold")
+        if th:
+            out.append(f"- `{name}`: threshold {th['min_acceptance_length']} on {', '.join(th['sets'])} -> "
+                       f"{_fmt(th['acceptance_length'])}, **{'passed' if th['passed'] else 'FAILED'}**")
+        out.append(f"- `{name}`: target {_describe_target(res)}; draft {_describe_draft(res)}; "
+                   f"max_new_tokens {s.get('max_new_tokens')}, concurrency {s.get('concurrency')}, "
+                   f"TP {s.get('tp')}, attention {s.get('attention_backend')}, devices "
+                   f"{((res.get('environment') or {}).get('devices')) or '-'}; {res.get('date_utc')}")
+    out += ["", *_table(["file", "target", "config", "set", "prompts", "AL", "AL decode", "accept rate",
+                         "P(j) j=1..", "tok/s", "tok/s no spec", "speedup", "same output"], rows), ""]
+    plt = _plt()
+    sets = sorted({k for _, b in bars for k in b})
+    fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
+    w = 0.8 / max(1, len(bars))
+    for i, (label, b) in enumerate(bars):
+        ax[0].bar([x + i * w for x in range(len(sets))], [b.get(k) or 0 for k in sets], w, label=label)
+    ax[0].set_xticks([x + w * (len(bars) - 1) / 2 for x in range(len(sets))], sets)
+    ax[0].axhline(1, color="grey", lw=0.8)
+    ax[0].set(ylabel="acceptance length", title="acceptance length per prompt set")
+    ax[0].legend(fontsize=6)
+    for label, c in curves:
+        ax[1].plot(range(1, len(c) + 1), c, marker="o", label=label)
+    ax[1].set(xlabel="draft position j", ylabel="P(position j accepted)", ylim=(0, 1.05),
+              title="per-position acceptance (all sets)")
+    ax[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(plots / "acceptance.png", dpi=110)
+    plt.close(fig)
+    return out + ["![acceptance](plots/acceptance.png)", ""]
+
+
+def _online_rows(kind: str, name: str, res: dict) -> list[str]:
+    """Rows of one ``bench/online_pipeline.py`` file for the section ``kind``."""
+    if res.get("engine") == "reference":
+        return [f"`{name}` is a CPU dry run of `bench/online_pipeline.py` (stand-in server), not a measurement.", ""]
+    cmd = " ".join(res.get("command") or []) or "command not recorded"
+    online = res.get("online_run") or {}
+    if kind == "capture_overhead":
+        rows = []
+        base = res.get("baseline_capture_over_plain") or {}
+        for run in res.get("runs") or []:
+            if run.get("error"):
+                rows.append([f"tp{run.get('tp')}", "-", "error: " + run["error"][:80], "-", "-", "-", "-", "-", "-"])
+            for sh in run.get("shapes") or []:
+                shape = f"{sh.get('batch')}x{sh.get('tokens_per_prompt')}"
+                rows.append([f"tp{run.get('tp')}", shape, _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
+                             _num(sh.get("capture_tokens_per_s"), "{:.0f}"),
+                             _num(sh.get("capture_over_plain"), "{:.2f}x"),
+                             _num((base.get(f"tp{run.get('tp')}") or {}).get(shape), "{:.2f}x"),
+                             _num(sh.get("feature_bytes_per_token"), "{:.0f}"),
+                             _num(sh.get("capture_write_gb_per_s"), "{:.2f}"), _num(sh.get("read_gb_per_s"), "{:.2f}")])
+        return [f"`{name}` (`{cmd}`):", "",
+                *_table(["TP", "batch x tokens", "plain prefill tok/s", "capture tok/s", "capture / plain",
+                         "earlier baseline", "feature B/token", "write GB/s", "read GB/s"], rows), ""]
+    if not online:
+        return [f"`{name}`: no `online_run` part (run it with `--run-report`).", ""]
+    if kind == "pipeline_efficiency":
+        perf = online.get("perf") or {}
+        rows = [[k, v] for k, v in (("end-to-end trained tok/s", perf.get("end_to_end_tokens_per_s")),
+                                    ("trainer-only tok/s", perf.get("trainer_only_tokens_per_s")),
+                                    ("data-wait fraction of a step", perf.get("data_wait_fraction")),
+                                    ("slowest stage", online.get("slowest_stage")),
+                                    ("end-to-end / slowest stage", online.get("end_to_end_over_slowest_stage")),
+                                    ("metadata bytes per trained token",
+                                     online.get("metadata_bytes_per_trained_token")),
+                                    ("steps used (after warm-up)", perf.get("steps_used")))]
+        return [f"`{name}` (online run `{online.get('source')}`):", "", *_table(["quantity", "value"], rows), ""]
+    peaks = (online.get("gpu_memory") or {}).get("peak_mib_per_role") or {}
+    if not peaks:
+        return [f"`{name}`: no GPU memory samples in its `online_run`.", ""]
+    return [f"`{name}` (online run `{online.get('source')}`, per-process samples):", "",
+            *_table(["role", "peak MiB (max over its processes)"], [[k, v] for k, v in peaks.items()]), ""]
+
+
+def section_planned(kind: str, files: list[tuple[str, dict]], online: list[tuple[str, dict]] = ()) -> list[str]:
+    title, what = PLANNED[kind]
+    out = [f"## {title}", ""]
+    if not files and not online:
+        return out + [f"Not measured yet: {what}", ""]
+    for name, res in online:
+        out += _online_rows(kind, name, res)
+    for name, res in files:
+        rows = res.get("rows") or []
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        out += [f"`{name}` ({res.get('command', 'command not recorded')}):", "",
+                *_table(keys, [[r.get(k) for k in keys] for r in rows]), ""]
+    return out
+
+
+def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[str]:
+    out = ["## Capture parity (SGLang spec-capture vs fp32 transformers reference)", ""]
+    if not files:
+        return out + ["Not measured yet: `tests/gpu/test_capture_parity.py --run-gpu`.", ""]
+    rows, series = [], []
+    for name, res in files:
+        for label, run in (res.get("runs") or {}).items():
+            w = run.get("worst") or {}
+            aux = [v for k, v in w.items() if k.startswith("aux")]
+            last = w.get("last") or {}
+            cos_aux = min((a["cos_min"] for a in aux), default=None)
+            rel_aux = max((a["rel_max"] for a in aux), default=None)
+            margin = min([a["margin_min"] for a in aux] + ([last["margin_min"]] if "margin_min" in last else []),
+                         default=None)
+            rows.append([name, label, run.get("status"), _num(run.get("startup_s"), "{:.0f}"),
+                         _num(cos_aux, "{:.5f}"), _num(last.get("cos_min"), "{:.5f}"),
+                         _num(rel_aux, "{:.2%}"), _num(last.get("rel_max"), "{:.2%}"), _num(margin, "{:.0f}x")])
+            if run.get("by_length"):
+                series.append((f"{label} ({Path(name).stem[-12:]})",
+                               [b["tokens"] for b in run["by_length"]],
+                               [max(v["rel_max"] for k, v in b.items() if isinstance(v, dict) and "rel_max" in v)
+                                for b in run["by_length"]]))
+    out += [f"Files: {', '.join('`' + n + '`' for n, _ in files)}; GPUs: "
+            f"{', '.join(sorted({str(g) for _, r in files for g in (r.get('gpus') or [])})) or '-'}.", "",
+            *_table(["file", "run", "status", "startup s", "per-token cos min aux", "cos min last",
+                     "rel. Frobenius max aux", "rel max last", "layer-identity margin min"], rows), ""]
+    if series:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        for label, xs, ys in series:
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set(xlabel="prompt length bucket", ylabel="max relative Frobenius error",
+               title="captured features vs fp32 reference, by length")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(plots / "capture_parity.png", dpi=110)
+        plt.close(fig)
+        out += ["![capture parity](plots/capture_parity.png)", ""]
+    return out
+
+
+def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[str]:
+    out = ["## Data preparation memory (`specforge-kimi prepare`)", ""]
+    if not files:
+        return out + ["Not measured yet: `python bench/prepare_memory.py`.", ""]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    for name, res in files:
+        runs = res.get("runs") or []
+        out += [f"`{name}`: `{res.get('script')}`, {res.get('measured_at')}, "
+                f"{(res.get('environment') or {}).get('cpu_count')} CPUs.", "",
+                *_table(["rows", "input MiB", "shuffle", "peak RSS MiB", "streaming peak MiB", "wall s"],
+                        [[r["rows_in"], _num(r["input_bytes"] / 2**20, "{:.1f}"), r["shuffle"],
+                          _num(r["peak_rss_mib"], "{:.1f}"), _num(r.get("peak_rss_mib_before_vocab_mapping"), "{:.1f}"),
+                          _num(r["wall_s"], "{:.1f}")] for r in runs]), ""]
+        for shuffle in (True, False):
+            rs = [r for r in runs if r["shuffle"] == shuffle]
+            ax.plot([r["rows_in"] for r in rs], [r["peak_rss_mib"] for r in rs], marker="o",
+                    label=f"peak RSS, shuffle={shuffle}")
+            ax.plot([r["rows_in"] for r in rs], [r.get("peak_rss_mib_before_vocab_mapping") for r in rs],
+                    marker=".", ls="--", label=f"streaming peak, shuffle={shuffle}")
+    ax.set(xscale="log", xlabel="rows", ylabel="MiB", title="prepare peak memory vs input size")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(plots / "prepare_memory.png", dpi=110)
+    plt.close(fig)
+    return out + ["![prepare memory](plots/prepare_memory.png)", ""]
+
+
+def section_regenerate(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Regenerate against SGLang", ""]
+    if not files:
+        return out + ["Not measured yet: `tests/gpu/test_regenerate_sglang.py --run-gpu`.", ""]
+    rows = [[n, r.get("rows"), _num(r.get("wall_s"), "{:.1f}"), (r.get("pretrain") or {}).get("steps"),
+             (r.get("pretrain") or {}).get("loss_first"), (r.get("pretrain") or {}).get("loss_last")]
+            for n, r in files]
+    return out + _table(["file", "rows written", "wall s", "target pretrain steps", "target loss first",
+                         "target loss last"], rows) + [""]
+
+
+def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
+    """Write ``out_md`` and the plots; return the Markdown."""
+    plots.mkdir(parents=True, exist_ok=True)
+    kinds = load_results(results_dir)
+    try:
+        shown = out_md.parent.resolve().relative_to(Path.cwd().resolve()) / results_dir.name
+    except ValueError:
+        shown = results_dir
+    lines = ["# specforge-kimi benchmark report", "",
+             f"Generated by `python bench/report.py` from `{shown}/*.json` "
+             f"({sum(len(v) for v in kinds.values())} files). Do not edit by hand; rerun the command.", ""]
+    lines += section_acceptance(kinds.get("acceptance", []), plots)
+    for kind in ("capture_overhead", "pipeline_efficiency", "trainer_memory"):
+        lines += section_planned(kind, kinds.get(kind, []), kinds.get("online_pipeline", []))
+    lines += section_capture_parity(kinds.get("capture_parity", []), plots)
+    lines += section_prepare_memory(kinds.get("prepare_memory", []), plots)
+    lines += section_regenerate(kinds.get("regenerate", []))
+    other = kinds.get("unknown", []) + kinds.get("unreadable", [])
+    if other:
+        lines += ["## Unrecognised results files", "", *[f"- `{n}`" for n, _ in other], ""]
+    text = "\n".join(lines)
+    out_md.write_text(text)
+    return text
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--out", default=str(HERE / "REPORT.md"))
+    p.add_argument("--plots", default=str(HERE / "plots"))
+    a = p.parse_args(argv)
+    results = Path(a.results)
+    if not results.is_dir():
+        print(f"error: {results} is not a directory", file=sys.stderr)
+        return 2
+    build_report(results, Path(a.out), Path(a.plots))
+    print(f"wrote {a.out} and {a.plots}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,457 @@
+"""`specforge-kimi bench` on CPU: arguments, prompt sets, metrics from SGLang 0.5.14 responses,
+the server lifecycle against a stand-in process at the HTTP boundary, the result JSON, the report.
+
+The real engine is exercised by ``tests/gpu/test_bench_sglang.py``. Here the responses carry
+exactly the ``meta_info`` keys SGLang 0.5.14 writes for a finished speculative request
+(``tokenizer_manager.py`` ``_calculate_spec_decoding_metrics``: ``spec_accept_rate``,
+``spec_accept_length``, ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``,
+``spec_verify_ct``, the aliases ``spec_accepted_drafts``/``spec_proposed_drafts``,
+``spec_correct_drafts_histogram`` and its alias ``spec_accept_histogram``), with the values its
+scheduler would count.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from specforge_kimi import bench
+from specforge_kimi.bench import BenchSettings, SpecConfig
+from specforge_kimi.errors import KimiInputError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _meta(hist: list[int], *, draft_tokens: int = 4, prompt_tokens: int = 20) -> dict:
+    """meta_info of a finished EAGLE request as SGLang 0.5.14 builds it from its counters.
+
+    One token comes from prefill; each verify step emits its accepted drafts + the bonus token.
+    """
+    verify = sum(hist)
+    correct = sum(k * c for k, c in enumerate(hist))
+    completion = 1 + correct + verify
+    proposed = verify * (draft_tokens - 1)
+    return {"id": "x", "finish_reason": {"type": "length", "length": completion}, "prompt_tokens": prompt_tokens,
+            "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+            "completion_tokens": completion, "cached_tokens": 0, "e2e_latency": completion / 100,
+            "spec_accept_rate": correct / proposed, "spec_accept_length": completion / verify,
+            "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed, "spec_verify_ct": verify,
+            "spec_accepted_drafts": correct, "spec_proposed_drafts": proposed,
+            "spec_correct_drafts_histogram": hist, "spec_accept_histogram": hist}
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------
+def test_spec_configs_parse_and_refuse_what_sglang_would_rewrite():
+    assert bench.parse_spec_config("3,1,4") == SpecConfig(3, 1, 4)
+    assert bench.parse_spec_config("7/1/8").label == "7/1/8"
+    assert bench.parse_spec_config("5,4,8") == SpecConfig(5, 4, 8)  # a tree: topk 4
+    with pytest.raises(KimiInputError, match="draft tokens = steps \\+ 1"):
+        bench.parse_spec_config("3,1,5")  # SGLang would silently serve 3/1/4
+    for bad in ("3,1", "a,b,c", "0,1,1", "2,2,40"):
+        with pytest.raises(KimiInputError):
+            bench.parse_spec_config(bad)
+
+
+def _dirs(tmp_path: Path, *, target_ctx: int = 262144, draft_ctx: int = 4096) -> tuple[Path, Path]:
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir()
+    draft.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": {"max_position_embeddings": target_ctx}, "specforge_kimi_tiny": {"layers": 8, "hidden": 64}}))
+    (draft / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "max_position_embeddings": draft_ctx, "draft_vocab_size": 49,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}))
+    return target, draft
+
+
+def test_settings_validation(tmp_path):
+    target, draft = _dirs(tmp_path)
+    BenchSettings(target=str(target), draft=str(draft)).validate()
+    cases = [({"target": str(tmp_path / "nope")}, "no config.json"), ({"concurrency": 0}, "--concurrency"),
+             ({"tp": 0}, "--tp"), ({"min_acceptance_length": 0.5}, "can never fail"),
+             ({"mem_fraction_static": 1.5}, "mem-fraction"), ({"configs": []}, "no speculative config"),
+             ({"num_prompts": 0}, "--num-prompts")]
+    for kw, msg in cases:
+        s = BenchSettings(**{"target": str(target), "draft": str(draft), **kw})
+        with pytest.raises(KimiInputError, match=msg):
+            s.validate()
+
+
+def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
+    from specforge_kimi.cli import main
+
+    target, draft = _dirs(tmp_path)
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--config", "3,1,5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "3/1/5" in err[0]
+    assert main(["bench", "--draft", str(draft)]) == 2
+    assert "--target" in capsys.readouterr().err
+
+
+def test_context_length_defaults_to_what_the_draft_allows(tmp_path):
+    target, draft = _dirs(tmp_path)
+    s = BenchSettings(target=str(target), draft=str(draft), max_new_tokens=256)
+    # SGLang gives the draft the target's context and refuses one longer than the draft's own
+    assert bench.context_length(s, 100) == 4096
+    s.context_length = 300
+    with pytest.raises(KimiInputError, match="cannot hold"):
+        bench.context_length(s, 100)
+
+
+def test_server_argv_is_text_only_launcher_without_capture(tmp_path):
+    target, draft = _dirs(tmp_path)
+    s = BenchSettings(target=str(target), draft=str(draft), tp=2, disable_cuda_graph=True,
+                      extra_server_args=["--log-level", "info"])
+    base = bench.server_argv(s, None, port=31000, context=4096, python="python")
+    spec = bench.server_argv(s, SpecConfig(7, 1, 8), port=31000, context=4096, python="python")
+    assert base[:3] == ["python", "-m", "specforge_kimi.capture_server"]
+    for argv in (base, spec):
+        joined = " ".join(argv)
+        assert "--skip-tokenizer-init" in argv and "--enable-spec-capture" not in argv
+        assert "--host 127.0.0.1" in joined and "--attention-backend triton" in joined and "--tp-size 2" in joined
+        assert "--context-length 4096" in joined and "--mem-fraction-static" not in joined
+        assert argv[-2:] == ["--log-level", "info"]
+    assert not any(a.startswith("--speculative") for a in base)
+    assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert spec[spec.index("--speculative-draft-model-path") + 1] == str(draft)
+    assert [spec[spec.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
+                                              "--speculative-num-draft-tokens")] == ["7", "1", "8"]
+    # identical apart from speculation, so the speedup compares like with like
+    k = len(base) - 2
+    assert spec[:k] + spec[-2:] == base
+    assert spec[k:-2] == ["--speculative-draft-model-path", str(draft), *SpecConfig(7, 1, 8).argv()]
+    s.mem_fraction_static = 0.3
+    assert "--mem-fraction-static" in bench.server_argv(s, None, port=1, context=4096)
+
+
+@pytest.mark.slow
+def test_server_argv_parses_with_sglangs_own_parser_through_our_launcher(tmp_path):
+    """Every flag exists in SGLang 0.5.14 and lands where meant (imports sglang: ~10 s)."""
+    from specforge_kimi.capture_server import parse_text_only_args
+
+    target, draft = _dirs(tmp_path)
+    s = BenchSettings(target=str(target), draft=str(draft), mem_fraction_static=0.3, disable_cuda_graph=True,
+                      disable_allreduce_fusion=True)
+    ns = parse_text_only_args(bench.server_argv(s, SpecConfig(3, 1, 4), port=30001, context=4096)[3:])
+    assert (ns.speculative_algorithm, ns.speculative_draft_model_path, ns.speculative_num_steps,
+            ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == ("EAGLE3", str(draft), 3, 1, 4)
+    assert ns.skip_tokenizer_init and ns.enable_multimodal is False and ns.context_length == 4096
+    assert (ns.attention_backend, ns.mem_fraction_static, ns.host, ns.port) == ("triton", 0.3, "127.0.0.1", 30001)
+    assert ns.enforce_disable_flashinfer_allreduce_fusion and not getattr(ns, "enable_spec_capture", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt sets
+# ---------------------------------------------------------------------------------------------
+def test_builtin_sets_are_package_data_and_encode_to_k25_generation_prompts():
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "prompts/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["specforge_kimi"]
+    tok = build_standin_tokenizer()
+    for name in ("chat", "math", "code"):
+        ps = bench.builtin_prompt_set(name)
+        assert len(ps.prompts) >= 24 and len({p.id for p in ps.prompts}) == len(ps.prompts)
+        assert all(p.messages[-1].role == "user" for p in ps.prompts)
+    ids = bench.encode_prompt(bench.builtin_prompt_set("math").prompts[0], tok, thinking=True)
+    assert tok.decode(ids).endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    assert tok.decode(bench.encode_prompt(bench.builtin_prompt_set("math").prompts[0], tok, thinking=False)) \
+        .endswith("<think></think>")
+    structured = bench.builtin_prompt_set("structured")
+    assert len(structured.prompts) == bench.STRUCTURED_PROMPTS
+    assert {p.thinking for p in structured.prompts} == {True, False}  # each keeps its conversation's mode
+    assert [p.id for p in structured.prompts] == [p.id for p in bench.structured_prompt_set().prompts]
+    with pytest.raises(KimiInputError, match="unknown prompt set"):
+        bench.builtin_prompt_set("poetry")
+
+
+def test_user_jsonl_prompt_file(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join([
+        json.dumps({"id": "a", "messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "reference, dropped"}]}),
+        "",
+        json.dumps({"prompt": "Count to 3.", "thinking": False}),
+    ]) + "\n")
+    ps = bench.load_prompt_file(f)
+    assert ps.name == "mine" and [p.id for p in ps.prompts] == ["a", "mine-3"]
+    assert [m.role for m in ps.prompts[0].messages] == ["system", "user"]
+    assert ps.prompts[1].thinking is False and ps.prompts[1].messages[0].content == "Count to 3."
+    sets = bench.load_prompt_sets(["code"], [str(f)], limit=1)
+    assert [s.name for s in sets] == ["code", "mine"] and all(len(s.prompts) == 1 for s in sets)
+
+
+@pytest.mark.parametrize("lines, msg", [
+    (['{"prompt": "ok"}', '{"prompt": "unterminated'], ":2: not valid JSON"),
+    (['{"text": "hi"}'], ":1: record has neither"),
+    (['{"messages": [{"role": "assistant", "content": "only an answer"}]}'], ":1: the prompt must end with a user"),
+    (['{"prompt": ""}'], ":1: 'prompt' must be a non-empty string"),
+    (['{"prompt": "x", "thinking": "yes"}'], ":1: 'thinking' must be true or false"),
+    (["", "  "], "holds no prompts"),
+])
+def test_bad_jsonl_names_file_and_line(tmp_path, lines, msg):
+    f = tmp_path / "bad.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(KimiInputError, match=msg) as exc:
+        bench.load_prompt_file(f)
+    assert str(f) in str(exc.value)
+
+
+def test_prompt_set_names_must_be_unique(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(KimiInputError, match="two prompt sets are named 'chat'"):
+        bench.load_prompt_sets(["chat"], [str(f)])
+    with pytest.raises(KimiInputError, match="not found"):
+        bench.load_prompt_sets([], [str(tmp_path / "missing.jsonl")])
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+def test_metrics_from_sglang_meta_info():
+    a, b = _meta([1, 2, 0, 1]), _meta([0, 0, 1, 2])  # 10 tokens / 4 verifies; 12 tokens / 3 verifies
+    short = {"id": "s", "finish_reason": {"type": "stop", "matched": 163586}, "prompt_tokens": 9,
+             "completion_tokens": 1, "cached_tokens": 0, "e2e_latency": 0.01}  # no verify step: no spec keys
+    m = bench.summarize([{"meta_info": a}, {"meta_info": b}, {"meta_info": short}], wall_s=2.0,
+                        spec=SpecConfig(3, 1, 4))
+    assert (m["completion_tokens"], m["spec_verify_ct"], m["spec_num_correct_drafts"]) == (23, 7, 13)
+    assert m["acceptance_length"] == pytest.approx(23 / 7)
+    assert m["acceptance_length_decode"] == pytest.approx(20 / 7)
+    assert m["acceptance_length_mean_per_request"] == pytest.approx((10 / 4 + 12 / 3) / 2)
+    assert m["accept_rate"] == pytest.approx(13 / 21)
+    assert m["correct_drafts_histogram"] == [1, 2, 1, 3] and m["histogram_consistent"]
+    assert m["per_position"]["at_least"] == pytest.approx([6 / 7, 4 / 7, 3 / 7])
+    assert m["per_position"]["conditional"] == pytest.approx([6 / 7, 2 / 3, 3 / 4])
+    assert m["requests_without_verify"] == 1 and m["finish_reasons"] == {"length": 2, "stop": 1}
+    assert m["output_tok_per_s"] == pytest.approx(11.5)
+    base = bench.summarize([{"meta_info": short}], wall_s=0.5, spec=None)
+    assert "acceptance_length" not in base and base["output_tok_per_s"] == pytest.approx(2.0)
+    # an inconsistent histogram is flagged, not trusted
+    bad = dict(a, spec_correct_drafts_histogram=[4])
+    assert not bench.summarize([{"meta_info": bad}], wall_s=1, spec=SpecConfig(3, 1, 4))["histogram_consistent"]
+
+
+def test_per_position_pads_short_histograms():
+    assert bench.per_position_acceptance([], 3) == {"at_least": [], "conditional": []}
+    pp = bench.per_position_acceptance([2, 2], 3)  # nothing ever accepted position 2 or 3
+    assert pp["at_least"] == [0.5, 0.0, 0.0] and pp["conditional"] == [0.5, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole run against a stand-in server process (HTTP boundary)
+# ---------------------------------------------------------------------------------------------
+FAKE_SERVER = textwrap.dedent('''
+    """Stand-in for SGLang 0.5.14's HTTP server: /health, /generate (ids in, ids out), /flush_cache,
+    /server_info; speculative meta_info built from a deterministic acceptance pattern."""
+    import argparse, json, os, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int); p.add_argument("--speculative-algorithm")
+    p.add_argument("--speculative-num-steps", type=int); p.add_argument("--speculative-num-draft-tokens", type=int)
+    args, _ = p.parse_known_args()
+    if os.environ.get("FAKE_EXIT"):
+        print("fake server: failing at start", flush=True); sys.exit(int(os.environ["FAKE_EXIT"]))
+    open(os.environ["FAKE_PIDS"], "a").write(f"{os.getpid()}\\n")
+    PATTERN = [2, 0, 3, 1]
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def _send(self, obj):
+            body = json.dumps(obj).encode(); self.send_response(200)
+            self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(body)))
+            self.end_headers(); self.wfile.write(body)
+        def do_GET(self):
+            if self.path == "/server_info":
+                return self._send({"internal_states": [{"avg_spec_accept_length": 2.5}]})
+            return self._send({})
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/generate":
+                return self._send({})
+            ids, sp = req["input_ids"], req["sampling_params"]
+            assert sp["temperature"] == 0.0 and sp["stop_token_ids"] == [163586, 163585]
+            n = min(sp["max_new_tokens"], 5 + len(ids) % 7)
+            out = [(sum(ids) + i) % 256 for i in range(n)]
+            meta = {"id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
+                    "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+                    "completion_tokens": n, "cached_tokens": 0, "e2e_latency": 0.001 * n}
+            if args.speculative_algorithm:
+                steps, hist, made, verify, correct, i = args.speculative_num_steps, [], 1, 0, 0, 0
+                while made < n:
+                    k = min(PATTERN[i % 4], steps); i += 1
+                    hist.extend([0] * (k + 1 - len(hist))); hist[k] += 1
+                    verify += 1; correct += k; made += k + 1
+                proposed = verify * (args.speculative_num_draft_tokens - 1)
+                meta.update({"spec_accept_rate": correct / proposed, "spec_accept_length": n / verify,
+                             "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
+                             "spec_verify_ct": verify, "spec_accepted_drafts": correct,
+                             "spec_proposed_drafts": proposed, "spec_correct_drafts_histogram": hist,
+                             "spec_accept_histogram": hist})
+            self._send({"output_ids": out, "meta_info": meta})
+    ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()
+''')
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    script = tmp_path / "fake_sglang.py"
+    script.write_text(FAKE_SERVER)
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    return [sys.executable, str(script)]
+
+
+def test_run_bench_end_to_end_against_a_stand_in_server(tmp_path, fake_server):
+    target, draft = _dirs(tmp_path)
+    out = tmp_path / "out"
+    s = BenchSettings(target=str(target), draft=str(draft), sets=["math", "structured"], num_prompts=4,
+                      max_new_tokens=64, concurrency=2, warmup=1, standin_tokenizer=True, check_draft=False,
+                      min_acceptance_length=2.0, threshold_sets=["structured"], start_timeout_s=60, out_dir=str(out))
+    result = bench.run_bench(s, launcher=fake_server)
+    on_disk = json.loads((out / "bench_result.json").read_text())
+    assert on_disk == json.loads(json.dumps(result))
+    assert (out / "acceptance.png").stat().st_size > 10_000
+    for key in ("benchmark", "schema_version", "date_utc", "command", "environment", "target", "draft", "tokenizer",
+                "settings", "context_length", "prompt_sets", "baseline", "speculative", "threshold", "png",
+                "metric_definitions", "wall_s"):
+        assert key in result, key
+    assert result["benchmark"] == "acceptance" and result["context_length"] == 4096
+    assert result["prompt_sets"]["math"]["prompts"] == 4 and result["prompt_sets"]["structured"]["prompts"] == 4
+    assert [r["config"] for r in result["speculative"]] == [{"steps": 3, "topk": 1, "draft_tokens": 4},
+                                                            {"steps": 7, "topk": 1, "draft_tokens": 8}]
+    assert not any(a.startswith("--speculative") for a in result["baseline"]["server_argv"])
+    for run in result["speculative"]:
+        for name, m in run["sets"].items():
+            assert m["requests"] == 4 and m["histogram_consistent"]
+            assert m["acceptance_length"] == pytest.approx(m["completion_tokens"] / m["spec_verify_ct"])
+            assert len(m["per_position"]["at_least"]) == run["config"]["steps"]
+            assert run["speedup"][name] is not None
+            assert run["output_match"][name] == {"identical": 4, "different": 0, "first_different": []}
+        assert run["server_info_avg_spec_accept_length"] == 2.5
+        assert set(run["speedup"]) == {"math", "structured", "overall"}
+    # the fake accepts 2,0,3,1 drafts in turn (capped at steps): a 3-step chain never accepts more than 3
+    assert max(len(r["overall"]["correct_drafts_histogram"]) for r in result["speculative"]) == 4
+    th = result["threshold"]
+    assert th["sets"] == ["structured"] and th["config"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
+    assert th["passed"] == (th["acceptance_length"] >= 2.0)
+    assert {p.name for p in (out / "logs").iterdir()} == {"baseline.log", "eagle3-3-1-4.log", "eagle3-7-1-8.log"}
+    pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 3 and not any(Path(f"/proc/{p}").exists() for p in pids)  # every server torn down (reaped)
+    failing = bench.check_threshold(result, 99.0)
+    assert failing["passed"] is False
+
+
+def test_server_that_dies_at_start_fails_with_its_log(tmp_path, fake_server, monkeypatch):
+    target, draft = _dirs(tmp_path)
+    monkeypatch.setenv("FAKE_EXIT", "3")
+    s = BenchSettings(target=str(target), draft=str(draft), sets=["math"], num_prompts=1, standin_tokenizer=True,
+                      check_draft=False, start_timeout_s=30, out_dir=str(tmp_path / "out"))
+    with pytest.raises(RuntimeError, match="(?s)exited.*failing at start"):
+        bench.run_bench(s, launcher=fake_server)
+
+
+def test_recipe_settings(tmp_path):
+    import yaml
+
+    from specforge_kimi.recipes import load_recipe
+
+    target, draft = _dirs(tmp_path)
+    raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
+    raw["target"]["path"] = str(target)
+    raw["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    recipe = load_recipe(tmp_path / "r.yaml")
+    s = bench.recipe_settings(recipe, draft)
+    assert s.configs == [SpecConfig(recipe.bench.steps, recipe.bench.topk, recipe.bench.draft_tokens)]
+    assert s.min_acceptance_length == recipe.bench.min_acceptance_length
+    assert s.sets == ["structured"] and s.standin_tokenizer  # tiny target without tokenizer files
+    assert (s.tp, s.attention_backend, s.disable_allreduce_fusion) == (2, "triton", True)
+    assert s.out_dir == str(tmp_path / "run" / "bench")
+    s.validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _report_module():
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_from_sample_results(tmp_path):
+    report = _report_module()
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("prepare_memory.json", "capture_parity_h200x2.json"):
+        (results / name).write_text((REPO / "bench" / "results" / name).read_text())
+    hist_a, hist_b = [1, 2, 0, 1], [0, 0, 1, 2]
+    run = {"label": "eagle3-3-1-4", "config": {"steps": 3, "topk": 1, "draft_tokens": 4}, "server_argv": [],
+           "startup_s": 60.0, "server_info_avg_spec_accept_length": 2.8,
+           "sets": {"structured": bench.summarize([{"meta_info": _meta(hist_a)}, {"meta_info": _meta(hist_b)}],
+                                                  wall_s=1.0, spec=SpecConfig(3, 1, 4))},
+           "speedup": {"structured": 1.7, "overall": 1.7},
+           "output_match": {"structured": {"identical": 2, "different": 0, "first_different": []}}}
+    run["overall"] = run["sets"]["structured"]
+    sample = {"benchmark": "acceptance", "schema_version": 1, "date_utc": "2026-12-01T00:00:00Z",
+              "target": {"path": "/x/tiny", "tiny_spec": {"layers": 8, "hidden": 512},
+                         "pretrain": {"train": {"steps": 600}}},
+              "draft": {"path": "/x/export-sglang", "architectures": ["LlamaForCausalLMEagle3"],
+                        "draft_vocab_size": 49},
+              "settings": {"max_new_tokens": 64, "concurrency": 1, "tp": 1, "attention_backend": "triton"},
+              "baseline": {"sets": {"structured": {"output_tok_per_s": 100.0}}}, "speculative": [run],
+              "threshold": {"min_acceptance_length": 3.0, "sets": ["structured"], "acceptance_length": 23 / 7,
+                            "passed": True, "config": run["config"]}}
+    (results / "acceptance_tiny.json").write_text(json.dumps(sample))
+    (results / "notes.json").write_text('{"something": "else"}')
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert md == (tmp_path / "REPORT.md").read_text()
+    assert ("| acceptance_tiny.json | tiny 8L/512h, pretrained 600 steps | 3/1/4 | structured | 2 | 3.143 | 2.857 "
+            "| 0.619 | 0.86 / 0.57 / 0.43 | 22.0 | 100.0 | 1.70x | 2/2 |") in md
+    assert "**passed**" in md
+    for title in ("## Capture overhead", "## Pipeline efficiency", "## Trainer memory"):
+        section = md.split(title, 1)[1].split("\n## ", 1)[0]
+        assert "Not measured yet" in section, title
+    assert "## Regenerate against SGLang\n\nNot measured yet" in md
+    assert "| 60000 | 100.8 | yes | 699.3 | 142.6 | 91.3 |" in md
+    assert "tp1_fusion-off | passed | 111 | 0.99996" in md
+    assert "`notes.json`" in md.split("## Unrecognised results files", 1)[1]
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"acceptance.png", "capture_parity.png",
+                                                                "prepare_memory.png"}
+    # bench/online_pipeline.py output fills capture overhead, pipeline efficiency and trainer memory
+    online = {"command": ["python", "bench/online_pipeline.py"], "engine": "sglang",
+              "baseline_capture_over_plain": {"tp1": {"64x1024": 0.55}},
+              "runs": [{"tp": 1, "shapes": [{"batch": 64, "tokens_per_prompt": 1024, "plain_tokens_per_s": 400000.0,
+                                             "capture_tokens_per_s": 300000.0, "capture_over_plain": 0.75,
+                                             "feature_bytes_per_token": 8192.0, "capture_write_gb_per_s": 2.5,
+                                             "read_gb_per_s": 4.0}]}, {"tp": 2, "error": "RuntimeError: boom"}],
+              "online_run": {"source": "/r/online_run.json",
+                             "perf": {"end_to_end_tokens_per_s": 900.0, "trainer_only_tokens_per_s": 1200.0,
+                                      "data_wait_fraction": 0.25, "steps_used": 190},
+                             "slowest_stage": "trainer_only_tokens_per_s", "end_to_end_over_slowest_stage": 0.75,
+                             "gpu_memory": {"peak_mib_per_role": {"capture-server": 40000, "trainer": 9000}}}}
+    (results / "online_pipeline_h200x2.json").write_text(json.dumps(online))
+    (results / "online_pipeline_dry.json").write_text(json.dumps({**online, "engine": "reference"}))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    sec = {t: md.split(f"## {t}", 1)[1].split("\n## ", 1)[0]
+           for t in ("Capture overhead", "Pipeline efficiency", "Trainer memory")}
+    assert "| tp1 | 64x1024 | 400000 | 300000 | 0.75x | 0.55x | 8192 | 2.50 | 4.00 |" in sec["Capture overhead"]
+    assert "error: RuntimeError: boom" in sec["Capture overhead"]
+    assert "| end-to-end / slowest stage | 0.750 |" in sec["Pipeline efficiency"]
+    assert "| trainer | 9000 |" in sec["Trainer memory"]
+    assert all("`online_pipeline_dry.json` is a CPU dry run" in v for v in sec.values())
+    # a planned kind shows its rows once a file exists
+    (results / "trainer_memory.json").write_text(json.dumps(
+        {"benchmark": "trainer_memory", "command": "x", "rows": [{"rank": 0, "peak_gib": 7.5}]}))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert "| rank | peak_gib |" in md.split("## Trainer memory", 1)[1].split("\n## ", 1)[0]
