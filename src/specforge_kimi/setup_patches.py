@@ -119,8 +119,53 @@ def _installed_root(package: str, pin: str, hint: str = "") -> Path:
     return Path(importlib.util.find_spec(package).origin).parent.parent
 
 
-def plan(checkout: str | None, *, sglang: bool) -> list[PatchStatus]:
-    """Every patch with its state; SGLang patches only when ``sglang`` (needs the checkout)."""
+def _classify_after(patch: Path, site: Path, prior: list[PatchStatus]) -> PatchStatus:
+    """Classify ``patch`` as it will meet ``site`` once the ``applicable`` ``prior`` patches are in:
+    on a scratch copy of the files they touch (ours edit a file SpecForge's capture patch creates)."""
+    import tempfile
+
+    pending = [s for s in prior if s.state == "applicable"]
+    if not pending:
+        return classify(patch, site, 2)
+    with tempfile.TemporaryDirectory(prefix="specforge-kimi-patch-") as tmp:
+        scratch = Path(tmp)
+        for rel in {f for s in pending for f in s.files} | set(_files(patch, 2)):
+            if (site / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(site / rel, scratch / rel)
+        for s in pending:
+            apply(PatchStatus(s.patch, scratch, s.strip, s.state, s.files))
+        status = classify(patch, scratch, 2)
+    status.root = site
+    if status.state == "drift":
+        status.detail = f"after {', '.join(s.patch.name for s in pending)}: {status.detail}"
+    return status
+
+
+def _stack_applied(patches: list[Path], site: Path) -> bool:
+    """True when every patch of the stack is in: each reverses, last first, on a scratch copy
+    (a later patch edits a file an earlier one created, so the earlier one alone no longer reverses)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="specforge-kimi-patch-") as tmp:
+        scratch = Path(tmp)
+        for rel in {f for p in patches for f in _files(p, 2)}:
+            if (site / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(site / rel, scratch / rel)
+        for p in reversed(patches):
+            if _dry(p, scratch, 2, reverse=True).returncode != 0:
+                return False
+            subprocess.run(["patch", "-p2", "-d", str(scratch), "-R", "--batch", "--silent", "-i", str(p)],
+                           capture_output=True)
+    return True
+
+
+def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None) -> list[PatchStatus]:
+    """Every patch with its state; SGLang patches only when ``sglang`` (needs the checkout).
+
+    SGLang patches are listed in application order (SpecForge's capture patch, then ours), each
+    classified as it will meet the tree after the ones before it."""
     root = patches_root()
     statuses = [classify(p, specforge_root(checkout), 1) for p in sorted((root / "specforge" / SPECFORGE_PIN).glob("*.patch"))]
     if sglang:
@@ -130,9 +175,15 @@ def plan(checkout: str | None, *, sglang: bool) -> list[PatchStatus]:
         capture = Path(checkout) / CAPTURE_PATCH
         if not capture.is_file():
             raise KimiInputError(f"{capture} not found in the SpecForge checkout")
-        site = sglang_root()
-        statuses.append(classify(capture, site, 2))
-        statuses += [classify(p, site, 2) for p in sorted((root / "sglang" / SGLANG_PIN).glob("*.patch"))]
+        site = sglang_site or sglang_root()
+        stack = [capture, *sorted((root / "sglang" / SGLANG_PIN).glob("*.patch"))]
+        if _stack_applied(stack, site):
+            statuses += [PatchStatus(p, site, 2, "applied", _files(p, 2)) for p in stack]
+            return statuses
+        sglang_statuses = [classify(capture, site, 2)]
+        for p in stack[1:]:
+            sglang_statuses.append(_classify_after(p, site, sglang_statuses))
+        statuses += sglang_statuses
     return statuses
 
 

@@ -1,0 +1,109 @@
+"""Our SGLang patches on top of SpecForge's capture patch: they apply in order, and the patched
+capture sink writes byte-exact features into a real Mooncake store.
+
+Needs a SpecForge checkout at the pinned commit (its capture patch is never copied into this
+repository): set ``SPECFORGE_KIMI_SPECFORGE_CHECKOUT``; skipped otherwise. The SGLang files are
+copied from the installed sglang 0.5.14 into a scratch tree, which is what gets patched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+CHECKOUT = os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT")
+pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge "
+                                                      "checkout at a6b6b023")
+
+
+@pytest.fixture()
+def patched_site(tmp_path):
+    from specforge_kimi import setup_patches as sp
+
+    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    installed = sp.sglang_root()
+    site = tmp_path / "site"
+    for rel in sp._files(capture, 2):
+        if (installed / rel).is_file():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(installed / rel, site / rel)
+    statuses = sp.plan(CHECKOUT, sglang=True, sglang_site=site)
+    sglang = [s for s in statuses if s.root == site]
+    assert [s.patch.name for s in sglang][0] == "spec-capture.patch"
+    assert len(sglang) >= 2 and all(s.state == "applicable" for s in sglang), [(s.patch.name, s.detail) for s in sglang]
+    for s in sglang:
+        sp.apply(s)
+    again = [s for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.root == site]
+    assert all(s.state == "applied" for s in again)  # idempotent: a second setup changes nothing
+    return site
+
+
+def test_drift_in_our_patch_is_named(tmp_path):
+    from specforge_kimi import setup_patches as sp
+
+    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    installed = sp.sglang_root()
+    site = tmp_path / "site"
+    for rel in sp._files(capture, 2):
+        if (installed / rel).is_file():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(installed / rel, site / rel)
+    sp.apply(sp.classify(capture, site, 2))
+    sink = site / "sglang/srt/spec_capture_sink.py"
+    sink.write_text(sink.read_text().replace("registered: List[torch.Tensor] = []", "registered = []"))
+    ours = [s for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.patch.parent.name == "0.5.14"]
+    assert ours and ours[0].state == "drift" and "spec_capture_sink.py" in " ".join(ours[0].files)
+
+
+def test_staged_sink_writes_exact_bytes(patched_site, tmp_path):
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+
+    from specforge_kimi import services
+
+    spec = importlib.util.spec_from_file_location("patched_sink", patched_site / "sglang/srt/spec_capture_sink.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=512 << 20) as mc:
+        env = {"MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
+               "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+               "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20), "MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            sink = module.SpecCaptureSink([1, 3, 4])
+            reader = MooncakeDistributedStore()
+            reader.setup("127.0.0.1", env["MOONCAKE_METADATA_SERVER"], 0, 64 << 20, "tcp", "",
+                         env["MOONCAKE_MASTER_SERVER_ADDR"])
+            gen = torch.Generator().manual_seed(0)
+            # two batches; the second is larger than the first staging buffer (re-registration)
+            for batch, (n, length) in enumerate(((3, 37), (4, 9000))):
+                samples = []
+                for i in range(n):
+                    aux = torch.randn(length, 96, generator=gen).to(torch.bfloat16)
+                    last = torch.randn(length, 32, generator=gen).to(torch.bfloat16)
+                    samples.append(({"store_id": "t", "sample_id": f"b{batch}-{i}", "gen": 1,
+                                     "features": {"aux": "hidden_state", "last_hidden": "target"},
+                                     "passthrough": [{"name": "input_ids", "data": list(range(length)),
+                                                      "shape": [1, length], "dtype": "int64"},
+                                                     {"name": "mask", "data": [i % 2 == 0] * length,
+                                                      "shape": [1, length], "dtype": "bool"}]}, aux, last))
+                results = sink.put_samples(samples)
+                assert [r["features"]["hidden_state"]["shape"] for r in results] == [[1, length, 96]] * n
+                for (spec_, aux, last), _ in zip(samples, results):
+                    key = f"t/{spec_['sample_id']}/g1/"
+                    assert reader.get(key + "hidden_state") == aux.contiguous().view(torch.uint8).numpy().tobytes()
+                    assert reader.get(key + "target") == last.contiguous().view(torch.uint8).numpy().tobytes()
+                    assert reader.get(key + "input_ids") == torch.arange(length).numpy().tobytes()
+                    assert reader.get(key + "mask") == torch.tensor(spec_["passthrough"][1]["data"]).numpy().tobytes()
+            assert sink._stage is not None and sink._stage.numel() >= 4 * 9000 * (96 + 32) * 2
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
