@@ -247,7 +247,9 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
         "data": {"prompts_path": r.data.prompts_path, "max_length": r.trainer.max_length},
         "training": {"strategy": "eagle3", "max_steps": r.trainer.max_steps, "batch_size": r.trainer.batch_size,
                      "learning_rate": r.trainer.learning_rate, "ttt_length": r.trainer.ttt_length,
-                     "save_interval": r.trainer.save_interval, "seed": r.trainer.seed, "attention_backend": "sdpa"},
+                     "save_interval": r.trainer.save_interval, "seed": r.trainer.seed, "attention_backend": "sdpa",
+                     # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
+                     "log_interval": 10},
         "deployment": {
             "mode": "disaggregated",
             "trainer": {"nnodes": r.gpus.nnodes, "nproc_per_node": r.gpus.per_node,
