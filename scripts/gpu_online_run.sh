@@ -38,7 +38,7 @@ python3 -m specforge_kimi launch "$RECIPE" --plan > "$OUT/plan.json"
     done
   done ) > "$OUT/gpu_mem_samples.csv" &
 SAMPLER=$!
-timeout --signal=INT "$T" python3 -m specforge_kimi launch "$RECIPE" > "$OUT/launch.out" 2>&1
+timeout --signal=INT "$T" python3 -m specforge_kimi launch "$RECIPE" --no-bench > "$OUT/launch.out" 2>&1
 RC=$?
 T2=$(date +%s)
 kill $SAMPLER 2>/dev/null
@@ -46,7 +46,7 @@ echo "launch rc=$RC seconds=$((T2-T1)) prep_seconds=$((T1-T0))" | tee -a "$OUT/l
 sleep 5
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_after.csv" 2>&1
 nvidia-smi --query-gpu=index,memory.used --format=csv >> "$OUT/gpu_after.csv" 2>&1
-ps -eo pid,cmd | grep -E "sglang|specforge|mooncake|torch.distributed" | grep -v grep > "$OUT/procs_after.txt"
+ps -eo pid,cmd | grep -E "sglang|specforge_kimi (train|launch)|specforge_kimi.capture_server|mooncake.cli|torch.distributed.run" | grep -v grep > "$OUT/procs_after.txt"
 for f in "$RUN"/logs/*.log; do tail -c 30000 "$f" > "$OUT/$(basename "$f")"; done
 ls -laR "$RUN" > "$OUT/run_tree.txt" 2>&1
 CKPTS=$(ls -d "$RUN"/tiny-k25-tp2-step* 2>/dev/null | sort -V)

@@ -9,7 +9,9 @@ trainer GPUs that overlap the capture server's; its supervisor does not care. So
 it to ``specforge.launch_plan.run_commands``, which starts services in phase order, waits for
 readiness, stops everything if any child fails, forwards Ctrl-C/TERM/HUP and tears down process
 groups (grace, then SIGKILL). Every role writes its own log under ``<output_dir>/logs``. The
-memory split is checked when the recipe loads; nothing starts if it does not fit.
+memory split is checked when the recipe loads; nothing starts if it does not fit. After a clean
+finish the newest checkpoint is exported for SGLang and the recipe's acceptance bench runs
+(``bench:`` section); below its ``min_acceptance_length`` the command exits 1.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def add_parser(sub) -> None:
     p.add_argument("recipe")
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
+    p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
     p.set_defaults(func=run)
 
 
@@ -157,6 +160,18 @@ def run(args) -> int:
     preflight(plan)
     print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
     rc = run_plan(plan, managed_preflight=lambda _plan: None)
-    if rc == 0:
-        print(f"exported draft: {export_latest(recipe, rendered)}", flush=True)
-    return rc
+    if rc != 0:
+        return rc
+    export_dir = export_latest(recipe, rendered)
+    print(f"exported draft: {export_dir}", flush=True)
+    if args.no_bench:
+        return 0
+    # every recipe ends with the acceptance bench (its own servers; the run's GPUs are free now)
+    from specforge_kimi.bench import run_recipe_bench
+
+    th = run_recipe_bench(recipe, export_dir)["threshold"]
+    if th is not None and not th["passed"]:
+        print(f"error: acceptance length {th['acceptance_length']} at {th['config']} on {th['sets']} is below the "
+              f"recipe's bench.min_acceptance_length {th['min_acceptance_length']}", file=sys.stderr, flush=True)
+        return 1
+    return 0

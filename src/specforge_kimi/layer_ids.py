@@ -39,8 +39,11 @@ def default_specforge_ids(num_layers: int) -> tuple[int, ...]:
     Expressed as SpecForge ids with first id 1 (so SGLang's shift yields ``[2, L//2, L-3]``
     again); for 61 layers this is K2.5's ``[1, 29, 57]``.
     """
-    if num_layers < 5:
-        raise KimiInputError(f"a target with {num_layers} layers is too shallow for 3 aux layers (need >= 5)")
+    positions = (2, num_layers // 2, num_layers - 3)
+    if num_layers < 5 or len(set(positions)) < 3:
+        # SGLang's formula repeats a layer below 7 layers ([2, 3, 3] for 6): no valid default
+        raise KimiInputError(f"SGLang's default aux layers [2, L//2, L-3] are {list(positions)} for a {num_layers}-layer "
+                             "target (not 3 distinct layers); pass explicit aux layer ids")
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 

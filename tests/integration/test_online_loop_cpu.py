@@ -11,31 +11,20 @@ metadata-only disk footprint and the teardown. SGLang itself is proven by the GP
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import TEST_SPEC
+from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -48,54 +37,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def online_run(tmp_path_factory):
-    from specforge_kimi import corpus
-    from specforge_kimi.launch import build_colocated_plan, export_latest, run_plan
-    from specforge_kimi.recipes import Recipe, render
-    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.launch import export_latest, run_plan
 
-    root = tmp_path_factory.mktemp("online")
-    target = write_tiny(root / "k25", TinySpec(**TEST_SPEC))
-    with open(root / "corpus.jsonl", "w") as f:
-        for row in corpus.conversations(40, seed=0):
-            f.write(json.dumps(row) + "\n")
-    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
-                    str(root / "data"), "--standin-tokenizer", "--draft-vocab-size", "256", "--no-progress"],
-                   check=True, capture_output=True)
-
-    raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
-    raw["output_dir"] = str(root / "run")
-    raw["target"].update(path=str(target), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
-                         num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 3, 4])
-    raw["gpus"]["per_node"] = 1
-    raw["mooncake"] = {"rpc_port": _free_port(), "metadata_port": _free_port(), "metrics_port": _free_port()}
-    raw["server"]["port"] = _free_port()
-    raw["trainer"]["draft"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=4, draft_vocab_size=256)
-    raw["trainer"].update(max_steps=STEPS, save_interval=6, max_length=256)
-    raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
-                   "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
-    recipe = Recipe.model_validate(raw)
-    rendered = render(recipe, Path(recipe.output_dir) / "rendered")  # where `launch` renders it
-    # CPU trainer: fp32 features and weights, DDP on gloo instead of FSDP (cpu_shims.py says why)
-    cfg_path = Path(recipe.output_dir) / "rendered" / "specforge_run.yaml"
-    cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["model"]["torch_dtype"] = "float32"
-    cfg["training"].update(fsdp_sharding="NO_SHARD", log_interval=1)
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    rendered["specforge_config"] = cfg
-
-    plan = build_colocated_plan(recipe, rendered, python=sys.executable)
-    mooncake, server = plan.services
-    server_ids = server.command.argv[server.command.argv.index("--spec-capture-aux-layer-ids") + 1:][:3]
-    assert [int(i) for i in server_ids] == cfg["model"]["aux_hidden_state_layer_ids"]
-    env = {**server.command.env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20),
-           "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
-    argv = (sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", str(target),
-            "--spec-capture-aux-layer-ids", *server_ids, "--host", "127.0.0.1", "--port", str(recipe.server.port),
-            "--dtype", "float32")
-    server = dataclasses.replace(server, command=dataclasses.replace(server.command, argv=argv, env=env))
-    plan = dataclasses.replace(plan, services=(mooncake, server))
-
+    plan, recipe, rendered, target = cpu_plan(tmp_path_factory.mktemp("online"), steps=STEPS, save_interval=6)
     spawned = []
 
     def popen(*a, **k):

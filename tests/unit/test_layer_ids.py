@@ -42,6 +42,13 @@ def test_default_ids_match_sglang_default():
     assert default_specforge_ids(61) == K25_DEFAULT_SPECFORGE_IDS
 
 
+def test_no_default_where_sglangs_formula_repeats_a_layer():
+    assert default_specforge_ids(7) == (1, 2, 3)  # positions [2, 3, 4]
+    for n in (4, 5, 6):
+        with pytest.raises(KimiInputError, match="explicit aux layer ids"):
+            default_specforge_ids(n)
+
+
 @pytest.mark.parametrize("engine,ids,n,msg", [
     ("specforge", [1, 29, 60], 61, "has residual positions 1..60"),  # 60 -> 61 after the shift
     ("vllm", [0, 3, 4], 8, "embedding output"),
