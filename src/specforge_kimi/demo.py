@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 
@@ -122,43 +123,98 @@ def _plot(losses: list[float], acc: list[list[float]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(s: DemoSettings) -> dict:
-    """Run the demo; returns (and writes ``demo_result.json``) the measured results."""
+@dataclass
+class DemoInputs:
+    """What the demo's steps 1-4 produce, before any draft exists (see :func:`prepare_inputs`)."""
+
+    out: Path
+    spec: Any                 # TinySpec of the target
+    pretrain: Any             # PretrainResult
+    target_dir: Path
+    info: Any                 # TargetInfo (inspect_target)
+    aux: Any                  # AuxLayers
+    feat_dir: Path            # training features (SpecForge offline format, one .ckpt per row)
+    feat_dtype: Any
+    held: list                # held-out samples, with target_greedy / target_p_draft cached
+    train_rows: int
+    held_rows: int
+    draft_vocab: int
+    vm_path: Path
+    draft_cfg_path: Path      # the Llama-style draft config
+    head_w: Any               # target lm_head weight, fp32
+    since: float = 0.0        # time.monotonic() at the last ``lap`` (the demo times step 4 from there)
+
+
+def demo_rows(s: DemoSettings, tokenizer=None) -> tuple[list, list, list, list]:
+    """The demo's training and held-out conversations and their rendered rows (deterministic
+    in ``s.seed`` / ``s.train_conversations`` / ``s.heldout_conversations``)."""
+    from specforge_kimi import corpus
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    tokenizer = tokenizer or build_standin_tokenizer()
+    train_recs = list(corpus.conversations(s.train_conversations, seed=s.seed))
+    held_recs = list(corpus.conversations(s.heldout_conversations, seed=s.seed + 10_000))
+    return train_recs, held_recs, _rows(train_recs, tokenizer), _rows(held_recs, tokenizer)
+
+
+def capture_samples(model, rows, aux, feat_dtype, *, batch: int = 16, progress: bool = False,
+                    desc: str = "[3/6] capture"):
+    """Yield ``(row index, sample)`` for ``rows`` in the demo's capture order (sorted by length,
+    batches of ``batch``): SpecForge offline-format samples captured with the reference hooks."""
     import torch
     from tqdm import tqdm
 
-    import specforge_kimi
-    from specforge_kimi import corpus
     from specforge_kimi.capture import capture
-    from specforge_kimi.export import finalize_sglang_export, versions
+
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    bar = tqdm(total=len(rows), desc=desc, disable=not progress)
+    for b in range(0, len(order), batch):
+        idx = order[b: b + batch]
+        T = max(len(rows[i][0]) for i in idx)
+        # Right padding is exact here: attention is causal, so real positions never see pads.
+        ids_t = torch.full((len(idx), T), 0, dtype=torch.long)
+        for k, i in enumerate(idx):
+            ids_t[k, : len(rows[i][0])] = torch.tensor(rows[i][0])
+        cap = capture(model, ids_t, aux)
+        for k, n in enumerate(idx):
+            ids, mask = rows[n]
+            L = len(ids)
+            yield n, {"input_ids": torch.tensor(ids, dtype=torch.long),
+                      "loss_mask": torch.tensor(mask, dtype=torch.long),
+                      "hidden_state": cap.last[k: k + 1, :L].to(feat_dtype).clone(),
+                      "aux_hidden_state": cap.aux[k: k + 1, :L].to(feat_dtype).clone()}
+        bar.update(len(idx))
+    bar.close()
+
+
+def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
+    """The demo's steps 1-4 up to the first draft: data, pretrained tiny target, captured
+    features, vocab mapping, Llama-style draft config, held-out samples with the target's greedy
+    tokens and draft-vocab distribution cached. Writes under ``s.out_dir`` (must be a demo
+    directory or absent). ``lap(name, since)`` records timings."""
+    import torch
+
+    import specforge_kimi
     from specforge_kimi.layer_ids import AuxLayers
-    from specforge_kimi.offline_train import export_sglang, train_offline
     from specforge_kimi.pretrain import pretrain
-    from specforge_kimi.simulate import add_target_greedy, simulated_acceptance
+    from specforge_kimi.simulate import add_target_greedy
     from specforge_kimi.target import inspect_target, load_text_model
     from specforge_kimi.tiny import TinySpec, write_tiny
     from specforge_kimi.tokenizer import build_standin_tokenizer
     from specforge_kimi.vocab_mapping import build_vocab_mapping, save_vocab_mapping
 
-    t0 = time.monotonic()
-    timings: dict[str, float] = {}
-    say = print if s.progress else (lambda *a, **k: None)
+    say = say or (lambda *a, **k: None)
+    lap = lap or (lambda name, since: time.monotonic())
     specforge_kimi.register()
     torch.manual_seed(s.seed)
     out = Path(s.out_dir).resolve()
     _prepare_out(out)
 
-    def lap(name: str, since: float) -> float:
-        timings[name] = round(time.monotonic() - since, 2)
-        return time.monotonic()
-
     # 1. data: K2.5 chat format, stand-in tokenizer
     t = time.monotonic()
     tokenizer = build_standin_tokenizer()
-    train_recs = list(corpus.conversations(s.train_conversations, seed=s.seed))
-    held_recs = list(corpus.conversations(s.heldout_conversations, seed=s.seed + 10_000))
+    train_recs, _, train_rows, held_rows = demo_rows(s, tokenizer)
     (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_recs))
-    train_rows, held_rows = _rows(train_recs, tokenizer), _rows(held_recs, tokenizer)
     say(f"[1/6] {len(train_rows)} training rows, {len(held_rows)} held-out rows rendered with the kimi-k2.5 "
         f"template ({sum(len(i) for i, _ in train_rows)} tokens, {sum(sum(m) for _, m in train_rows)} trained)")
     t = lap("data", t)
@@ -188,33 +244,15 @@ def run_demo(s: DemoSettings) -> dict:
     held = []
     counts: Counter = Counter()
     rows = train_rows + held_rows
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    bar = tqdm(total=len(rows), desc="[3/6] capture", disable=not s.progress)
-    batch = 16
-    for b in range(0, len(order), batch):
-        idx = order[b: b + batch]
-        T = max(len(rows[i][0]) for i in idx)
-        # Right padding is exact here: attention is causal, so real positions never see pads.
-        ids_t = torch.full((len(idx), T), 0, dtype=torch.long)
-        for k, i in enumerate(idx):
-            ids_t[k, : len(rows[i][0])] = torch.tensor(rows[i][0])
-        cap = capture(model, ids_t, aux)
-        for k, n in enumerate(idx):
+    for n, sample in capture_samples(model, rows, aux, feat_dtype, progress=s.progress):
+        if n < len(train_rows):
+            torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
             ids, mask = rows[n]
-            L = len(ids)
-            sample = {"input_ids": torch.tensor(ids, dtype=torch.long),
-                      "loss_mask": torch.tensor(mask, dtype=torch.long),
-                      "hidden_state": cap.last[k: k + 1, :L].to(feat_dtype).clone(),
-                      "aux_hidden_state": cap.aux[k: k + 1, :L].to(feat_dtype).clone()}
-            if n < len(train_rows):
-                torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
-                counts.update(t_ for t_, m in zip(ids, mask) if m)
-            else:
-                held.append(sample)
-        bar.update(len(idx))
-    bar.close()
+            counts.update(t_ for t_, m in zip(ids, mask) if m)
+        else:
+            held.append(sample)
     del model
-    t = lap("capture", t)
+    since = lap("capture", t)
 
     # 4. vocab mapping + draft config
     # The corpus uses ~100 distinct tokens; padding a draft vocab with tokens the target never
@@ -228,13 +266,45 @@ def run_demo(s: DemoSettings) -> dict:
     draft_cfg_path = out / "draft_config.json"
     draft_cfg_path.write_text(json.dumps(_draft_config(info.hidden_size, draft_vocab, aux.specforge_ids()),
                                          indent=2))
+    head_w = load_head_weight(target_dir, info)
+    add_target_greedy(held, head_w, t2d=mapping.t2d)
+    return DemoInputs(out=out, spec=spec, pretrain=pre, target_dir=target_dir, info=info, aux=aux,
+                      feat_dir=feat_dir, feat_dtype=feat_dtype, held=held, train_rows=len(train_rows),
+                      held_rows=len(held_rows), draft_vocab=draft_vocab, vm_path=Path(vm_path),
+                      draft_cfg_path=draft_cfg_path, head_w=head_w, since=since)
+
+
+def load_head_weight(target_dir, info):
+    """The target's lm_head weight (fp32)."""
     from safetensors import safe_open
 
     from specforge_kimi.target import weight_index
 
-    with safe_open(str(target_dir / weight_index(target_dir)[info.lm_head_key]), framework="pt") as f:
-        head_w = f.get_tensor(info.lm_head_key).float()
-    add_target_greedy(held, head_w, t2d=mapping.t2d)
+    with safe_open(str(Path(target_dir) / weight_index(target_dir)[info.lm_head_key]), framework="pt") as f:
+        return f.get_tensor(info.lm_head_key).float()
+
+
+def run_demo(s: DemoSettings) -> dict:
+    """Run the demo; returns (and writes ``demo_result.json``) the measured results."""
+    import torch
+
+    from specforge_kimi.export import finalize_sglang_export, versions
+    from specforge_kimi.offline_train import export_sglang, train_offline
+    from specforge_kimi.simulate import simulated_acceptance
+
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    say = print if s.progress else (lambda *a, **k: None)
+
+    def lap(name: str, since: float) -> float:
+        timings[name] = round(time.monotonic() - since, 2)
+        return time.monotonic()
+
+    inp = prepare_inputs(s, say, lap)
+    out, spec, pre, target_dir, info, aux = inp.out, inp.spec, inp.pretrain, inp.target_dir, inp.info, inp.aux
+    feat_dir, feat_dtype, held, vm_path, draft_cfg_path, head_w = (
+        inp.feat_dir, inp.feat_dtype, inp.held, inp.vm_path, inp.draft_cfg_path, inp.head_w)
+    t = inp.since
     torch.manual_seed(s.seed)
     untrained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path))
     before = simulated_acceptance(untrained, head_w, held, s.eval_steps)

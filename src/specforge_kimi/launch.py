@@ -52,24 +52,44 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
             readiness=ReadinessSpec("mooncake", f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
                                     MOONCAKE_START_TIMEOUT_S, tcp_host=mc.host, tcp_port=mc.rpc_port),
             log_path=str(logs / "mooncake.log"), phase=0))
+    res = recipe.resilience
+    server_env = {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}
+    server_phase = 1
+    if res.segment_owner == "keeper" and node_rank == 0:
+        services.append(ServiceSpec(
+            command=CommandSpec("segment-keeper", (python, "-m", "specforge_kimi.segment_keeper", "--host", mc.host,
+                                                   "--port", str(res.keeper_port)),
+                                {**launch["server_env"], "CUDA_VISIBLE_DEVICES": ""}),
+            readiness=ReadinessSpec("http", f"http://{mc.host}:{res.keeper_port}/health", MOONCAKE_START_TIMEOUT_S),
+            log_path=str(logs / "segment-keeper.log"), phase=1))
+        server_env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "0"  # the server puts into the keeper's segment
+        server_phase = 2
     server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(launch["capture_server"], python)]
+    if res.server_restarts:
+        server_argv = [python, "-m", "specforge_kimi.keeper", "--restarts", str(res.server_restarts), "--",
+                       *server_argv]
     services.append(ServiceSpec(
-        command=CommandSpec("capture-server", tuple(server_argv),
-                            {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}),
+        command=CommandSpec("capture-server", tuple(server_argv), server_env),
         readiness=ReadinessSpec("http", f"http://{recipe.server.host}:{recipe.server.port}/health",
                                 SERVER_START_TIMEOUT_S),
-        log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=1))
-    env = {"SPECFORGE_PLUGINS": "specforge_kimi", "CUDA_VISIBLE_DEVICES": gpus}
+        log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=server_phase))
+    env = {"SPECFORGE_PLUGINS": "specforge_kimi", "CUDA_VISIBLE_DEVICES": gpus,
+           "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s)}
     commands = []
     if node_rank == 0:
         commands.append(CommandSpec("producer", _logged(_py(launch["producer"], python), logs / "producer.log"), env))
     consumer = _py(launch["consumer"], python)
     if recipe.gpus.nnodes > 1:
         consumer.insert(3, f"--node_rank={node_rank}")
+    if res.consumer_restarts:
+        consumer = [python, "-m", "specforge_kimi.keeper", "--restarts", str(res.consumer_restarts),
+                    "--resume-consumer", str(out), recipe.name, "--", *consumer]
     commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
     return LaunchPlan(kind="managed_supervisor", role="both", commands=tuple(commands), services=tuple(services),
-                      managed_root=str(out / "supervisor"), managed_ports=(mc.rpc_port, mc.metadata_port,
-                                                                          recipe.server.port) if node_rank == 0 else (),
+                      managed_root=str(out / "supervisor"),
+                      managed_ports=(mc.rpc_port, mc.metadata_port, recipe.server.port,
+                                     *([res.keeper_port] if res.segment_owner == "keeper" else []))
+                      if node_rank == 0 else (),
                       shutdown_grace_s=30.0)
 
 

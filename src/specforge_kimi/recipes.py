@@ -67,6 +67,17 @@ class MooncakeSection(_Strict):
     global_segment_gib: float = Field(default=32, gt=0, description="Server-owned segment holding features in flight")
 
 
+class ResilienceSection(_Strict):
+    segment_owner: Literal["server", "keeper"] = Field(
+        default="server", description="Who mounts the Mooncake segment holding features in flight: the capture "
+        "server (SpecForge's default; a lost server loses them) or a separate segment keeper process")
+    keeper_port: int = Field(default=35904, gt=0, lt=65536, description="Segment keeper's /health port")
+    server_restarts: int = Field(default=0, ge=0, description="Restarts of a lost capture server (keeper)")
+    server_outage_s: float = Field(default=900, gt=0, description="How long the producer waits for a lost server")
+    consumer_restarts: int = Field(default=0, ge=0, description="Consumer-only resumes after a trainer crash "
+                                   "(SpecForge resumes only when the ledger's durable step = a checkpoint's)")
+
+
 class TrainerSection(_Strict):
     draft: dict[str, Any] = Field(description="Draft config JSON (LlamaForCausalLMEagle3), written beside the run")
     max_steps: int = Field(gt=0, description="Optimizer steps")
@@ -101,6 +112,7 @@ class Recipe(_Strict):
     trainer: TrainerSection
     data: DataSection
     bench: BenchSection
+    resilience: ResilienceSection = ResilienceSection()
 
     @model_validator(mode="after")
     def _check(self) -> "Recipe":

@@ -21,6 +21,12 @@ imports transformers/specforge lazily. The seams:
    ``trust_remote_code: false``. Other targets pass through untouched.
 5. SpecForge's draft registry and ``eagle3`` algorithm: the MLA EAGLE-3 draft
    (``Eagle3DeepseekV2ForCausalLM``, :func:`specforge_kimi.drafts.mla_eagle3.register_mla_draft`).
+6. SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
+   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
+   ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
+   SpecForge. Its rollout worker requeues the prompts (retryable) either way, but it drops a
+   worker after 3 consecutive failed calls and fails a prompt after 5 attempts, so without the
+   wait a server restart (a minute or more) ends the run. Successful calls are untouched.
 """
 
 from __future__ import annotations
@@ -115,6 +121,50 @@ def _install_tokenizer_loader() -> None:
     assembly._load_text_tokenizer = _load_text_tokenizer
 
 
+def _server_healthy(base_url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def _install_outage_wait() -> None:
+    from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
+
+    original = SGLangServerCaptureAdapter.produce_refs
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def produce_refs(self, tasks, *, capture):
+        import logging
+        import time
+
+        try:
+            return original(self, tasks, capture=capture)
+        except Exception as exc:
+            import requests
+
+            if not isinstance(exc, requests.RequestException) or _server_healthy(self.base_url):
+                raise
+            limit = float(os.environ.get("SPECFORGE_KIMI_SERVER_OUTAGE_S", "900"))
+            log = logging.getLogger("specforge_kimi")
+            log.warning("capture server %s unreachable (%s); waiting up to %.0f s for it", self.base_url,
+                        type(exc).__name__, limit)
+            deadline = time.monotonic() + limit
+            while time.monotonic() < deadline and not _server_healthy(self.base_url):
+                time.sleep(2.0)
+            log.warning("capture server %s is %s", self.base_url,
+                        "back" if _server_healthy(self.base_url) else f"still down after {limit:.0f} s")
+            raise  # SpecForge requeues the prompts (retryable) and its next call finds the server up
+
+    setattr(produce_refs, _WRAPPED_FLAG, True)
+    SGLangServerCaptureAdapter.produce_refs = produce_refs
+
+
 def register_all() -> None:
     """Run every registration step once per process."""
     global _DONE
@@ -131,4 +181,5 @@ def register_all() -> None:
     from specforge_kimi.drafts.mla_eagle3 import register_mla_draft
 
     register_mla_draft()
+    _install_outage_wait()
     _DONE = True

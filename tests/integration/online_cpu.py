@@ -24,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40):
+def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40,
+             resilience: dict | None = None):
     """``(plan, recipe, rendered, target)`` for a 1-rank CPU run under ``root``."""
     from specforge_kimi import corpus
     from specforge_kimi.launch import build_colocated_plan
@@ -44,7 +45,10 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     raw["target"].update(path=str(target), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
                          num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 3, 4])
     raw["gpus"]["per_node"] = 1
-    raw["mooncake"] = {"rpc_port": free_port(), "metadata_port": free_port(), "metrics_port": free_port()}
+    raw["mooncake"] = {"rpc_port": free_port(), "metadata_port": free_port(), "metrics_port": free_port(),
+                       "global_segment_gib": 0.25}
+    if resilience:
+        raw["resilience"] = {"keeper_port": free_port(), **resilience}
     raw["server"]["port"] = free_port()
     raw["trainer"]["draft"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=4, draft_vocab_size=256)
@@ -62,13 +66,14 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     rendered["specforge_config"] = cfg
 
     plan = build_colocated_plan(recipe, rendered, python=sys.executable)
-    mooncake, server = plan.services
-    server_ids = server.command.argv[server.command.argv.index("--spec-capture-aux-layer-ids") + 1:][:3]
+    *others, server = plan.services
+    old = list(server.command.argv)
+    server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1:][:3]
     assert [int(i) for i in server_ids] == cfg["model"]["aux_hidden_state_layer_ids"]
-    env = {**server.command.env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20),
-           "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
-    argv = (sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", str(target),
+    keeper = old[: old.index("--") + 1] if "specforge_kimi.keeper" in old else []
+    argv = (*keeper, sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", str(target),
             "--spec-capture-aux-layer-ids", *server_ids, "--host", "127.0.0.1", "--port", str(recipe.server.port),
             "--dtype", "float32")
+    env = {**server.command.env, "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
     server = dataclasses.replace(server, command=dataclasses.replace(server.command, argv=argv, env=env))
-    return dataclasses.replace(plan, services=(mooncake, server)), recipe, rendered, target
+    return dataclasses.replace(plan, services=(*others, server)), recipe, rendered, target
