@@ -1,0 +1,109 @@
+"""Issue 7's fault scenarios on a 2-GPU box with the real stack: the tiny K2.5 recipe's co-located
+plan (Mooncake, text-only SGLang capture server at TP=2, producer, 2 torchrun trainer ranks on the
+same GPUs), under SpecForge's supervisor. Same drills and checks as the CPU ones
+(``tests/integration/test_faults_cpu.py``, machinery in ``tests/drills.py``):
+  - capture server SIGKILLed (with its scheduler processes) -> segment keeper + server keeper:
+    the run finishes, every prompt trained exactly once (SpecForge's ledger);
+  - a trainer rank crashes right after a checkpoint -> consumer keeper resumes consumer-only;
+  - Mooncake master SIGKILLed -> the run stops within ``STOP_BOUND_S``, nothing left.
+Outcomes go to ``$SPECFORGE_KIMI_GPU_OUT/fault_drills.jsonl``. A small random-weight target and
+200 corpus conversations keep each drill to a server start plus seconds of training.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drills import (check_recovered, check_stopped, drill, inject_consumer_crash, kill_server_child, kill_service,
+                    producer_just_ahead)
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from specforge_kimi import corpus
+    from specforge_kimi.tiny import TinySpec, write_tiny
+
+    root = tmp_path_factory.mktemp("faults")
+    target = write_tiny(root / "k25", TinySpec(layers=8, hidden=512))
+    with open(root / "corpus.jsonl", "w") as f:
+        for row in corpus.conversations(200, seed=0):
+            f.write(json.dumps(row) + "\n")
+    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
+                    str(root / "data"), "--tokenizer", str(target), "--draft-vocab-size", "256", "--no-progress"],
+                   check=True, capture_output=True)
+    return root, target
+
+
+def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None):
+    def build():
+        from specforge_kimi.launch import build_colocated_plan
+        from specforge_kimi.recipes import Recipe, render
+        from specforge_kimi.services import free_ports
+
+        root, target = inputs
+        raw = copy.deepcopy(yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text()))
+        rpc, meta, metrics, port, keeper = free_ports(5)
+        raw["output_dir"] = str(run_dir)
+        raw["target"]["path"] = str(target)
+        raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta, "metrics_port": metrics, "global_segment_gib": 8}
+        raw["server"]["port"] = port
+        raw["trainer"].update(max_steps=1000, save_interval=save_interval)
+        raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
+                       "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
+        if resilience:
+            raw["resilience"] = {"keeper_port": keeper, **resilience}
+        recipe = Recipe.model_validate(raw)
+        rendered = render(recipe, run_dir / "rendered")
+        cfg_path = run_dir / "rendered" / "specforge_run.yaml"
+        cfg = yaml.safe_load(cfg_path.read_text())
+        cfg["training"]["log_interval"] = 1  # the drills key on "step N:" lines
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return build_colocated_plan(recipe, rendered, python=sys.executable), recipe, root / "data" / "prompts.jsonl"
+    return build
+
+
+def _record(name: str, res: dict) -> None:
+    out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
+    led = res["report"]["ledger"]
+    with open(out / "fault_drills.jsonl", "a") as f:
+        f.write(json.dumps({"drill": name, "rc": res["rc"], "stop_s": res["stop_s"], "victims": len(res["victims"] or []),
+                            "processes_left": len(res["left"]) + len(res["spawned_alive"]), "prompts": res["prompts"],
+                            "acked": led.get("acked"), "duplicates": led.get("duplicates"),
+                            "committed": led.get("committed"), "global_step": led.get("global_step")}) + "\n")
+
+
+def test_server_lost_and_restarted(tmp_path, inputs):
+    res = drill(tmp_path, kill_server_child("specforge_kimi.capture_server"),
+                _build(tmp_path / "run", inputs, save_interval=50,
+                       resilience={"segment_owner": "keeper", "server_restarts": 2}),
+                edit_plan=producer_just_ahead, wait_s=600)
+    _record("capture server SIGKILL, segment keeper + server keeper", res)
+    check_recovered(res, dp=2)
+
+
+def test_trainer_crash_resumed(tmp_path, inputs):
+    res = drill(tmp_path, lambda _spawned: ["fault_consumer"],
+                _build(tmp_path / "run", inputs, save_interval=1, resilience={"consumer_restarts": 1}),
+                edit_plan=inject_consumer_crash, wait_s=600)
+    _record("trainer rank crash at a checkpoint, consumer keeper", res)
+    assert (tmp_path / "crashed").is_file()
+    check_recovered(res, dp=2)
+
+
+def test_mooncake_master_killed(tmp_path, inputs):
+    res = drill(tmp_path, kill_service("mooncake.cli"), _build(tmp_path / "run", inputs, save_interval=50,
+                                                                resilience=None), wait_s=600)
+    _record("mooncake master SIGKILL", res)
+    check_stopped(res, dp=2)
