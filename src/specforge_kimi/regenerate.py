@@ -15,7 +15,9 @@ Turns, in order; every assistant turn in the output is the target's own:
   rewritten to the target's; otherwise, and whenever the target calls a tool where the source
   answered, or answers where the source called, the conversation ends at the target's turn
   (counted as ``truncated``): tool results for calls the dataset never made do not exist.
-- a generation cut by ``max_tokens`` (``finish_reason: length``) fails the row: it has no end.
+- a generation cut by ``max_tokens`` (``finish_reason: length``) fails the row: it has no end
+  (``--keep-unfinished`` keeps it: for small targets that never stop; the row then ends with the
+  template's ``<|im_end|>``, one token the target did not generate).
 
 Output: OpenAI-messages JSONL (``{"messages", "tools", ...source keys, "regenerate":
 {"source_line", "regenerated_turns", "truncated"}}``), in input order. Rows that fail (after
@@ -77,6 +79,7 @@ class RegenerateOptions:
     model: str | None = None
     concurrency: int = 16
     max_tokens: int = 16384
+    keep_unfinished: bool = False
     temperature: float = 1.0
     top_p: float = 0.95
     timeout_s: float = 1800.0
@@ -248,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
+        keep_unfinished=args.keep_unfinished,
         temperature=args.temperature,
         top_p=args.top_p,
         timeout_s=args.timeout,
@@ -300,6 +304,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16384,
         help="max generated tokens per turn (default 16384)",
+    )
+    parser.add_argument(
+        "--keep-unfinished",
+        action="store_true",
+        help="keep generations cut by --max-tokens instead of skipping the row (small targets that never stop)",
     )
     parser.add_argument(
         "--temperature",
@@ -494,7 +503,7 @@ def _generate(
         message = choice["message"]
     except (KeyError, IndexError, TypeError) as exc:
         raise _RowFailed(f"server reply has no choices[0].message: {str(reply)[:200]}") from exc
-    if choice.get("finish_reason") == "length":
+    if choice.get("finish_reason") == "length" and not options.keep_unfinished:
         raise _RowFailed(f"generation hit max_tokens={options.max_tokens} (finish_reason=length)")
     content = message.get("content") or ""
     reasoning = message.get("reasoning_content")

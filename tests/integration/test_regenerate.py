@@ -386,3 +386,13 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
         [str(source), "--server", url, "--out", str(tmp_path / "o.jsonl"), "--max-retries", "0"]
     )
     assert code == 2
+
+
+def test_keep_unfinished_keeps_cut_generations(tmp_path, server):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": [user("long"), assistant("old")]}) + "\n")
+    counts = regenerate(options(source, tmp_path / "skip.jsonl", server))
+    assert counts["written"] == 0  # default: a generation cut by max_tokens has no end -> row skipped
+    counts = regenerate(options(source, tmp_path / "keep.jsonl", server, keep_unfinished=True))
+    assert counts["written"] == 1
+    assert read(tmp_path / "keep.jsonl")[0]["messages"][1]["content"] == "..."
