@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_cmd_demo)
 
-    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report"):
+    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report", "capture_features", "offline_train"):
         try:
             module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
         except ModuleNotFoundError:

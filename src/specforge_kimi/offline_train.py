@@ -174,6 +174,7 @@ def build_offline_config(
     save_interval: Optional[int] = None,
     extra_overrides: Optional[Mapping[str, Any]] = None,
     num_samples: Optional[int] = None,
+    accumulation_steps: int = 1,
 ):
     """The validated SpecForge ``Config`` :func:`train_offline` runs (nothing is started).
 
@@ -190,7 +191,6 @@ def build_offline_config(
     if num_samples < 1:
         raise ValueError(f"no .ckpt / .ckpt.gz feature files under {hidden_states_path!r}")
     batch_size = 1
-    accumulation_steps = 1
     steps_per_epoch = (num_samples // batch_size) // accumulation_steps
     if steps_per_epoch < 1:
         raise ValueError(f"{num_samples} feature files give no optimizer step per epoch")
@@ -351,6 +351,7 @@ def train_offline(
     chat_template: Optional[str] = None,
     save_interval: Optional[int] = None,
     extra_overrides: Optional[dict] = None,
+    accumulation_steps: int = 1,
 ) -> dict:
     """Train an EAGLE-3 draft with SpecForge's own offline trainer, in this process.
 
@@ -384,6 +385,9 @@ def train_offline(
             "a torch.distributed process group is already initialized; SpecForge's trainer "
             "creates and destroys its own"
         )
+    import specforge_kimi
+
+    specforge_kimi.register()  # the trainer runs in this process: K2.5 config, keys, drafts
     shimmed = False
     if not _cuda_available():
         from specforge_kimi.cpu_shims import install_cpu_shims
@@ -407,6 +411,7 @@ def train_offline(
         chat_template=chat_template,
         save_interval=save_interval,
         extra_overrides=extra_overrides,
+        accumulation_steps=accumulation_steps,
     )
     output_dir = cfg.output_dir
     os.makedirs(output_dir, exist_ok=True)
@@ -488,3 +493,48 @@ def export_sglang(
         output_dir,
         vocab_mapping_path=vocab_mapping_path,
     )
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-offline", help="train a recipe's draft offline (SpecForge's trainer, in-process) on "
+                                             "feature files, e.g. from capture-features; then export for SGLang")
+    p.add_argument("recipe")
+    p.add_argument("--features", required=True, help="directory of SpecForge offline .ckpt feature files")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, export-sglang/)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's max_steps)")
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args) -> int:
+    """Same draft config, vocab mapping, lr, TTT, max length, seed and global batch (one rank,
+    gradient accumulation = the recipe's trainer ranks) as the recipe's online run."""
+    import json
+    import sys
+
+    from specforge_kimi.export import finalize_sglang_export
+    from specforge_kimi.layer_ids import AuxLayers
+    from specforge_kimi.recipes import load_recipe, render
+
+    recipe = load_recipe(args.recipe)
+    rendered = render(recipe, os.path.join(args.out, "rendered"))
+    model = rendered["specforge_config"]["model"]
+    result = train_offline(target_dir=recipe.target.path, draft_config_path=model["draft_model_config"],
+                           hidden_states_path=args.features, vocab_mapping_path=recipe.data.vocab_mapping_path,
+                           output_dir=args.out, max_steps=args.steps or recipe.trainer.max_steps,
+                           ttt_length=recipe.trainer.ttt_length, learning_rate=recipe.trainer.learning_rate,
+                           max_length=recipe.trainer.max_length, seed=recipe.trainer.seed,
+                           embedding_key=recipe.target.embedding_key, lm_head_key=recipe.target.lm_head_key,
+                           save_interval=recipe.trainer.save_interval or None,
+                           accumulation_steps=recipe.gpus.per_node * recipe.gpus.nnodes,
+                           extra_overrides=None if _cuda_available() else {"model.torch_dtype": "float32"})
+    export_dir = os.path.join(args.out, "export-sglang")
+    export_sglang(result["checkpoint_dir"], model["draft_model_config"], export_dir, recipe.data.vocab_mapping_path)
+    finalize_sglang_export(export_dir, target_dir=recipe.target.path,
+                           aux=AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers),
+                           command=sys.argv, extra={"offline_features": os.path.abspath(args.features)})
+    k = max(1, min(50, len(result["losses"]) // 5))
+    summary = {"steps": len(result["losses"]), "loss_first_mean": sum(result["losses"][:k]) / k,
+               "loss_last_mean": sum(result["losses"][-k:]) / k, "checkpoint_dir": result["checkpoint_dir"],
+               "export_dir": export_dir}
+    print(json.dumps(summary, indent=2))
+    return 0

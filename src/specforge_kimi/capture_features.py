@@ -1,0 +1,162 @@
+"""Capture a recipe's prompts once, to disk, through the same capture server the online run uses.
+
+Scope: the offline side of an online-vs-offline comparison (issue 6: "the same draft trained
+offline on the same captured data"), and offline training in general. It starts the recipe's
+Mooncake master and capture server (:mod:`services`, the recipe's own server argv), sends
+``prompts.jsonl`` rows through SpecForge's producer transport
+(``SGLangServerCaptureAdapter.produce_refs``) exactly as the online producer does, reads every
+sample back with SpecForge's ``MooncakeFeatureStore.get`` and writes it in SpecForge's offline
+format (``input_ids``, ``loss_mask``, ``hidden_state`` [1,L,H], ``aux_hidden_state`` [1,L,3H];
+``offline_train`` documents it), one ``sample-NNNNNN.ckpt`` per row, into ``OUT.partial`` renamed
+to ``OUT`` when complete. Features are what the server computed (bf16 on GPUs).
+
+    specforge-kimi capture-features RECIPE --out runs/features [--limit N]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from specforge_kimi.errors import KimiInputError
+
+BATCH_TOKENS = 16384
+
+
+def _rows(prompts_path: Path, limit: Optional[int]) -> list[dict]:
+    rows = []
+    with open(prompts_path) as f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            try:
+                row = json.loads(line)
+                rows.append({"input_ids": [int(x) for x in row["input_ids"]],
+                             "loss_mask": [int(x) for x in row["loss_mask"]]})
+            except (ValueError, KeyError, TypeError) as exc:
+                raise KimiInputError(f"{prompts_path}:{n}: not a prepare row ({exc})") from None
+    if not rows:
+        raise KimiInputError(f"{prompts_path} has no rows")
+    return rows
+
+
+def _batches(rows: list[dict], max_length: int) -> Iterator[list[int]]:
+    batch, tokens = [], 0
+    for i, row in enumerate(rows):
+        n = min(len(row["input_ids"]), max_length)
+        if batch and tokens + n > BATCH_TOKENS:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(i)
+        tokens += n
+    if batch:
+        yield batch
+
+
+def capture_to_disk(url: str, mooncake, rows: list[dict], out: Path, *, aux_ids: Sequence[int], hidden: int,
+                    vocab: int, max_length: int, run_id: str = "capture-features") -> dict:
+    """Capture ``rows`` through the server at ``url``; write one ``.ckpt`` per row under ``out``."""
+    import torch
+    from specforge.algorithms.eagle3.providers import create_registration
+    from specforge.inference.adapters.server_capture import (ServerCaptureFailure, ServerCaptureSchema,
+                                                             SGLangServerCaptureAdapter)
+    from specforge.inference.capture import CaptureConfig
+    from specforge.runtime.contracts import PromptTask
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    from specforge_kimi.capture_server import mooncake_reader_setup_kwargs
+
+    algorithm = create_registration()
+    streaming = algorithm.providers.server_streaming_for("text")
+    layout = streaming.layout
+    schema = ServerCaptureSchema(aux_feature=layout.aux_feature, last_hidden_feature=layout.last_hidden_feature,
+                                 passthrough=layout.passthrough, attention_mask_feature=layout.attention_mask_feature)
+    contract = algorithm.spec.feature_contract("streaming", "text")
+    cfg = CaptureConfig.from_strategy(required_features=contract.required_tensors,
+                                      aux_hidden_state_layer_ids=tuple(aux_ids),
+                                      target_repr=streaming.target_representation, target_hidden_size=hidden,
+                                      target_vocab_size=vocab)
+    store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mooncake))
+    adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=algorithm.name, schema=schema,
+                                         timeout_s=1800.0, target_model_version="capture-features")
+    out.mkdir(parents=True)
+    written, tokens = 0, 0
+    for batch in _batches(rows, max_length):
+        tasks = [PromptTask(task_id=f"row{i:06d}", run_id=run_id, source_id="capture-features",
+                            payload={k: v[:max_length] for k, v in rows[i].items()}, max_length=max_length,
+                            metadata={"num_tokens": min(len(rows[i]["input_ids"]), max_length)}) for i in batch]
+        results = adapter.produce_refs(tasks, capture=cfg)
+        for i, res in zip(batch, results):
+            if isinstance(res, ServerCaptureFailure):
+                raise RuntimeError(f"row {i}: capture failed: {res.reason}")
+            store.adopt(res)
+            tensors, handle = store.get(res)
+            sample = {"input_ids": tensors["input_ids"][0].clone(), "loss_mask": tensors["loss_mask"][0].clone(),
+                      "hidden_state": tensors[layout.last_hidden_feature].clone(),
+                      "aux_hidden_state": tensors[layout.aux_feature].clone()}
+            store.release(handle)
+            store.abort(res.sample_id, reason="captured-to-disk")
+            torch.save(sample, out / f"sample-{i:06d}.ckpt")
+            written += 1
+            tokens += int(sample["input_ids"].numel())
+    return {"written": written, "tokens": tokens}
+
+
+def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, server_argv: Optional[list[str]] = None,
+               start_timeout_s: float = 900.0) -> dict:
+    """Start the recipe's Mooncake + capture server on this node, capture its prompts, stop both."""
+    from specforge_kimi import services
+    from specforge_kimi.recipes import server_argv as recipe_server_argv
+    from specforge_kimi.recipes import server_env
+
+    out = Path(out_dir)
+    if out.exists():
+        raise KimiInputError(f"{out} exists; choose a new --out")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    rows = _rows(Path(recipe.data.prompts_path), limit)
+    work = out.with_name(out.name + ".logs")
+    work.mkdir(parents=True, exist_ok=True)
+    port = services.free_ports(1)[0]
+    t0 = time.monotonic()
+    with services.mooncake_master(work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30)) as mc:
+        argv = server_argv or [sys.executable if a == "python" else a for a in recipe_server_argv(recipe)]
+        argv = [a.replace(f"--port={recipe.server.port}", f"--port={port}") for a in argv]
+        if "--port" in argv:
+            argv[argv.index("--port") + 1] = str(port)
+        env = {k: v for k, v in server_env(recipe).items() if not k.startswith("MOONCAKE_")}
+        from specforge_kimi.capture_server import capture_server_env
+
+        env.update(capture_server_env(mc))
+        env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = str(int(recipe.mooncake.global_segment_gib * 2**30))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(recipe.gpus.per_node))
+        with services.server(argv, env, work / "capture-server.log", port, timeout_s=start_timeout_s):
+            stats = capture_to_disk(f"http://127.0.0.1:{port}", mc, rows, partial, aux_ids=recipe.target.aux_layer_ids,
+                                    hidden=recipe.target.hidden_size, vocab=recipe.target.vocab_size,
+                                    max_length=recipe.trainer.max_length)
+    partial.rename(out)
+    summary = {"command": sys.argv, "recipe": recipe.name, "prompts_path": recipe.data.prompts_path, "out": str(out),
+               "seconds": round(time.monotonic() - t0, 1), **stats}
+    (out.with_name(out.name + ".json")).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("capture-features", help="capture a recipe's prompts to SpecForge offline feature files "
+                                                "through the recipe's capture server")
+    p.add_argument("recipe")
+    p.add_argument("--out", required=True, help="new directory for sample-NNNNNN.ckpt files")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from specforge_kimi.recipes import load_recipe
+
+    summary = run_recipe(load_recipe(args.recipe), args.out, limit=args.limit)
+    print(json.dumps(summary, indent=2))
+    return 0
