@@ -53,30 +53,6 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 150000) for _ in range(length)] for _ in range(n)]
 
 
-def _capture_tools(mc, hidden: int, vocab: int, run_id: str, url: str):
-    from specforge.algorithms.eagle3.providers import create_registration
-    from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
-    from specforge.inference.capture import CaptureConfig
-    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
-
-    from specforge_kimi.capture_server import mooncake_reader_setup_kwargs
-
-    algorithm = create_registration()
-    streaming = algorithm.providers.server_streaming_for("text")
-    layout = streaming.layout
-    schema = ServerCaptureSchema(aux_feature=layout.aux_feature, last_hidden_feature=layout.last_hidden_feature,
-                                 passthrough=layout.passthrough, attention_mask_feature=layout.attention_mask_feature)
-    contract = algorithm.spec.feature_contract("streaming", "text")
-    cfg = CaptureConfig.from_strategy(required_features=contract.required_tensors,
-                                      aux_hidden_state_layer_ids=tuple(AUX_IDS),
-                                      target_repr=streaming.target_representation, target_hidden_size=hidden,
-                                      target_vocab_size=vocab)
-    store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mc))
-    adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=algorithm.name, schema=schema,
-                                         timeout_s=600.0, target_model_version="bench")
-    return adapter, cfg, store
-
-
 def _tasks(prompts, run_id: str, tag: str):
     from specforge.runtime.contracts import PromptTask
 
@@ -146,6 +122,7 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
 
 def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang") -> dict:
     from specforge_kimi import services
+    from specforge_kimi.capture_features import capture_tools
     from specforge_kimi.capture_server import capture_server_argv, capture_server_env
 
     port = services.free_ports(1)[0]
@@ -164,11 +141,11 @@ def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine:
         with services.server(argv, env, log, port, timeout_s=420):
             result["server_start_s"] = round(time.time() - t, 1)
             result["server_argv"] = argv
-            adapter, cfg, store = _capture_tools(mc, info.hidden_size, info.vocab_size, f"bench-tp{tp}",
-                                                 f"http://127.0.0.1:{port}")
+            adapter, cfg, store, _layout = capture_tools(f"http://127.0.0.1:{port}", mc, aux_ids=AUX_IDS,
+                                                         hidden=info.hidden_size, vocab=info.vocab_size,
+                                                         run_id=f"bench-tp{tp}")
             result["shapes"] = [bench_shape(f"http://127.0.0.1:{port}", adapter, cfg, store, n, length, reps, log)
                                 for n, length in shapes]
-            store.close() if hasattr(store, "close") else None
     return result
 
 

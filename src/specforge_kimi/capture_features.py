@@ -57,15 +57,12 @@ def _batches(rows: list[dict], max_length: int) -> Iterator[list[int]]:
         yield batch
 
 
-def capture_to_disk(url: str, mooncake, rows: list[dict], out: Path, *, aux_ids: Sequence[int], hidden: int,
-                    vocab: int, max_length: int, run_id: str = "capture-features") -> dict:
-    """Capture ``rows`` through the server at ``url``; write one ``.ckpt`` per row under ``out``."""
-    import torch
+def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vocab: int, run_id: str):
+    """SpecForge's producer transport for one capture server, as its online producer builds it:
+    ``(SGLangServerCaptureAdapter, CaptureConfig, MooncakeFeatureStore, eagle3 server layout)``."""
     from specforge.algorithms.eagle3.providers import create_registration
-    from specforge.inference.adapters.server_capture import (ServerCaptureFailure, ServerCaptureSchema,
-                                                             SGLangServerCaptureAdapter)
+    from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
     from specforge.inference.capture import CaptureConfig
-    from specforge.runtime.contracts import PromptTask
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
     from specforge_kimi.capture_server import mooncake_reader_setup_kwargs
@@ -82,7 +79,19 @@ def capture_to_disk(url: str, mooncake, rows: list[dict], out: Path, *, aux_ids:
                                       target_vocab_size=vocab)
     store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mooncake))
     adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=algorithm.name, schema=schema,
-                                         timeout_s=1800.0, target_model_version="capture-features")
+                                         timeout_s=1800.0, target_model_version=run_id)
+    return adapter, cfg, store, layout
+
+
+def capture_to_disk(url: str, mooncake, rows: list[dict], out: Path, *, aux_ids: Sequence[int], hidden: int,
+                    vocab: int, max_length: int, run_id: str = "capture-features") -> dict:
+    """Capture ``rows`` through the server at ``url``; write one ``.ckpt`` per row under ``out``."""
+    import torch
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+    from specforge.runtime.contracts import PromptTask
+
+    adapter, cfg, store, layout = capture_tools(url, mooncake, aux_ids=aux_ids, hidden=hidden, vocab=vocab,
+                                                run_id=run_id)
     out.mkdir(parents=True)
     written, tokens = 0, 0
     for batch in _batches(rows, max_length):
@@ -110,6 +119,7 @@ def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, serv
                start_timeout_s: float = 900.0) -> dict:
     """Start the recipe's Mooncake + capture server on this node, capture its prompts, stop both."""
     from specforge_kimi import services
+    from specforge_kimi.capture_server import capture_server_env
     from specforge_kimi.recipes import server_argv as recipe_server_argv
     from specforge_kimi.recipes import server_env
 
@@ -125,14 +135,9 @@ def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, serv
     t0 = time.monotonic()
     with services.mooncake_master(work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30)) as mc:
         argv = server_argv or [sys.executable if a == "python" else a for a in recipe_server_argv(recipe)]
-        argv = [a.replace(f"--port={recipe.server.port}", f"--port={port}") for a in argv]
-        if "--port" in argv:
-            argv[argv.index("--port") + 1] = str(port)
-        env = {k: v for k, v in server_env(recipe).items() if not k.startswith("MOONCAKE_")}
-        from specforge_kimi.capture_server import capture_server_env
-
-        env.update(capture_server_env(mc))
-        env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = str(int(recipe.mooncake.global_segment_gib * 2**30))
+        argv[argv.index("--port") + 1] = str(port)
+        # the recipe's server environment, with this master's Mooncake endpoints and segment
+        env = {**server_env(recipe), **capture_server_env(mc)}
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(recipe.gpus.per_node))
         with services.server(argv, env, work / "capture-server.log", port, timeout_s=start_timeout_s):
             stats = capture_to_disk(f"http://127.0.0.1:{port}", mc, rows, partial, aux_ids=recipe.target.aux_layer_ids,

@@ -175,14 +175,14 @@ def capture_samples(model, rows, aux, feat_dtype, *, batch: int = 16, progress: 
         ids_t = torch.full((len(idx), T), 0, dtype=torch.long)
         for k, i in enumerate(idx):
             ids_t[k, : len(rows[i][0])] = torch.tensor(rows[i][0])
-        cap = capture(model, ids_t, aux)
+        cap = capture(model, ids_t.to(next(model.parameters()).device), aux)
         for k, n in enumerate(idx):
             ids, mask = rows[n]
             L = len(ids)
             yield n, {"input_ids": torch.tensor(ids, dtype=torch.long),
                       "loss_mask": torch.tensor(mask, dtype=torch.long),
-                      "hidden_state": cap.last[k: k + 1, :L].to(feat_dtype).clone(),
-                      "aux_hidden_state": cap.aux[k: k + 1, :L].to(feat_dtype).clone()}
+                      "hidden_state": cap.last[k: k + 1, :L].to("cpu", feat_dtype).clone(),
+                      "aux_hidden_state": cap.aux[k: k + 1, :L].to("cpu", feat_dtype).clone()}
         bar.update(len(idx))
     bar.close()
 

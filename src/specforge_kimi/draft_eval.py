@@ -22,8 +22,7 @@ from typing import Optional, Sequence
 
 from specforge_kimi.errors import KimiInputError
 
-#: Held-out conversations of :mod:`corpus` (a seed no training path uses).
-HELDOUT_SEED = 20_000
+from specforge_kimi.pretrain import HELDOUT_SEED  # held-out corpus conversations (the bench's `structured` set)
 
 
 def heldout_rows(n: int, seed: int = HELDOUT_SEED, tokenizer_dir: Optional[str] = None) -> list[tuple[list[int], list[int]]]:
@@ -40,20 +39,16 @@ def capture_rows(target_dir: str, rows, aux_specforge_ids: Sequence[int], device
     """Reference capture of ``rows`` -> SpecForge offline-format samples (fp32, on the CPU)."""
     import torch
 
-    from specforge_kimi.capture import capture
+    from specforge_kimi.demo import capture_samples
     from specforge_kimi.layer_ids import AuxLayers
     from specforge_kimi.target import inspect_target, load_text_model
 
     info = inspect_target(target_dir)
     aux = AuxLayers.from_specforge(aux_specforge_ids, info.num_layers)
     model = load_text_model(target_dir).to(device)
-    samples = []
-    for ids, mask in rows:
-        cap = capture(model, torch.tensor([ids], device=device), aux)
-        samples.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask),
-                        "aux_hidden_state": cap.aux.float().cpu(), "hidden_state": cap.last.float().cpu()})
+    samples = dict(capture_samples(model, rows, aux, torch.float32))
     del model
-    return samples
+    return [samples[i] for i in range(len(rows))]
 
 
 def evaluate(target_dir: str, draft_config: str, vocab_mapping: str, aux_specforge_ids: Sequence[int],
@@ -61,13 +56,12 @@ def evaluate(target_dir: str, draft_config: str, vocab_mapping: str, aux_specfor
              device: str = "cpu") -> dict:
     """Simulated acceptance + held-out loss of the untrained draft and of each checkpoint."""
     import torch
-    from safetensors import safe_open
     from specforge.export.checkpoint_io import resolve_training_state
 
     import specforge_kimi
-    from specforge_kimi.demo import _load_draft
+    from specforge_kimi.demo import _load_draft, load_head_weight
     from specforge_kimi.simulate import add_target_greedy, simulated_acceptance
-    from specforge_kimi.target import inspect_target, weight_index
+    from specforge_kimi.target import inspect_target
 
     specforge_kimi.register()
     for c in checkpoints:
@@ -77,8 +71,7 @@ def evaluate(target_dir: str, draft_config: str, vocab_mapping: str, aux_specfor
     t0 = time.monotonic()
     tok_dir = target_dir if (Path(target_dir) / "tokenizer_config.json").is_file() else None
     samples = capture_rows(target_dir, heldout_rows(heldout, tokenizer_dir=tok_dir), aux_specforge_ids, device)
-    with safe_open(str(Path(target_dir) / weight_index(target_dir)[info.lm_head_key]), framework="pt") as f:
-        head = f.get_tensor(info.lm_head_key).float()
+    head = load_head_weight(target_dir, info)
     mapping = torch.load(vocab_mapping)
     add_target_greedy(samples, head, t2d=mapping["t2d"])
     results = []

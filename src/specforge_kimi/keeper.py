@@ -26,27 +26,15 @@ import argparse
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from specforge_kimi.run_report import durable_step
+
 _STOP = {"signum": None}
-
-
-def ledger_step(run_dir: Path) -> Optional[int]:
-    """The consumer ledger's durable optimizer step (``marker.global_step``), if any."""
-    db = run_dir / "consumer-state" / "consumer.sqlite"
-    if not db.is_file():
-        return None
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        row = con.execute("select v from marker where k = 'global_step'").fetchone()
-    finally:
-        con.close()
-    return int(row[0]) if row and row[0] is not None else None
 
 
 def checkpoint_step(run_dir: Path, run_id: str) -> Optional[int]:
@@ -98,7 +86,7 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: Optiona
             return rc if rc != 0 else 1
         if consumer is not None:
             run_dir, run_id = consumer
-            marker, ckpt = ledger_step(run_dir), checkpoint_step(run_dir, run_id)
+            marker, ckpt = durable_step(run_dir), checkpoint_step(run_dir, run_id)
             if ckpt is None or marker != ckpt:
                 _say(f"consumer exited with {rc}; not resumable: ledger durable step {marker} != checkpoint step "
                      f"{ckpt} (SpecForge resumes an online consumer only at a checkpointed step; lower "

@@ -44,6 +44,19 @@ def consumer_steps(log_text: str) -> list[dict]:
     return out
 
 
+def durable_step(run_dir: Path) -> Optional[int]:
+    """The consumer ledger's durable optimizer step (``marker.global_step``), if any."""
+    db = run_dir / "consumer-state" / "consumer.sqlite"
+    if not db.is_file():
+        return None
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = con.execute("select v from marker where k = 'global_step'").fetchone()
+    finally:
+        con.close()
+    return int(row[0]) if row and row[0] is not None else None
+
+
 def ledger(run_dir: Path) -> dict:
     """SpecForge's consumer ledger: trained samples, duplicates, tokens, durable step."""
     db = run_dir / "consumer-state" / "consumer.sqlite"

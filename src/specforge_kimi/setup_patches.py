@@ -119,6 +119,15 @@ def _installed_root(package: str, pin: str, hint: str = "") -> Path:
     return Path(importlib.util.find_spec(package).origin).parent.parent
 
 
+def _scratch_copy(site: Path, rels, dest: Path) -> Path:
+    """Copy the files ``rels`` that exist under ``site`` to the same paths under ``dest``."""
+    for rel in rels:
+        if (site / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(site / rel, dest / rel)
+    return dest
+
+
 def _classify_after(patch: Path, site: Path, prior: list[PatchStatus]) -> PatchStatus:
     """Classify ``patch`` as it will meet ``site`` once the ``applicable`` ``prior`` patches are in:
     on a scratch copy of the files they touch (ours edit a file SpecForge's capture patch creates)."""
@@ -128,11 +137,7 @@ def _classify_after(patch: Path, site: Path, prior: list[PatchStatus]) -> PatchS
     if not pending:
         return classify(patch, site, 2)
     with tempfile.TemporaryDirectory(prefix="specforge-kimi-patch-") as tmp:
-        scratch = Path(tmp)
-        for rel in {f for s in pending for f in s.files} | set(_files(patch, 2)):
-            if (site / rel).is_file():
-                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(site / rel, scratch / rel)
+        scratch = _scratch_copy(site, {f for s in pending for f in s.files} | set(_files(patch, 2)), Path(tmp))
         for s in pending:
             apply(PatchStatus(s.patch, scratch, s.strip, s.state, s.files))
         status = classify(patch, scratch, 2)
@@ -148,11 +153,7 @@ def _stack_applied(patches: list[Path], site: Path) -> bool:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="specforge-kimi-patch-") as tmp:
-        scratch = Path(tmp)
-        for rel in {f for p in patches for f in _files(p, 2)}:
-            if (site / rel).is_file():
-                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(site / rel, scratch / rel)
+        scratch = _scratch_copy(site, {f for p in patches for f in _files(p, 2)}, Path(tmp))
         for p in reversed(patches):
             if _dry(p, scratch, 2, reverse=True).returncode != 0:
                 return False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,7 @@ def patched_site(tmp_path):
     from specforge_kimi import setup_patches as sp
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
-    installed = sp.sglang_root()
-    site = tmp_path / "site"
-    for rel in sp._files(capture, 2):
-        if (installed / rel).is_file():
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(installed / rel, site / rel)
+    site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
     statuses = sp.plan(CHECKOUT, sglang=True, sglang_site=site)
     sglang = [s for s in statuses if s.root == site]
     assert [s.patch.name for s in sglang][0] == "spec-capture.patch"
@@ -46,12 +40,7 @@ def test_drift_in_our_patch_is_named(tmp_path):
     from specforge_kimi import setup_patches as sp
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
-    installed = sp.sglang_root()
-    site = tmp_path / "site"
-    for rel in sp._files(capture, 2):
-        if (installed / rel).is_file():
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(installed / rel, site / rel)
+    site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
     sp.apply(sp.classify(capture, site, 2))
     sink = site / "sglang/srt/spec_capture_sink.py"
     sink.write_text(sink.read_text().replace("registered: List[torch.Tensor] = []", "registered = []"))
