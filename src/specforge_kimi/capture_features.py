@@ -120,6 +120,7 @@ def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, serv
     """Start the recipe's Mooncake + capture server on this node, capture its prompts, stop both."""
     from specforge_kimi import services
     from specforge_kimi.capture_server import capture_server_env
+    from specforge_kimi.launch import node_gpus
     from specforge_kimi.recipes import server_argv as recipe_server_argv
     from specforge_kimi.recipes import server_env
 
@@ -138,7 +139,7 @@ def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, serv
         argv[argv.index("--port") + 1] = str(port)
         # the recipe's server environment, with this master's Mooncake endpoints and segment
         env = {**server_env(recipe), **capture_server_env(mc)}
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(recipe.gpus.per_node))
+        env["CUDA_VISIBLE_DEVICES"] = node_gpus(recipe.gpus.per_node)
         with services.server(argv, env, work / "capture-server.log", port, timeout_s=start_timeout_s):
             stats = capture_to_disk(f"http://127.0.0.1:{port}", mc, rows, partial, aux_ids=recipe.target.aux_layer_ids,
                                     hidden=recipe.target.hidden_size, vocab=recipe.target.vocab_size,

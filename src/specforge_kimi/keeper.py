@@ -15,7 +15,10 @@ such a signal it stops restarting and exits with the child.
   are: only the consumer died) and refuses unless the ledger's durable step equals the
   checkpoint's. That condition is checked first; when it does not hold the keeper exits with the
   consumer's status and says why (a crash between checkpoints cannot be resumed in SpecForge
-  0.2.0: acknowledged samples' features are already freed).
+  0.2.0: acknowledged samples' features are already freed). While restarts are left the consumer
+  runs with ``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``: ranks that torchrun stops with a signal
+  after a sibling died do not publish ``consumer_failed`` (registration seam 7), so the producer
+  is still there for the resumed consumer.
 
     python -m specforge_kimi.keeper --restarts 3 --backoff 2 -- python -m specforge_kimi.capture_server ...
 """
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from specforge_kimi.registration import RESTARTABLE_ENV
 from specforge_kimi.run_report import durable_step
 
 _STOP = {"signum": None}
@@ -66,7 +70,10 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: Optiona
     current = list(argv)
     used = 0
     while True:
-        child = subprocess.Popen(current)  # same process group: the supervisor's killpg reaches it
+        env = None
+        if consumer is not None:  # registration seam 7: a signalled rank of a resumable consumer stays quiet
+            env = {**os.environ, RESTARTABLE_ENV: "1" if used < restarts else "0"}
+        child = subprocess.Popen(current, env=env)  # same process group: the supervisor's killpg reaches it
         while child.poll() is None:
             if _STOP["signum"] is not None:
                 try:

@@ -16,6 +16,7 @@ finish the newest checkpoint is exported for SGLang and the recipe's acceptance 
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,19 @@ def _py(argv: list[str], python: str) -> list[str]:
     return [python if i == 0 and a == "python" else a for i, a in enumerate(argv)]
 
 
+def node_gpus(count: int, environ: Any = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value for a node's ``count`` GPUs: the first ``count`` devices
+    the launching environment already lists in ``CUDA_VISIBLE_DEVICES``, else ``0..count-1``."""
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return ",".join(str(i) for i in range(count))
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if len(devices) < count:
+        raise KimiInputError(f"CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} device(s) but the recipe needs "
+                             f"{count} per node (gpus.per_node); list {count} or unset it")
+    return ",".join(devices[:count])
+
+
 def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python"):
     """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`)."""
     from specforge.launch_plan import CommandSpec, LaunchPlan, ReadinessSpec, ServiceSpec
@@ -43,7 +57,7 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
     out = Path(recipe.output_dir)
     logs = out / "logs"
     launch: dict[str, Any] = rendered["launch"]
-    gpus = ",".join(str(i) for i in range(recipe.gpus.per_node))
+    gpus = node_gpus(recipe.gpus.per_node)
     mc = recipe.mooncake
     services = []
     if node_rank == 0:

@@ -27,6 +27,13 @@ imports transformers/specforge lazily. The seams:
    SpecForge. Its rollout worker requeues the prompts (retryable) either way, but it drops a
    worker after 3 consecutive failed calls and fails a prompt after 5 attempts, so without the
    wait a server restart (a minute or more) ends the run. Successful calls are untouched.
+7. SpecForge's consumer-failure sidecar (``StreamingRefChannel.mark_consumer_failed``): when one
+   trainer rank dies, torchrun SIGTERMs the others, and each of them publishes
+   ``consumer_failed: _WorkerTermination: 15``, which stops the producer for good -- so a consumer
+   the keeper is about to resume (``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``, set by
+   :mod:`specforge_kimi.keeper` while it has restarts left) would find no producer. In that case
+   only, a signal-driven stop (``_WorkerTermination``) is not published; the producer waits for
+   the resumed consumer instead. Real training errors are always published.
 """
 
 from __future__ import annotations
@@ -165,6 +172,31 @@ def _install_outage_wait() -> None:
     SGLangServerCaptureAdapter.produce_refs = produce_refs
 
 
+RESTARTABLE_ENV = "SPECFORGE_KIMI_CONSUMER_RESTARTABLE"
+
+
+def _install_restartable_consumer_failure() -> None:
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    original = StreamingRefChannel.mark_consumer_failed
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def mark_consumer_failed(self, reason: str) -> None:
+        if os.environ.get(RESTARTABLE_ENV) == "1" and str(reason).startswith("_WorkerTermination"):
+            import logging
+
+            logging.getLogger("specforge_kimi").warning(
+                "consumer stopped by a signal (%s) with a keeper restart left: not publishing consumer_failed, "
+                "the producer waits for the resumed consumer", reason)
+            return
+        return original(self, reason)
+
+    setattr(mark_consumer_failed, _WRAPPED_FLAG, True)
+    StreamingRefChannel.mark_consumer_failed = mark_consumer_failed
+
+
 def register_all() -> None:
     """Run every registration step once per process."""
     global _DONE
@@ -182,4 +214,5 @@ def register_all() -> None:
 
     register_mla_draft()
     _install_outage_wait()
+    _install_restartable_consumer_failure()
     _DONE = True

@@ -8,6 +8,9 @@ same GPUs), under SpecForge's supervisor. Same drills and checks as the CPU ones
   - Mooncake master SIGKILLed -> the run stops within ``STOP_BOUND_S``, nothing left.
 Outcomes go to ``$SPECFORGE_KIMI_GPU_OUT/fault_drills.jsonl``. A small random-weight target and
 200 corpus conversations keep each drill to a server start plus seconds of training.
+``SPECFORGE_KIMI_DRILL_TP=1`` runs each drill on one GPU (TP=1 server, 1 trainer rank), the first
+one ``CUDA_VISIBLE_DEVICES`` lists, so two drills can run side by side on a 2-GPU box; the
+2-rank crash case also runs on CPU (``test_faults_cpu.py``, ``dp=2``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from drills import (check_recovered, check_stopped, drill, inject_consumer_crash
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
+TP = int(os.environ.get("SPECFORGE_KIMI_DRILL_TP", "2"))
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,7 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
         raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta, "metrics_port": metrics, "global_segment_gib": 8}
         raw["server"]["port"] = port
         raw["trainer"].update(max_steps=1000, save_interval=save_interval)
+        raw["gpus"]["per_node"] = TP
         raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
                        "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
         if resilience:
@@ -78,7 +83,7 @@ def _record(name: str, res: dict) -> None:
     out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
     led = res["report"]["ledger"]
     with open(out / "fault_drills.jsonl", "a") as f:
-        f.write(json.dumps({"drill": name, "rc": res["rc"], "stop_s": res["stop_s"], "victims": len(res["victims"] or []),
+        f.write(json.dumps({"drill": name, "tp": TP, "trainer_ranks": TP, "rc": res["rc"], "stop_s": res["stop_s"], "victims": len(res["victims"] or []),
                             "processes_left": len(res["left"]) + len(res["spawned_alive"]), "prompts": res["prompts"],
                             "acked": led.get("acked"), "duplicates": led.get("duplicates"),
                             "committed": led.get("committed"), "global_step": led.get("global_step")}) + "\n")
@@ -90,7 +95,7 @@ def test_server_lost_and_restarted(tmp_path, inputs):
                        resilience={"segment_owner": "keeper", "server_restarts": 2}),
                 edit_plan=producer_just_ahead, wait_s=600)
     _record("capture server SIGKILL, segment keeper + server keeper", res)
-    check_recovered(res, dp=2)
+    check_recovered(res, dp=TP)
 
 
 def test_trainer_crash_resumed(tmp_path, inputs):
@@ -99,11 +104,11 @@ def test_trainer_crash_resumed(tmp_path, inputs):
                 edit_plan=inject_consumer_crash, wait_s=600)
     _record("trainer rank crash at a checkpoint, consumer keeper", res)
     assert (tmp_path / "crashed").is_file()
-    check_recovered(res, dp=2)
+    check_recovered(res, dp=TP)
 
 
 def test_mooncake_master_killed(tmp_path, inputs):
     res = drill(tmp_path, kill_service("mooncake.cli"), _build(tmp_path / "run", inputs, save_interval=50,
                                                                 resilience=None), wait_s=600)
     _record("mooncake master SIGKILL", res)
-    check_stopped(res, dp=2)
+    check_stopped(res, dp=TP)

@@ -25,8 +25,8 @@ def free_port() -> int:
 
 
 def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40,
-             resilience: dict | None = None):
-    """``(plan, recipe, rendered, target)`` for a 1-rank CPU run under ``root``."""
+             resilience: dict | None = None, dp: int = 1):
+    """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``."""
     from specforge_kimi import corpus
     from specforge_kimi.launch import build_colocated_plan
     from specforge_kimi.recipes import Recipe, render
@@ -44,7 +44,7 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     raw["output_dir"] = str(root / "run")
     raw["target"].update(path=str(target), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
                          num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 3, 4])
-    raw["gpus"]["per_node"] = 1
+    raw["gpus"]["per_node"] = dp
     raw["mooncake"] = {"rpc_port": free_port(), "metadata_port": free_port(), "metrics_port": free_port(),
                        "global_segment_gib": 0.25}
     if resilience:

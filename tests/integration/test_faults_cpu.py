@@ -29,10 +29,10 @@ from online_cpu import cpu_plan
 pytestmark = pytest.mark.slow
 
 
-def _build(tmp_path: Path, save_interval: int = 2, resilience: dict | None = None):
+def _build(tmp_path: Path, save_interval: int = 2, resilience: dict | None = None, dp: int = 1):
     def build():
         plan, recipe, _rendered, _target = cpu_plan(tmp_path, steps=200, save_interval=save_interval,
-                                                    resilience=resilience)
+                                                    resilience=resilience, dp=dp)
         return plan, recipe, tmp_path / "data" / "prompts.jsonl"
     return build
 
@@ -73,12 +73,15 @@ def test_capture_server_lost_and_restarted(tmp_path):
     assert "unreachable" in (logs / "producer.log").read_text()
 
 
-def test_trainer_crash_resumed_from_checkpoint(tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_trainer_crash_resumed_from_checkpoint(tmp_path, dp):
+    """With 2 ranks one crashes and torchrun stops the other: neither may end the producer."""
     res = drill(tmp_path, lambda _spawned: ["fault_consumer"],
-                _build(tmp_path, save_interval=1, resilience={"consumer_restarts": 1}), edit_plan=inject_consumer_crash)
-    record("trainer rank crash at a checkpoint, consumer keeper", res)
+                _build(tmp_path, save_interval=1, resilience={"consumer_restarts": 1}, dp=dp),
+                edit_plan=inject_consumer_crash)
+    record(f"trainer rank crash at a checkpoint, consumer keeper, {dp} rank(s)", res)
     assert (tmp_path / "crashed").is_file(), "the injected crash did not happen"
-    check_recovered(res)
+    check_recovered(res, dp=dp)
     log = (res["out"] / "logs" / "consumer-node0.log").read_text()
     resumed = log.index(f"resuming from step {KILL_AFTER_STEP}")
     # the loss curve continues where the checkpoint left off: the next logged step is 4, after the resume

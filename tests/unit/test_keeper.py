@@ -65,10 +65,13 @@ def test_consumer_relaunched_with_resume_from(tmp_path, capsys):
     _checkpoint(run, "r", 4)
     marker = tmp_path / "second"
     # fails the first time, succeeds when it carries the resume override
-    cmd = [sys.executable, "-c", "import sys, pathlib; ok = any(a.startswith('training.resume_from=') for a in sys.argv); "
+    envs = tmp_path / "envs"
+    cmd = [sys.executable, "-c", "import os, sys, pathlib; ok = any(a.startswith('training.resume_from=') for a in sys.argv); "
+                                 f"open({str(envs)!r}, 'a').write(os.environ['SPECFORGE_KIMI_CONSUMER_RESTARTABLE']); "
                                  f"ok and pathlib.Path({str(marker)!r}).write_text(sys.argv[-1]); raise SystemExit(0 if ok else 9)"]
     assert keeper.run(cmd, restarts=1, backoff=0.0, consumer=(run, "r")) == 0
     assert marker.read_text() == f"training.resume_from={run / 'r-latest'}"
+    assert envs.read_text() == "10"  # restartable on the first run, not on the last allowed one
     assert keeper.resume_argv(["a", "training.resume_from=x"], Path("/y")) == ["a", "training.resume_from=/y"]
 
 
