@@ -17,7 +17,8 @@ RECIPE=recipes/tiny-k25-tp2-h200x2.yaml
 ONLINE=runs/tiny-k25-tp2/export-sglang
 SETS="${BENCH_SETS:-structured,chat,math,code}"
 BENCH=(--target runs/tiny-k25 --sets "$SETS" --num-prompts "${BENCH_PROMPTS:-16}" --max-new-tokens 128
-       --concurrency "${BENCH_CONCURRENCY:-4}" --config 3,1,4 --min-acceptance-length 3.0 --disable-cuda-graph --mem-fraction-static 0.2)
+       --concurrency "${BENCH_CONCURRENCY:-4}" --config 3,1,4 --min-acceptance-length 3.0 --disable-cuda-graph --mem-fraction-static 0.3)
+# (SGLang 0.5.14 takes the fraction of the memory free when it starts, so a server beside another fits)
 [ -f "$ONLINE/config.json" ] || { echo "no online export at $ONLINE: run scripts/gpu_online_run.sh first" >&2; exit 2; }
 rm -rf runs/features-offline runs/features-offline.partial runs/features-offline.logs runs/offline-twin \
        runs/bench-online runs/bench-offline
