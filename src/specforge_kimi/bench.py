@@ -388,11 +388,9 @@ def server_argv(settings: BenchSettings, spec: Optional[SpecConfig], *, port: in
 
 
 def free_port() -> int:
-    import socket
+    from specforge_kimi.services import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @contextmanager

@@ -52,7 +52,8 @@ class ServerSection(_Strict):
     attention_backend: str = Field(default="flashinfer", description="SGLang --attention-backend")
     allreduce_fusion: bool = Field(default=True, description="False adds --enforce-disable-flashinfer-allreduce-fusion")
     host: str = Field(default="127.0.0.1", description="Bind address; loopback unless multi-node")
-    port: int = Field(default=30000, gt=0, lt=65536, description="HTTP port")
+    port: int = Field(default=30000, gt=0, le=55535,
+                      description="HTTP port; at most 55535 (SGLang serves gRPC on port + 10000)")
     disable_cuda_graph: bool = Field(default=False, description="--disable-cuda-graph (tiny smoke runs)")
     extra_args: list[str] = Field(default_factory=list, description="More SGLang launch_server args, verbatim")
 

@@ -18,15 +18,26 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 
+# SGLang 0.5.14 derives its gRPC port as --port + 10000 (unless SGLANG_GRPC_PORT is set) and
+# refuses to start above 65535: an ephemeral port (up to 60999 on Linux) fails about one time in five
+MAX_SERVER_PORT = 55535
+
+
 def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports, each at most :data:`MAX_SERVER_PORT`."""
     socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)  # held until all are picked, so none repeats
+            if s.getsockname()[1] <= MAX_SERVER_PORT:
+                ports.append(s.getsockname()[1])
+            if len(socks) > 1000 + n:
+                raise RuntimeError(f"no {n} free ports at or below {MAX_SERVER_PORT}")
+    finally:
+        for s in socks:
+            s.close()
     return ports
 
 

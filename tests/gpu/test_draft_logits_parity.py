@@ -60,6 +60,7 @@ def sglang_forward(export_dir: str, inputs_path: str, out_path: str, backend: st
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints.engine import _set_envs_and_config
     from sglang.srt.layers.communicator import get_attn_tp_context
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
@@ -112,7 +113,10 @@ def sglang_forward(export_dir: str, inputs_path: str, out_path: str, backend: st
     forward_batch.spec_info = SimpleNamespace(hidden_states=aux)
     with torch.no_grad():
         runner.attn_backend.init_forward_metadata(forward_batch)
-        with get_attn_tp_context().maybe_input_scattered(forward_batch):
+        # ModelRunner._forward_raw publishes this context around every forward; model code reads the
+        # attention backend (and through it the KV pools) from it
+        with forward_context(ForwardContext(attn_backend=runner.attn_backend)), \
+                get_attn_tp_context().maybe_input_scattered(forward_batch):
             to_logits, aux_out = model.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         logits = to_logits.float() @ model.lm_head.weight.float().T
     torch.save({"logits": logits.cpu(), "aux": aux_out[0].float().cpu(), "positions": forward_batch.positions.cpu(),

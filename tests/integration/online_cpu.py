@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from specforge_kimi.services import free_ports
+
+    return free_ports(1)[0]  # at most 55535: SGLang's rule, which recipes enforce
 
 
 def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40,

@@ -6,7 +6,6 @@ supervisor, readiness probing and teardown are SpecForge's real code."""
 import copy
 import dataclasses
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,9 @@ socketserver.TCPServer(("127.0.0.1", http_port), H).serve_forever()
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from specforge_kimi.services import free_ports
+
+    return free_ports(1)[0]
 
 
 def _plan(tmp_path, consumer_code: str):

@@ -1,0 +1,60 @@
+"""``eval-draft`` on CPU: simulated acceptance and held-out loss of an untrained draft, on corpus
+conversations and on a held-out conversations file (what a regenerated run is measured on)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specforge_kimi.errors import KimiInputError
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir, tmp_path_factory):
+    from specforge_kimi import corpus
+    from specforge_kimi.demo import _draft_config
+
+    root = tmp_path_factory.mktemp("eval")
+    with open(root / "corpus.jsonl", "w") as f:
+        for row in corpus.conversations(40, seed=0):
+            f.write(json.dumps(row) + "\n")
+    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
+                    str(root / "data"), "--tokenizer", str(tiny_dir), "--draft-vocab-size", "256", "--no-progress"],
+                   check=True, capture_output=True)
+    (root / "draft.json").write_text(json.dumps(_draft_config(64, 256, [2, 3, 4])))
+    return tiny_dir, root
+
+
+def test_untrained_draft_on_corpus_and_on_a_file(setup):
+    from specforge_kimi import corpus
+    from specforge_kimi.draft_eval import evaluate
+
+    target, root = setup
+    kw = dict(target_dir=str(target), draft_config=str(root / "draft.json"),
+              vocab_mapping=str(root / "data" / "vocab_mapping.pt"), aux_specforge_ids=[1, 2, 3], checkpoints=[],
+              heldout=3)
+    on_corpus = evaluate(**kw)
+    # the same conversations from a file give the same numbers
+    with open(root / "heldout.jsonl", "w") as f:
+        for row in corpus.conversations(3, seed=20000):
+            f.write(json.dumps(row) + "\n")
+    on_file = evaluate(**kw, heldout_file=str(root / "heldout.jsonl"))
+    a, b = on_corpus["results"][0], on_file["results"][0]
+    assert a["checkpoint"] == "untrained" and 1.0 <= a["mean_acceptance_length"] <= 4.0
+    assert a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-5)
+    assert a["mean_acceptance_length"] == pytest.approx(b["mean_acceptance_length"])
+    assert on_file["heldout_file"] and on_file["heldout_seed"] is None
+
+
+def test_heldout_file_errors(setup, tmp_path):
+    from specforge_kimi.draft_eval import heldout_rows
+
+    with pytest.raises(KimiInputError, match="does not exist"):
+        heldout_rows(3, conversations_file=str(tmp_path / "nope.jsonl"))
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(KimiInputError, match="bad.jsonl:1: not JSON"):
+        heldout_rows(3, conversations_file=str(tmp_path / "bad.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(KimiInputError, match="holds no conversation"):
+        heldout_rows(3, conversations_file=str(tmp_path / "empty.jsonl"))
