@@ -40,7 +40,8 @@ PY
 CORPUS=runs/corpus.jsonl
 if [ "${REGENERATE:-0}" = 1 ]; then
   # the draft should learn what the target generates, not the corpus text (the tiny target rarely
-  # stops, so generations cut at 256 tokens are kept)
+  # stops, so generations cut at 256 tokens are kept); --thinking auto keeps each conversation's
+  # mode (half the corpus answers without reasoning), as the bench's structured prompts do
   PORT=31999
   setsid python3 -m specforge_kimi.capture_server --model-path runs/tiny-k25 --tp-size 1 --host 127.0.0.1 --port $PORT \
     --attention-backend triton --disable-cuda-graph --mem-fraction-static 0.3 --reasoning-parser kimi_k2 \
@@ -48,11 +49,11 @@ if [ "${REGENERATE:-0}" = 1 ]; then
   SRV=$!
   for _ in $(seq 1 180); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
   python3 -m specforge_kimi regenerate runs/corpus.jsonl --server "http://127.0.0.1:$PORT" --out runs/corpus-regen.jsonl \
-    --concurrency "${REGEN_CONCURRENCY:-256}" --max-tokens 256 --temperature 0 --keep-unfinished --no-progress > "$OUT/regenerate.out" 2>&1
+    --concurrency "${REGEN_CONCURRENCY:-256}" --max-tokens 256 --temperature 0 --thinking auto --keep-unfinished --no-progress > "$OUT/regenerate.out" 2>&1
   echo "regenerate rc=$?" | tee -a "$OUT/regenerate.out"
   # held out the same way: a draft trained on the target's generations is measured on them
   python3 -m specforge_kimi regenerate runs/heldout.jsonl --server "http://127.0.0.1:$PORT" --out runs/heldout-regen.jsonl \
-    --concurrency 48 --max-tokens 256 --temperature 0 --keep-unfinished --no-progress >> "$OUT/regenerate.out" 2>&1
+    --concurrency 48 --max-tokens 256 --temperature 0 --thinking auto --keep-unfinished --no-progress >> "$OUT/regenerate.out" 2>&1
   kill -INT -- -$SRV 2>/dev/null; sleep 5; kill -KILL -- -$SRV 2>/dev/null; wait $SRV 2>/dev/null
   CORPUS=runs/corpus-regen.jsonl
 fi

@@ -82,6 +82,8 @@ class ResilienceSection(_Strict):
 class TrainerSection(_Strict):
     draft: dict[str, Any] = Field(description="Draft config JSON (LlamaForCausalLMEagle3), written beside the run")
     max_steps: int = Field(gt=0, description="Optimizer steps")
+    num_epochs: int = Field(default=1, gt=0, description="Passes over the prompts (SpecForge's online prompt "
+                            "epochs: each pass captures again, with its own sample ids)")
     learning_rate: float = Field(gt=0, description="Peak learning rate")
     ttt_length: int = Field(default=7, gt=0, description="EAGLE-3 TTT unroll")
     max_length: int = Field(gt=0, description="Max tokens per sample")
@@ -258,7 +260,8 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
                   "lm_head_key": r.target.lm_head_key, "aux_hidden_state_layer_ids": list(r.target.aux_layer_ids),
                   "torch_dtype": "bfloat16"},
         "data": {"prompts_path": r.data.prompts_path, "max_length": r.trainer.max_length},
-        "training": {"strategy": "eagle3", "max_steps": r.trainer.max_steps, "batch_size": r.trainer.batch_size,
+        "training": {"strategy": "eagle3", "max_steps": r.trainer.max_steps, "num_epochs": r.trainer.num_epochs,
+                     "batch_size": r.trainer.batch_size,
                      "learning_rate": r.trainer.learning_rate, "ttt_length": r.trainer.ttt_length,
                      "save_interval": r.trainer.save_interval, "seed": r.trainer.seed, "attention_backend": "sdpa",
                      # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50

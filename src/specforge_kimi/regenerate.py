@@ -90,6 +90,7 @@ class RegenerateOptions:
     resume: bool = False
     overwrite: bool = False
     progress: bool = False
+    thinking: str = "on"  # "on", "off", or "auto": each turn in the mode of the turn it replaces
 
 
 class _RowFailed(Exception):
@@ -262,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
         progress=args.progress if args.progress is not None else sys.stderr.isatty(),
+        thinking=args.thinking,
     )
     counts = regenerate(options)
     print(
@@ -304,6 +306,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16384,
         help="max generated tokens per turn (default 16384)",
+    )
+    parser.add_argument(
+        "--thinking",
+        choices=("on", "off", "auto"),
+        default="on",
+        help="thinking mode of the generations: on (default), off, or auto = per turn, as the turn it "
+        "replaces (reasoning present -> on)",
     )
     parser.add_argument(
         "--keep-unfinished",
@@ -450,7 +459,8 @@ def _regenerate_turns(
         if message.role != "assistant":
             output.append(message)
             continue
-        reply = _generate(client, model, options, Conversation(tuple(output), conversation.tools))
+        reply = _generate(client, model, options, Conversation(tuple(output), conversation.tools),
+                          thinking=turn_thinking(options.thinking, message))
         output.append(reply)
         turns += 1
         later = source[index + 1 :]
@@ -482,8 +492,18 @@ def _parsed(arguments: str | dict[str, Any]) -> Any:
         return arguments
 
 
+def turn_thinking(mode: str, source: Message) -> bool:
+    """Thinking for the turn that replaces ``source``: ``on`` / ``off``, or ``auto`` = thinking when
+    ``source`` carries reasoning (a dataset that mixes both modes keeps its mix; a draft serves both)."""
+    if mode == "auto":
+        return bool(source.reasoning)
+    if mode not in ("on", "off"):
+        raise KimiInputError(f"thinking must be on, off or auto, not {mode!r}")
+    return mode == "on"
+
+
 def _generate(
-    client: _Client, model: str, options: RegenerateOptions, prefix: Conversation
+    client: _Client, model: str, options: RegenerateOptions, prefix: Conversation, *, thinking: bool = True
 ) -> Message:
     request = conversation_to_openai(prefix)
     payload: dict[str, Any] = {
@@ -493,7 +513,7 @@ def _generate(
         "temperature": options.temperature,
         "top_p": options.top_p,
         "stream": False,
-        "chat_template_kwargs": {"thinking": True},
+        "chat_template_kwargs": {"thinking": thinking},
     }
     if prefix.tools:
         payload["tools"] = request["tools"]

@@ -103,7 +103,8 @@ class FakeServer:
 
 def respond(payload: dict) -> dict:
     messages = payload["messages"]
-    assert payload["chat_template_kwargs"] == {"thinking": True}
+    thinking = payload["chat_template_kwargs"]["thinking"]
+    assert thinking in (True, False)
     last = messages[-1]
     message: dict
     if last["role"] == "tool":
@@ -132,6 +133,8 @@ def respond(payload: dict) -> dict:
                 }
             ]
         }
+    elif not thinking:  # generation prompt `<think></think>`: the parser finds no reasoning
+        message = {"role": "assistant", "content": f"echo {last['content']}", "reasoning_content": None}
     else:
         message = {
             "role": "assistant",
@@ -221,6 +224,7 @@ def test_regenerates_assistant_turns_with_reasoning(tmp_path, server):
     second_request = next(r for r in server.requests if r["messages"][-1]["content"] == "two")
     assert second_request["messages"][1] == assistant("echo one", reasoning_content="think one")
     assert second_request["model"] == "kimi-k2.5-test"
+    assert all(r["chat_template_kwargs"] == {"thinking": True} for r in server.requests)  # the default
 
     assert by_line[2]["messages"][1] == assistant(
         "echo sharegpt", reasoning_content="think sharegpt"
@@ -287,7 +291,7 @@ def test_retries_with_backoff(tmp_path, server):
 
 
 def test_concurrency_limit(tmp_path, server):
-    server.latency_s = 0.05
+    server.latency_s = 0.3  # long enough that 3 requests overlap even on a loaded 2-core machine
     source = tmp_path / "in.jsonl"
     source.write_text(
         "".join(
@@ -396,3 +400,26 @@ def test_keep_unfinished_keeps_cut_generations(tmp_path, server):
     counts = regenerate(options(source, tmp_path / "keep.jsonl", server, keep_unfinished=True))
     assert counts["written"] == 1
     assert read(tmp_path / "keep.jsonl")[0]["messages"][1]["content"] == "..."
+
+
+@pytest.mark.parametrize("mode, expected", [("off", [False, False]), ("auto", [True, False])])
+def test_thinking_mode(tmp_path, server, mode, expected):
+    """``--thinking auto`` keeps each turn's mode (a draft serves both); ``off`` asks for none."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"messages": [user("r"), assistant("old", reasoning_content="why")]}) + "\n"
+                      + json.dumps({"messages": [user("p"), assistant("old")]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "--server", server.url, "--out", str(out), "--thinking", mode, "--no-progress",
+                 "--concurrency", "1"]) == 0
+    asked = {r["messages"][-1]["content"]: r["chat_template_kwargs"]["thinking"] for r in server.requests}
+    assert [asked["r"], asked["p"]] == expected
+    rows = read(out)
+    assert [bool(r["messages"][1].get("reasoning_content")) for r in rows] == expected
+
+
+def test_thinking_mode_is_checked():
+    from specforge_kimi.conversation import Message
+    from specforge_kimi.regenerate import turn_thinking
+
+    with pytest.raises(KimiInputError, match="on, off or auto"):
+        turn_thinking("maybe", Message(role="assistant", content="x"))

@@ -28,11 +28,21 @@ def test_recipe_renders(path, tmp_path):
     cfg = out["specforge_config"]
     assert cfg["deployment"]["mode"] == "disaggregated"
     assert cfg["deployment"]["trainer"]["nproc_per_node"] == r.gpus.per_node
+    assert cfg["training"]["num_epochs"] == r.trainer.num_epochs
     assert cfg["model"]["embedding_key"].startswith("language_model.")
     argv = out["launch"]["capture_server"]
     assert "--enable-spec-capture" in argv and str(r.tp) == argv[argv.index("--tp-size") + 1]
     assert out["launch"]["server_env"]["SPECFORGE_PLUGINS"] == "specforge_kimi"
     assert (tmp_path / "specforge_run.yaml").is_file() and (tmp_path / "draft_config.json").is_file()
+
+
+def test_num_epochs_reaches_specforge(tmp_path):
+    raw = _raw()
+    raw["trainer"]["num_epochs"] = 3
+    assert render(Recipe.model_validate(raw), tmp_path)["specforge_config"]["training"]["num_epochs"] == 3
+    raw["trainer"]["num_epochs"] = 0
+    with pytest.raises(Exception, match="num_epochs"):
+        Recipe.model_validate(raw)
 
 
 def _raw():
