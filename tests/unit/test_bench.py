@@ -455,3 +455,27 @@ def test_report_from_sample_results(tmp_path):
         {"benchmark": "trainer_memory", "command": "x", "rows": [{"rank": 0, "peak_gib": 7.5}]}))
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "| rank | peak_gib |" in md.split("## Trainer memory", 1)[1].split("\n## ", 1)[0]
+
+
+def test_structured_requests_are_prefixes_of_the_training_rows():
+    """What the bench sends for a held-out corpus conversation is exactly the prompt part of the row
+    a draft trains on for that conversation (regenerated with ``--thinking auto``), in both modes:
+    otherwise the draft is measured on contexts it never saw."""
+    from specforge_kimi import corpus
+    from specforge_kimi.chat_template import encode_spans, training_rows
+    from specforge_kimi.conversation import conversation_from_record
+    from specforge_kimi.pretrain import HELDOUT_SEED
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    tok = build_standin_tokenizer()
+    records = list(corpus.conversations(12, seed=HELDOUT_SEED))
+    prompts = bench.structured_prompt_set(12).prompts
+    modes = set()
+    for rec, prompt in zip(records, prompts):
+        request = bench.encode_prompt(prompt, tok, thinking=True)
+        (spans,) = training_rows(conversation_from_record(rec))
+        ids, mask = encode_spans(spans, tok)
+        assert ids[:len(request)] == request and not any(mask[:len(request)]), rec["id"]
+        assert mask[len(request)] == 1, rec["id"]  # the first token the target generates is trained
+        modes.add(prompt.thinking)
+    assert modes == {True, False}
