@@ -28,7 +28,8 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=device)
+        res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=device,
+                                         lr=args.pretrain_lr, schedule=args.pretrain_schedule)
         tr, held = res["train"], res["heldout"]
         print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
               f"{tr['steps']} steps, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out answer loss "
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pretrain", type=float, default=0, metavar="SECONDS",
                    help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)")
     t.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
+    t.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    t.add_argument("--pretrain-schedule", choices=("constant", "cosine"), default="constant",
+                   help="constant, or warm-up + cosine decay over the time budget")
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")

@@ -12,6 +12,7 @@ on-disk naming (:func:`tiny.write_tiny` with ``state=``). :func:`pretrain_struct
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +30,24 @@ class PretrainResult:
     losses: list[float]
 
 
+def cosine_scale(frac: float, warmup: float = 0.03, floor: float = 0.05) -> float:
+    """Learning-rate multiplier at ``frac`` (0..1) of the budget: linear warm-up, cosine to ``floor``."""
+    frac = min(1.0, max(0.0, frac))
+    if frac < warmup:
+        return frac / warmup
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
+
+
 def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *, seconds: float = 60.0,
              max_steps: int = 10_000, batch_size: int = 8, lr: float = 2e-3, seed: int = 0,
-             progress: bool = True, device: str = "cpu") -> PretrainResult:
-    """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``."""
+             progress: bool = True, device: str = "cpu", schedule: str = "constant") -> PretrainResult:
+    """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``.
+
+    ``schedule``: ``constant`` (``lr`` throughout) or ``cosine`` (linear warm-up over the first 3%,
+    then cosine decay to 5% of ``lr``), over the fraction of the budget used -- time or steps,
+    whichever runs out first."""
+    if schedule not in ("constant", "cosine"):
+        raise KimiInputError(f"pretraining schedule must be constant or cosine, not {schedule!r}")
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -70,6 +85,10 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     bar = tqdm(total=max_steps, desc="pretrain tiny target", disable=not progress, unit="step")
     step = 0
     while step < max_steps and time.monotonic() - start < seconds:
+        if schedule == "cosine":
+            scale = cosine_scale(max((time.monotonic() - start) / seconds, step / max_steps))
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
         idx = torch.randint(len(seqs), (batch_size,), generator=gen)
         batch = [remap[seqs[i]] for i in idx]
         T = max(len(s) for s in batch)
@@ -106,7 +125,8 @@ HELDOUT_SEED = 20_000
 
 def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, device: str = "cpu",
                                conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
-                               lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None) -> dict:
+                               lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
+                               schedule: str = "constant") -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS``: a tiny K2.5 pretrained on :mod:`corpus`.
 
     Writes the checkpoint, the stand-in tokenizer (byte-level, K2.5 special ids and its text-only
@@ -143,7 +163,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     try:
         write_tiny(raw, spec)
         res = pretrain(str(raw), [ids for ids, _ in train_rows], str(out), seconds=seconds, batch_size=batch_size,
-                       lr=lr, seed=spec.seed, progress=progress, device=device)
+                       lr=lr, seed=spec.seed, progress=progress, device=device, schedule=schedule)
     finally:
         shutil.rmtree(raw, ignore_errors=True)
     tok.save_pretrained(out)
@@ -178,6 +198,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                     "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
         },
         "train": {"steps": res.steps, "seconds": round(res.seconds, 2), "batch_size": batch_size, "lr": lr,
+                  "lr_schedule": schedule,
                   "loss_first": res.first_loss, "loss_last": res.last_loss, "losses": res.losses,
                   "what": "next-token cross-entropy over every position, softmax restricted to the corpus's tokens"},
         "heldout": {"conversations": heldout, "seed": HELDOUT_SEED, "answer_tokens": n,
