@@ -23,7 +23,7 @@ STAGE="${STAGE:-all}"
 case "$STAGE" in all|prep|train) ;; *) echo "STAGE must be all, prep or train, not $STAGE" >&2; exit 2;; esac
 T0=$(date +%s)
 if [ "$STAGE" != train ]; then
-rm -rf runs/tiny-k25 runs/tiny-k25-data runs/heldout-regen.jsonl "$RUN"
+rm -rf runs/tiny-k25 runs/tiny-k25-data runs/corpus-regen.jsonl* runs/heldout-regen.jsonl* "$RUN"
 python3 -m specforge_kimi tiny runs/tiny-k25 --layers 8 --hidden 512 --pretrain "${PRETRAIN_S:-60}" --device cuda \
   --pretrain-schedule "${PRETRAIN_SCHEDULE:-constant}" \
   > "$OUT/tiny.out" 2>&1 || { tail -30 "$OUT/tiny.out"; exit 1; }
