@@ -23,6 +23,25 @@ TEST_SPEC = dict(layers=6, hidden=64, heads=8, experts=8, experts_per_token=2, m
                  dense_intermediate=128, q_lora_rank=64, vision_hidden=32, vision_heads=8)
 
 
+def prepare_corpus(root, conversations: int, *tokenizer_args: str):
+    """``conversations`` corpus conversations (seed 0) -> ``root/corpus.jsonl`` -> ``specforge-kimi
+    prepare`` into ``root/data`` (draft vocab 256); ``tokenizer_args``: ``--tokenizer DIR`` or
+    ``--standin-tokenizer``. Returns ``root/data``."""
+    import json
+    import subprocess
+    import sys
+
+    from specforge_kimi import corpus
+
+    with open(root / "corpus.jsonl", "w") as f:
+        for row in corpus.conversations(conversations, seed=0):
+            f.write(json.dumps(row) + "\n")
+    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
+                    str(root / "data"), *tokenizer_args, "--draft-vocab-size", "256", "--no-progress"],
+                   check=True, capture_output=True)
+    return root / "data"
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from specforge_kimi.tiny import TinySpec, write_tiny

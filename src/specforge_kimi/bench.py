@@ -387,12 +387,6 @@ def server_argv(settings: BenchSettings, spec: Optional[SpecConfig], *, port: in
     return argv + list(settings.extra_server_args)
 
 
-def free_port() -> int:
-    from specforge_kimi.services import free_ports
-
-    return free_ports(1)[0]
-
-
 @contextmanager
 def serving(label: str, argv: Sequence[str], *, port: int, log_path: Path, timeout_s: float,
             env: Optional[dict] = None) -> Iterator[float]:
@@ -535,7 +529,9 @@ def _output_match(base: dict[str, list[dict]], spec: dict[str, list[dict]]) -> d
 
 def _serve_and_measure(label: str, settings: BenchSettings, spec: Optional[SpecConfig], encoded: dict,
                        warm: list, *, context: int, out: Path, launcher: Optional[Sequence[str]]) -> tuple[dict, dict]:
-    port = settings.port or free_port()
+    from specforge_kimi.services import free_ports
+
+    port = settings.port or free_ports(1)[0]
     argv = server_argv(settings, spec, port=port, context=context)
     if launcher is not None:  # tests: a stand-in process at the same boundary (same SGLang args)
         argv = [*launcher, *argv[3:]]

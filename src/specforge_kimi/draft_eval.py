@@ -105,7 +105,8 @@ def evaluate(target_dir: str, draft_config: str, vocab_mapping: str, aux_specfor
                         "per_step_accuracy": r.per_step_accuracy, "chains": r.chains,
                         "heldout_loss": r.heldout_loss, "teacher_entropy": r.teacher_entropy})
     return {"command": sys.argv, "target": str(target_dir), "heldout_conversations": heldout,
-            "heldout_seed": None if heldout_file else HELDOUT_SEED, "heldout_file": heldout_file, "steps": steps, "topk": 1, "results": results,
+            "heldout_seed": None if heldout_file else HELDOUT_SEED, "heldout_file": heldout_file,
+            "steps": steps, "topk": 1, "results": results,
             "seconds": round(time.monotonic() - t0, 2)}
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import prepare_corpus
 from drills import (check_recovered, check_stopped, drill, inject_consumer_crash, kill_server_child, kill_service,
                     producer_just_ahead)
 
@@ -36,17 +36,11 @@ TP = int(os.environ.get("SPECFORGE_KIMI_DRILL_TP", "2"))
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from specforge_kimi import corpus
     from specforge_kimi.tiny import TinySpec, write_tiny
 
     root = tmp_path_factory.mktemp("faults")
     target = write_tiny(root / "k25", TinySpec(layers=8, hidden=512))
-    with open(root / "corpus.jsonl", "w") as f:
-        for row in corpus.conversations(200, seed=0):
-            f.write(json.dumps(row) + "\n")
-    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
-                    str(root / "data"), "--tokenizer", str(target), "--draft-vocab-size", "256", "--no-progress"],
-                   check=True, capture_output=True)
+    prepare_corpus(root, 200, "--tokenizer", str(target))
     return root, target
 
 
@@ -83,7 +77,8 @@ def _record(name: str, res: dict) -> None:
     out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
     led = res["report"]["ledger"]
     with open(out / "fault_drills.jsonl", "a") as f:
-        f.write(json.dumps({"drill": name, "tp": TP, "trainer_ranks": TP, "rc": res["rc"], "stop_s": res["stop_s"], "victims": len(res["victims"] or []),
+        f.write(json.dumps({"drill": name, "tp": TP, "trainer_ranks": TP, "rc": res["rc"], "stop_s": res["stop_s"],
+                            "victims": len(res["victims"] or []),
                             "processes_left": len(res["left"]) + len(res["spawned_alive"]), "prompts": res["prompts"],
                             "acked": led.get("acked"), "duplicates": led.get("duplicates"),
                             "committed": led.get("committed"), "global_step": led.get("global_step")}) + "\n")

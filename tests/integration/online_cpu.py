@@ -5,50 +5,37 @@ online-loop test and the fault drills)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from conftest import TEST_SPEC
+from conftest import TEST_SPEC, prepare_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    from specforge_kimi.services import free_ports
-
-    return free_ports(1)[0]  # at most 55535: SGLang's rule, which recipes enforce
 
 
 def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40,
              resilience: dict | None = None, dp: int = 1):
     """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``."""
-    from specforge_kimi import corpus
     from specforge_kimi.launch import build_colocated_plan
     from specforge_kimi.recipes import Recipe, render
+    from specforge_kimi.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
     from specforge_kimi.tiny import TinySpec, write_tiny
 
     target = write_tiny(root / "k25", TinySpec(**TEST_SPEC))
-    with open(root / "corpus.jsonl", "w") as f:
-        for row in corpus.conversations(conversations, seed=0):
-            f.write(json.dumps(row) + "\n")
-    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
-                    str(root / "data"), "--standin-tokenizer", "--draft-vocab-size", "256", "--no-progress"],
-                   check=True, capture_output=True)
+    prepare_corpus(root, conversations, "--standin-tokenizer")
 
     raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
     raw["output_dir"] = str(root / "run")
     raw["target"].update(path=str(target), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
                          num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 3, 4])
     raw["gpus"]["per_node"] = dp
-    raw["mooncake"] = {"rpc_port": free_port(), "metadata_port": free_port(), "metrics_port": free_port(),
-                       "global_segment_gib": 0.25}
+    rpc, meta, metrics, keeper, port = free_ports(5)
+    raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta, "metrics_port": metrics, "global_segment_gib": 0.25}
     if resilience:
-        raw["resilience"] = {"keeper_port": free_port(), **resilience}
-    raw["server"]["port"] = free_port()
+        raw["resilience"] = {"keeper_port": keeper, **resilience}
+    raw["server"]["port"] = port
     raw["trainer"]["draft"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=4, draft_vocab_size=256)
     raw["trainer"].update(max_steps=steps, save_interval=save_interval, max_length=256)

@@ -2,26 +2,19 @@
 conversations and on a held-out conversations file (what a regenerated run is measured on)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import prepare_corpus
 
 from specforge_kimi.errors import KimiInputError
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_dir, tmp_path_factory):
-    from specforge_kimi import corpus
     from specforge_kimi.demo import _draft_config
 
     root = tmp_path_factory.mktemp("eval")
-    with open(root / "corpus.jsonl", "w") as f:
-        for row in corpus.conversations(40, seed=0):
-            f.write(json.dumps(row) + "\n")
-    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
-                    str(root / "data"), "--tokenizer", str(tiny_dir), "--draft-vocab-size", "256", "--no-progress"],
-                   check=True, capture_output=True)
+    prepare_corpus(root, 40, "--tokenizer", str(tiny_dir))
     (root / "draft.json").write_text(json.dumps(_draft_config(64, 256, [2, 3, 4])))
     return tiny_dir, root
 

@@ -31,16 +31,12 @@ socketserver.TCPServer(("127.0.0.1", http_port), H).serve_forever()
 '''
 
 
-def _free_port() -> int:
-    from specforge_kimi.services import free_ports
-
-    return free_ports(1)[0]
-
-
 def _plan(tmp_path, consumer_code: str):
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
     raw = copy.deepcopy(raw)
-    rpc, meta, srv = _free_port(), _free_port(), _free_port()
+    from specforge_kimi.services import free_ports
+
+    rpc, meta, srv = free_ports(3)
     raw["output_dir"] = str(tmp_path / "run")
     raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta}
     raw["server"]["port"] = srv
