@@ -44,8 +44,10 @@ def _copy_tiny(tiny_dir, tmp, edit=None, drop_weights=False):
 
 
 def _busy_port_recipe(tmp):
+    from specforge_kimi.services import free_ports
+
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    s.bind(("127.0.0.1", free_ports(1)[0]))  # a port recipes accept (<= MAX_SERVER_PORT)
     s.listen()
     _busy_port_recipe.sock = s  # keep it bound for the test's lifetime
     port = s.getsockname()[1]
