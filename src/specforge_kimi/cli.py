@@ -29,11 +29,13 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=device,
-                                         lr=args.pretrain_lr, schedule=args.pretrain_schedule)
+                                         lr=args.pretrain_lr, schedule=args.pretrain_schedule,
+                                         loss=args.pretrain_loss)
         tr, held = res["train"], res["heldout"]
         print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
-              f"{tr['steps']} steps, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out answer loss "
-              f"{held['loss_corpus_tokens']:.3f} (greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
+              f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
+              f"answer loss {held['loss']:.3f} full vocab / {held['loss_corpus_tokens']:.3f} corpus tokens "
+              f"(greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
         return 0
     out = write_tiny(args.out_dir, spec)
     print(f"wrote tiny Kimi-K2.5 checkpoint to {out}")
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     t.add_argument("--pretrain-schedule", choices=("constant", "cosine"), default="constant",
                    help="constant, or warm-up + cosine decay over the time budget")
+    t.add_argument("--pretrain-loss", choices=("full", "corpus"), default="full",
+                   help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
+                        "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)")
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")

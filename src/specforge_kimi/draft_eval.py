@@ -103,7 +103,9 @@ def evaluate(target_dir: str, draft_config: str, vocab_mapping: str, aux_specfor
         r = simulated_acceptance(draft, head, samples, steps)
         results.append({"checkpoint": label, "mean_acceptance_length": r.mean_acceptance_length,
                         "per_step_accuracy": r.per_step_accuracy, "chains": r.chains,
-                        "heldout_loss": r.heldout_loss, "teacher_entropy": r.teacher_entropy})
+                        "heldout_loss": r.heldout_loss, "teacher_entropy": r.teacher_entropy,
+                        "serving_acceptance_length": r.serving_acceptance_length,
+                        "serving_at_least": r.serving_at_least, "serving_rounds": r.serving_rounds})
     return {"command": sys.argv, "target": str(target_dir), "heldout_conversations": heldout,
             "heldout_seed": None if heldout_file else HELDOUT_SEED, "heldout_file": heldout_file,
             "steps": steps, "topk": 1, "results": results,
@@ -134,6 +136,8 @@ def run(args) -> int:
     if args.out:
         Path(args.out).write_text(text)
     for r in res["results"]:
-        print(f"{r['checkpoint']}: simulated acceptance {r['mean_acceptance_length']:.3f}, "
-              f"held-out loss {r['heldout_loss']:.3f}")
+        serving = r["serving_acceptance_length"]
+        print(f"{r['checkpoint']}: simulated acceptance {r['mean_acceptance_length']:.3f} (every position), "
+              + (f"{serving:.3f} over {r['serving_rounds']} decode rounds, " if serving is not None else "")
+              + f"held-out loss {r['heldout_loss']:.3f}")
     return 0

@@ -7,6 +7,14 @@ draft, fed its own previous hidden state and the token at ``t+1+j``, predicts th
 token at ``t+2+j``. A chain starting after position ``t`` accepts while every step so far matched
 the target's argmax; acceptance length = 1 (the target's own token) + accepted draft tokens,
 averaged over start positions whose predicted tokens are all trained (loss-masked) tokens.
+
+That average weighs every position alike; serving does not. A decode round starts right after the
+previous round's bonus token, i.e. where the draft just failed, and failures cluster, so the
+engine's acceptance is lower than the every-position average. :func:`serving_rounds` walks the
+rounds as SGLang's decode loop takes them -- first round after the prompt, next one after each
+round's accepted drafts and bonus token -- and reports the acceptance length over those rounds
+and, per draft position, the share of rounds that accepted at least that many drafts (what
+SGLang's ``spec_correct_drafts_histogram`` gives, so the bench's ``at_least`` compares directly).
 Because the inputs are teacher-forced data tokens, this equals real greedy speculation only
 when the data is the target's own greedy output; otherwise it is an estimate. The real number
 comes from SGLang's speculative decoding (the bench command).
@@ -43,6 +51,38 @@ class AcceptanceResult:
     heldout_loss: float | None = None
     #: mean entropy of target_p over the same positions: the floor of ``heldout_loss`` (KL = loss - this)
     teacher_entropy: float | None = None
+    #: acceptance length over decode rounds as the engine takes them (:func:`serving_rounds`)
+    serving_acceptance_length: float | None = None
+    #: share of those rounds that accepted at least j+1 draft tokens, j = 0..steps-1
+    serving_at_least: list[float] | None = None
+    serving_rounds: int = 0
+
+
+def serving_rounds(length: list[int], trained: list[bool]) -> list[int]:
+    """Acceptance lengths of the decode rounds over one sample, in order.
+
+    ``length[t]``: 1 + drafts accepted by a chain that starts after position ``t`` (it predicts
+    token ``t+2`` first); ``trained[i]``: token ``i`` is generated (loss-masked). For each run of
+    generated tokens ``a..b``, the target's prefill emits token ``a``, so the first round starts
+    at ``t = a-1``; a round accepting ``n`` tokens (drafts + bonus) moves the next start to
+    ``t + n``; rounds stop once no generated token is left to draft (``t + 2 > b``)."""
+    out: list[int] = []
+    L = len(trained)
+    i = 0
+    while i < L:
+        if not trained[i] or i == 0:
+            i += 1
+            continue
+        b = i
+        while b + 1 < L and trained[b + 1]:
+            b += 1
+        t = i - 1
+        while t + 2 <= b:
+            n = max(1, int(length[t]))
+            out.append(n)
+            t += n
+        i = b + 1
+    return out
 
 
 def _shift(t, n: int):
@@ -67,6 +107,7 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
     reached = [0] * (steps + 1)
     correct_at = [0] * steps
     loss_sum, loss_n, ent_sum = 0.0, 0, 0.0
+    rounds: list[int] = []
     with torch.no_grad():
         for s in samples:
             ids = s["input_ids"].reshape(1, -1).long()
@@ -115,8 +156,11 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
                 length = length + ok.long()
             total_len += float(length[start].sum())
             chains += int(start.sum())
+            rounds += serving_rounds(length[0].tolist(), mask[0].bool().tolist())
     if chains == 0:
         raise ValueError("no trained positions in the held-out samples")
     per_step = [correct_at[j] / reached[j] if reached[j] else 0.0 for j in range(steps)]
+    at_least = [sum(n >= j + 2 for n in rounds) / len(rounds) for j in range(steps)] if rounds else None
     return AcceptanceResult(total_len / chains, per_step, chains, loss_sum / loss_n if loss_n else None,
-                            ent_sum / loss_n if loss_n else None)
+                            ent_sum / loss_n if loss_n else None,
+                            sum(rounds) / len(rounds) if rounds else None, at_least, len(rounds))

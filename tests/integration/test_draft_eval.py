@@ -38,6 +38,10 @@ def test_untrained_draft_on_corpus_and_on_a_file(setup):
     assert a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-5)
     assert a["mean_acceptance_length"] == pytest.approx(b["mean_acceptance_length"])
     assert on_file["heldout_file"] and on_file["heldout_seed"] is None
+    # decode rounds: one or more per conversation; per-position shares fall with the position
+    assert a["serving_rounds"] >= 3 and 1.0 <= a["serving_acceptance_length"] <= 4.0
+    assert a["serving_acceptance_length"] == pytest.approx(1 + sum(a["serving_at_least"]))
+    assert all(x >= y for x, y in zip(a["serving_at_least"], a["serving_at_least"][1:]))
 
 
 def test_heldout_file_errors(setup, tmp_path):
