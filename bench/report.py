@@ -16,6 +16,13 @@ file is recognised by its content:
   capture overhead per TP and batch shape; with its ``online_run`` part (from ``specforge-kimi
   run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
   (``"engine": "reference"``) are named but not tabulated: they are not measurements;
+- tiny target pretraining (``specforge-kimi tiny --pretrain``'s ``pretrain.json``: ``corpus`` +
+  ``train`` + ``heldout``);
+- online run trainer view (``specforge-kimi run-report``: ``ledger`` +
+  ``metadata_bytes_per_trained_token``);
+- draft evaluation (``specforge-kimi eval-draft``: ``results`` of checkpoints + ``heldout_conversations``);
+- simulated acceptance on the CPU (``bench/mla_vs_llama.py``, ``bench/greedy_acceptance_cpu.py``);
+- fault drills (``"benchmark": "fault drills"``);
 - capture overhead, pipeline efficiency, trainer memory written by anything else:
   ``{"benchmark": "capture_overhead" | "pipeline_efficiency" | "trainer_memory", "command": "...",
   "rows": [{flat key: value}, ...]}``, shown as a table of their rows.
@@ -89,6 +96,18 @@ def classify(data: Any) -> str:
         return "capture_parity"
     if "regenerate_stdout" in data:
         return "regenerate"
+    if bench == "fault drills":
+        return "fault_drills"
+    if isinstance(bench, str) and bench.startswith("MLA vs Llama-style"):
+        return "mla_vs_llama"
+    if isinstance(bench, str) and bench.startswith("EAGLE-3 draft acceptance on the tiny target's own greedy text"):
+        return "greedy_acceptance"
+    if {"corpus", "train", "heldout", "spec"} <= data.keys():
+        return "tiny_target"
+    if "ledger" in data and "metadata_bytes_per_trained_token" in data:
+        return "online_run"
+    if isinstance(data.get("results"), list) and "heldout_conversations" in data:
+        return "eval_draft"
     return "unknown"
 
 
@@ -330,6 +349,103 @@ def section_regenerate(files: list[tuple[str, dict]]) -> list[str]:
                          "target loss last"], rows) + [""]
 
 
+def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Tiny targets", "",
+           "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer tokens "
+           "of the `structured` prompt set's conversations; greedy accuracy is the full-vocabulary argmax "
+           "(what SGLang decodes).", ""]
+    if not files:
+        return out + ["Not measured yet: `specforge-kimi tiny OUT --pretrain SECONDS`.", ""]
+    rows = []
+    for n, r in files:
+        tr, h, sp = r["train"], r["heldout"], r["spec"]
+        rows.append([n, f"{sp.get('layers')}L/{sp.get('hidden')}h", r.get("device"), tr.get("steps"),
+                     _num(tr.get("seconds"), "{:.0f}"), tr.get("batch_size"), tr.get("loss", "corpus"),
+                     f"{_fmt(tr.get('loss_first'))} -> {_fmt(tr.get('loss_last'))}", h.get("loss"),
+                     h.get("loss_corpus_tokens"), h.get("greedy_accuracy")])
+    return out + _table(["file", "target", "device", "steps", "s", "batch", "training loss", "loss first -> last",
+                         "held-out loss (full vocab)", "held-out loss (corpus tokens)", "greedy acc"], rows) + [""]
+
+
+def section_online_runs(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Online runs (trainer view)", "",
+           "`specforge-kimi run-report` of a co-located run: SpecForge's ledger, disk bytes besides checkpoints, "
+           "median step performance after warm-up.", ""]
+    if not files:
+        return out + ["Not measured yet: `scripts/gpu_online_run.sh` on the GPU box.", ""]
+    rows = []
+    for n, r in files:
+        led, perf = r.get("ledger") or {}, r.get("perf") or {}
+        acc = r.get("acc_last_mean") or {}
+        rows.append([n, r.get("last_step"), led.get("acked_unique"), led.get("duplicates"), led.get("trained_tokens"),
+                     f"{_fmt(r.get('loss_first_mean'))} -> {_fmt(r.get('loss_last_mean'))}",
+                     " / ".join(f"{acc[k]:.2f}" for k in sorted(acc)),
+                     _num(r.get("metadata_bytes_per_trained_token"), "{:.1f}"),
+                     _num(perf.get("end_to_end_tokens_per_s"), "{:.0f}"),
+                     _num(perf.get("trainer_only_tokens_per_s"), "{:.0f}")])
+    return out + _table(["file", "steps", "samples (unique)", "duplicates", "trained tokens", "train loss",
+                         "train acc per TTT position", "metadata B/token", "end-to-end tok/s",
+                         "trainer-only tok/s"], rows) + [""]
+
+
+def section_eval_draft(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Draft evaluation (simulated acceptance)", "",
+           "`specforge-kimi eval-draft`: chain drafting, top-1, greedy verification on held-out captured "
+           "features; every-position average and, where recorded, over decode rounds as the engine takes them. "
+           "Estimates; the engine's number is in the acceptance section.", ""]
+    if not files:
+        return out + ["Not measured yet.", ""]
+    rows = []
+    for n, r in files:
+        held = r.get("heldout_file") or f"corpus seed {r.get('heldout_seed')}"
+        for c in r["results"]:
+            rows.append([n, Path(str(c.get("checkpoint"))).name, held, c.get("mean_acceptance_length"),
+                         c.get("serving_acceptance_length"), c.get("heldout_loss"), c.get("teacher_entropy")])
+    return out + _table(["file", "checkpoint", "held-out set", "AL every position", "AL decode rounds",
+                         "held-out loss", "teacher entropy"], rows) + [""]
+
+
+def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Simulated acceptance on the CPU", "",
+           "Demo-sized tiny target, fp32, SpecForge's own trainer in process. They rank settings; they are no "
+           "engine measurement.", ""]
+    if not mla and not greedy:
+        return out + ["Not measured yet: `python bench/greedy_acceptance_cpu.py`, `python bench/mla_vs_llama.py`.", ""]
+    for n, r in greedy:
+        st = r.get("settings", {})
+        out += [f"`{n}` (`bench/greedy_acceptance_cpu.py`): held-out answers regenerated greedily by the target; "
+                f"{st.get('steps')} draft steps, target pretrained {st.get('pretrain_steps')} steps.", ""]
+        out += _table(["target loss", "draft vocab", "AL decode rounds", "at least 1 / 2 / 3", "AL every position",
+                       "teacher entropy", "held-out loss", "train acc per TTT position"],
+                      [[c["target_loss"], c["draft_vocab_size"], c["decode_round_acceptance_length"],
+                        " / ".join(f"{x:.2f}" for x in c["decode_round_at_least"]),
+                        c["every_position_acceptance_length"], c["teacher_entropy"], c["heldout_loss"],
+                        " / ".join(f"{x:.2f}" for x in c["train_acc_per_position_last"])] for c in r["configs"]])
+        out.append("")
+    for n, r in mla:
+        out += [f"`{n}` (`bench/mla_vs_llama.py`): same features, steps and seed for both drafts.", ""]
+        out += _table(["draft", "trainable params", "AL before", "AL after", "held-out loss after", "KL after"],
+                      [[d, v["parameters"]["trainable"], v["before"]["mean_acceptance_length"],
+                        v["after"]["mean_acceptance_length"], v["after"]["heldout_loss"], v["after"].get("kl")]
+                       for d, v in r["drafts"].items()])
+        out.append("")
+    return out
+
+
+def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Fault drills", "", "`tests/gpu/test_faults_gpu.py`; lost and duplicated samples from SpecForge's ledger.", ""]
+    if not files:
+        return out + ["Not measured yet: `tests/gpu/test_faults_gpu.py --run-gpu`.", ""]
+    rows = []
+    for n, r in files:
+        for d in r.get("drills", []):
+            rows.append([n, d.get("drill"), f"{d.get('tp')} / {d.get('trainer_ranks')}", d.get("rc"),
+                         _num(d.get("stop_s"), "{:.0f}"), d.get("prompts"), d.get("acked"), d.get("duplicates"),
+                         d.get("processes_left")])
+    return out + _table(["file", "drill", "TP / trainer ranks", "rc", "s to run end", "prompts", "acked",
+                         "duplicates", "processes left"], rows) + [""]
+
+
 def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     """Write ``out_md`` and the plots; return the Markdown."""
     plots.mkdir(parents=True, exist_ok=True)
@@ -347,6 +463,11 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_capture_parity(kinds.get("capture_parity", []), plots)
     lines += section_prepare_memory(kinds.get("prepare_memory", []), plots)
     lines += section_regenerate(kinds.get("regenerate", []))
+    lines += section_tiny_targets(kinds.get("tiny_target", []))
+    lines += section_online_runs(kinds.get("online_run", []))
+    lines += section_eval_draft(kinds.get("eval_draft", []))
+    lines += section_cpu_simulated(kinds.get("mla_vs_llama", []), kinds.get("greedy_acceptance", []))
+    lines += section_fault_drills(kinds.get("fault_drills", []))
     other = kinds.get("unknown", []) + kinds.get("unreadable", [])
     if other:
         lines += ["## Unrecognised results files", "", *[f"- `{n}`" for n, _ in other], ""]

@@ -11,7 +11,7 @@
 #   5. disk bytes per trained token; processes and GPU memory left after the run
 # STAGE=prep runs steps 1-2 only, STAGE=train steps 3-5 on what a prep stage left in runs/ (so the
 # two fit separate device calls); the default runs all.
-# usage: [STAGE=all|prep|train] [PRETRAIN_S=60] [PRETRAIN_SCHEDULE=constant|cosine] [REGENERATE=0|1] bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
+# usage: [STAGE=all|prep|train] [PRETRAIN_S=60] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus] [REGENERATE=0|1] bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
@@ -25,7 +25,7 @@ T0=$(date +%s)
 if [ "$STAGE" != train ]; then
 rm -rf runs/tiny-k25 runs/tiny-k25-data runs/corpus-regen.jsonl* runs/heldout-regen.jsonl* "$RUN"
 python3 -m specforge_kimi tiny runs/tiny-k25 --layers 8 --hidden 512 --pretrain "${PRETRAIN_S:-60}" --device cuda \
-  --pretrain-schedule "${PRETRAIN_SCHEDULE:-constant}" \
+  --pretrain-schedule "${PRETRAIN_SCHEDULE:-constant}" --pretrain-loss "${PRETRAIN_LOSS:-full}" \
   > "$OUT/tiny.out" 2>&1 || { tail -30 "$OUT/tiny.out"; exit 1; }
 cp runs/tiny-k25/pretrain.json runs/tiny-k25/pretrain_loss.png "$OUT/" 2>/dev/null
 python3 - <<'PY' || exit 1

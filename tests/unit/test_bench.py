@@ -457,6 +457,30 @@ def test_report_from_sample_results(tmp_path):
     assert "| rank | peak_gib |" in md.split("## Trainer memory", 1)[1].split("\n## ", 1)[0]
 
 
+def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
+    """The committed GPU and CPU results other than the bench's are recognised and tabulated."""
+    report = _report_module()
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("tiny_target_pretrain_120s_h200x2.json", "online_run_regen_h200x2.json",
+                 "online_run_regen_h200x2_eval_draft.json", "fault_drills_h200x2.json", "mla_vs_llama_cpu.json"):
+        (results / name).write_text((REPO / "bench" / "results" / name).read_text())
+    greedy = {"benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
+                           "draft-vocab padding (CPU)", "settings": {"steps": 300, "pretrain_steps": 150},
+              "configs": [{"target_loss": "full", "draft_vocab_size": 49, "decode_round_acceptance_length": 3.1,
+                           "decode_round_at_least": [0.9, 0.7, 0.5], "every_position_acceptance_length": 3.2,
+                           "teacher_entropy": 1.0, "heldout_loss": 1.2, "train_acc_per_position_last": [0.9, 0.8]}]}
+    (results / "greedy.json").write_text(json.dumps(greedy))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert "## Unrecognised results files" not in md
+    assert "| tiny_target_pretrain_120s_h200x2.json | 8L/512h | cuda | 1283 |" in md
+    assert "| online_run_regen_h200x2.json | 900 | 1800 | 0 | 492414 |" in md
+    assert "| online_run_regen_h200x2_eval_draft.json | tiny-k25-tp2-step900 | corpus seed 20000 | 1.483 |" in md
+    assert "| full | 49 | 3.100 | 0.90 / 0.70 / 0.50 | 3.200 |" in md
+    assert "| llama | 1455360 | 1.006 | 2.847 |" in md
+    assert "| mooncake master SIGKILL | 1 / 1 | 137 | 37 | 200 | 4 | 0 | 0 |" in md
+
+
 def test_structured_requests_are_prefixes_of_the_training_rows():
     """What the bench sends for a held-out corpus conversation is exactly the prompt part of the row
     a draft trains on for that conversation (regenerated with ``--thinking auto``), in both modes:
