@@ -50,6 +50,7 @@ if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
     --draft-config runs/tiny-k25-tp2/rendered/draft_config.json --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
     --aux-ids 1,3,4 --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout 48 --device cuda \
+    $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
     --out "$OUT/eval_online_vs_offline.json" > "$OUT/eval_online_vs_offline.out" 2>&1
 fi
 for d in bench-online bench-offline; do

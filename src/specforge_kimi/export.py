@@ -119,6 +119,39 @@ def finalize_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | o
     return prov
 
 
+def export_run_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.PathLike,
+                     export_dir: str | os.PathLike, *, vocab_mapping_path: str,
+                     target_dir: str | os.PathLike | None, aux: AuxLayers, command: Sequence[str] | None = None, extra: dict | None = None) -> Path:
+    """Export a run's SpecForge checkpoint for SGLang, by the draft's architecture.
+
+    Llama-style: SpecForge's own ``export --to sglang`` then :func:`finalize_sglang_export`. MLA
+    (``Eagle3DeepseekV2ForCausalLM``): :func:`specforge_kimi.drafts.export_engines.export_draft`,
+    since SGLang's ``kimi_k25_eagle3.py`` loads ``layers.0.*`` where SpecForge's exporter writes
+    ``midlayer.*``. Both write captured positions as aux ids and provenance. ``aux`` must be the
+    run's aux layers (checked against the draft config's ids). ``target_dir`` checks the draft
+    against the target; the Llama path needs it (its ``eagle_config`` is written from it)."""
+    from specforge_kimi.drafts.export_engines import MLA_ARCH
+
+    cfg = json.loads(Path(draft_config_path).read_text())
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and AuxLayers.from_specforge(ids, aux.num_layers).positions != aux.positions:
+        raise KimiInputError(f"{draft_config_path}: aux ids {ids} capture other layers than the run's "
+                             f"{list(aux.specforge_ids())}")
+    if MLA_ARCH in (cfg.get("architectures") or []):
+        from specforge_kimi.drafts.export_engines import export_draft
+
+        export_draft(checkpoint, draft_config_path, export_dir, engine="sglang", num_layers=aux.num_layers,
+                     vocab_mapping_path=vocab_mapping_path, target_dir=target_dir, command=command)
+        return Path(export_dir)
+    if target_dir is None:
+        raise KimiInputError("exporting a Llama-style draft needs the target directory")
+    from specforge_kimi.offline_train import export_sglang
+
+    export_sglang(str(checkpoint), str(draft_config_path), str(export_dir), vocab_mapping_path)
+    finalize_sglang_export(export_dir, target_dir=target_dir, aux=aux, command=command, extra=extra)
+    return Path(export_dir)
+
+
 def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.PathLike | None = None) -> dict:
     """Raise :class:`KimiInputError` naming the first problem; return a summary when sound."""
     from specforge_kimi.target import inspect_target

@@ -145,28 +145,25 @@ def run_plan(plan, **kwargs) -> int:
 
 
 def export_latest(recipe, rendered: dict) -> Path:
-    """Export the run's newest checkpoint (``<output_dir>/<run_id>-latest``) for SGLang.
-
-    SpecForge's ``export_to_sglang`` then our ``eagle_config`` (captured positions) and
-    provenance, into ``<output_dir>/export-sglang``; returns that directory.
+    """Export the run's newest checkpoint (``<output_dir>/<run_id>-latest``) for SGLang into
+    ``<output_dir>/export-sglang`` (:func:`specforge_kimi.export.export_run_draft`: Llama-style or
+    MLA draft, captured positions as aux ids, provenance); returns that directory.
     """
     import sys
 
-    from specforge_kimi.export import finalize_sglang_export
+    from specforge_kimi.export import export_run_draft
     from specforge_kimi.layer_ids import AuxLayers
-    from specforge_kimi.offline_train import export_sglang
 
     out = Path(recipe.output_dir)
     latest = out / f"{recipe.name}-latest"
     if not (latest / "training_state.pt").is_file():
         raise KimiInputError(f"{latest} has no training_state.pt: the run wrote no checkpoint")
     cfg = rendered["specforge_config"]
-    export_dir = out / "export-sglang"
-    export_sglang(str(latest), cfg["model"]["draft_model_config"], str(export_dir), cfg["model"]["vocab_mapping_path"])
     aux = AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers)
-    finalize_sglang_export(export_dir, target_dir=recipe.target.path, aux=aux, command=sys.argv,
-                           extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name})
-    return export_dir
+    return export_run_draft(latest, cfg["model"]["draft_model_config"], out / "export-sglang",
+                            vocab_mapping_path=cfg["model"]["vocab_mapping_path"], target_dir=recipe.target.path,
+                            aux=aux, command=sys.argv,
+                            extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name})
 
 
 def add_parser(sub) -> None:

@@ -511,7 +511,7 @@ def _run_cli(args) -> int:
     import json
     import sys
 
-    from specforge_kimi.export import finalize_sglang_export
+    from specforge_kimi.export import export_run_draft
     from specforge_kimi.layer_ids import AuxLayers
     from specforge_kimi.recipes import load_recipe, render
 
@@ -528,10 +528,10 @@ def _run_cli(args) -> int:
                            accumulation_steps=recipe.gpus.per_node * recipe.gpus.nnodes,
                            extra_overrides=None if _cuda_available() else {"model.torch_dtype": "float32"})
     export_dir = os.path.join(args.out, "export-sglang")
-    export_sglang(result["checkpoint_dir"], model["draft_model_config"], export_dir, recipe.data.vocab_mapping_path)
-    finalize_sglang_export(export_dir, target_dir=recipe.target.path,
-                           aux=AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers),
-                           command=sys.argv, extra={"offline_features": os.path.abspath(args.features)})
+    export_run_draft(result["checkpoint_dir"], model["draft_model_config"], export_dir,
+                     vocab_mapping_path=recipe.data.vocab_mapping_path, target_dir=recipe.target.path,
+                     aux=AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers),
+                     command=sys.argv, extra={"offline_features": os.path.abspath(args.features)})
     k = max(1, min(50, len(result["losses"]) // 5))
     summary = {"steps": len(result["losses"]), "loss_first_mean": sum(result["losses"][:k]) / k,
                "loss_last_mean": sum(result["losses"][-k:]) / k, "checkpoint_dir": result["checkpoint_dir"],

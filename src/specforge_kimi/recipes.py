@@ -80,7 +80,8 @@ class ResilienceSection(_Strict):
 
 
 class TrainerSection(_Strict):
-    draft: dict[str, Any] = Field(description="Draft config JSON (LlamaForCausalLMEagle3), written beside the run")
+    draft: dict[str, Any] = Field(description="Draft config JSON (LlamaForCausalLMEagle3, or the MLA "
+                                              "Eagle3DeepseekV2ForCausalLM), written beside the run")
     max_steps: int = Field(gt=0, description="Optimizer steps")
     num_epochs: int = Field(default=1, gt=0, description="Passes over the prompts (SpecForge's online prompt "
                             "epochs: each pass captures again, with its own sample ids)")
@@ -144,6 +145,11 @@ class Recipe(_Strict):
 
 def _draft_params(d: dict) -> int:
     h, inter = d["hidden_size"], d["intermediate_size"]
+    if "kv_lora_rank" in d:  # MLA (Eagle3DeepseekV2ForCausalLM): the down-projections take [emb, hidden] (2h)
+        heads, q, kv = d["num_attention_heads"], d["q_lora_rank"], d["kv_lora_rank"]
+        nope, rope, v = d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+        attn = 2 * h * q + q * heads * (nope + rope) + 2 * h * (kv + rope) + kv * heads * (nope + v) + heads * v * h
+        return 3 * h * h + attn + 3 * h * inter + d["draft_vocab_size"] * h + 4 * h + q + kv
     heads, kv = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
     hd = d.get("head_dim", h // heads)
     attn = 2 * h * heads * hd + 2 * 2 * h * kv * hd + heads * hd * h  # q,k,v take [emb, hidden] (2h)

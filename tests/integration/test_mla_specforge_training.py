@@ -118,3 +118,25 @@ def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
     with open(os.path.join(sf_out, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "kimi_k2"
+
+    # a run's export (launch / train-offline) takes the MLA path: SGLang's layers.0.* layout, captured
+    # positions as ids; aux ids other than the draft was trained on are refused
+    from safetensors import safe_open
+
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.export import export_run_draft
+    from specforge_kimi.layer_ids import AuxLayers
+
+    # (the fixture's target is an embedding/head stub, which the target check would refuse)
+    run_out = export_run_draft(result["checkpoint_dir"], fixture["draft_config_path"], tmp_path / "run-export",
+                               vocab_mapping_path=fixture["vocab_mapping_path"], target_dir=None,
+                               aux=AuxLayers.from_specforge([1, 2, 3], TARGET_LAYERS))
+    with safe_open(str(run_out / ex.WEIGHTS_FILE), framework="pt") as f:
+        names = set(f.keys())
+    assert "layers.0.self_attn.kv_a_proj_with_mqa.weight" in names and not any(n.startswith("midlayer.") for n in names)
+    with open(run_out / "config.json") as f:
+        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    with pytest.raises(KimiInputError, match="other layers"):
+        export_run_draft(result["checkpoint_dir"], fixture["draft_config_path"], tmp_path / "bad-export",
+                         vocab_mapping_path=fixture["vocab_mapping_path"], target_dir=None,
+                         aux=AuxLayers.from_specforge([1, 2, 4], TARGET_LAYERS))
