@@ -27,7 +27,8 @@ engine would, so the settings of the next GPU run are chosen on evidence:
 Usage::
 
     python bench/greedy_acceptance_cpu.py                     # corpus/full x 256/exact, 300 steps
-    python bench/greedy_acceptance_cpu.py --losses full --draft-vocabs exact --steps 600
+    python bench/greedy_acceptance_cpu.py --losses corpus --draft-vocabs exact --steps 300,900 \
+        --out bench/results/greedy_acceptance_cpu_steps.json
 
 Writes ``bench/results/greedy_acceptance_cpu.json``. Scope: a CPU-sized target, fp32, the
 project's synthetic corpus; it ranks settings, it is no engine measurement.
@@ -135,7 +136,7 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
             "seconds": {"pretrain": round(pre_s, 2), "regenerate": round(regen_s, 2)}, "finished": finished}
 
 
-def run_config(tgt: dict, vocab: str, a, work: Path, say) -> dict:
+def run_config(tgt: dict, vocab: str, steps: int, a, work: Path, say) -> dict:
     from collections import Counter
 
     import torch
@@ -149,7 +150,7 @@ def run_config(tgt: dict, vocab: str, a, work: Path, say) -> dict:
     from specforge_kimi.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
 
     target_dir = tgt["dir"]
-    name = f"{target_dir.name.removeprefix('target-')}-{vocab}"
+    name = f"{target_dir.name.removeprefix('target-')}-{vocab}-{steps}"
     cdir = work / name
     cdir.mkdir()
     info = inspect_target(target_dir)
@@ -181,7 +182,7 @@ def run_config(tgt: dict, vocab: str, a, work: Path, say) -> dict:
     agree = greedy_agreement(held, head_w)
     t = time.monotonic()
     result = train_offline(target_dir=str(target_dir), draft_config_path=str(cfg), hidden_states_path=str(feat),
-                           vocab_mapping_path=str(vm), output_dir=str(cdir / "train"), max_steps=a.steps,
+                           vocab_mapping_path=str(vm), output_dir=str(cdir / "train"), max_steps=steps,
                            ttt_length=a.ttt_length, learning_rate=a.learning_rate, max_length=2048, seed=a.seed,
                            embedding_key=info.embedding_key, lm_head_key=info.lm_head_key, chat_template="kimi-k2.5",
                            extra_overrides={"model.torch_dtype": "float32"})
@@ -199,6 +200,7 @@ def run_config(tgt: dict, vocab: str, a, work: Path, say) -> dict:
         f"{train_s:.0f}s training")
     shutil.rmtree(feat)
     return {"target_loss": target_dir.name.removeprefix("target-"), "draft_vocab": vocab, "draft_vocab_size": size,
+            "steps": steps,
             "distinct_trained_tokens": len(counts), "greedy_agreement": agree,
             "decode_round_acceptance_length": r.serving_acceptance_length, "decode_round_at_least": r.serving_at_least,
             "decode_rounds": r.serving_rounds, "every_position_acceptance_length": r.mean_acceptance_length,
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-conversations", type=int, default=400)
     p.add_argument("--heldout-conversations", type=int, default=48)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", default="300", help="draft optimizer steps; a comma list trains one draft per entry")
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--ttt-length", type=int, default=4)
     p.add_argument("--eval-steps", type=int, default=3)
@@ -251,7 +253,8 @@ def main(argv=None) -> int:
                          "loss_last_mean10": tgt["pretrain"].last_loss, "finished_share": tgt["finished"],
                          "seconds": tgt["seconds"]}
         for vocab in a.draft_vocabs.split(","):
-            configs.append(run_config(tgt, vocab, a, work, say))
+            for steps in (int(x) for x in a.steps.split(",")):
+                configs.append(run_config(tgt, vocab, steps, a, work, say))
     summary = {
         "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                      "draft-vocab padding (CPU)",
