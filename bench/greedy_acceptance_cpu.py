@@ -17,7 +17,8 @@ engine would, so the settings of the next GPU run are chosen on evidence:
 4. per ``--draft-vocabs`` entry (``exact`` = the trained tokens + K2.5's emitted specials, as the
    demo sizes it; a number = that size, padded with the lowest unused ids as ``prepare
    --draft-vocab-size`` does -- the GPU run used 256), SpecForge's own trainer (in process,
-   :func:`specforge_kimi.offline_train.train_offline`) trains the demo's Llama-style draft;
+   :func:`specforge_kimi.offline_train.train_offline`) trains the demo's Llama-style draft and/or
+   the MLA draft (``--drafts``) for each ``--steps`` entry, on the same features;
 5. :func:`specforge_kimi.simulate.simulated_acceptance` on the held-out regenerated samples: the
    every-position chain average and the decode-round walk. On the target's own fp32 greedy text
    the round walk is what greedy speculative decoding with this draft accepts (chain, top-k 1),
@@ -136,22 +137,25 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
             "seconds": {"pretrain": round(pre_s, 2), "regenerate": round(regen_s, 2)}, "finished": finished}
 
 
-def run_config(tgt: dict, vocab: str, steps: int, a, work: Path, say) -> dict:
+def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say) -> list[dict]:
+    """Capture the regenerated rows once, then train and evaluate one draft per (draft, steps)."""
     from collections import Counter
 
     import torch
     from specforge.export.checkpoint_io import resolve_training_state
 
     from specforge_kimi.demo import DEMO_AUX_IDS, _draft_config, _load_draft, capture_samples, load_head_weight
+    from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
     from specforge_kimi.layer_ids import AuxLayers
     from specforge_kimi.offline_train import train_offline
     from specforge_kimi.simulate import add_target_greedy, simulated_acceptance
     from specforge_kimi.target import inspect_target, load_text_model
+    from specforge_kimi.tiny import TinySpec
     from specforge_kimi.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
 
     target_dir = tgt["dir"]
-    name = f"{target_dir.name.removeprefix('target-')}-{vocab}-{steps}"
-    cdir = work / name
+    base = f"{target_dir.name.removeprefix('target-')}-{vocab}"
+    cdir = work / base
     cdir.mkdir()
     info = inspect_target(target_dir)
     aux = AuxLayers.from_specforge(DEMO_AUX_IDS, info.num_layers)
@@ -173,41 +177,54 @@ def run_config(tgt: dict, vocab: str, steps: int, a, work: Path, say) -> dict:
     cap_s = time.monotonic() - t
     size = len(set(counts) | set(emitted_special_ids())) if vocab == "exact" else int(vocab)
     mapping = build_vocab_mapping(counts, draft_vocab_size=size, target_vocab_size=info.vocab_size,
-                                  source={"bench": name})
+                                  source={"bench": base})
     vm = save_vocab_mapping(mapping, cdir / "vocab_mapping.pt")
-    cfg = cdir / "draft_config.json"
-    cfg.write_text(json.dumps(_draft_config(info.hidden_size, size, aux.specforge_ids()), indent=2))
+    cfgs = {"llama": cdir / "draft_config.json", "mla": cdir / "mla_draft_config.json"}
+    cfgs["llama"].write_text(json.dumps(_draft_config(info.hidden_size, size, aux.specforge_ids()), indent=2))
+    spec = TinySpec(**json.loads((target_dir / "config.json").read_text())["specforge_kimi_tiny"])
+    write_config(with_vocab_mapping(tiny_config(spec, aux_ids=list(DEMO_AUX_IDS)), vm), cfgs["mla"])
     head_w = load_head_weight(target_dir, info)
     add_target_greedy(held, head_w, t2d=mapping.t2d)
     agree = greedy_agreement(held, head_w)
-    t = time.monotonic()
-    result = train_offline(target_dir=str(target_dir), draft_config_path=str(cfg), hidden_states_path=str(feat),
-                           vocab_mapping_path=str(vm), output_dir=str(cdir / "train"), max_steps=steps,
-                           ttt_length=a.ttt_length, learning_rate=a.learning_rate, max_length=2048, seed=a.seed,
-                           embedding_key=info.embedding_key, lm_head_key=info.lm_head_key, chat_template="kimi-k2.5",
-                           extra_overrides={"model.torch_dtype": "float32"})
-    train_s = time.monotonic() - t
-    state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
-    draft = _load_draft(str(cfg), str(target_dir), info.embedding_key, str(vm), state=state)
-    r = simulated_acceptance(draft, head_w, held, a.eval_steps)
-    acc = result.get("acc_per_position") or []
-    k = max(1, min(50, len(acc) // 5))
-    acc_last = [sum(x[j] for x in acc[-k:]) / k for j in range(len(acc[0]))] if acc else []
-    say(f"[{name}] draft vocab {size}: decode-round AL {r.serving_acceptance_length:.3f} "
-        f"(at least {', '.join(f'{x:.2f}' for x in r.serving_at_least)}), every-position AL "
-        f"{r.mean_acceptance_length:.3f}, teacher entropy {r.teacher_entropy:.3f}, held-out loss "
-        f"{r.heldout_loss:.3f}, train acc {', '.join(f'{x:.2f}' for x in acc_last)}; agreement {agree:.4f}; "
-        f"{train_s:.0f}s training")
+    out = []
+    for draft_name in drafts:
+        for steps in steps_list:
+            name = f"{base}-{draft_name}-{steps}"
+            t = time.monotonic()
+            torch.manual_seed(a.seed)
+            result = train_offline(target_dir=str(target_dir), draft_config_path=str(cfgs[draft_name]),
+                                   hidden_states_path=str(feat), vocab_mapping_path=str(vm),
+                                   output_dir=str(cdir / f"train-{draft_name}-{steps}"), max_steps=steps,
+                                   ttt_length=a.ttt_length, learning_rate=a.learning_rate, max_length=2048,
+                                   seed=a.seed, embedding_key=info.embedding_key, lm_head_key=info.lm_head_key,
+                                   chat_template="kimi-k2.5", extra_overrides={"model.torch_dtype": "float32"})
+            train_s = time.monotonic() - t
+            state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
+            draft = _load_draft(str(cfgs[draft_name]), str(target_dir), info.embedding_key, str(vm), state=state)
+            r = simulated_acceptance(draft, head_w, held, a.eval_steps)
+            acc = result.get("acc_per_position") or []
+            k = max(1, min(50, len(acc) // 5))
+            acc_last = [sum(x[j] for x in acc[-k:]) / k for j in range(len(acc[0]))] if acc else []
+            say(f"[{name}] draft vocab {size}: decode-round AL {r.serving_acceptance_length:.3f} "
+                f"(at least {', '.join(f'{x:.2f}' for x in r.serving_at_least)}), every-position AL "
+                f"{r.mean_acceptance_length:.3f}, teacher entropy {r.teacher_entropy:.3f}, held-out loss "
+                f"{r.heldout_loss:.3f}, train acc {', '.join(f'{x:.2f}' for x in acc_last)}; agreement {agree:.4f}; "
+                f"{train_s:.0f}s training")
+            out.append({
+                "target_loss": target_dir.name.removeprefix("target-"), "draft": draft_name,
+                "architectures": json.loads(cfgs[draft_name].read_text())["architectures"],
+                "draft_vocab": vocab, "draft_vocab_size": size, "steps": steps,
+                "distinct_trained_tokens": len(counts), "greedy_agreement": agree,
+                "decode_round_acceptance_length": r.serving_acceptance_length,
+                "decode_round_at_least": r.serving_at_least, "decode_rounds": r.serving_rounds,
+                "every_position_acceptance_length": r.mean_acceptance_length,
+                "per_step_accuracy": r.per_step_accuracy, "chains": r.chains, "heldout_loss": r.heldout_loss,
+                "teacher_entropy": r.teacher_entropy, "train_acc_per_position_last": acc_last,
+                "train_loss_first": result["losses"][0], "train_loss_last_mean": sum(result["losses"][-k:]) / k,
+                "seconds": {"capture": round(cap_s, 2), "train": round(train_s, 2)}})
+            shutil.rmtree(cdir / f"train-{draft_name}-{steps}")
     shutil.rmtree(feat)
-    return {"target_loss": target_dir.name.removeprefix("target-"), "draft_vocab": vocab, "draft_vocab_size": size,
-            "steps": steps,
-            "distinct_trained_tokens": len(counts), "greedy_agreement": agree,
-            "decode_round_acceptance_length": r.serving_acceptance_length, "decode_round_at_least": r.serving_at_least,
-            "decode_rounds": r.serving_rounds, "every_position_acceptance_length": r.mean_acceptance_length,
-            "per_step_accuracy": r.per_step_accuracy, "chains": r.chains, "heldout_loss": r.heldout_loss,
-            "teacher_entropy": r.teacher_entropy, "train_acc_per_position_last": acc_last,
-            "train_loss_first": result["losses"][0], "train_loss_last_mean": sum(result["losses"][-k:]) / k,
-            "seconds": {"capture": round(cap_s, 2), "train": round(train_s, 2)}}
+    return out
 
 
 def main(argv=None) -> int:
@@ -221,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--heldout-conversations", type=int, default=48)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", default="300", help="draft optimizer steps; a comma list trains one draft per entry")
+    p.add_argument("--drafts", default="llama", help="llama (the demo's draft), mla (drafts.mla_eagle3.tiny_config)")
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--ttt-length", type=int, default=4)
     p.add_argument("--eval-steps", type=int, default=3)
@@ -253,8 +271,7 @@ def main(argv=None) -> int:
                          "loss_last_mean10": tgt["pretrain"].last_loss, "finished_share": tgt["finished"],
                          "seconds": tgt["seconds"]}
         for vocab in a.draft_vocabs.split(","):
-            for steps in (int(x) for x in a.steps.split(",")):
-                configs.append(run_config(tgt, vocab, steps, a, work, say))
+            configs += run_config(tgt, vocab, [int(x) for x in a.steps.split(",")], a.drafts.split(","), a, work, say)
     summary = {
         "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                      "draft-vocab padding (CPU)",

@@ -415,9 +415,9 @@ def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, d
         st = r.get("settings", {})
         out += [f"`{n}` (`bench/greedy_acceptance_cpu.py`): held-out answers regenerated greedily by the target; "
                 f"target pretrained {st.get('pretrain_steps')} steps.", ""]
-        out += _table(["target loss", "draft vocab", "draft steps", "AL decode rounds", "at least 1 / 2 / 3", "AL every position",
+        out += _table(["target loss", "draft", "draft vocab", "draft steps", "AL decode rounds", "at least 1 / 2 / 3", "AL every position",
                        "teacher entropy", "held-out loss", "train acc per TTT position"],
-                      [[c["target_loss"], c["draft_vocab_size"], c.get("steps", st.get("steps")),
+                      [[c["target_loss"], c.get("draft", "llama"), c["draft_vocab_size"], c.get("steps", st.get("steps")),
                         c["decode_round_acceptance_length"],
                         " / ".join(f"{x:.2f}" for x in c["decode_round_at_least"]),
                         c["every_position_acceptance_length"], c["teacher_entropy"], c["heldout_loss"],

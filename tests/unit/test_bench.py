@@ -476,7 +476,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     assert "| tiny_target_pretrain_120s_h200x2.json | 8L/512h | cuda | 1283 |" in md
     assert "| online_run_regen_h200x2.json | 900 | 1800 | 0 | 492414 |" in md
     assert "| online_run_regen_h200x2_eval_draft.json | tiny-k25-tp2-step900 | corpus seed 20000 | 1.483 |" in md
-    assert "| full | 49 | 300 | 3.100 | 0.90 / 0.70 / 0.50 | 3.200 |" in md
+    assert "| full | llama | 49 | 300 | 3.100 | 0.90 / 0.70 / 0.50 | 3.200 |" in md
     assert "| llama | 1455360 | 1.006 | 2.847 |" in md
     assert "| mooncake master SIGKILL | 1 / 1 | 137 | 37 | 200 | 4 | 0 | 0 |" in md
 
