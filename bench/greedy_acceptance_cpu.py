@@ -275,7 +275,8 @@ def main(argv=None) -> int:
     summary = {
         "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                      "draft-vocab padding (CPU)",
-        "command": [sys.executable, *sys.argv],
+        "command": ["python", *(os.path.relpath(x, REPO) if os.path.isabs(x) and x.startswith(str(REPO)) else x
+                                for x in sys.argv)],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "environment": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                         "torch_threads": torch.get_num_threads(), "git": git_commit(), "versions": versions()},

@@ -1,4 +1,4 @@
-"""The tiny target's pretraining learning-rate schedule (``tiny --pretrain-schedule cosine``)."""
+"""The tiny target's pretraining: learning-rate schedule (``--pretrain-schedule``) and loss (``--pretrain-loss``)."""
 
 import pytest
 
