@@ -53,12 +53,13 @@ IM_END = 163586
 
 
 def _prepare_work(work: Path) -> None:
-    if work.exists() and any(work.iterdir()):
-        if not (work / MARKER).exists():
-            raise SystemExit(f"{work} exists, is not empty and was not written by this script; choose --work")
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).write_text("written by bench/greedy_acceptance_cpu.py; safe to delete\n")
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.scratch import reset_owned_dir
+
+    try:
+        reset_owned_dir(work, marker=MARKER, kind="bench", owner="bench/greedy_acceptance_cpu.py", flag="--work")
+    except KimiInputError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def regenerate_greedy(model, rows, *, max_new_tokens: int, batch: int = 16, pad_id: int = 0):
@@ -94,8 +95,6 @@ def regenerate_greedy(model, rows, *, max_new_tokens: int, batch: int = 16, pad_
 def greedy_agreement(samples, head_w) -> float:
     """Share of generated tokens equal to the target's argmax at the previous position,
     recomputed from the captured last hidden state."""
-    import torch
-
     same = n = 0
     for s in samples:
         ids, mask = s["input_ids"], s["loss_mask"].bool()

@@ -56,14 +56,13 @@ MARKER = ".specforge-kimi-bench"
 
 
 def _prepare_work(work: Path) -> None:
-    import shutil
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.scratch import reset_owned_dir
 
-    if work.exists() and any(work.iterdir()):
-        if not (work / MARKER).exists():
-            raise SystemExit(f"{work} exists, is not empty and was not written by this bench; choose --work")
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).write_text("written by bench/mla_vs_llama.py; safe to delete\n")
+    try:
+        reset_owned_dir(work, marker=MARKER, kind="bench", owner="bench/mla_vs_llama.py", flag="--work")
+    except KimiInputError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def inputs_from_demo_dir(demo_dir: Path, progress: bool):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specforge_kimi.errors import KimiInputError
+from specforge_kimi.scratch import reset_owned_dir
 
 #: The demo's target: K2.5's structure at CPU size (4 heads: the demo never runs tensor-parallel).
 DEMO_TARGET = dict(layers=6, hidden=256, heads=4, experts=8, experts_per_token=2, moe_intermediate=128,
@@ -48,15 +48,6 @@ class DemoSettings:
     draft_vocab_size: int = 0    # 0: exactly the trained tokens + K2.5's emitted specials (see below)
     learning_rate: float = 3e-4
     progress: bool = True
-
-
-def _prepare_out(out: Path) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise KimiInputError(f"{out} exists, is not empty and is not a demo directory; choose --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by specforge-kimi demo; safe to delete\n")
 
 
 def _rows(records, tokenizer):
@@ -208,7 +199,7 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     specforge_kimi.register()
     torch.manual_seed(s.seed)
     out = Path(s.out_dir).resolve()
-    _prepare_out(out)
+    reset_owned_dir(out, marker=MARKER, kind="demo", owner="specforge-kimi demo", flag="--out")
 
     # 1. data: K2.5 chat format, stand-in tokenizer
     t = time.monotonic()
@@ -288,8 +279,8 @@ def run_demo(s: DemoSettings) -> dict:
     """Run the demo; returns (and writes ``demo_result.json``) the measured results."""
     import torch
 
-    from specforge_kimi.export import finalize_sglang_export, versions
-    from specforge_kimi.offline_train import export_sglang, train_offline
+    from specforge_kimi.export import export_run_draft, versions
+    from specforge_kimi.offline_train import train_offline
     from specforge_kimi.simulate import simulated_acceptance
 
     t0 = time.monotonic()
@@ -332,9 +323,8 @@ def run_demo(s: DemoSettings) -> dict:
 
     # 6. export for SGLang, K2.5 eagle_config + provenance, checks
     export_dir = out / "export-sglang"
-    export_sglang(result["checkpoint_dir"], str(draft_cfg_path), str(export_dir), str(vm_path))
-    finalize_sglang_export(export_dir, target_dir=target_dir, aux=aux, command=sys.argv,
-                           extra={"demo": {"steps": s.steps, "seed": s.seed}})
+    export_run_draft(result["checkpoint_dir"], draft_cfg_path, export_dir, vocab_mapping_path=str(vm_path),
+                     target_dir=target_dir, aux=aux, command=sys.argv, extra={"demo": {"steps": s.steps, "seed": s.seed}})
     t = lap("export", t)
 
     k = max(1, min(50, len(losses) // 5))

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from specforge_kimi.launch import build_colocated_plan, run_plan

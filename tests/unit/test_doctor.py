@@ -5,7 +5,6 @@ import json
 import socket
 from pathlib import Path
 
-import pytest
 import yaml
 
 from specforge_kimi import doctor
