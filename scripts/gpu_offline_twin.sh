@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Issue 6 on a 2-GPU box, after scripts/gpu_online_run.sh: SGLang acceptance of the online-trained
-# draft, and of its offline twin trained by SpecForge's offline trainer on the same prompts
-# captured by the same capture server (same recipe: draft config, vocab mapping, lr, TTT, seed,
-# steps, global batch via gradient accumulation).
-#   GPUs 0,1  capture-features RECIPE (Mooncake + the recipe's TP=2 capture server) -> runs/features-offline
-#   GPU 0     once that server is up: bench of runs/tiny-k25-tp2/export-sglang (baseline + 3/1/4)
-#   GPU 1     train-offline RECIPE on the features -> runs/offline-twin/export-sglang, then its bench (3/1/4)
-#   then      eval-draft of both final checkpoints (held-out simulated acceptance, loss) and
-#             offline_twin.json: acceptance lengths side by side and their relative difference
-# Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: bash scripts/gpu_offline_twin.sh
+# Issue 6 on the GPU box, after scripts/gpu_online_run.sh with the same RECIPE (default
+# recipes/tiny-k25-tp2-h200x2.yaml, 2 GPUs; recipes/tiny-k25-tp1-h200.yaml puts every role below on
+# GPU 0): SGLang acceptance of the online-trained draft, and of its offline twin trained by SpecForge's
+# offline trainer on the same prompts captured by the same capture server (same recipe: draft config,
+# vocab mapping, lr, TTT, seed, steps, global batch via gradient accumulation).
+#   GPUs 0..N-1  capture-features RECIPE (Mooncake + the recipe's TP=N capture server) -> runs/features-offline
+#   GPU 0        once that server is up: bench of <output_dir>/export-sglang (baseline + 3/1/4)
+#   GPU N-1      train-offline RECIPE on the features -> runs/offline-twin/export-sglang, then its bench (3/1/4)
+#   then         eval-draft of both final checkpoints (held-out simulated acceptance, loss) and
+#                offline_twin.json: acceptance lengths side by side and their relative difference
+# Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] bash scripts/gpu_offline_twin.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/offline-twin}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-RECIPE=recipes/tiny-k25-tp2-h200x2.yaml
-ONLINE=runs/tiny-k25-tp2/export-sglang
+RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
+read -r NAME RUN PER_NODE < <(python3 -c "import sys; from specforge_kimi.recipes import load_recipe as l; r = l(sys.argv[1]); print(r.name, r.output_dir, r.gpus.per_node)" "$RECIPE") \
+  || { echo "cannot load $RECIPE" >&2; exit 2; }
+LAST_GPU=$((PER_NODE - 1))
+ONLINE="$RUN/export-sglang"
 SETS="${BENCH_SETS:-structured,chat,math,code}"
 BENCH=(--target runs/tiny-k25 --sets "$SETS" --num-prompts "${BENCH_PROMPTS:-16}" --max-new-tokens 128
        --concurrency "${BENCH_CONCURRENCY:-4}" --config 3,1,4 --min-acceptance-length 3.0 --disable-cuda-graph --mem-fraction-static 0.3)
@@ -25,7 +29,7 @@ rm -rf runs/features-offline runs/features-offline.partial runs/features-offline
 T0=$(date +%s)
 python3 -m specforge_kimi capture-features "$RECIPE" --out runs/features-offline > "$OUT/capture_features.out" 2>&1 &
 CAP=$!
-# the TP=2 capture server checks that both GPUs have the same free memory when it starts, so the
+# a TP>1 capture server checks that its GPUs have the same free memory when it starts, so the
 # GPU-0 bench waits until that server is up (its first feature file is written)
 for _ in $(seq 1 300); do
   ls runs/features-offline.partial/*.ckpt >/dev/null 2>&1 && break
@@ -37,18 +41,18 @@ CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi bench "${BENCH[@]}" --draft "$O
 BON=$!
 wait $CAP; echo "capture-features rc=$? seconds=$(( $(date +%s) - T0 ))" | tee -a "$OUT/capture_features.out"
 T1=$(date +%s)
-CUDA_VISIBLE_DEVICES=1 python3 -m specforge_kimi train-offline "$RECIPE" --features runs/features-offline \
+CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi train-offline "$RECIPE" --features runs/features-offline \
   --out runs/offline-twin > "$OUT/train_offline.out" 2>&1
 echo "train-offline rc=$? seconds=$(( $(date +%s) - T1 ))" | tee -a "$OUT/train_offline.out"
-CUDA_VISIBLE_DEVICES=1 python3 -m specforge_kimi bench "${BENCH[@]}" --no-baseline --draft runs/offline-twin/export-sglang \
+CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi bench "${BENCH[@]}" --no-baseline --draft runs/offline-twin/export-sglang \
   --out runs/bench-offline > "$OUT/bench_offline.out" 2>&1
 echo "bench offline rc=$?" | tee -a "$OUT/bench_offline.out"
 wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"
-ONLINE_CKPT=$(ls -d runs/tiny-k25-tp2/tiny-k25-tp2-step* 2>/dev/null | sort -V | tail -1)
+ONLINE_CKPT=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V | tail -1)
 OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
 if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
-    --draft-config runs/tiny-k25-tp2/rendered/draft_config.json --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
+    --draft-config "$RUN/rendered/draft_config.json" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
     --aux-ids 1,3,4 --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout 48 --device cuda \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
     --out "$OUT/eval_online_vs_offline.json" > "$OUT/eval_online_vs_offline.out" 2>&1
@@ -57,11 +61,11 @@ for d in bench-online bench-offline; do
   cp "runs/$d/bench_result.json" "$OUT/$d.json" 2>/dev/null; cp "runs/$d/acceptance.png" "$OUT/$d.png" 2>/dev/null
 done
 cp runs/features-offline.json "$OUT/" 2>/dev/null
-python3 - "$OUT" <<'PY'
-import json, sys
+RECIPE="$RECIPE" python3 - "$OUT" <<'PY'
+import json, os, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-res = {"command": "bash scripts/gpu_offline_twin.sh"}
+res = {"command": "RECIPE=" + os.environ["RECIPE"] + " bash scripts/gpu_offline_twin.sh"}
 def acc(name):
     p = out / f"{name}.json"
     if not p.is_file():

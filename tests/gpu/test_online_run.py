@@ -2,6 +2,7 @@
 
 Runs ``scripts/gpu_online_run.sh`` (target pretraining on GPU, corpus prepare, ``specforge-kimi
 launch`` with Mooncake + TP=2 capture server + producer + 2 trainer ranks on GPUs 0,1, export,
+-- or, with ``RECIPE=recipes/tiny-k25-tp1-h200.yaml``, TP=1 and 1 trainer rank on one GPU --
 ``eval-draft`` on every checkpoint, ``run-report``) and checks its outputs:
   b. >= 200 optimizer steps, every sample trained once (SpecForge's ledger), checkpoints written,
      SGLang export present; held-out loss falls and simulated acceptance rises checkpoint by
