@@ -23,6 +23,11 @@ file is recognised by its content:
 - draft evaluation (``specforge-kimi eval-draft``: ``results`` of checkpoints + ``heldout_conversations``);
 - simulated acceptance on the CPU (``bench/mla_vs_llama.py``, ``bench/greedy_acceptance_cpu.py``);
 - fault drills (``"benchmark": "fault drills"``);
+- draft logits parity (``tests/gpu/test_draft_logits_parity.py``'s summary: per architecture
+  ``tolerance`` + ``sequences``);
+- offline twin (``scripts/gpu_offline_twin.sh``'s ``offline_twin.json``: ``online`` + ``offline``);
+- MLA vs Llama-style through SGLang (``scripts/gpu_mla_vs_llama.sh``'s ``mla_vs_llama_engine.json``:
+  ``mla`` + ``llama``);
 - capture overhead, pipeline efficiency, trainer memory written by anything else:
   ``{"benchmark": "capture_overhead" | "pipeline_efficiency" | "trainer_memory", "command": "...",
   "rows": [{flat key: value}, ...]}``, shown as a table of their rows.
@@ -108,6 +113,12 @@ def classify(data: Any) -> str:
         return "online_run"
     if isinstance(data.get("results"), list) and "heldout_conversations" in data:
         return "eval_draft"
+    if {"online", "offline"} <= data.keys() and str(data.get("command", "")).endswith("gpu_offline_twin.sh"):
+        return "offline_twin"
+    if {"mla", "llama"} <= data.keys() and str(data.get("command", "")).endswith("gpu_mla_vs_llama.sh"):
+        return "mla_vs_llama_engine"
+    if data and all(isinstance(v, dict) and {"tolerance", "returncode"} <= v.keys() for v in data.values()):
+        return "draft_parity"
     return "unknown"
 
 
@@ -447,6 +458,43 @@ def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
                          "duplicates", "processes left"], rows) + [""]
 
 
+def section_draft_parity(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Draft logits parity: SGLang vs the training-side forward", "",
+           "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by its own "
+           "loader, one extend batch with aux states, against the training-side module (fp32). Margin = the closest "
+           "rope/scale mutant's error over SGLang's error (parity needs >= the file's `margin_min`).", ""]
+    if not files:
+        return out + ["Not measured yet: `tests/gpu/test_draft_logits_parity.py --run-gpu`.", ""]
+    rows = []
+    for n, r in files:
+        for arch, res in r.items():
+            for s in res.get("sequences") or [{}]:
+                rows.append([n, arch, res.get("backend"), s.get("T"), _num(s.get("cos_min"), "{:.5f}"), _num(s.get("rel"), "{:.2%}"),
+                             s.get("top1_agreement"), _num(s.get("margin_min"), "{:.1f}"), res.get("passed"),
+                             res.get("returncode")])
+    return out + _table(["file", "draft", "backend", "tokens", "cos min", "rel. error", "top-1 agreement",
+                         "mutant margin", "passed", "rc"], rows) + [""]
+
+
+def section_engine_pairs(twins: list[tuple[str, dict]], engines: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Same data, two drafts, through SGLang (3/1/4)", "",
+           "`scripts/gpu_offline_twin.sh`: the online-trained draft and its offline twin (SpecForge's offline "
+           "trainer, same prompts captured by the same server, same recipe). `scripts/gpu_mla_vs_llama.sh`: the "
+           "MLA and the Llama-style draft trained offline on the same features.", ""]
+    if not twins and not engines:
+        return out + ["Not measured yet.", ""]
+    rows = []
+    for n, r in twins:
+        rel = r.get("offline_vs_online_relative")
+        rows.append([n, "online", "offline twin", (r.get("online") or {}).get("acceptance_length"),
+                     (r.get("offline") or {}).get("acceptance_length"), _num(rel, "{:+.1%}"),
+                     r.get("within_3_percent")])
+    for n, r in engines:
+        a, b = (r.get("llama") or {}).get("acceptance_length"), (r.get("mla") or {}).get("acceptance_length")
+        rows.append([n, "Llama-style", "MLA", a, b, _num((b - a) / a if a and b else None, "{:+.1%}"), None])
+    return out + _table(["file", "A", "B", "AL A", "AL B", "B vs A", "within 3%"], rows) + [""]
+
+
 def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     """Write ``out_md`` and the plots; return the Markdown."""
     plots.mkdir(parents=True, exist_ok=True)
@@ -467,6 +515,8 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_tiny_targets(kinds.get("tiny_target", []))
     lines += section_online_runs(kinds.get("online_run", []))
     lines += section_eval_draft(kinds.get("eval_draft", []))
+    lines += section_engine_pairs(kinds.get("offline_twin", []), kinds.get("mla_vs_llama_engine", []))
+    lines += section_draft_parity(kinds.get("draft_parity", []))
     lines += section_cpu_simulated(kinds.get("mla_vs_llama", []), kinds.get("greedy_acceptance", []))
     lines += section_fault_drills(kinds.get("fault_drills", []))
     other = kinds.get("unknown", []) + kinds.get("unreadable", [])

@@ -463,7 +463,8 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     for name in ("tiny_target_pretrain_120s_h200x2.json", "online_run_regen_h200x2.json",
-                 "online_run_regen_h200x2_eval_draft.json", "fault_drills_h200x2.json", "mla_vs_llama_cpu.json"):
+                 "online_run_regen_h200x2_eval_draft.json", "fault_drills_h200x2.json", "mla_vs_llama_cpu.json",
+                 "draft_logits_parity_h200.json", "offline_twin_tp1_h200.json", "mla_vs_llama_engine_tp1_h200.json"):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     greedy = {"benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                            "draft-vocab padding (CPU)", "settings": {"steps": 300, "pretrain_steps": 150},
@@ -479,6 +480,12 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     assert "| full | llama | 49 | 300 | 3.100 | 0.90 / 0.70 / 0.50 | 3.200 |" in md
     assert "| llama | 1455360 | 1.006 | 2.847 |" in md
     assert "| mooncake master SIGKILL | 1 / 1 | 137 | 37 | 200 | 4 | 0 | 0 |" in md
+    assert "| draft_logits_parity_h200.json | LlamaForCausalLMEagle3 | triton | 768 | 0.99999 | 0.38% | 0.993 | 28.7 | yes | 0 |" in md
+    assert "| offline_twin_tp1_h200.json | online | offline twin | 2.714 | 2.770 | +2.1% | yes |" in md
+    assert "| mla_vs_llama_engine_tp1_h200.json | Llama-style | MLA | 2.770 | 2.681 | -3.2% | - |" in md
+    # a file of neither shape stays unrecognised rather than landing in these sections
+    (results / "odd.json").write_text(json.dumps({"online": 1, "offline": 2, "command": "something else"}))
+    assert "- `odd.json`" in report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
 
 
 def test_structured_requests_are_prefixes_of_the_training_rows():
