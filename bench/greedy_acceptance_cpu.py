@@ -105,7 +105,7 @@ def greedy_agreement(samples, head_w) -> float:
     return same / max(n, 1)
 
 
-def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say) -> dict:
+def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say, mix_rows=(), eval_rows=None) -> dict:
     import torch
 
     from specforge_kimi.demo import DEMO_TARGET
@@ -126,18 +126,26 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
     t = time.monotonic()
     regen_train = regenerate_greedy(model, train_rows, max_new_tokens=a.max_new_tokens)
     regen_held = regenerate_greedy(model, held_rows, max_new_tokens=a.max_new_tokens)
+    regen_mix = regenerate_greedy(model, list(mix_rows), max_new_tokens=a.max_new_tokens) if mix_rows else []
+    regen_eval = {name: regenerate_greedy(model, rows, max_new_tokens=a.max_new_tokens)
+                  for name, rows in (eval_rows or {}).items()}
     regen_s = time.monotonic() - t
     finished = sum(r[0][-1] == IM_END for r in regen_train + regen_held) / len(regen_train + regen_held)
     say(f"[target {loss}] {pre.steps} steps, loss {pre.first_loss:.3f} -> {pre.last_loss:.3f} ({pre_s:.0f}s); "
-        f"regenerated {len(regen_train)} + {len(regen_held)} answers ({regen_s:.0f}s, {finished:.0%} finished)")
+        f"regenerated {len(regen_train)} + {len(regen_held)} answers, {len(regen_mix)} mix prompts, "
+        f"{sum(map(len, regen_eval.values()))} bench prompts ({regen_s:.0f}s, {finished:.0%} finished)")
     del model
     torch.manual_seed(a.seed)
     return {"dir": target_dir, "pretrain": pre, "regen_train": regen_train, "regen_held": regen_held,
+            "regen_mix": regen_mix, "regen_eval": regen_eval,
             "seconds": {"pretrain": round(pre_s, 2), "regenerate": round(regen_s, 2)}, "finished": finished}
 
 
-def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say) -> list[dict]:
-    """Capture the regenerated rows once, then train and evaluate one draft per (draft, steps)."""
+def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say,
+               mix: int = 0) -> list[dict]:
+    """Capture the regenerated rows once (the corpus's, plus the first ``mix`` prompt-mix rows), then
+    train and evaluate one draft per (draft, steps): on the held-out corpus answers and, per bench
+    set, on the target's greedy answers to the bench's own prompts."""
     from collections import Counter
 
     import torch
@@ -153,7 +161,7 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
     from specforge_kimi.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
 
     target_dir = tgt["dir"]
-    base = f"{target_dir.name.removeprefix('target-')}-{vocab}"
+    base = f"{target_dir.name.removeprefix('target-')}-{vocab}" + (f"-mix{mix}" if mix else "")
     cdir = work / base
     cdir.mkdir()
     info = inspect_target(target_dir)
@@ -162,9 +170,14 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
     feat = cdir / "features"
     feat.mkdir()
     counts: Counter = Counter()
+    if mix > len(tgt["regen_mix"]):
+        raise SystemExit(f"error: mix {mix} > {len(tgt['regen_mix'])} regenerated mix rows")
     held = []
-    rows = tgt["regen_train"] + tgt["regen_held"]
-    n_train = len(tgt["regen_train"])
+    train = tgt["regen_train"] + tgt["regen_mix"][:mix]
+    eval_sets = {"structured": tgt["regen_held"], **tgt["regen_eval"]}
+    set_of = [name for name, rows in eval_sets.items() for _ in rows]
+    rows = train + [r for rows in eval_sets.values() for r in rows]
+    n_train = len(train)
     t = time.monotonic()
     for n, sample in capture_samples(model, rows, aux, torch.float32):
         if n < n_train:
@@ -201,6 +214,14 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
             state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
             draft = _load_draft(str(cfgs[draft_name]), str(target_dir), info.embedding_key, str(vm), state=state)
             r = simulated_acceptance(draft, head_w, held, a.eval_steps)
+            per_set = {}
+            for set_name in eval_sets:
+                rs = simulated_acceptance(draft, head_w, [s for s, n in zip(held, set_of) if n == set_name],
+                                          a.eval_steps)
+                per_set[set_name] = {"decode_round_acceptance_length": rs.serving_acceptance_length,
+                                     "decode_round_at_least": rs.serving_at_least, "decode_rounds": rs.serving_rounds,
+                                     "every_position_acceptance_length": rs.mean_acceptance_length,
+                                     "heldout_loss": rs.heldout_loss, "samples": set_of.count(set_name)}
             acc = result.get("acc_per_position") or []
             k = max(1, min(50, len(acc) // 5))
             acc_last = [sum(x[j] for x in acc[-k:]) / k for j in range(len(acc[0]))] if acc else []
@@ -208,11 +229,13 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
                 f"(at least {', '.join(f'{x:.2f}' for x in r.serving_at_least)}), every-position AL "
                 f"{r.mean_acceptance_length:.3f}, teacher entropy {r.teacher_entropy:.3f}, held-out loss "
                 f"{r.heldout_loss:.3f}, train acc {', '.join(f'{x:.2f}' for x in acc_last)}; agreement {agree:.4f}; "
-                f"{train_s:.0f}s training")
+                f"{train_s:.0f}s training; per set "
+                + ", ".join(f"{k} {v['decode_round_acceptance_length']:.3f}" for k, v in per_set.items()))
             out.append({
                 "target_loss": target_dir.name.removeprefix("target-"), "draft": draft_name,
                 "architectures": json.loads(cfgs[draft_name].read_text())["architectures"],
-                "draft_vocab": vocab, "draft_vocab_size": size, "steps": steps,
+                "draft_vocab": vocab, "draft_vocab_size": size, "steps": steps, "mix": mix,
+                "train_samples": n_train, "per_set": per_set,
                 "distinct_trained_tokens": len(counts), "greedy_agreement": agree,
                 "decode_round_acceptance_length": r.serving_acceptance_length,
                 "decode_round_at_least": r.serving_at_least, "decode_rounds": r.serving_rounds,
@@ -242,13 +265,19 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-length", type=int, default=4)
     p.add_argument("--eval-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixes", default="0", help="prompt-mix rows added to the training rows (specforge_kimi.prompt_mix, "
+                   "regenerated by the target with thinking on); a comma list trains one set of drafts per entry")
+    p.add_argument("--bench-sets", default="", help="bench prompt sets (chat,math,code) whose first --bench-prompts "
+                   "prompts are also evaluated on, answered greedily by the target as the bench asks them")
+    p.add_argument("--bench-prompts", type=int, default=16)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
 
     import torch
 
     import specforge_kimi
-    from specforge_kimi import corpus
+    from specforge_kimi import corpus, prompt_mix
+    from specforge_kimi.bench import _prompt_from_record, builtin_prompt_set, encode_prompt
     from specforge_kimi.demo import _rows
     from specforge_kimi.export import git_commit, versions
     from specforge_kimi.pretrain import HELDOUT_SEED, TRAIN_SEED
@@ -263,14 +292,26 @@ def main(argv=None) -> int:
     tok = build_standin_tokenizer()
     train_rows = _rows(list(corpus.conversations(a.train_conversations, seed=TRAIN_SEED)), tok)
     held_rows = _rows(list(corpus.conversations(a.heldout_conversations, seed=HELDOUT_SEED)), tok)
+    mixes = [int(x) for x in a.mixes.split(",")]
+    # prompts only (mask all 0): regenerate_greedy continues each from its end, as the bench's requests are
+    mix_rows = [(ids, [0] * len(ids)) for ids in
+                (encode_prompt(_prompt_from_record({"messages": [{"role": "user", "content": text}]}, "prompt_mix", f"mix-{i}"),
+                               tok, thinking=True)
+                 for i, (_, text) in enumerate(prompt_mix.prompts(max(mixes), seed=a.seed)))]
+    eval_rows = {}
+    for name in filter(None, a.bench_sets.split(",")):
+        ps = builtin_prompt_set(name).prompts[: a.bench_prompts]
+        eval_rows[name] = [(ids, [0] * len(ids)) for ids in (encode_prompt(x, tok, thinking=True) for x in ps)]
     targets, configs = {}, []
     for loss in a.losses.split(","):
-        tgt = build_target(loss, a, work, tok, train_rows, held_rows, say)
+        tgt = build_target(loss, a, work, tok, train_rows, held_rows, say, mix_rows=mix_rows, eval_rows=eval_rows)
         targets[loss] = {"pretrain_steps": tgt["pretrain"].steps, "loss_first": tgt["pretrain"].first_loss,
                          "loss_last_mean10": tgt["pretrain"].last_loss, "finished_share": tgt["finished"],
                          "seconds": tgt["seconds"]}
-        for vocab in a.draft_vocabs.split(","):
-            configs += run_config(tgt, vocab, [int(x) for x in a.steps.split(",")], a.drafts.split(","), a, work, say)
+        for mix in mixes:
+            for vocab in a.draft_vocabs.split(","):
+                configs += run_config(tgt, vocab, [int(x) for x in a.steps.split(",")], a.drafts.split(","), a, work,
+                                      say, mix=mix)
     summary = {
         "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                      "draft-vocab padding (CPU)",

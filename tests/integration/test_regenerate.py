@@ -423,3 +423,19 @@ def test_thinking_mode_is_checked():
 
     with pytest.raises(KimiInputError, match="on, off or auto"):
         turn_thinking("maybe", Message(role="assistant", content="x"))
+
+
+def test_prompt_mix_records_regenerate_with_thinking_on(tmp_path, server):
+    """``prompt_mix.records`` (a user prompt and an empty assistant turn) is what ``regenerate``
+    fills: every row answered once, with thinking on as the bench asks those sets."""
+    from specforge_kimi import prompt_mix
+
+    source = tmp_path / "mix.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in prompt_mix.records(6, seed=0)))
+    out = tmp_path / "mix-regen.jsonl"
+    counts = regenerate(options(source, out, server, thinking="on"))
+    rows = read(out)
+    assert counts["written"] == 6 and counts["skipped"] == 0 and counts["failed"] == 0
+    for row, (_, text) in zip(rows, prompt_mix.prompts(6, seed=0)):
+        assert row["messages"] == [user(text), assistant(f"echo {text}", reasoning_content=f"think {text}")]
+    assert all(r["chat_template_kwargs"] == {"thinking": True} for r in server.requests)
