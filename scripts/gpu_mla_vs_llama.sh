@@ -11,6 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/mla-vs-llama}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
+held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
 SETS="${BENCH_SETS:-structured,chat,math,code}"
 MLA_RECIPE="${MLA_RECIPE:-recipes/tiny-k25-tp2-h200x2-mla.yaml}"
 [ -d runs/features-offline ] || { echo "no runs/features-offline: run scripts/gpu_offline_twin.sh first" >&2; exit 2; }
@@ -35,7 +37,7 @@ MLA_CKPT=$(ls -d runs/offline-mla/*-step* 2>/dev/null | sort -V | tail -1)
 if [ -n "$MLA_CKPT" ]; then
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
     --draft-config runs/offline-mla/rendered/draft_config.json --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
-    --aux-ids 1,3,4 --checkpoints "$MLA_CKPT" --heldout 48 --device cuda \
+    --aux-ids 1,3,4 --checkpoints "$MLA_CKPT" --heldout "$(held_out_rows)" --device cuda \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
     --out "$OUT/eval_mla.json" > "$OUT/eval_mla.out" 2>&1
 fi

@@ -14,6 +14,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/offline-twin}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
+held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
 read -r NAME RUN PER_NODE < <(python3 -c "import sys; from specforge_kimi.recipes import load_recipe as l; r = l(sys.argv[1]); print(r.name, r.output_dir, r.gpus.per_node)" "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
@@ -53,7 +55,7 @@ OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
 if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
     --draft-config "$RUN/rendered/draft_config.json" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
-    --aux-ids 1,3,4 --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout 48 --device cuda \
+    --aux-ids 1,3,4 --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout "$(held_out_rows)" --device cuda \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
     --out "$OUT/eval_online_vs_offline.json" > "$OUT/eval_online_vs_offline.out" 2>&1
 fi

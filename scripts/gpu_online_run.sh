@@ -19,6 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
+held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
 T="${1:-420}"
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
 read -r NAME RUN < <(python3 -c "import sys; from specforge_kimi.recipes import load_recipe as l; r = l(sys.argv[1]); print(r.name, r.output_dir)" "$RECIPE") \
@@ -114,7 +116,7 @@ CKPTS=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V)
 if [ -n "$CKPTS" ]; then
   python3 -m specforge_kimi eval-draft --target runs/tiny-k25 --draft-config "$RUN/rendered/draft_config.json" \
     --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt --aux-ids 1,3,4 --checkpoints $CKPTS \
-    --heldout 48 --device cuda --out "$OUT/eval_draft.json" \
+    --heldout "$(held_out_rows)" --device cuda --out "$OUT/eval_draft.json" \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) > "$OUT/eval_draft.out" 2>&1
 fi
 python3 -m specforge_kimi run-report "$RUN" --gpu-samples "$OUT/gpu_mem_samples.csv" --out "$OUT/online_run.json" \

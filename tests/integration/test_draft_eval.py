@@ -55,3 +55,29 @@ def test_heldout_file_errors(setup, tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(KimiInputError, match="holds no conversation"):
         heldout_rows(3, conversations_file=str(tmp_path / "empty.jsonl"))
+
+
+def test_groups_by_source(setup):
+    """A held-out file mixing corpus conversations and prompt-mix ones (``source`` key) is also
+    evaluated per group; each group's numbers equal a run on that group alone."""
+    from specforge_kimi import corpus
+    from specforge_kimi.draft_eval import evaluate
+
+    target, root = setup
+    kw = dict(target_dir=str(target), draft_config=str(root / "draft.json"),
+              vocab_mapping=str(root / "data" / "vocab_mapping.pt"), aux_specforge_ids=[1, 2, 3], checkpoints=[])
+    chat = [{"source": "prompt_mix/chat", "messages": [{"role": "user", "content": f"Tell me about {w}."},
+                                                        {"role": "assistant", "content": f"{w} is a word.",
+                                                         "reasoning_content": "short"}]}
+            for w in ("rain", "maple")]
+    conv = list(corpus.conversations(2, seed=20000))
+    (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conv + chat))
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    res = evaluate(**kw, heldout=4, heldout_file=str(root / "mixed.jsonl"))["results"][0]
+    assert set(res["by_group"]) == {"corpus", "prompt_mix/chat"}
+    assert res["by_group"]["corpus"]["samples"] == 2 and res["by_group"]["prompt_mix/chat"]["samples"] == 2
+    alone = evaluate(**kw, heldout=2, heldout_file=str(root / "chat.jsonl"))["results"][0]
+    assert "by_group" not in alone
+    assert res["by_group"]["prompt_mix/chat"]["heldout_loss"] == pytest.approx(alone["heldout_loss"], rel=1e-5)
+    assert res["by_group"]["prompt_mix/chat"]["serving_acceptance_length"] == pytest.approx(
+        alone["serving_acceptance_length"])
