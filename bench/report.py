@@ -426,13 +426,18 @@ def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, d
         st = r.get("settings", {})
         out += [f"`{n}` (`bench/greedy_acceptance_cpu.py`): held-out answers regenerated greedily by the target; "
                 f"target pretrained {st.get('pretrain_steps')} steps.", ""]
+        per_set = any(c.get("per_set") for c in r["configs"])
         out += _table(["target loss", "draft", "draft vocab", "draft steps", "AL decode rounds", "at least 1 / 2 / 3", "AL every position",
-                       "teacher entropy", "held-out loss", "train acc per TTT position"],
+                       "teacher entropy", "held-out loss", "train acc per TTT position"]
+                      + (["prompt-mix rows", "decode-round AL per set"] if per_set else []),
                       [[c["target_loss"], c.get("draft", "llama"), c["draft_vocab_size"], c.get("steps", st.get("steps")),
                         c["decode_round_acceptance_length"],
                         " / ".join(f"{x:.2f}" for x in c["decode_round_at_least"]),
                         c["every_position_acceptance_length"], c["teacher_entropy"], c["heldout_loss"],
-                        " / ".join(f"{x:.2f}" for x in c["train_acc_per_position_last"])] for c in r["configs"]])
+                        " / ".join(f"{x:.2f}" for x in c["train_acc_per_position_last"])]
+                       + ([c.get("mix", 0), ", ".join(f"{k} {v['decode_round_acceptance_length']:.2f}"
+                                                      for k, v in (c.get("per_set") or {}).items())] if per_set else [])
+                       for c in r["configs"]])
         out.append("")
     for n, r in mla:
         out += [f"`{n}` (`bench/mla_vs_llama.py`): same features, steps and seed for both drafts.", ""]
