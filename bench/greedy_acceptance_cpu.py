@@ -24,12 +24,18 @@ engine would, so the settings of the next GPU run are chosen on evidence:
    the round walk is what greedy speculative decoding with this draft accepts (chain, top-k 1),
    up to ties. ``greedy_agreement`` checks the regeneration: the share of generated tokens equal
    to the target's argmax recomputed from the captured features (1.0 up to padding numerics).
+6. with ``--bench-sets chat,math,code``: also per set, on the target's greedy answers to the
+   bench's own first ``--bench-prompts`` prompts (encoded as ``specforge-kimi bench`` sends them,
+   thinking on); with ``--mixes 0,N``: one set of drafts per entry, trained on the corpus rows plus
+   the first N :mod:`specforge_kimi.prompt_mix` prompts answered by the target (never a bench prompt).
 
 Usage::
 
     python bench/greedy_acceptance_cpu.py                     # corpus/full x 256/exact, 300 steps
     python bench/greedy_acceptance_cpu.py --losses corpus --draft-vocabs exact --steps 300,900 \
         --out bench/results/greedy_acceptance_cpu_steps.json
+    python bench/greedy_acceptance_cpu.py --losses full --draft-vocabs exact --mixes 0,400 --steps 400,800 \
+        --bench-sets chat,math,code --out bench/results/greedy_acceptance_cpu_mix.json
 
 Writes ``bench/results/greedy_acceptance_cpu.json``. Scope: a CPU-sized target, fp32, the
 project's synthetic corpus; it ranks settings, it is no engine measurement.
