@@ -27,7 +27,7 @@ read -r NAME RUN < <(python3 -c "import sys; from specforge_kimi.recipes import 
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 STAGE="${STAGE:-all}"
 case "$STAGE" in all|prep|train) ;; *) echo "STAGE must be all, prep or train, not $STAGE" >&2; exit 2;; esac
-MIX="${MIX:-0}"
+export MIX="${MIX:-0}"
 case "$MIX" in ''|*[!0-9]*) echo "MIX must be a number of prompts, not $MIX" >&2; exit 2;; esac
 [ "$MIX" -gt 0 ] && [ "${REGENERATE:-0}" != 1 ] && { echo "MIX needs REGENERATE=1 (its answers come from the target)" >&2; exit 2; }
 T0=$(date +%s)
