@@ -32,8 +32,11 @@ imports transformers/specforge lazily. The seams:
    ``consumer_failed: _WorkerTermination: 15``, which stops the producer for good -- so a consumer
    the keeper is about to resume (``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``, set by
    :mod:`specforge_kimi.keeper` while it has restarts left) would find no producer. In that case
-   only, a signal-driven stop (``_WorkerTermination``) is not published; the producer waits for
-   the resumed consumer instead. Real training errors are always published.
+   only, a signal-driven stop (``_WorkerTermination``) is not published, nor is a collective that
+   failed because a peer rank's connection closed (gloo's ``Connection closed by peer``, which can
+   reach a surviving rank before torchrun's SIGTERM does: :data:`PEER_LOST`); the producer waits
+   for the resumed consumer instead, and if the keeper cannot resume it exits and the supervisor
+   stops the run. Real training errors are always published.
 """
 
 from __future__ import annotations
@@ -173,6 +176,15 @@ def _install_outage_wait() -> None:
 
 
 RESTARTABLE_ENV = "SPECFORGE_KIMI_CONSUMER_RESTARTABLE"
+# a surviving rank's collective failing because a sibling died (the sibling's own failure, if it could
+# publish one, is not suppressed); torch's gloo and NCCL wordings
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer",
+             "remote process exited or there was a network error")
+
+
+def _peer_stop(reason: str) -> bool:
+    """A failure a keeper's resume can absorb: torchrun's signal, or a peer rank gone mid-collective."""
+    return reason.startswith("_WorkerTermination") or any(m in reason for m in PEER_LOST)
 
 
 def _install_restartable_consumer_failure() -> None:
@@ -184,12 +196,12 @@ def _install_restartable_consumer_failure() -> None:
 
     @functools.wraps(original)
     def mark_consumer_failed(self, reason: str) -> None:
-        if os.environ.get(RESTARTABLE_ENV) == "1" and str(reason).startswith("_WorkerTermination"):
+        if os.environ.get(RESTARTABLE_ENV) == "1" and _peer_stop(str(reason)):
             import logging
 
             logging.getLogger("specforge_kimi").warning(
-                "consumer stopped by a signal (%s) with a keeper restart left: not publishing consumer_failed, "
-                "the producer waits for the resumed consumer", reason)
+                "consumer stopped by a signal or a lost peer rank (%s) with a keeper restart left: not publishing "
+                "consumer_failed, the producer waits for the resumed consumer", reason)
             return
         return original(self, reason)
 
