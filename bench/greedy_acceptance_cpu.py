@@ -283,7 +283,8 @@ def main(argv=None) -> int:
 
     import specforge_kimi
     from specforge_kimi import corpus, prompt_mix
-    from specforge_kimi.bench import _prompt_from_record, builtin_prompt_set, encode_prompt
+    from specforge_kimi.bench import Prompt, builtin_prompt_set, encode_prompt
+    from specforge_kimi.conversation import Message
     from specforge_kimi.demo import _rows
     from specforge_kimi.export import git_commit, versions
     from specforge_kimi.pretrain import HELDOUT_SEED, TRAIN_SEED
@@ -301,8 +302,7 @@ def main(argv=None) -> int:
     mixes = [int(x) for x in a.mixes.split(",")]
     # prompts only (mask all 0): regenerate_greedy continues each from its end, as the bench's requests are
     mix_rows = [(ids, [0] * len(ids)) for ids in
-                (encode_prompt(_prompt_from_record({"messages": [{"role": "user", "content": text}]}, "prompt_mix", f"mix-{i}"),
-                               tok, thinking=True)
+                (encode_prompt(Prompt(id=f"mix-{i}", messages=(Message(role="user", content=text),)), tok, thinking=True)
                  for i, (_, text) in enumerate(prompt_mix.prompts(max(mixes), seed=a.seed)))]
     eval_rows = {}
     for name in filter(None, a.bench_sets.split(",")):

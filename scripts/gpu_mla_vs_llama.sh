@@ -11,8 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/mla-vs-llama}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
-held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
+. scripts/gpu_common.sh  # recipe_fields, held_out_rows
 SETS="${BENCH_SETS:-structured,chat,math,code}"
 MLA_RECIPE="${MLA_RECIPE:-recipes/tiny-k25-tp2-h200x2-mla.yaml}"
 [ -d runs/features-offline ] || { echo "no runs/features-offline: run scripts/gpu_offline_twin.sh first" >&2; exit 2; }

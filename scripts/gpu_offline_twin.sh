@@ -14,10 +14,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/offline-twin}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
-held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
+. scripts/gpu_common.sh  # recipe_fields, held_out_rows
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
-read -r NAME RUN PER_NODE < <(python3 -c "import sys; from specforge_kimi.recipes import load_recipe as l; r = l(sys.argv[1]); print(r.name, r.output_dir, r.gpus.per_node)" "$RECIPE") \
+read -r NAME RUN PER_NODE < <(recipe_fields "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 LAST_GPU=$((PER_NODE - 1))
 ONLINE="$RUN/export-sglang"

@@ -19,11 +19,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
-held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
+. scripts/gpu_common.sh  # recipe_fields, held_out_rows
 T="${1:-420}"
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
-read -r NAME RUN < <(python3 -c "import sys; from specforge_kimi.recipes import load_recipe as l; r = l(sys.argv[1]); print(r.name, r.output_dir)" "$RECIPE") \
+read -r NAME RUN _ < <(recipe_fields "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 STAGE="${STAGE:-all}"
 case "$STAGE" in all|prep|train) ;; *) echo "STAGE must be all, prep or train, not $STAGE" >&2; exit 2;; esac
