@@ -112,6 +112,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from specforge_kimi.demo import DemoSettings, run_demo
 
     settings = DemoSettings(out_dir=args.out, steps=args.steps, pretrain_seconds=args.pretrain_seconds,
+                            pretrain_steps=args.pretrain_steps,
                             seed=args.seed, progress=not args.no_progress)
     result = run_demo(settings)
     return 0 if result["ok"] else 1
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     d.add_argument("--steps", type=int, default=300, help="SpecForge optimizer steps")
     d.add_argument("--pretrain-seconds", type=float, default=60.0, help="tiny-target pretraining budget")
+    d.add_argument("--pretrain-steps", type=int, default=0,
+                   help="also stop tiny-target pretraining after this many steps (0: the time budget only)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_cmd_demo)

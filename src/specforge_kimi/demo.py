@@ -40,6 +40,8 @@ class DemoSettings:
     out_dir: str = "runs/demo"
     steps: int = 300
     pretrain_seconds: float = 60.0
+    pretrain_steps: int = 0      # > 0: also stop pretraining after this many steps (a target that does not
+                                 # depend on the machine's speed, up to CPU non-determinism)
     seed: int = 0
     train_conversations: int = 400
     heldout_conversations: int = 48
@@ -216,7 +218,7 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     say(f"[2/6] pretraining the tiny K2.5 target for up to {s.pretrain_seconds:.0f}s on the synthetic corpus "
         "(a random-weight target's predictions carry little signal)")
     pre = pretrain(str(random_dir), [i for i, _ in train_rows], str(out / "target"), seconds=s.pretrain_seconds,
-                   seed=s.seed, progress=s.progress)
+                   seed=s.seed, progress=s.progress, **({"max_steps": s.pretrain_steps} if s.pretrain_steps > 0 else {}))
     shutil.rmtree(random_dir)
     target_dir = out / "target"
     tokenizer.save_pretrained(target_dir)
