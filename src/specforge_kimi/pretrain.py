@@ -140,8 +140,10 @@ HELDOUT_SEED = 20_000
 def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, device: str = "cpu",
                                conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
                                lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
-                               schedule: str = "constant", loss: str = "full") -> dict:
-    """``specforge-kimi tiny OUT --pretrain SECONDS``: a tiny K2.5 pretrained on :mod:`corpus`.
+                               schedule: str = "constant", loss: str = "full", max_steps: int = 10_000) -> dict:
+    """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
+    :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
+    target does not depend on how fast the machine happened to be).
 
     Writes the checkpoint, the stand-in tokenizer (byte-level, K2.5 special ids and its text-only
     chat template, so SGLang can serve it), ``pretrain.json`` (corpus, loss curve, held-out loss
@@ -164,6 +166,8 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
 
     if seconds <= 0:
         raise KimiInputError("--pretrain SECONDS must be positive")
+    if max_steps <= 0:
+        raise KimiInputError("--pretrain-steps must be positive")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise KimiInputError(f"--device {device}: CUDA is not available here; use --device cpu")
     out = Path(out_dir)
@@ -178,7 +182,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         write_tiny(raw, spec)
         res = pretrain(str(raw), [ids for ids, _ in train_rows], str(out), seconds=seconds, batch_size=batch_size,
                        lr=lr, seed=spec.seed, progress=progress, device=device, schedule=schedule,
-                       loss=loss)
+                       loss=loss, max_steps=max_steps)
     finally:
         shutil.rmtree(raw, ignore_errors=True)
     tok.save_pretrained(out)
@@ -213,7 +217,8 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                     "multiplication tables, colour cycles); every 2nd conversation answers with reasoning; "
                     "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
         },
-        "train": {"steps": res.steps, "seconds": round(res.seconds, 2), "batch_size": batch_size, "lr": lr,
+        "train": {"steps": res.steps, "max_steps": max_steps, "seconds": round(res.seconds, 2),
+                  "seconds_budget": seconds, "batch_size": batch_size, "lr": lr,
                   "lr_schedule": schedule, "loss": loss,
                   "loss_first": res.first_loss, "loss_last": res.last_loss, "losses": res.losses,
                   "what": "next-token cross-entropy over every position; " + (
