@@ -1,8 +1,8 @@
 """Does a step-bounded tiny-target pretraining reproduce? Runs ``specforge-kimi tiny --pretrain
 SECONDS --pretrain-steps N`` twice per mode on one device and compares the two targets.
 
-Modes: ``default`` (the command as the GPU scripts run it) and ``deterministic`` (the same inside
-``torch.use_deterministic_algorithms(True)`` with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``). For each
+Modes: ``deterministic`` (the command as the GPU scripts run it: deterministic algorithms are the
+default) and ``nondeterministic`` (``--no-pretrain-deterministic``). For each
 mode the JSON records both runs' steps, seconds, first/last loss and held-out numbers
 (``pretrain.json``), the first step whose loss differs, and the largest absolute difference over
 every weight of the two written checkpoints. A target that does not repeat moves every acceptance
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -24,21 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-WRAP = ("import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
-        "from specforge_kimi.cli import main; raise SystemExit(main(sys.argv[1:]))")
-
 
 def _run(out: Path, args: argparse.Namespace, deterministic: bool) -> dict:
-    argv = ["tiny", str(out), "--layers", str(args.layers), "--hidden", str(args.hidden), "--pretrain",
-            str(args.seconds), "--pretrain-steps", str(args.steps), "--device", args.device]
-    env = dict(os.environ)
-    if deterministic:
-        cmd = [sys.executable, "-c", WRAP, *argv]
-        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    else:
-        cmd = [sys.executable, "-m", "specforge_kimi", *argv]
+    cmd = [sys.executable, "-m", "specforge_kimi", "tiny", str(out), "--layers", str(args.layers), "--hidden",
+           str(args.hidden), "--pretrain", str(args.seconds), "--pretrain-steps", str(args.steps),
+           "--device", args.device, *([] if deterministic else ["--no-pretrain-deterministic"])]
     t0 = time.monotonic()
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     pre = json.loads((out / "pretrain.json").read_text())
@@ -66,12 +57,14 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--modes", nargs="+", choices=("default", "deterministic"), default=["default", "deterministic"])
+    p.add_argument("--modes", nargs="+", choices=("deterministic", "nondeterministic"),
+                   default=["deterministic", "nondeterministic"])
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     import torch
 
-    result = {"command": [sys.executable, *sys.argv], "environment": {
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"command": [sys.executable, *sys.argv], "git_commit": git or None, "environment": {
         "python": platform.python_version(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()},
         "config": {k: getattr(args, k) for k in ("steps", "seconds", "layers", "hidden", "device")}, "modes": {}}

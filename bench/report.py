@@ -17,7 +17,7 @@ file is recognised by its content:
   run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
   (``"engine": "reference"``) are named but not tabulated: they are not measurements;
 - tiny target pretraining (``specforge-kimi tiny --pretrain``'s ``pretrain.json``: ``corpus`` +
-  ``train`` + ``heldout``);
+  ``train`` + ``heldout``) and its repeatability (``bench/pretrain_repro.py``: ``modes`` + ``config``);
 - online run trainer view (``specforge-kimi run-report``: ``ledger`` +
   ``metadata_bytes_per_trained_token``);
 - draft evaluation (``specforge-kimi eval-draft``: ``results`` of checkpoints + ``heldout_conversations``);
@@ -109,6 +109,8 @@ def classify(data: Any) -> str:
         return "greedy_acceptance"
     if {"corpus", "train", "heldout", "spec"} <= data.keys():
         return "tiny_target"
+    if isinstance(data.get("modes"), dict) and "pretrain_repro.py" in " ".join(data.get("command") or []):
+        return "pretrain_repro"
     if "ledger" in data and "metadata_bytes_per_trained_token" in data:
         return "online_run"
     if isinstance(data.get("results"), list) and "heldout_conversations" in data:
@@ -378,6 +380,25 @@ def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
                          "held-out loss (full vocab)", "held-out loss (corpus tokens)", "greedy acc"], rows) + [""]
 
 
+def section_pretrain_repro(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Tiny target repeatability", "",
+           "`bench/pretrain_repro.py`: the same step-bounded pretraining twice per mode on one device.", ""]
+    if not files:
+        return out + ["Not measured yet: `python bench/pretrain_repro.py --steps 300 --device cuda --out ...`.", ""]
+    rows = []
+    for n, r in files:
+        for mode, m in r["modes"].items():
+            runs = m.get("runs") or []
+            rows.append([n, r.get("git_commit") or "-", (r.get("environment") or {}).get("device"), mode,
+                         " / ".join(str(x.get("steps")) for x in runs),
+                         " / ".join(_fmt(x.get("heldout_loss")) for x in runs),
+                         " / ".join(_fmt(x.get("heldout_greedy_accuracy")) for x in runs),
+                         m.get("first_differing_step"), m.get("max_abs_weight_diff")])
+    return out + _table(["file", "commit", "device", "mode", "steps", "held-out loss", "held-out greedy acc",
+                         "first differing step", "max weight difference"], rows) + [""] + [
+        f"`{n}`: {r['note']}" for n, r in files if r.get("note")] + [""]
+
+
 def section_online_runs(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Online runs (trainer view)", "",
            "`specforge-kimi run-report` of a co-located run: SpecForge's ledger, disk bytes besides checkpoints, "
@@ -412,8 +433,16 @@ def section_eval_draft(files: list[tuple[str, dict]]) -> list[str]:
         for c in r["results"]:
             rows.append([n, Path(str(c.get("checkpoint"))).name, held, c.get("mean_acceptance_length"),
                          c.get("serving_acceptance_length"), c.get("heldout_loss"), c.get("teacher_entropy")])
-    return out + _table(["file", "checkpoint", "held-out set", "AL every position", "AL decode rounds",
-                         "held-out loss", "teacher entropy"], rows) + [""]
+    out += _table(["file", "checkpoint", "held-out set", "AL every position", "AL decode rounds",
+                   "held-out loss", "teacher entropy"], rows) + [""]
+    groups = [[n, Path(str(c.get("checkpoint"))).name, g, v.get("samples"), v.get("serving_acceptance_length"),
+               v.get("heldout_loss"), v.get("teacher_entropy")]
+              for n, r in files for c in r["results"] for g, v in (c.get("by_group") or {}).items()]
+    if groups:
+        out += ["Per held-out group (the bench's sets: `corpus` = structured, `prompt_mix/*` = chat, math, code):", "",
+                *_table(["file", "checkpoint", "group", "samples", "AL decode rounds", "held-out loss",
+                         "teacher entropy"], groups), ""]
+    return out
 
 
 def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, dict]]) -> list[str]:
@@ -518,6 +547,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_prepare_memory(kinds.get("prepare_memory", []), plots)
     lines += section_regenerate(kinds.get("regenerate", []))
     lines += section_tiny_targets(kinds.get("tiny_target", []))
+    lines += section_pretrain_repro(kinds.get("pretrain_repro", []))
     lines += section_online_runs(kinds.get("online_run", []))
     lines += section_eval_draft(kinds.get("eval_draft", []))
     lines += section_engine_pairs(kinds.get("offline_twin", []), kinds.get("mla_vs_llama_engine", []))

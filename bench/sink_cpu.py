@@ -1,7 +1,7 @@
 """CPU timing of SGLang's spec-capture sink with and without our patches (real Mooncake, no GPU).
 
 Loads three versions of ``sglang/srt/spec_capture_sink.py`` -- SpecForge's (``a``), + our 0001 (``b``),
-+ 0001 + experimental 0002 (``c``) -- from ``--sinks DIR`` (``DIR/{a,b,c}/python/sglang/srt/``, made by
++ 0001 + 0002 (``c``) -- from ``--sinks DIR`` (``DIR/{a,b,c}/python/sglang/srt/``, made by
 applying the patches to a copy of the file; see patches/README.md) and times ``put_samples`` on a
 batch laid out as the scheduler lays it out (one host tensor per batch, per-request row slices),
 checking every object byte for byte. Prints JSON.

@@ -30,7 +30,8 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=device,
                                          lr=args.pretrain_lr, schedule=args.pretrain_schedule,
-                                         loss=args.pretrain_loss, max_steps=args.pretrain_steps)
+                                         loss=args.pretrain_loss, max_steps=args.pretrain_steps,
+                                         deterministic=args.pretrain_deterministic)
         tr, held = res["train"], res["heldout"]
         print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
               f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)")
     t.add_argument("--pretrain-steps", type=int, default=10_000, metavar="N",
                    help="also stop pretraining after N optimizer steps (whichever of SECONDS / N ends first)")
+    t.add_argument("--no-pretrain-deterministic", dest="pretrain_deterministic", action="store_false",
+                   help="allow non-deterministic kernels (faster on CUDA; two runs of N steps then differ)")
     t.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
     t.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     t.add_argument("--pretrain-schedule", choices=("constant", "cosine"), default="constant",

@@ -123,7 +123,9 @@ def evaluate(target_dir: str, draft_config: str, vocab_mapping: str, aux_specfor
                 rg = simulated_acceptance(draft, head, [s for s, x in zip(samples, groups) if x == g], steps)
                 results[-1]["by_group"][g] = {
                     "samples": groups.count(g), "mean_acceptance_length": rg.mean_acceptance_length,
-                    "serving_acceptance_length": rg.serving_acceptance_length, "heldout_loss": rg.heldout_loss}
+                    "serving_acceptance_length": rg.serving_acceptance_length, "heldout_loss": rg.heldout_loss,
+                    # the target's own entropy on the group: a noisier target caps acceptance whatever the draft
+                    "teacher_entropy": rg.teacher_entropy}
     return {"command": sys.argv, "target": str(target_dir), "heldout_conversations": heldout,
             "heldout_seed": None if heldout_file else HELDOUT_SEED, "heldout_file": heldout_file,
             "steps": steps, "topk": 1, "results": results,

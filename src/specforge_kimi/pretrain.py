@@ -48,8 +48,15 @@ def cosine_scale(frac: float, warmup: float = 0.03, floor: float = 0.05) -> floa
 def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *, seconds: float = 60.0,
              max_steps: int = 10_000, batch_size: int = 8, lr: float = 2e-3, seed: int = 0,
              progress: bool = True, device: str = "cpu", schedule: str = "constant",
-             loss: str = "full") -> PretrainResult:
+             loss: str = "full", deterministic: bool = True) -> PretrainResult:
     """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``.
+
+    ``deterministic``: run under ``torch.use_deterministic_algorithms(True)`` (cuBLAS workspace
+    pinned), so that a step-bounded run repeats bit for bit on the same device and software. Without
+    it, two 300-step runs on an H200 parted from the second step and ended 0.03 apart in held-out
+    greedy accuracy; warn-only mode names the CUDA backward of memory-efficient attention as the
+    non-deterministic kernel (``bench/pretrain_repro.py``, tests/gpu/RUNS.md). On the CPU, 3 steps
+    left weights up to 2.4e-4 apart without it and identical with it.
 
     ``schedule``: ``constant`` (``lr`` throughout) or ``cosine`` (linear warm-up over the first 3%,
     then cosine decay to 5% of ``lr``), over the fraction of the budget used -- time or steps,
@@ -59,14 +66,32 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     if loss not in ("full", "corpus"):
         raise KimiInputError(f"pretraining loss must be full or corpus, not {loss!r}")
     import torch
+
+    if not sequences:
+        raise KimiInputError("pretraining needs at least one token sequence")
+    prev_det = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if deterministic:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by torch's check at each cuBLAS call
+        torch.use_deterministic_algorithms(True)
+    try:
+        return _pretrain(model_dir, sequences, out_dir, seconds=seconds, max_steps=max_steps,
+                         batch_size=batch_size, lr=lr, seed=seed, progress=progress, device=device,
+                         schedule=schedule, loss=loss)
+    finally:
+        torch.use_deterministic_algorithms(prev_det[0], warn_only=prev_det[1])
+
+
+def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, lr, seed, progress, device,
+              schedule, loss) -> PretrainResult:
+    import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
     from specforge_kimi.target import inspect_target, load_text_model
     from specforge_kimi.tiny import TinySpec, write_tiny
 
-    if not sequences:
-        raise KimiInputError("pretraining needs at least one token sequence")
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     if "specforge_kimi_tiny" not in cfg:
         raise KimiInputError(f"{model_dir} is not a tiny checkpoint written by `specforge-kimi tiny`")
@@ -140,7 +165,8 @@ HELDOUT_SEED = 20_000
 def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, device: str = "cpu",
                                conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
                                lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
-                               schedule: str = "constant", loss: str = "full", max_steps: int = 10_000) -> dict:
+                               schedule: str = "constant", loss: str = "full", max_steps: int = 10_000,
+                               deterministic: bool = True) -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
     :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
     target does not depend on how fast the machine happened to be).
@@ -182,7 +208,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         write_tiny(raw, spec)
         res = pretrain(str(raw), [ids for ids, _ in train_rows], str(out), seconds=seconds, batch_size=batch_size,
                        lr=lr, seed=spec.seed, progress=progress, device=device, schedule=schedule,
-                       loss=loss, max_steps=max_steps)
+                       loss=loss, max_steps=max_steps, deterministic=deterministic)
     finally:
         shutil.rmtree(raw, ignore_errors=True)
     tok.save_pretrained(out)
@@ -218,7 +244,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                     "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
         },
         "train": {"steps": res.steps, "max_steps": max_steps, "seconds": round(res.seconds, 2),
-                  "seconds_budget": seconds, "batch_size": batch_size, "lr": lr,
+                  "seconds_budget": seconds, "deterministic": deterministic, "batch_size": batch_size, "lr": lr,
                   "lr_schedule": schedule, "loss": loss,
                   "loss_first": res.first_loss, "loss_last": res.last_loss, "losses": res.losses,
                   "what": "next-token cross-entropy over every position; " + (

@@ -81,3 +81,4 @@ def test_groups_by_source(setup):
     assert res["by_group"]["prompt_mix/chat"]["heldout_loss"] == pytest.approx(alone["heldout_loss"], rel=1e-5)
     assert res["by_group"]["prompt_mix/chat"]["serving_acceptance_length"] == pytest.approx(
         alone["serving_acceptance_length"])
+    assert res["by_group"]["prompt_mix/chat"]["teacher_entropy"] == pytest.approx(alone["teacher_entropy"], rel=1e-5)

@@ -43,3 +43,28 @@ def test_training_loss_is_the_written_checkpoints_cross_entropy(tmp_path, tiny_d
 def test_unknown_loss_is_refused(tmp_path):
     with pytest.raises(KimiInputError, match="full or corpus"):
         pretrain(str(tmp_path), [[1, 2, 3]], str(tmp_path / "out"), loss="all")
+
+
+def test_step_bounded_pretraining_repeats_bit_for_bit(tmp_path, tiny_dir):
+    """Deterministic (the default) and step-bounded: two runs write identical weights and losses,
+    and leave torch's global deterministic-algorithms setting as they found it."""
+    import torch
+    from safetensors.torch import load_file
+
+    seqs = [[5, 17, 3, 17, 5, 99, 3, 17], [8, 9, 10, 11, 12, 13], [99, 5, 5, 17, 3]]
+    before = torch.are_deterministic_algorithms_enabled()
+    runs = [pretrain(str(tiny_dir), seqs, str(tmp_path / f"out{i}"), seconds=600, max_steps=4, batch_size=3,
+                     progress=False) for i in range(2)]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert runs[0].steps == runs[1].steps == 4 and runs[0].losses == runs[1].losses
+    for f in sorted((tmp_path / "out0").glob("*.safetensors")):
+        a, b = load_file(f), load_file(tmp_path / "out1" / f.name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f.name
+
+
+def test_step_bound_must_be_positive(tmp_path):
+    from specforge_kimi.pretrain import pretrain_structured_target
+    from specforge_kimi.tiny import TinySpec
+
+    with pytest.raises(KimiInputError, match="--pretrain-steps must be positive"):
+        pretrain_structured_target(tmp_path / "t", TinySpec(), seconds=10, max_steps=0)

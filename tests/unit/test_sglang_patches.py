@@ -48,17 +48,20 @@ def test_drift_in_our_patch_is_named(tmp_path):
     assert ours and ours[0].state == "drift" and "spec_capture_sink.py" in " ".join(ours[0].files)
 
 
-@pytest.fixture(params=["0001", "0001+experimental 0002"])
-def sink_site(request, patched_site):
+@pytest.fixture(params=["0001", "0001+0002"])
+def sink_site(request, tmp_path):
+    """The sink as `setup` leaves it (capture patch, 0001, 0002), or with 0001 alone (0002 reverts to it)."""
     from specforge_kimi import setup_patches as sp
 
-    if request.param == "0001":
-        return patched_site
-    exp = sp.patches_root() / "sglang" / sp.SGLANG_PIN / "experimental" / "0002-spec-capture-zero-copy.patch"
-    status = sp.classify(exp, patched_site, 2)
+    if request.param == "0001+0002":
+        return request.getfixturevalue("patched_site")
+    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site-0001")
+    sp.apply(sp.classify(capture, site, 2))
+    status = sp.classify(sp.patches_root() / "sglang" / sp.SGLANG_PIN / "0001-spec-capture-staging-buffer.patch", site, 2)
     assert status.state == "applicable", status.detail
     sp.apply(status)
-    return patched_site
+    return site
 
 
 def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
