@@ -14,8 +14,10 @@
 #      held-out prompt-mix prompts, the ones after the N trained)
 #   5. disk bytes per trained token; processes and GPU memory left after the run
 # STAGE=prep runs steps 1-2 only, STAGE=train steps 3-5 on what a prep stage left in runs/ (so the
-# two fit separate device calls); the default runs all.
-# usage: [RECIPE=recipes/...yaml] [STAGE=all|prep|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus] [REGENERATE=0|1] [MIX=0] bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
+# two fit separate device calls); STAGE=target and STAGE=data split prep further (step 1, then step 2
+# on the target a target stage left), for targets pretrained longer than one call allows; the
+# default runs all.
+# usage: [RECIPE=recipes/...yaml] [STAGE=all|prep|target|data|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus] [REGENERATE=0|1] [MIX=0] bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
@@ -26,18 +28,23 @@ RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
 read -r NAME RUN _ < <(recipe_fields "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 STAGE="${STAGE:-all}"
-case "$STAGE" in all|prep|train) ;; *) echo "STAGE must be all, prep or train, not $STAGE" >&2; exit 2;; esac
+case "$STAGE" in all|prep|target|data|train) ;; *) echo "STAGE must be all, prep, target, data or train, not $STAGE" >&2; exit 2;; esac
 export MIX="${MIX:-0}"
 case "$MIX" in ''|*[!0-9]*) echo "MIX must be a number of prompts, not $MIX" >&2; exit 2;; esac
 [ "$MIX" -gt 0 ] && [ "${REGENERATE:-0}" != 1 ] && { echo "MIX needs REGENERATE=1 (its answers come from the target)" >&2; exit 2; }
 T0=$(date +%s)
-if [ "$STAGE" != train ]; then
+if [ "$STAGE" = all ] || [ "$STAGE" = prep ] || [ "$STAGE" = target ]; then
 rm -rf runs/tiny-k25 runs/tiny-k25-data runs/corpus-regen.jsonl* runs/heldout-regen.jsonl* runs/mix*.jsonl* "$RUN"
 python3 -m specforge_kimi tiny runs/tiny-k25 --layers 8 --hidden 512 --pretrain "${PRETRAIN_S:-60}" --device cuda \
   --pretrain-steps "${PRETRAIN_STEPS:-10000}" \
   --pretrain-schedule "${PRETRAIN_SCHEDULE:-constant}" --pretrain-loss "${PRETRAIN_LOSS:-full}" \
   > "$OUT/tiny.out" 2>&1 || { tail -30 "$OUT/tiny.out"; exit 1; }
 cp runs/tiny-k25/pretrain.json runs/tiny-k25/pretrain_loss.png "$OUT/" 2>/dev/null
+[ "$STAGE" = target ] && { echo "target seconds=$(( $(date +%s) - T0 ))" | tee "$OUT/target.out"; exit 0; }
+fi
+if [ "$STAGE" != train ]; then
+[ -f runs/tiny-k25/pretrain.json ] || { echo "STAGE=data needs a target stage's runs/tiny-k25" >&2; exit 2; }
+rm -rf runs/tiny-k25-data runs/corpus-regen.jsonl* runs/heldout-regen.jsonl* runs/mix*.jsonl* "$RUN"
 python3 - <<'PY' || exit 1
 import json, os
 from specforge_kimi import corpus
@@ -88,7 +95,7 @@ fi
 python3 -m specforge_kimi prepare "$CORPUS" --out runs/tiny-k25-data --tokenizer runs/tiny-k25 \
   --draft-vocab-size 256 --no-progress > "$OUT/prepare.out" 2>&1 || { cat "$OUT/prepare.out"; exit 1; }
 echo "prep seconds=$(( $(date +%s) - T0 ))" | tee "$OUT/prep.out"
-[ "$STAGE" = prep ] && exit 0
+{ [ "$STAGE" = prep ] || [ "$STAGE" = data ]; } && exit 0
 else
   [ -f runs/tiny-k25-data/prompts.jsonl ] || { echo "STAGE=train needs a prep stage's runs/tiny-k25-data" >&2; exit 2; }
   rm -rf "$RUN"
