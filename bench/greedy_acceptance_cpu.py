@@ -71,31 +71,11 @@ def _prepare_work(work: Path) -> None:
 def regenerate_greedy(model, rows, *, max_new_tokens: int, batch: int = 16, pad_id: int = 0):
     """``rows``: ``(ids, mask)``; the prompt is everything before the first trained token. Returns
     rows of prompt + the target's greedy continuation (mask 1 on the generated tokens)."""
-    import torch
+    from specforge_kimi.target_text import greedy_continue
 
-    prompts = []
-    for ids, mask in rows:
-        first = mask.index(1) if 1 in mask else len(ids)
-        prompts.append(ids[:first])
-    out = [None] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    with torch.no_grad():
-        for b in range(0, len(order), batch):
-            idx = order[b: b + batch]
-            T = max(len(prompts[i]) for i in idx)
-            ids_t = torch.full((len(idx), T), pad_id, dtype=torch.long)
-            att = torch.zeros((len(idx), T), dtype=torch.long)
-            for k, i in enumerate(idx):  # left padding
-                ids_t[k, T - len(prompts[i]):] = torch.tensor(prompts[i])
-                att[k, T - len(prompts[i]):] = 1
-            gen = model.generate(input_ids=ids_t, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=IM_END, pad_token_id=pad_id)
-            for k, i in enumerate(idx):
-                new = gen[k, T:].tolist()
-                if IM_END in new:
-                    new = new[: new.index(IM_END) + 1]
-                out[i] = (prompts[i] + new, [0] * len(prompts[i]) + [1] * len(new))
-    return out
+    prompts = [list(ids[: mask.index(1)] if 1 in mask else ids) for ids, mask in rows]
+    new = greedy_continue(model, prompts, max_new_tokens=max_new_tokens, eos_id=IM_END, pad_id=pad_id, batch=batch)
+    return [(p + n, [0] * len(p) + [1] * len(n)) for p, n in zip(prompts, new)]
 
 
 def greedy_agreement(samples, head_w) -> float:

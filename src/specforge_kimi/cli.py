@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_cmd_demo)
 
-    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report", "capture_features", "offline_train"):
+    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report", "capture_features", "offline_train",
+                 "target_text"):
         try:
             module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
         except ModuleNotFoundError:
