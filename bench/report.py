@@ -17,7 +17,8 @@ file is recognised by its content:
   run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
   (``"engine": "reference"``) are named but not tabulated: they are not measurements;
 - tiny target pretraining (``specforge-kimi tiny --pretrain``'s ``pretrain.json``: ``corpus`` +
-  ``train`` + ``heldout``) and its repeatability (``bench/pretrain_repro.py``: ``modes`` + ``config``);
+  ``train`` + ``heldout``), its repeatability (``bench/pretrain_repro.py``: ``modes`` + ``config``) and
+  the choice between candidate targets (``specforge-kimi target-text``: ``candidates`` + ``chosen``);
 - online run trainer view (``specforge-kimi run-report``: ``ledger`` +
   ``metadata_bytes_per_trained_token``);
 - draft evaluation (``specforge-kimi eval-draft``: ``results`` of checkpoints + ``heldout_conversations``);
@@ -111,6 +112,8 @@ def classify(data: Any) -> str:
         return "tiny_target"
     if isinstance(data.get("modes"), dict) and "pretrain_repro.py" in " ".join(data.get("command") or []):
         return "pretrain_repro"
+    if isinstance(data.get("candidates"), list) and "chosen" in data:
+        return "target_select"
     if "ledger" in data and "metadata_bytes_per_trained_token" in data:
         return "online_run"
     if isinstance(data.get("results"), list) and "heldout_conversations" in data:
@@ -380,6 +383,24 @@ def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
                          "held-out loss (full vocab)", "held-out loss (corpus tokens)", "greedy acc"], rows) + [""]
 
 
+def section_target_select(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Choosing the tiny target", "",
+           "`specforge-kimi target-text`: entropy of each candidate's next-token distribution along its own greedy "
+           "text on selection prompts (no bench prompt); the lowest is kept.", ""]
+    if not files:
+        return out + ["Not measured yet: `TARGET_SEEDS=\"0 1\" STAGE=target bash scripts/gpu_online_run.sh`.", ""]
+    rows = []
+    for n, r in files:
+        for c in r["candidates"]:
+            pre = c.get("pretrain") or {}
+            g = c.get("groups") or {}
+            rows.append([n, pre.get("seed"), pre.get("steps"), pre.get("heldout_greedy_accuracy"), c.get("mean_entropy"),
+                         (g.get("corpus") or {}).get("mean_entropy"), (g.get("prompt_mix") or {}).get("mean_entropy"),
+                         c.get("mean_top1_probability"), "yes" if c.get("target") == r.get("chosen") else ""])
+    return out + _table(["file", "seed", "steps", "held-out greedy acc", "entropy (all)", "corpus", "prompt mix",
+                         "top-1 p", "kept"], rows) + [""]
+
+
 def section_pretrain_repro(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Tiny target repeatability", "",
            "`bench/pretrain_repro.py`: the same step-bounded pretraining twice per mode on one device.", ""]
@@ -548,6 +569,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_regenerate(kinds.get("regenerate", []))
     lines += section_tiny_targets(kinds.get("tiny_target", []))
     lines += section_pretrain_repro(kinds.get("pretrain_repro", []))
+    lines += section_target_select(kinds.get("target_select", []))
     lines += section_online_runs(kinds.get("online_run", []))
     lines += section_eval_draft(kinds.get("eval_draft", []))
     lines += section_engine_pairs(kinds.get("offline_twin", []), kinds.get("mla_vs_llama_engine", []))

@@ -473,8 +473,15 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
                            "decode_round_at_least": [0.9, 0.7, 0.5], "every_position_acceptance_length": 3.2,
                            "teacher_entropy": 1.0, "heldout_loss": 1.2, "train_acc_per_position_last": [0.9, 0.8]}]}
     (results / "greedy.json").write_text(json.dumps(greedy))
+    select = {"command": ["specforge-kimi", "target-text"], "chosen": "b", "candidates": [
+        {"target": "a", "mean_entropy": 2.1, "mean_top1_probability": 0.5, "pretrain": {"seed": 0, "steps": 2000},
+         "groups": {"corpus": {"mean_entropy": 1.9}, "prompt_mix": {"mean_entropy": 2.3}}},
+        {"target": "b", "mean_entropy": 1.7, "mean_top1_probability": 0.6, "pretrain": {"seed": 1, "steps": 2000},
+         "groups": {"corpus": {"mean_entropy": 1.5}, "prompt_mix": {"mean_entropy": 1.9}}}]}
+    (results / "target_select.json").write_text(json.dumps(select))
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "## Unrecognised results files" not in md
+    assert "| target_select.json | 1 | 2000 | - | 1.700 | 1.500 | 1.900 | 0.600 | yes |" in md
     assert "| tiny_target_pretrain_120s_h200x2.json | 8L/512h | cuda | 1283 |" in md
     assert "| online_run_regen_h200x2.json | 900 | 1800 | 0 | 492414 |" in md
     assert "| online_run_regen_h200x2_eval_draft.json | tiny-k25-tp2-step900 | corpus seed 20000 | 1.483 |" in md
