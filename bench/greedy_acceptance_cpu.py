@@ -71,9 +71,9 @@ def _prepare_work(work: Path) -> None:
 def regenerate_greedy(model, rows, *, max_new_tokens: int, batch: int = 16, pad_id: int = 0):
     """``rows``: ``(ids, mask)``; the prompt is everything before the first trained token. Returns
     rows of prompt + the target's greedy continuation (mask 1 on the generated tokens)."""
-    from specforge_kimi.target_text import greedy_continue
+    from specforge_kimi.target_text import greedy_continue, prompt_part
 
-    prompts = [list(ids[: mask.index(1)] if 1 in mask else ids) for ids, mask in rows]
+    prompts = [prompt_part(ids, mask) for ids, mask in rows]
     new = greedy_continue(model, prompts, max_new_tokens=max_new_tokens, eos_id=IM_END, pad_id=pad_id, batch=batch)
     return [(p + n, [0] * len(p) + [1] * len(n)) for p, n in zip(prompts, new)]
 

@@ -35,10 +35,10 @@ case "$MIX" in ''|*[!0-9]*) echo "MIX must be a number of prompts, not $MIX" >&2
 [ "$MIX" -gt 0 ] && [ "${REGENERATE:-0}" != 1 ] && { echo "MIX needs REGENERATE=1 (its answers come from the target)" >&2; exit 2; }
 T0=$(date +%s)
 if [ "$STAGE" = all ] || [ "$STAGE" = prep ] || [ "$STAGE" = target ]; then
-rm -rf runs/tiny-k25 runs/tiny-k25-data runs/corpus-regen.jsonl* runs/heldout-regen.jsonl* runs/mix*.jsonl* "$RUN"
+rm -rf runs/tiny-k25 runs/tiny-k25-seed* runs/tiny-k25-data runs/corpus-regen.jsonl* runs/heldout-regen.jsonl* \
+  runs/mix*.jsonl* "$RUN"
 # one target per seed of TARGET_SEEDS (default 0), pretrained side by side on the GPU; target-text
 # measures how predictable each one's own greedy text is and the lowest-entropy one becomes runs/tiny-k25
-rm -rf runs/tiny-k25-seed*
 PIDS=()
 for S in ${TARGET_SEEDS:-0}; do
   python3 -m specforge_kimi tiny "runs/tiny-k25-seed$S" --seed "$S" --layers 8 --hidden 512 --pretrain "${PRETRAIN_S:-60}" \

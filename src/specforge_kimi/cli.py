@@ -23,12 +23,9 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
     if args.pretrain:
         from specforge_kimi.pretrain import pretrain_structured_target
 
-        device = args.device
-        if device == "auto":
-            import torch
+        from specforge_kimi.target import resolve_device
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=device,
+        res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=resolve_device(args.device),
                                          lr=args.pretrain_lr, schedule=args.pretrain_schedule,
                                          loss=args.pretrain_loss, max_steps=args.pretrain_steps,
                                          deterministic=args.pretrain_deterministic)

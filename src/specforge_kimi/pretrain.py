@@ -186,7 +186,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
 
     from specforge_kimi import corpus
     from specforge_kimi.demo import _rows
-    from specforge_kimi.target import load_text_model
+    from specforge_kimi.target import load_text_model, resolve_device
     from specforge_kimi.tiny import write_tiny
     from specforge_kimi.tokenizer import build_standin_tokenizer
 
@@ -194,8 +194,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         raise KimiInputError("--pretrain SECONDS must be positive")
     if max_steps <= 0:
         raise KimiInputError("--pretrain-steps must be positive")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise KimiInputError(f"--device {device}: CUDA is not available here; use --device cpu")
+    device = resolve_device(device)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise KimiInputError(f"{out} exists and is not empty")

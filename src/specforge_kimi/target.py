@@ -345,3 +345,15 @@ def load_text_model(model_dir: str | os.PathLike, dtype=None):
             raise KimiInputError(f"{model_dir}: {k} has shape {list(state[k].shape)}, config implies {list(v.shape)}")
     model.load_state_dict({k: state[k] for k in expected}, strict=True)
     return model.eval()
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when CUDA is available, else ``cpu``; a ``cuda`` device without CUDA is an
+    input error (the ``--device`` of ``tiny --pretrain`` and ``target-text``)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KimiInputError(f"--device {device}: CUDA is not available here; use --device cpu")
+    return device

@@ -9,9 +9,9 @@ conversations drawn with :data:`SELECT_SEED` (the prompt part, in each conversat
 mode), skipping the bench's ``structured`` ones, and a :mod:`prompt_mix` stream with its own seed
 (thinking on, as the bench asks its chat/math/code sets; prompt_mix never yields a bench prompt).
 The corpus is templated (2,000 training conversations hold 719 distinct prompts), so corpus
-selection prompts are mostly also training prompts, as the bench's ``structured`` ones are. Along the generated tokens it measures the full-vocabulary entropy (nats,
-the softmax the engine samples from), the mean top-1 probability, the distinct tokens and the
-share of answers finished.
+selection prompts are mostly also training prompts, as the bench's ``structured`` ones are.
+Along the generated tokens it measures the full-vocabulary entropy (nats, the softmax the engine
+samples from), the mean top-1 probability, the distinct tokens and the share of answers finished.
 
 ``specforge-kimi target-text DIR [DIR ...]`` measures each candidate and names the one with the
 lowest mean entropy over all generated tokens (``scripts/gpu_online_run.sh`` with
@@ -88,6 +88,11 @@ def text_stats(model, prompts: Sequence[Sequence[int]], continuations: Sequence[
             "finished_share": finished / max(len(prompts), 1)}
 
 
+def prompt_part(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
+    """The prompt of a training row: every token before the first trained one (all of it if none is)."""
+    return list(ids[: mask.index(1)] if 1 in mask else ids)
+
+
 def selection_prompts(tokenizer, *, corpus_prompts: int, mix_prompts: int) -> dict[str, list[list[int]]]:
     """``{"corpus": [...], "prompt_mix": [...]}``: token ids of the selection prompts, rendered as
     the bench renders its requests."""
@@ -95,18 +100,17 @@ def selection_prompts(tokenizer, *, corpus_prompts: int, mix_prompts: int) -> di
     from specforge_kimi.bench import Prompt, encode_prompt
     from specforge_kimi.conversation import Message
     from specforge_kimi.demo import _rows
-
     from specforge_kimi.pretrain import HELDOUT_SEED
 
-    def prompt_part(records):  # single-turn corpus: one row per conversation, the prompt precedes the answer
-        return [tuple(ids[: mask.index(1)] if 1 in mask else ids) for ids, mask in _rows(records, tokenizer)]
+    def prompts_of(records):  # single-turn corpus: one row per conversation
+        return [tuple(prompt_part(ids, mask)) for ids, mask in _rows(records, tokenizer)]
 
     groups: dict[str, list[list[int]]] = {}
     if corpus_prompts:
-        seen = set(prompt_part(list(corpus.conversations(48, seed=HELDOUT_SEED))))  # the bench's structured set
+        seen = set(prompts_of(list(corpus.conversations(48, seed=HELDOUT_SEED))))  # the bench's structured set
         chosen: list[list[int]] = []
         for rec in corpus.conversations(corpus_prompts * 100, seed=SELECT_SEED):
-            p = prompt_part([rec])[0]
+            p = prompts_of([rec])[0]
             if p not in seen:
                 seen.add(p)
                 chosen.append(list(p))
@@ -173,14 +177,12 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from specforge_kimi.target import resolve_device
 
     if min(args.corpus_prompts, args.mix_prompts) < 0 or args.corpus_prompts + args.mix_prompts == 0 \
             or args.max_new_tokens < 1:
         raise KimiInputError("need at least one selection prompt and --max-new-tokens >= 1")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise KimiInputError(f"--device {device}: CUDA is not available here")
+    device = resolve_device(args.device)
     results = [measure(t, device=device, corpus_prompts=args.corpus_prompts, mix_prompts=args.mix_prompts,
                        max_new_tokens=args.max_new_tokens) for t in args.targets]
     best = min(results, key=lambda r: r["mean_entropy"])
