@@ -18,7 +18,8 @@
 # two fit separate device calls); STAGE=target and STAGE=data split prep further (step 1, then step 2
 # on the target a target stage left), for targets pretrained longer than one call allows; the
 # default runs all.
-# usage: [RECIPE=recipes/...yaml] [STAGE=all|prep|target|data|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [TARGET_SEEDS="0 1"] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus] [REGENERATE=0|1] [MIX=0] bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
+# usage: [RECIPE=recipes/...yaml] [STAGE=all|prep|target|data|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [TARGET_SEEDS="0 1"]
+#        [PRETRAIN_BATCH=32] [PRETRAIN_LR=2e-3] [PRETRAIN_PRECISION=fp32|bf16] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus] [REGENERATE=0|1] [MIX=0] bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
@@ -39,11 +40,18 @@ rm -rf runs/tiny-k25 runs/tiny-k25-seed* runs/tiny-k25-data runs/corpus-regen.js
   runs/mix*.jsonl* "$RUN"
 # one target per seed of TARGET_SEEDS (default 0), pretrained side by side on the GPU; target-text
 # measures how predictable each one's own greedy text is and the lowest-entropy one becomes runs/tiny-k25
-PIDS=()
-for S in ${TARGET_SEEDS:-0}; do
-  python3 -m specforge_kimi tiny "runs/tiny-k25-seed$S" --seed "$S" --layers 8 --hidden 512 --pretrain "${PRETRAIN_S:-60}" \
+pretrain_one() {  # seed, precision
+  python3 -m specforge_kimi tiny "runs/tiny-k25-seed$1" --seed "$1" --layers 8 --hidden 512 --pretrain "${PRETRAIN_S:-60}" \
     --device "${TARGET_DEVICE:-cuda}" --pretrain-steps "${PRETRAIN_STEPS:-10000}" \
-    --pretrain-schedule "${PRETRAIN_SCHEDULE:-constant}" --pretrain-loss "${PRETRAIN_LOSS:-full}" \
+    --pretrain-batch-size "${PRETRAIN_BATCH:-32}" --pretrain-lr "${PRETRAIN_LR:-2e-3}" --pretrain-precision "$2" \
+    --pretrain-schedule "${PRETRAIN_SCHEDULE:-constant}" --pretrain-loss "${PRETRAIN_LOSS:-full}"
+}
+PIDS=()
+PREC="${PRETRAIN_PRECISION:-fp32}"
+for S in ${TARGET_SEEDS:-0}; do
+  # a bf16 run that fails (e.g. an op without a deterministic kernel) is redone in fp32, said in the log
+  { pretrain_one "$S" "$PREC" || { [ "$PREC" = bf16 ] && rm -rf "runs/tiny-k25-seed$S" \
+      && echo "FALLBACK: bf16 pretraining failed, seed $S again in fp32" && pretrain_one "$S" fp32; }; } \
     > "$OUT/tiny-seed$S.out" 2>&1 &
   PIDS+=($!)
 done

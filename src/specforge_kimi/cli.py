@@ -28,7 +28,8 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
         res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=resolve_device(args.device),
                                          lr=args.pretrain_lr, schedule=args.pretrain_schedule,
                                          loss=args.pretrain_loss, max_steps=args.pretrain_steps,
-                                         deterministic=args.pretrain_deterministic)
+                                         deterministic=args.pretrain_deterministic,
+                                         batch_size=args.pretrain_batch_size, precision=args.pretrain_precision)
         tr, held = res["train"], res["heldout"]
         print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
               f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow non-deterministic kernels (faster on CUDA; two runs of N steps then differ)")
     t.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
     t.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    t.add_argument("--pretrain-batch-size", type=int, default=32, metavar="B", help="sequences per optimizer step")
+    t.add_argument("--pretrain-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32, or bf16 autocast for the decoder's forward (weights, optimizer and loss in fp32)")
     t.add_argument("--pretrain-schedule", choices=("constant", "cosine"), default="constant",
                    help="constant, or warm-up + cosine decay over the time budget")
     t.add_argument("--pretrain-loss", choices=("full", "corpus"), default="full",

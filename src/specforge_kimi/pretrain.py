@@ -48,7 +48,7 @@ def cosine_scale(frac: float, warmup: float = 0.03, floor: float = 0.05) -> floa
 def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *, seconds: float = 60.0,
              max_steps: int = 10_000, batch_size: int = 8, lr: float = 2e-3, seed: int = 0,
              progress: bool = True, device: str = "cpu", schedule: str = "constant",
-             loss: str = "full", deterministic: bool = True) -> PretrainResult:
+             loss: str = "full", deterministic: bool = True, precision: str = "fp32") -> PretrainResult:
     """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``.
 
     ``deterministic``: run under ``torch.use_deterministic_algorithms(True)`` (cuBLAS workspace
@@ -60,11 +60,19 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
 
     ``schedule``: ``constant`` (``lr`` throughout) or ``cosine`` (linear warm-up over the first 3%,
     then cosine decay to 5% of ``lr``), over the fraction of the budget used -- time or steps,
-    whichever runs out first. ``loss``: ``full`` or ``corpus`` (module docstring)."""
+    whichever runs out first. ``loss``: ``full`` or ``corpus`` (module docstring).
+
+    ``precision``: ``fp32`` (every product in float32) or ``bf16`` (the decoder's forward under bf16
+    autocast, weights, optimizer state and the loss in float32 -- the usual mixed precision; the
+    checkpoint is written in bf16 and served in bf16 either way)."""
     if schedule not in ("constant", "cosine"):
         raise KimiInputError(f"pretraining schedule must be constant or cosine, not {schedule!r}")
     if loss not in ("full", "corpus"):
         raise KimiInputError(f"pretraining loss must be full or corpus, not {loss!r}")
+    if precision not in ("fp32", "bf16"):
+        raise KimiInputError(f"pretraining precision must be fp32 or bf16, not {precision!r}")
+    if batch_size < 1:
+        raise KimiInputError(f"pretraining batch size must be positive, not {batch_size}")
     import torch
 
     if not sequences:
@@ -78,13 +86,13 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     try:
         return _pretrain(model_dir, sequences, out_dir, seconds=seconds, max_steps=max_steps,
                          batch_size=batch_size, lr=lr, seed=seed, progress=progress, device=device,
-                         schedule=schedule, loss=loss)
+                         schedule=schedule, loss=loss, precision=precision)
     finally:
         torch.use_deterministic_algorithms(prev_det[0], warn_only=prev_det[1])
 
 
 def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, lr, seed, progress, device,
-              schedule, loss) -> PretrainResult:
+              schedule, loss, precision) -> PretrainResult:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -134,8 +142,10 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
         for b, s in enumerate(batch):
             ids[b, : len(s)] = s
             labels[b, : len(s) - 1] = s[1:]
-        hidden = model.model(inputs_embeds=embed[ids], use_cache=False).last_hidden_state
-        logits = (hidden @ head.T).reshape(-1, len(used)).float()
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                            enabled=precision == "bf16"):
+            hidden = model.model(inputs_embeds=embed[ids], use_cache=False).last_hidden_state
+        logits = (hidden.float() @ head.T).reshape(-1, len(used)).float()
         if sink is not None:
             logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), sink)], dim=1)
         step_loss = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
@@ -166,7 +176,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                                conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
                                lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
                                schedule: str = "constant", loss: str = "full", max_steps: int = 10_000,
-                               deterministic: bool = True) -> dict:
+                               deterministic: bool = True, precision: str = "fp32") -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
     :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
     target does not depend on how fast the machine happened to be).
@@ -194,6 +204,10 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         raise KimiInputError("--pretrain SECONDS must be positive")
     if max_steps <= 0:
         raise KimiInputError("--pretrain-steps must be positive")
+    if batch_size < 1:
+        raise KimiInputError("--pretrain-batch-size must be positive")
+    if precision not in ("fp32", "bf16"):
+        raise KimiInputError(f"--pretrain-precision must be fp32 or bf16, not {precision!r}")
     device = resolve_device(device)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -207,7 +221,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         write_tiny(raw, spec)
         res = pretrain(str(raw), [ids for ids, _ in train_rows], str(out), seconds=seconds, batch_size=batch_size,
                        lr=lr, seed=spec.seed, progress=progress, device=device, schedule=schedule,
-                       loss=loss, max_steps=max_steps, deterministic=deterministic)
+                       loss=loss, max_steps=max_steps, deterministic=deterministic, precision=precision)
     finally:
         shutil.rmtree(raw, ignore_errors=True)
     tok.save_pretrained(out)
@@ -243,7 +257,8 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                     "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
         },
         "train": {"steps": res.steps, "max_steps": max_steps, "seconds": round(res.seconds, 2),
-                  "seconds_budget": seconds, "deterministic": deterministic, "batch_size": batch_size, "lr": lr,
+                  "seconds_budget": seconds, "deterministic": deterministic, "precision": precision,
+                  "batch_size": batch_size, "lr": lr,
                   "lr_schedule": schedule, "loss": loss,
                   "loss_first": res.first_loss, "loss_last": res.last_loss, "losses": res.losses,
                   "what": "next-token cross-entropy over every position; " + (
