@@ -27,7 +27,9 @@ from pathlib import Path
 def _run(out: Path, args: argparse.Namespace, deterministic: bool) -> dict:
     cmd = [sys.executable, "-m", "specforge_kimi", "tiny", str(out), "--layers", str(args.layers), "--hidden",
            str(args.hidden), "--pretrain", str(args.seconds), "--pretrain-steps", str(args.steps),
-           "--device", args.device, *([] if deterministic else ["--no-pretrain-deterministic"])]
+           "--device", args.device, "--pretrain-batch-size", str(args.batch_size), "--pretrain-precision",
+           args.precision, "--pretrain-schedule", args.schedule,
+           *([] if deterministic else ["--no-pretrain-deterministic"])]
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
     p.add_argument("--modes", nargs="+", choices=("deterministic", "nondeterministic"),
                    default=["deterministic", "nondeterministic"])
     p.add_argument("--out", required=True)
@@ -67,7 +72,8 @@ def main(argv=None) -> int:
     result = {"command": [sys.executable, *sys.argv], "git_commit": git or None, "environment": {
         "python": platform.python_version(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()},
-        "config": {k: getattr(args, k) for k in ("steps", "seconds", "layers", "hidden", "device")}, "modes": {}}
+        "config": {k: getattr(args, k) for k in ("steps", "seconds", "layers", "hidden", "device", "batch_size",
+                                                   "precision", "schedule")}, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             runs = []

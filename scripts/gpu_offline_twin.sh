@@ -9,7 +9,9 @@
 #   GPU N-1      train-offline RECIPE on the features -> runs/offline-twin/export-sglang, then its bench (3/1/4)
 #   then         eval-draft of both final checkpoints (held-out simulated acceptance, loss) and
 #                offline_twin.json: acceptance lengths side by side and their relative difference
-# Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] bash scripts/gpu_offline_twin.sh
+# TWIN_STAGE=features runs the first two lines only (capture + the online draft's bench), TWIN_STAGE=rest
+# the others on what a features stage left in runs/ (so a long twin fits two device calls; the same OUT).
+# Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] [TWIN_STAGE=all|features|rest] bash scripts/gpu_offline_twin.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/offline-twin}"; mkdir -p "$OUT"
@@ -25,6 +27,9 @@ BENCH=(--target runs/tiny-k25 --sets "$SETS" --num-prompts "${BENCH_PROMPTS:-16}
        --concurrency "${BENCH_CONCURRENCY:-4}" --config 3,1,4 --min-acceptance-length 3.0 --disable-cuda-graph --mem-fraction-static 0.3)
 # (SGLang 0.5.14 takes the fraction of the memory free when it starts, so a server beside another fits)
 [ -f "$ONLINE/config.json" ] || { echo "no online export at $ONLINE: run scripts/gpu_online_run.sh first" >&2; exit 2; }
+TWIN_STAGE="${TWIN_STAGE:-all}"
+case "$TWIN_STAGE" in all|features|rest) ;; *) echo "TWIN_STAGE must be all, features or rest, not $TWIN_STAGE" >&2; exit 2;; esac
+if [ "$TWIN_STAGE" != rest ]; then
 rm -rf runs/features-offline runs/features-offline.partial runs/features-offline.logs runs/offline-twin \
        runs/bench-online runs/bench-offline
 T0=$(date +%s)
@@ -41,6 +46,14 @@ CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi bench "${BENCH[@]}" --draft "$O
   > "$OUT/bench_online.out" 2>&1 &
 BON=$!
 wait $CAP; echo "capture-features rc=$? seconds=$(( $(date +%s) - T0 ))" | tee -a "$OUT/capture_features.out"
+if [ "$TWIN_STAGE" = features ]; then
+  wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"
+  cp runs/bench-online/bench_result.json "$OUT/bench-online.json" 2>/dev/null
+  cp runs/features-offline.json "$OUT/" 2>/dev/null
+  exit 0
+fi
+fi
+[ -f runs/features-offline.json ] || { echo "TWIN_STAGE=rest needs a features stage's runs/features-offline" >&2; exit 2; }
 T1=$(date +%s)
 CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi train-offline "$RECIPE" --features runs/features-offline \
   --out runs/offline-twin > "$OUT/train_offline.out" 2>&1
@@ -48,7 +61,7 @@ echo "train-offline rc=$? seconds=$(( $(date +%s) - T1 ))" | tee -a "$OUT/train_
 CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi bench "${BENCH[@]}" --no-baseline --draft runs/offline-twin/export-sglang \
   --out runs/bench-offline > "$OUT/bench_offline.out" 2>&1
 echo "bench offline rc=$?" | tee -a "$OUT/bench_offline.out"
-wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"
+[ "$TWIN_STAGE" = all ] && { wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"; }
 ONLINE_CKPT=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V | tail -1)
 OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
 if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then

@@ -48,12 +48,17 @@ pretrain_one() {  # seed, precision
 }
 PIDS=()
 PREC="${PRETRAIN_PRECISION:-fp32}"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$NGPU" -gt 0 ] || NGPU=1
+K=0
 for S in ${TARGET_SEEDS:-0}; do
-  # a bf16 run that fails (e.g. an op without a deterministic kernel) is redone in fp32, said in the log
-  { pretrain_one "$S" "$PREC" || { [ "$PREC" = bf16 ] && rm -rf "runs/tiny-k25-seed$S" \
+  # candidates spread over the box's GPUs (one each on a 2-GPU box); a bf16 run that fails (e.g. an
+  # op without a deterministic kernel) is redone in fp32, said in the log
+  { export CUDA_VISIBLE_DEVICES=$((K % NGPU))
+    pretrain_one "$S" "$PREC" || { [ "$PREC" = bf16 ] && rm -rf "runs/tiny-k25-seed$S" \
       && echo "FALLBACK: bf16 pretraining failed, seed $S again in fp32" && pretrain_one "$S" fp32; }; } \
     > "$OUT/tiny-seed$S.out" 2>&1 &
   PIDS+=($!)
+  K=$((K + 1))
 done
 for P in "${PIDS[@]}"; do wait "$P" || { tail -30 "$OUT"/tiny-seed*.out; exit 1; }; done
 # (TARGET_DEVICE=cpu and TARGET_TEXT_ARGS="--corpus-prompts 2 ..." make a quick CPU dry run of this stage)

@@ -35,6 +35,9 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
               f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
               f"answer loss {held['loss']:.3f} full vocab / {held['loss_corpus_tokens']:.3f} corpus tokens "
               f"(greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
+        if tr["lr_schedule"] == "cosine" and tr["schedule_fraction"] < 1:
+            print(f"note: the time budget ended the cosine schedule at {tr['schedule_fraction']:.0%} of its steps "
+                  "(deterministic runs decay over --pretrain-steps)")
         return 0
     out = write_tiny(args.out_dir, spec)
     print(f"wrote tiny Kimi-K2.5 checkpoint to {out}")

@@ -35,6 +35,7 @@ class PretrainResult:
     first_loss: float
     last_loss: float
     losses: list[float]
+    schedule_fraction: float = 1.0  # how far the lr schedule got (1.0: to its end)
 
 
 def cosine_scale(frac: float, warmup: float = 0.03, floor: float = 0.05) -> float:
@@ -59,8 +60,11 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     left weights up to 2.4e-4 apart without it and identical with it.
 
     ``schedule``: ``constant`` (``lr`` throughout) or ``cosine`` (linear warm-up over the first 3%,
-    then cosine decay to 5% of ``lr``), over the fraction of the budget used -- time or steps,
-    whichever runs out first. ``loss``: ``full`` or ``corpus`` (module docstring).
+    then cosine decay to 5% of ``lr``). Deterministic runs follow the step count (``step /
+    max_steps``) only: nothing read from the clock may change the weights, so a time budget that
+    ends first cuts the schedule short (``PretrainResult.schedule_fraction`` says where); on the
+    H200 a schedule that also followed the clock parted two otherwise identical runs at step 1.
+    Non-deterministic runs follow time or steps, whichever runs out first. ``loss``: ``full`` or ``corpus`` (module docstring).
 
     ``precision``: ``fp32`` (every product in float32) or ``bf16`` (the decoder's forward under bf16
     autocast, weights, optimizer state and the loss in float32 -- the usual mixed precision; the
@@ -86,13 +90,13 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     try:
         return _pretrain(model_dir, sequences, out_dir, seconds=seconds, max_steps=max_steps,
                          batch_size=batch_size, lr=lr, seed=seed, progress=progress, device=device,
-                         schedule=schedule, loss=loss, precision=precision)
+                         schedule=schedule, loss=loss, precision=precision, clock_schedule=not deterministic)
     finally:
         torch.use_deterministic_algorithms(prev_det[0], warn_only=prev_det[1])
 
 
 def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, lr, seed, progress, device,
-              schedule, loss, precision) -> PretrainResult:
+              schedule, loss, precision, clock_schedule) -> PretrainResult:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -130,8 +134,11 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
     bar = tqdm(total=max_steps, desc="pretrain tiny target", disable=not progress, unit="step")
     step = 0
     while step < max_steps and time.monotonic() - start < seconds:
+        frac = step / max_steps
+        if clock_schedule:
+            frac = max(frac, (time.monotonic() - start) / seconds)
         if schedule == "cosine":
-            scale = cosine_scale(max((time.monotonic() - start) / seconds, step / max_steps))
+            scale = cosine_scale(frac)
             for group in opt.param_groups:
                 group["lr"] = lr * scale
         idx = torch.randint(len(seqs), (batch_size,), generator=gen)
@@ -163,7 +170,9 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
         model.lm_head.weight.zero_()
         model.lm_head.weight[used_t] = head.detach()
     write_tiny(out_dir, spec, state={k: v.detach().cpu() for k, v in model.state_dict().items()})
-    return PretrainResult(step, time.monotonic() - start, losses[0], sum(losses[-10:]) / len(losses[-10:]), losses)
+    frac = step / max_steps if not clock_schedule else max(step / max_steps, (time.monotonic() - start) / seconds)
+    return PretrainResult(step, time.monotonic() - start, losses[0], sum(losses[-10:]) / len(losses[-10:]), losses,
+                          schedule_fraction=min(1.0, frac))
 
 
 #: Seeds of the structured corpus: ``tiny --pretrain`` trains on ``TRAIN_SEED`` conversations; the
@@ -259,7 +268,9 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         "train": {"steps": res.steps, "max_steps": max_steps, "seconds": round(res.seconds, 2),
                   "seconds_budget": seconds, "deterministic": deterministic, "precision": precision,
                   "batch_size": batch_size, "lr": lr,
-                  "lr_schedule": schedule, "loss": loss,
+                  "lr_schedule": schedule, "schedule_fraction": round(res.schedule_fraction, 4),
+                  "schedule_over": "steps" if deterministic else "time or steps, whichever ends first",
+                  "loss": loss,
                   "loss_first": res.first_loss, "loss_last": res.last_loss, "losses": res.losses,
                   "what": "next-token cross-entropy over every position; " + (
                       "full vocabulary (the untrained tokens' zero logits as one log(V - n) term)" if loss == "full"

@@ -45,16 +45,19 @@ def test_unknown_loss_is_refused(tmp_path):
         pretrain(str(tmp_path), [[1, 2, 3]], str(tmp_path / "out"), loss="all")
 
 
-def test_step_bounded_pretraining_repeats_bit_for_bit(tmp_path, tiny_dir):
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_step_bounded_pretraining_repeats_bit_for_bit(tmp_path, tiny_dir, schedule):
     """Deterministic (the default) and step-bounded: two runs write identical weights and losses,
-    and leave torch's global deterministic-algorithms setting as they found it."""
+    and leave torch's global deterministic-algorithms setting as they found it. With the cosine
+    schedule too: its warm-up and decay follow the step count, not the clock (on the H200 a cosine
+    schedule that also read the clock parted two runs at step 1)."""
     import torch
     from safetensors.torch import load_file
 
     seqs = [[5, 17, 3, 17, 5, 99, 3, 17], [8, 9, 10, 11, 12, 13], [99, 5, 5, 17, 3]]
     before = torch.are_deterministic_algorithms_enabled()
     runs = [pretrain(str(tiny_dir), seqs, str(tmp_path / f"out{i}"), seconds=600, max_steps=4, batch_size=3,
-                     progress=False) for i in range(2)]
+                     progress=False, schedule=schedule) for i in range(2)]
     assert torch.are_deterministic_algorithms_enabled() == before
     assert runs[0].steps == runs[1].steps == 4 and runs[0].losses == runs[1].losses
     for f in sorted((tmp_path / "out0").glob("*.safetensors")):
