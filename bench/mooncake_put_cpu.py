@@ -1,0 +1,126 @@
+"""How fast is the capture sink's Mooncake put when the segment lives in the putting process, and
+does it hold the GIL? (real Mooncake, loopback master, no GPU). Prints and writes JSON.
+
+The co-located loop's default layout (``resilience.segment_owner: server``) mounts the feature
+segment inside the capture server, so the sink's ``batch_put_from`` lands in its own process: a
+Mooncake local memcpy, not TCP (Mooncake's ``MC_STORE_MEMCPY`` path; its TCP tunables do not
+apply). This measures, for one batch shaped like ``bench/online_pipeline.py``'s 16x4096 tiny-K2.5
+batch (16 objects of 4096 x 2048 bf16 = 16.8 MB, from one registered host buffer):
+
+- ``threads``: median time of the batch's put issued as one ``batch_put_from`` or split over T
+  Python threads (does the put scale with threads?);
+- ``gil``: while one thread runs the put, how far a pure-Python loop in the main thread gets,
+  relative to the same loop alone (about 1: the binding releases the GIL, so the put does not stall
+  the scheduler's Python; about 0: it holds it).
+
+Measurements, never pass/fail. The first repetition includes first-touch of the segment's pages.
+
+    python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=512, help="target hidden size (aux 3H + last H per token)")
+    p.add_argument("--threads", default="1,2,4")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+
+    from specforge_kimi import services
+
+    n, per = a.samples, a.tokens * 4 * a.hidden * 2
+    result = {"command": [sys.executable, *sys.argv], "environment": {
+        "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine()},
+        "config": {"samples": n, "bytes_per_object": per, "batch_bytes": n * per, "reps": a.reps,
+                   "segment": "mounted by the putting process (segment_owner: server)", "protocol": "tcp"},
+        "threads": {}, "gil": []}
+    with tempfile.TemporaryDirectory() as tmp, \
+            services.mooncake_master(Path(tmp) / "mooncake.log", segment_bytes=n * per * 2 + (256 << 20)) as mc:
+        store = MooncakeDistributedStore()
+        rc = store.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", n * per * 2 + (256 << 20),
+                         256 << 20, "tcp", "", f"127.0.0.1:{mc.rpc_port}")
+        if rc:
+            raise SystemExit(f"mooncake setup failed: {rc}")
+        buf = torch.randn(n * a.tokens, 4 * a.hidden).to(torch.bfloat16)
+        base = buf.data_ptr()
+        store.register_buffer(base, buf.numel() * 2)
+        ptrs = [base + i * per for i in range(n)]
+
+        def put(keys, pointers):
+            status = store.batch_put_from(keys, pointers, [per] * len(keys))
+            if any(s != 0 for s in status):
+                raise SystemExit(f"batch_put_from failed: {status}")
+
+        for T in [int(t) for t in a.threads.split(",")]:
+            times = []
+            for rep in range(a.reps):
+                keys = [f"t{T}-{rep}-{i}" for i in range(n)]
+                t0 = time.perf_counter()
+                th = [threading.Thread(target=put, args=(keys[j::T], ptrs[j::T])) for j in range(T)]
+                for t in th:
+                    t.start()
+                for t in th:
+                    t.join()
+                times.append(time.perf_counter() - t0)
+                for k in keys:
+                    store.remove(k)
+            med = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+            result["threads"][str(T)] = {"median_ms": round(med * 1e3, 1), "GB_per_s": round(n * per / med / 1e9, 2),
+                                         "all_ms": [round(t * 1e3, 1) for t in times]}
+            print(f"{T} thread(s): {result['threads'][str(T)]}", flush=True)
+
+        stop = [False]
+
+        def spin(seconds):
+            end, k = time.perf_counter() + seconds, 0
+            while time.perf_counter() < end and not stop[0]:
+                k += 1
+            return k
+
+        for rep in range(a.reps):
+            stop[0] = False
+            alone = spin(0.3) / 0.3
+            keys = [f"g{rep}-{i}" for i in range(n)]
+            took = {}
+
+            def timed_put():
+                t0 = time.perf_counter()
+                put(keys, ptrs)
+                took["s"] = time.perf_counter() - t0
+                stop[0] = True
+
+            th = threading.Thread(target=timed_put)
+            t0 = time.perf_counter()
+            th.start()
+            k = spin(600.0)
+            wall = time.perf_counter() - t0
+            th.join()
+            for key in keys:
+                store.remove(key)
+            result["gil"].append({"put_ms": round(took["s"] * 1e3, 1),
+                                  "main_thread_progress": round(k / wall / alone, 3)})
+            print(f"gil rep {rep}: {result['gil'][-1]}", flush=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
