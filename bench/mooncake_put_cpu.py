@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from specforge_kimi import services
 
     n, per = a.samples, a.tokens * 4 * a.hidden * 2
-    result = {"command": [sys.executable, *sys.argv], "environment": {
+    result = {"benchmark": "mooncake same-process put", "command": [sys.executable, *sys.argv], "environment": {
         "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine()},
         "config": {"samples": n, "bytes_per_object": per, "batch_bytes": n * per, "reps": a.reps,

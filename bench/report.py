@@ -24,6 +24,8 @@ file is recognised by its content:
 - draft evaluation (``specforge-kimi eval-draft``: ``results`` of checkpoints + ``heldout_conversations``);
 - simulated acceptance on the CPU (``bench/mla_vs_llama.py``, ``bench/greedy_acceptance_cpu.py``);
 - fault drills (``"benchmark": "fault drills"``);
+- the capture sink's Mooncake put on the CPU (``bench/mooncake_put_cpu.py``: ``"benchmark": "mooncake
+  same-process put"``);
 - draft logits parity (``tests/gpu/test_draft_logits_parity.py``'s summary: per architecture
   ``tolerance`` + ``sequences``);
 - offline twin (``scripts/gpu_offline_twin.sh``'s ``offline_twin.json``: ``online`` + ``offline``);
@@ -104,6 +106,8 @@ def classify(data: Any) -> str:
         return "regenerate"
     if bench == "fault drills":
         return "fault_drills"
+    if bench == "mooncake same-process put":
+        return "mooncake_put"
     if isinstance(bench, str) and bench.startswith("MLA vs Llama-style"):
         return "mla_vs_llama"
     if isinstance(bench, str) and bench.startswith("EAGLE-3 draft acceptance on the tiny target's own greedy text"):
@@ -513,6 +517,23 @@ def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
                          "duplicates", "processes left"], rows) + [""]
 
 
+def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## The capture sink's Mooncake put, segment in the putting process (CPU)", "",
+           "`bench/mooncake_put_cpu.py`: one batch's `batch_put_from` (median over repetitions after the first) "
+           "issued from T threads, and how far a Python loop in another thread gets during the put (1: the GIL "
+           "is released).", ""]
+    if not files:
+        return out + ["Not measured yet: `python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json`.", ""]
+    rows = []
+    for n, r in files:
+        cfg, gil = r.get("config") or {}, [g.get("main_thread_progress") for g in r.get("gil") or []]
+        for t, v in (r.get("threads") or {}).items():
+            rows.append([n, (r.get("environment") or {}).get("cpu_count"), _num((cfg.get("batch_bytes") or 0) / 1e6, "{:.0f}"),
+                         t, v.get("median_ms"), v.get("GB_per_s"), " / ".join(f"{g:.2f}" for g in gil if g is not None)])
+    return out + _table(["file", "CPUs", "batch MB", "threads", "median ms", "GB/s", "other thread's progress"],
+                        rows) + [""]
+
+
 def section_draft_parity(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Draft logits parity: SGLang vs the training-side forward", "",
            "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by its own "
@@ -576,6 +597,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_draft_parity(kinds.get("draft_parity", []))
     lines += section_cpu_simulated(kinds.get("mla_vs_llama", []), kinds.get("greedy_acceptance", []))
     lines += section_fault_drills(kinds.get("fault_drills", []))
+    lines += section_mooncake_put(kinds.get("mooncake_put", []))
     other = kinds.get("unknown", []) + kinds.get("unreadable", [])
     if other:
         lines += ["## Unrecognised results files", "", *[f"- `{n}`" for n, _ in other], ""]
