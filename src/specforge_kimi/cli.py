@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pretrain-precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32, or bf16 autocast for the decoder's forward (weights, optimizer and loss in fp32)")
     t.add_argument("--pretrain-schedule", choices=("constant", "cosine"), default="constant",
-                   help="constant, or warm-up + cosine decay over the time budget")
+                   help="constant, or warm-up + cosine decay over --pretrain-steps (with "
+                        "--no-pretrain-deterministic: over the time budget if that ends first)")
     t.add_argument("--pretrain-loss", choices=("full", "corpus"), default="full",
                    help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
                         "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)")

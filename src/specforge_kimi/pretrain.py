@@ -64,7 +64,9 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
     max_steps``) only: nothing read from the clock may change the weights, so a time budget that
     ends first cuts the schedule short (``PretrainResult.schedule_fraction`` says where); on the
     H200 a schedule that also followed the clock parted two otherwise identical runs at step 1.
-    Non-deterministic runs follow time or steps, whichever runs out first. ``loss``: ``full`` or ``corpus`` (module docstring).
+    Non-deterministic runs follow time or steps, whichever runs out first.
+
+    ``loss``: ``full`` or ``corpus`` (module docstring).
 
     ``precision``: ``fp32`` (every product in float32) or ``bf16`` (the decoder's forward under bf16
     autocast, weights, optimizer state and the loss in float32 -- the usual mixed precision; the
@@ -133,12 +135,14 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
     start = time.monotonic()
     bar = tqdm(total=max_steps, desc="pretrain tiny target", disable=not progress, unit="step")
     step = 0
-    while step < max_steps and time.monotonic() - start < seconds:
+
+    def schedule_fraction() -> float:
         frac = step / max_steps
-        if clock_schedule:
-            frac = max(frac, (time.monotonic() - start) / seconds)
+        return max(frac, (time.monotonic() - start) / seconds) if clock_schedule else frac
+
+    while step < max_steps and time.monotonic() - start < seconds:
         if schedule == "cosine":
-            scale = cosine_scale(frac)
+            scale = cosine_scale(schedule_fraction())
             for group in opt.param_groups:
                 group["lr"] = lr * scale
         idx = torch.randint(len(seqs), (batch_size,), generator=gen)
@@ -152,7 +156,7 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
                             enabled=precision == "bf16"):
             hidden = model.model(inputs_embeds=embed[ids], use_cache=False).last_hidden_state
-        logits = (hidden.float() @ head.T).reshape(-1, len(used)).float()
+        logits = (hidden.float() @ head.T).reshape(-1, len(used))
         if sink is not None:
             logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), sink)], dim=1)
         step_loss = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
@@ -170,9 +174,8 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
         model.lm_head.weight.zero_()
         model.lm_head.weight[used_t] = head.detach()
     write_tiny(out_dir, spec, state={k: v.detach().cpu() for k, v in model.state_dict().items()})
-    frac = step / max_steps if not clock_schedule else max(step / max_steps, (time.monotonic() - start) / seconds)
     return PretrainResult(step, time.monotonic() - start, losses[0], sum(losses[-10:]) / len(losses[-10:]), losses,
-                          schedule_fraction=min(1.0, frac))
+                          schedule_fraction=min(1.0, schedule_fraction()))
 
 
 #: Seeds of the structured corpus: ``tiny --pretrain`` trains on ``TRAIN_SEED`` conversations; the
