@@ -67,7 +67,8 @@ python3 -m specforge_kimi target-text runs/tiny-k25-seed* --device "${TARGET_DEV
   > "$OUT/target_select.out" 2>&1 || { tail -30 "$OUT/target_select.out"; exit 1; }
 grep -E "entropy|chosen" "$OUT/target_select.out"
 CHOSEN=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['chosen'])" "$OUT/target_select.json") || exit 1
-mv "$CHOSEN" runs/tiny-k25 && rm -rf runs/tiny-k25-seed*
+mv "$CHOSEN" runs/tiny-k25 || { echo "cannot keep the chosen target $CHOSEN" >&2; exit 1; }
+rm -rf runs/tiny-k25-seed*
 cp runs/tiny-k25/pretrain.json runs/tiny-k25/pretrain_loss.png "$OUT/" 2>/dev/null
 [ "$STAGE" = target ] && { echo "target seconds=$(( $(date +%s) - T0 ))" | tee "$OUT/target.out"; exit 0; }
 fi

@@ -1,0 +1,127 @@
+"""The GPU scripts' stage logic on the CPU: which command runs where, and what each stage leaves.
+
+Scope: ``scripts/gpu_online_run.sh STAGE=target`` (target candidates spread over the box's GPUs,
+the chosen one kept) and ``scripts/gpu_offline_twin.sh TWIN_STAGE=features|rest`` (the twin split
+over two device calls). A device call lost to a script slip costs a session's GPU time, so the
+shell logic is checked here with stand-ins: ``python3 -m specforge_kimi <cmd>`` and ``nvidia-smi``
+are replaced on ``PATH`` by shims that record their arguments and write the files the scripts
+read; every other ``python3`` (recipe loading) is the real interpreter. The commands themselves
+run on the GPU box (tests/gpu/RUNS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SHIM = r'''#!{python}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[:2] != ["-m", "specforge_kimi"]:
+    os.execv({python!r}, [{python!r}, *args])
+cmd, rest = args[2], args[3:]
+def opt(name):
+    return rest[rest.index(name) + 1] if name in rest else None
+with open(os.environ["SHIM_LOG"], "a") as log:
+    log.write(json.dumps({{"cmd": cmd, "args": rest, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\n")
+if cmd == "tiny":
+    Path(rest[0]).mkdir(parents=True)
+    (Path(rest[0]) / "pretrain.json").write_text("{{}}")
+elif cmd == "target-text":
+    chosen = rest[rest.index("--device") - 1]  # the last candidate
+    Path(opt("--out")).write_text(json.dumps({{"chosen": chosen}}))
+    print("chosen:", chosen)
+elif cmd == "capture-features":
+    out = Path(opt("--out"))
+    part = out.with_name(out.name + ".partial")
+    part.mkdir(parents=True)
+    (part / "0.ckpt").write_text("")
+    part.rename(out)
+    out.with_name(out.name + ".json").write_text("{{}}")
+elif cmd == "bench":
+    out = Path(opt("--out"))
+    out.mkdir(parents=True)
+    run = {{"config": {{"steps": 3, "topk": 1, "draft_tokens": 4}}, "overall": {{"acceptance_length": 2.5}},
+           "sets": {{"chat": {{"acceptance_length": 2.5}}}}}}
+    (out / "bench_result.json").write_text(json.dumps({{"speculative": [run]}}))
+elif cmd == "train-offline":
+    out = Path(opt("--out"))
+    (out / "export-sglang").mkdir(parents=True)
+    (out / "twin-step10").mkdir()
+'''
+
+
+def _sandbox(tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of scripts/ and recipes/ (they write runs/ beside themselves), src/ linked, shims on PATH."""
+    box = tmp_path / "repo"
+    box.mkdir()
+    for d in ("scripts", "recipes"):
+        shutil.copytree(ROOT / d, box / d)
+    (box / "src").symlink_to(ROOT / "src")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shims = {"python3": SHIM.format(python=sys.executable),
+             "nvidia-smi": "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n"}
+    for name, text in shims.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SHIM_LOG": str(tmp_path / "calls.jsonl")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return box, env
+
+
+def _calls(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_target_stage_puts_one_candidate_per_gpu_and_keeps_the_chosen(tmp_path):
+    box, env = _sandbox(tmp_path)
+    env.update(STAGE="target", TARGET_SEEDS="0 1", PRETRAIN_STEPS="1200", PRETRAIN_S="600", PRETRAIN_BATCH="128",
+               PRETRAIN_PRECISION="bf16", PRETRAIN_SCHEDULE="cosine", OUT=str(tmp_path / "out"),
+               RECIPE="recipes/tiny-k25-tp2-h200x2.yaml")
+    res = subprocess.run(["bash", "scripts/gpu_online_run.sh"], cwd=box, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    tiny = sorted((c for c in _calls(tmp_path) if c["cmd"] == "tiny"), key=lambda c: c["args"][0])
+    assert [(c["args"][0], c["cuda"]) for c in tiny] == [("runs/tiny-k25-seed0", "0"), ("runs/tiny-k25-seed1", "1")]
+    for c in tiny:
+        a = c["args"]
+        assert [a[a.index(k) + 1] for k in ("--pretrain-steps", "--pretrain-batch-size", "--pretrain-precision",
+                                            "--pretrain-schedule")] == ["1200", "128", "bf16", "cosine"]
+    assert (box / "runs" / "tiny-k25" / "pretrain.json").is_file()
+    assert not list((box / "runs").glob("tiny-k25-seed*"))
+
+
+def test_twin_in_two_calls_equals_one(tmp_path):
+    box, env = _sandbox(tmp_path)
+    export = box / "runs" / "tiny-k25-tp1" / "export-sglang"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    (box / "runs" / "tiny-k25-tp1" / "tiny-k25-tp1-step10").mkdir()
+    env["RECIPE"] = "recipes/tiny-k25-tp1-h200.yaml"
+
+    def twin(stage: str, out: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/gpu_offline_twin.sh"], cwd=box, env={**env, "TWIN_STAGE": stage,
+                              "OUT": str(tmp_path / out)}, capture_output=True, text=True, timeout=120)
+
+    res = twin("rest", "early")
+    assert res.returncode == 2 and "needs a features stage" in res.stderr
+    res = twin("features", "o")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [c["cmd"] for c in _calls(tmp_path)] == ["capture-features", "bench"]
+    assert (tmp_path / "o" / "bench-online.json").is_file() and not (tmp_path / "o" / "offline_twin.json").exists()
+    res = twin("rest", "o")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [c["cmd"] for c in _calls(tmp_path)][2:] == ["train-offline", "bench", "eval-draft"]
+    summary = json.loads((tmp_path / "o" / "offline_twin.json").read_text())
+    assert summary["within_3_percent"] is True and summary["online"]["acceptance_length"] == 2.5
+    res = twin("bogus", "x")
+    assert res.returncode == 2 and "TWIN_STAGE must be" in res.stderr
