@@ -52,10 +52,11 @@ def main(argv=None) -> int:
         "config": {"samples": n, "bytes_per_object": per, "batch_bytes": n * per, "reps": a.reps,
                    "segment": "mounted by the putting process (segment_owner: server)", "protocol": "tcp"},
         "threads": {}, "gil": []}
+    segment = n * per * 2 + (256 << 20)  # two batches in flight, plus headroom
     with tempfile.TemporaryDirectory() as tmp, \
-            services.mooncake_master(Path(tmp) / "mooncake.log", segment_bytes=n * per * 2 + (256 << 20)) as mc:
+            services.mooncake_master(Path(tmp) / "mooncake.log", segment_bytes=segment) as mc:
         store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", n * per * 2 + (256 << 20),
+        rc = store.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", segment,
                          256 << 20, "tcp", "", f"127.0.0.1:{mc.rpc_port}")
         if rc:
             raise SystemExit(f"mooncake setup failed: {rc}")
