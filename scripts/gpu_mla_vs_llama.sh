@@ -14,6 +14,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 . scripts/gpu_common.sh  # recipe_fields, held_out_rows
 SETS="${BENCH_SETS:-structured,chat,math,code}"
 MLA_RECIPE="${MLA_RECIPE:-recipes/tiny-k25-tp2-h200x2-mla.yaml}"
+read -r _ _ _ AUX < <(recipe_fields "$MLA_RECIPE") || { echo "cannot load $MLA_RECIPE" >&2; exit 2; }
 [ -d runs/features-offline ] || { echo "no runs/features-offline: run scripts/gpu_offline_twin.sh first" >&2; exit 2; }
 [ -f runs/bench-offline/bench_result.json ] || echo "note: no runs/bench-offline (the Llama twin's bench) to compare with" >&2
 if [ "${PARITY:-0}" = 1 ]; then
@@ -36,7 +37,7 @@ MLA_CKPT=$(ls -d runs/offline-mla/*-step* 2>/dev/null | sort -V | tail -1)
 if [ -n "$MLA_CKPT" ]; then
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
     --draft-config runs/offline-mla/rendered/draft_config.json --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
-    --aux-ids 1,3,4 --checkpoints "$MLA_CKPT" --heldout "$(held_out_rows)" --device cuda \
+    --aux-ids "$AUX" --checkpoints "$MLA_CKPT" --heldout "$(held_out_rows)" --device cuda \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
     --out "$OUT/eval_mla.json" > "$OUT/eval_mla.out" 2>&1
 fi

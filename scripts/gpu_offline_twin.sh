@@ -7,8 +7,8 @@
 #   GPUs 0..N-1  capture-features RECIPE (Mooncake + the recipe's TP=N capture server) -> runs/features-offline
 #   GPU 0        once that server is up: bench of <output_dir>/export-sglang (baseline + 3/1/4)
 #   GPU N-1      train-offline RECIPE on the features -> runs/offline-twin/export-sglang, then its bench (3/1/4)
-#   then         eval-draft of both final checkpoints (held-out simulated acceptance, loss) and
-#                offline_twin.json: acceptance lengths side by side and their relative difference
+#   then         offline_twin.json (acceptance lengths side by side and their relative difference), then
+#                eval-draft of both final checkpoints (held-out simulated acceptance, loss; the recipe's aux ids)
 # TWIN_STAGE=features runs the first two lines only (capture + the online draft's bench), TWIN_STAGE=rest
 # the others on what a features stage left in runs/ (so a long twin fits two device calls; the same OUT).
 # Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] [TWIN_STAGE=all|features|rest] bash scripts/gpu_offline_twin.sh
@@ -18,7 +18,7 @@ OUT="${OUT:-/tmp/offline-twin}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 . scripts/gpu_common.sh  # recipe_fields, held_out_rows
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
-read -r NAME RUN PER_NODE < <(recipe_fields "$RECIPE") \
+read -r NAME RUN PER_NODE AUX < <(recipe_fields "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 LAST_GPU=$((PER_NODE - 1))
 ONLINE="$RUN/export-sglang"
@@ -62,15 +62,6 @@ CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi bench "${BENCH[@]}" --n
   --out runs/bench-offline > "$OUT/bench_offline.out" 2>&1
 echo "bench offline rc=$?" | tee -a "$OUT/bench_offline.out"
 [ "$TWIN_STAGE" = all ] && { wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"; }
-ONLINE_CKPT=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V | tail -1)
-OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
-if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then
-  CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
-    --draft-config "$RUN/rendered/draft_config.json" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
-    --aux-ids 1,3,4 --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout "$(held_out_rows)" --device cuda \
-    $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
-    --out "$OUT/eval_online_vs_offline.json" > "$OUT/eval_online_vs_offline.out" 2>&1
-fi
 for d in bench-online bench-offline; do
   cp "runs/$d/bench_result.json" "$OUT/$d.json" 2>/dev/null; cp "runs/$d/acceptance.png" "$OUT/$d.png" 2>/dev/null
 done
@@ -97,3 +88,13 @@ if res["online"] and res["offline"]:
 (out / "offline_twin.json").write_text(json.dumps(res, indent=2))
 print(json.dumps(res, indent=2))
 PY
+# eval-draft last: offline_twin.json above is written even if a device call's time runs out here
+ONLINE_CKPT=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V | tail -1)
+OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
+if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then
+  CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
+    --draft-config "$RUN/rendered/draft_config.json" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
+    --aux-ids "$AUX" --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout "$(held_out_rows)" --device cuda \
+    $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
+    --out "$OUT/eval_online_vs_offline.json" > "$OUT/eval_online_vs_offline.out" 2>&1
+fi

@@ -121,6 +121,10 @@ def test_twin_in_two_calls_equals_one(tmp_path):
     res = twin("rest", "o")
     assert res.returncode == 0, res.stdout + res.stderr
     assert [c["cmd"] for c in _calls(tmp_path)][2:] == ["train-offline", "bench", "eval-draft"]
+    from specforge_kimi.recipes import load_recipe
+    ev = _calls(tmp_path)[-1]["args"]  # eval-draft reads the features' layers from the recipe
+    aux = load_recipe(ROOT / env["RECIPE"]).target.aux_layer_ids
+    assert ev[ev.index("--aux-ids") + 1] == ",".join(map(str, aux)) and aux != [1, 3, 4]
     summary = json.loads((tmp_path / "o" / "offline_twin.json").read_text())
     assert summary["within_3_percent"] is True and summary["online"]["acceptance_length"] == 2.5
     res = twin("bogus", "x")

@@ -58,6 +58,8 @@ def _raw():
     (lambda r: r["server"].update(mem_fraction_static=0.9), "trainer peak"),
     (lambda r: r["trainer"]["draft"].update(hidden_size=4096), "draft hidden_size 4096 != target"),
     (lambda r: r["gpus"].update(nnodes=2), "multi-node recipe needs server.host"),
+    (lambda r: r["trainer"]["draft"].update(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
+     r"eagle_aux_hidden_state_layer_ids \[2, 30, 58\] != target.aux_layer_ids \[1, 29, 57\]"),
 ])
 def test_bad_recipes(tmp_path, mutate, msg):
     raw = copy.deepcopy(_raw())
