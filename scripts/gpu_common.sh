@@ -7,5 +7,5 @@ recipe_fields() {
 print(r.name, r.output_dir, r.gpus.per_node, ','.join(map(str, r.target.aux_layer_ids)))" "$1"
 }
 
-# eval-draft takes every regenerated held-out row (48 corpus, + 48 prompt-mix with MIX), else 48 corpus
+# eval-draft takes every regenerated held-out row (48 corpus; with MIX + 48 prompt-mix + 48 bench prompts), else 48 corpus
 held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }

@@ -124,7 +124,7 @@ def test_twin_in_two_calls_equals_one(tmp_path):
     from specforge_kimi.recipes import load_recipe
     ev = _calls(tmp_path)[-1]["args"]  # eval-draft reads the features' layers from the recipe
     aux = load_recipe(ROOT / env["RECIPE"]).target.aux_layer_ids
-    assert ev[ev.index("--aux-ids") + 1] == ",".join(map(str, aux)) and aux != [1, 3, 4]
+    assert ev[ev.index("--aux-ids") + 1] == ",".join(map(str, aux)) and aux != [1, 3, 4]  # (1,3,4: once hard-coded)
     summary = json.loads((tmp_path / "o" / "offline_twin.json").read_text())
     assert summary["within_3_percent"] is True and summary["online"]["acceptance_length"] == 2.5
     res = twin("bogus", "x")
