@@ -11,7 +11,14 @@ each TP size it starts one Mooncake master and one text-only capture server
            into Mooncake before answering)
   read     SpecForge's consumer read, ``MooncakeFeatureStore.get`` of every ref of the batch
 and reports medians: prefill tok/s both ways and their ratio, feature bytes per token, the
-capture write rate (feature bytes / capture time) and read rate. The server runs with
+capture write rate (feature bytes / capture time) and read rate. One batch at a time, a capture
+call's time includes the server's host transfer and Mooncake put of its own batch. The capture
+patch runs that transfer on a background thread beside the *next* prefill (``_queue_spec_captures``,
+at most ``SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES`` batches, default 2), and SpecForge's producer
+keeps ``runtime.producer_concurrency`` capture calls in flight (default 1). With ``--in-flight K``
+(K > 1) each shape is also timed with K batches in flight from K threads sharing the adapter, as
+the producer's own workers do, for ``--reps`` rounds each way: aggregate prefill tok/s plain and
+with capture, and their ratio, the rate a producer with ``producer_concurrency: K`` could reach. The server runs with
 ``SGLANG_SPEC_CAPTURE_TIMING=1``; its per-batch sink timings (materialize, register, put) are
 summed per shape to show where capture time goes. Prompts are random token ids (prefill cost does
 not depend on them). Timings are measurements, never pass/fail.
@@ -120,7 +127,53 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
             "capture_extra_ms": (c - p) * 1000, "sink_per_request_mean": sink_tot, "sink_batches_seen": len(sink)}
 
 
-def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang") -> dict:
+def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: int, k: int) -> dict:
+    """``reps`` rounds each of ``k`` concurrent plain batches, then ``k`` concurrent capture calls
+    (after one warm-up round of each): aggregate prefill tokens per second, medians over rounds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    batches = [_prompts(n, length, seed=length * 1000 + n + 7919 * (j + 1)) for j in range(k)]
+    tokens = k * n * length
+
+    def plain(prompts) -> None:
+        _post(f"{url}/generate", {"input_ids": prompts, "extra_key": [uuid.uuid4().hex for _ in prompts],
+                                  "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
+
+    def capture(job) -> list:
+        tag, prompts = job
+        refs = adapter.produce_refs(_tasks(prompts, adapter.run_id, tag), capture=cfg)
+        failed = [r for r in refs if isinstance(r, ServerCaptureFailure)]
+        if failed:
+            raise RuntimeError(f"capture failed: {failed[0].reason}")
+        return refs
+
+    plain_s, capture_s, captured = [], [], []
+    with ThreadPoolExecutor(max_workers=k) as pool:
+        for rnd in range(reps + 1):
+            t = time.perf_counter()
+            list(pool.map(plain, batches))
+            dt_plain = time.perf_counter() - t
+            t = time.perf_counter()
+            got = list(pool.map(capture, [(f"k{k}-r{rnd}-b{j}-{n}x{length}", b) for j, b in enumerate(batches)]))
+            dt_cap = time.perf_counter() - t
+            for refs in got:
+                for ref in refs:
+                    store.adopt(ref)
+                _free(store, refs)
+            if rnd:  # round 0 is the warm-up
+                plain_s.append(dt_plain)
+                capture_s.append(dt_cap)
+                captured.append(sum(len(refs) for refs in got))
+    p, c = statistics.median(plain_s), statistics.median(capture_s)
+    return {"in_flight": k, "tokens_per_round": tokens, "reps": reps, "plain_s": plain_s, "capture_s": capture_s,
+            "samples_captured_per_round": captured,
+            "plain_tokens_per_s": tokens / p, "capture_tokens_per_s": tokens / c, "capture_over_plain": p / c}
+
+
+def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang",
+           in_flight: int = 1) -> dict:
     from specforge_kimi import services
     from specforge_kimi.capture_features import capture_tools
     from specforge_kimi.capture_server import capture_server_argv, capture_server_env
@@ -144,8 +197,11 @@ def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine:
             adapter, cfg, store, _layout = capture_tools(f"http://127.0.0.1:{port}", mc, aux_ids=AUX_IDS,
                                                          hidden=info.hidden_size, vocab=info.vocab_size,
                                                          run_id=f"bench-tp{tp}")
-            result["shapes"] = [bench_shape(f"http://127.0.0.1:{port}", adapter, cfg, store, n, length, reps, log)
-                                for n, length in shapes]
+            url = f"http://127.0.0.1:{port}"
+            result["shapes"] = [bench_shape(url, adapter, cfg, store, n, length, reps, log) for n, length in shapes]
+            if in_flight > 1:
+                for shape, (n, length) in zip(result["shapes"], shapes):
+                    shape["in_flight"] = bench_in_flight(url, adapter, cfg, store, n, length, reps, in_flight)
     return result
 
 
@@ -155,12 +211,16 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--shapes", default="64x1024,16x4096")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--in-flight", type=int, default=1,
+                   help="also time K batches in flight per shape (K > 1), as producer_concurrency: K would send")
     p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
     p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
     p.add_argument("--engine", choices=("sglang", "reference"), default="sglang",
                    help="reference = the CPU stand-in server (a dry run of this script, not a measurement)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.in_flight < 1:
+        p.error("--in-flight must be >= 1")
 
     import torch
 
@@ -179,6 +239,9 @@ def main(argv=None) -> int:
                            "cpu_count": os.cpu_count()},
            "config": {"target": args.target, "layers": info.num_layers, "hidden": info.hidden_size,
                       "aux_specforge_ids": AUX_IDS, "shapes": args.shapes, "reps": args.reps,
+                      "in_flight": args.in_flight,
+                      "server_max_pending_capture_batches": int(os.environ.get(
+                          "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
                       "mooncake_protocol": "tcp (loopback)", "allreduce_fusion": False,
                       "attention_backend": "triton", "cuda_graph": False},
            "baseline_capture_over_plain": {"what": "upstream path on the same box (issue 4): capture/plain prefill",
@@ -187,7 +250,7 @@ def main(argv=None) -> int:
            "runs": []}
     for tp in args.tp:
         try:
-            out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine))
+            out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine, args.in_flight))
         except Exception as exc:  # record and go on with the next TP size
             out["runs"].append({"tp": tp, "error": f"{type(exc).__name__}: {exc}"})
         Path(args.out).write_text(json.dumps(out, indent=2))
@@ -211,6 +274,10 @@ def main(argv=None) -> int:
                   f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
                   f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
                   f"read {s['read_gb_per_s']:.2f} GB/s")
+            if "in_flight" in s:
+                f = s["in_flight"]
+                print(f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "
+                      f"{f['capture_tokens_per_s']:.0f} tok/s, ratio {f['capture_over_plain']:.2f}")
         if "error" in r:
             print(f"tp{r['tp']}: {r['error']}")
     return 0

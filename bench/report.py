@@ -251,6 +251,11 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
                              _num((base.get(f"tp{run.get('tp')}") or {}).get(shape), "{:.2f}x"),
                              _num(sh.get("feature_bytes_per_token"), "{:.0f}"),
                              _num(sh.get("capture_write_gb_per_s"), "{:.2f}"), _num(sh.get("read_gb_per_s"), "{:.2f}")])
+                fl = sh.get("in_flight")
+                if fl:  # --in-flight K: aggregate rates with K batches in flight (no baseline for this mode)
+                    rows.append([f"tp{run.get('tp')}", f"{shape}, {fl.get('in_flight')} in flight",
+                                 _num(fl.get("plain_tokens_per_s"), "{:.0f}"), _num(fl.get("capture_tokens_per_s"), "{:.0f}"),
+                                 _num(fl.get("capture_over_plain"), "{:.2f}x"), "-", "-", "-", "-"])
         return [f"`{name}` (`{cmd}`):", "",
                 *_table(["TP", "batch x tokens", "plain prefill tok/s", "capture tok/s", "capture / plain",
                          "earlier baseline", "feature B/token", "write GB/s", "read GB/s"], rows), ""]

@@ -434,7 +434,10 @@ def test_report_from_sample_results(tmp_path):
               "runs": [{"tp": 1, "shapes": [{"batch": 64, "tokens_per_prompt": 1024, "plain_tokens_per_s": 400000.0,
                                              "capture_tokens_per_s": 300000.0, "capture_over_plain": 0.75,
                                              "feature_bytes_per_token": 8192.0, "capture_write_gb_per_s": 2.5,
-                                             "read_gb_per_s": 4.0}]}, {"tp": 2, "error": "RuntimeError: boom"}],
+                                             "read_gb_per_s": 4.0, "in_flight": {
+                                                 "in_flight": 2, "plain_tokens_per_s": 500000.0,
+                                                 "capture_tokens_per_s": 450000.0, "capture_over_plain": 0.9}}]},
+                       {"tp": 2, "error": "RuntimeError: boom"}],
               "online_run": {"source": "/r/online_run.json",
                              "perf": {"end_to_end_tokens_per_s": 900.0, "trainer_only_tokens_per_s": 1200.0,
                                       "data_wait_fraction": 0.25, "steps_used": 190},
@@ -446,6 +449,7 @@ def test_report_from_sample_results(tmp_path):
     sec = {t: md.split(f"## {t}", 1)[1].split("\n## ", 1)[0]
            for t in ("Capture overhead", "Pipeline efficiency", "Trainer memory")}
     assert "| tp1 | 64x1024 | 400000 | 300000 | 0.75x | 0.55x | 8192 | 2.50 | 4.00 |" in sec["Capture overhead"]
+    assert "| tp1 | 64x1024, 2 in flight | 500000 | 450000 | 0.90x | - | - | - | - |" in sec["Capture overhead"]
     assert "error: RuntimeError: boom" in sec["Capture overhead"]
     assert "| end-to-end / slowest stage | 0.750 |" in sec["Pipeline efficiency"]
     assert "| trainer | 9000 |" in sec["Trainer memory"]
