@@ -18,9 +18,9 @@ at most ``SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES`` batches, default 2), and Spe
 keeps ``runtime.producer_concurrency`` capture calls in flight (default 1). With ``--in-flight K``
 (K > 1) each shape is also timed with K batches in flight from K threads sharing the adapter, as
 the producer's own workers do, for ``--reps`` rounds each way: aggregate prefill tok/s plain and
-with capture, and their ratio, the rate a producer with ``producer_concurrency: K`` could reach. The server runs with
-``SGLANG_SPEC_CAPTURE_TIMING=1``; its per-batch sink timings (materialize, register, put) are
-summed per shape to show where capture time goes. Prompts are random token ids (prefill cost does
+with capture, and their ratio, the rate a producer with ``producer_concurrency: K`` could reach.
+The server runs with ``SGLANG_SPEC_CAPTURE_TIMING=1``; its per-batch sink timings (materialize,
+register, put) are summed per shape to show where capture time goes. Prompts are random token ids (prefill cost does
 not depend on them). Timings are measurements, never pass/fail.
 
     python bench/online_pipeline.py --target runs/tiny-k25 --tp 1 2 \

@@ -254,7 +254,8 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
                 fl = sh.get("in_flight")
                 if fl:  # --in-flight K: aggregate rates with K batches in flight (no baseline for this mode)
                     rows.append([f"tp{run.get('tp')}", f"{shape}, {fl.get('in_flight')} in flight",
-                                 _num(fl.get("plain_tokens_per_s"), "{:.0f}"), _num(fl.get("capture_tokens_per_s"), "{:.0f}"),
+                                 _num(fl.get("plain_tokens_per_s"), "{:.0f}"),
+                                 _num(fl.get("capture_tokens_per_s"), "{:.0f}"),
                                  _num(fl.get("capture_over_plain"), "{:.2f}x"), "-", "-", "-", "-"])
         return [f"`{name}` (`{cmd}`):", "",
                 *_table(["TP", "batch x tokens", "plain prefill tok/s", "capture tok/s", "capture / plain",

@@ -133,8 +133,9 @@ class Recipe(_Strict):
             raise ValueError(f"draft vocab_size {d.get('vocab_size')} != target vocab_size {self.target.vocab_size}")
         named = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if named is not None and list(named) != list(self.target.aux_layer_ids):
-            raise ValueError(f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != target.aux_layer_ids "
-                             f"{list(self.target.aux_layer_ids)}: the draft would be trained on other layers than it names")
+            raise ValueError(f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
+                             f"target.aux_layer_ids {list(self.target.aux_layer_ids)}: the draft would be "
+                             "trained on other layers than it names")
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
         plan = memory_plan(self)
