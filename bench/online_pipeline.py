@@ -20,8 +20,8 @@ keeps ``runtime.producer_concurrency`` capture calls in flight (default 1). With
 the producer's own workers do, for ``--reps`` rounds each way: aggregate prefill tok/s plain and
 with capture, and their ratio, the rate a producer with ``producer_concurrency: K`` could reach.
 The server runs with ``SGLANG_SPEC_CAPTURE_TIMING=1``; its per-batch sink timings (materialize,
-register, put) are summed per shape to show where capture time goes. Prompts are random token ids (prefill cost does
-not depend on them). Timings are measurements, never pass/fail.
+register, put) are summed per shape to show where capture time goes. Prompts are random token ids
+(prefill cost does not depend on them). Timings are measurements, never pass/fail.
 
     python bench/online_pipeline.py --target runs/tiny-k25 --tp 1 2 \
         --run-report /tmp/online-run/online_run.json --out bench/results/online_pipeline_h200x2.json
