@@ -79,25 +79,35 @@ def _free(store, refs) -> None:
     drain_feature_store_removals(store)
 
 
-def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, log: Path) -> dict:
+def _plain(url: str, prompts) -> None:
+    """One prefill of ``prompts`` without ``spec_capture`` (fresh cache namespace, one new token)."""
+    _post(f"{url}/generate", {"input_ids": prompts, "extra_key": [uuid.uuid4().hex for _ in prompts],
+                              "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
+
+
+def _capture(adapter, cfg, prompts, tag: str) -> list:
+    """SpecForge's producer call on ``prompts``; raises if any sample's capture failed."""
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
+    refs = adapter.produce_refs(_tasks(prompts, adapter.run_id, tag), capture=cfg)
+    failed = [r for r in refs if isinstance(r, ServerCaptureFailure)]
+    if failed:
+        raise RuntimeError(f"capture failed: {failed[0].reason}")
+    return refs
+
+
+def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, log: Path) -> dict:
     prompts = _prompts(n, length, seed=length * 1000 + n)
     tokens = n * length
     plain_s, capture_s, read_s, fbytes = [], [], [], []
     log_start = log.stat().st_size if log.exists() else 0
     for rep in range(reps + 1):
         t = time.perf_counter()
-        _post(f"{url}/generate", {"input_ids": prompts, "extra_key": [uuid.uuid4().hex for _ in prompts],
-                                  "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
+        _plain(url, prompts)
         dt_plain = time.perf_counter() - t
-        tasks = _tasks(prompts, adapter.run_id, f"r{rep}-{n}x{length}")
         t = time.perf_counter()
-        refs = adapter.produce_refs(tasks, capture=cfg)
+        refs = _capture(adapter, cfg, prompts, f"r{rep}-{n}x{length}")
         dt_cap = time.perf_counter() - t
-        failed = [r for r in refs if isinstance(r, ServerCaptureFailure)]
-        if failed:
-            raise RuntimeError(f"capture failed: {failed[0].reason}")
         for ref in refs:
             store.adopt(ref)
         t = time.perf_counter()
@@ -132,31 +142,17 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
     (after one warm-up round of each): aggregate prefill tokens per second, medians over rounds."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from specforge.inference.adapters.server_capture import ServerCaptureFailure
-
     batches = [_prompts(n, length, seed=length * 1000 + n + 7919 * (j + 1)) for j in range(k)]
     tokens = k * n * length
-
-    def plain(prompts) -> None:
-        _post(f"{url}/generate", {"input_ids": prompts, "extra_key": [uuid.uuid4().hex for _ in prompts],
-                                  "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
-
-    def capture(job) -> list:
-        tag, prompts = job
-        refs = adapter.produce_refs(_tasks(prompts, adapter.run_id, tag), capture=cfg)
-        failed = [r for r in refs if isinstance(r, ServerCaptureFailure)]
-        if failed:
-            raise RuntimeError(f"capture failed: {failed[0].reason}")
-        return refs
-
     plain_s, capture_s, captured = [], [], []
     with ThreadPoolExecutor(max_workers=k) as pool:
         for rnd in range(reps + 1):
             t = time.perf_counter()
-            list(pool.map(plain, batches))
+            list(pool.map(lambda b: _plain(url, b), batches))
             dt_plain = time.perf_counter() - t
             t = time.perf_counter()
-            got = list(pool.map(capture, [(f"k{k}-r{rnd}-b{j}-{n}x{length}", b) for j, b in enumerate(batches)]))
+            got = list(pool.map(lambda jb: _capture(adapter, cfg, jb[1], f"k{k}-r{rnd}-b{jb[0]}-{n}x{length}"),
+                                enumerate(batches)))
             dt_cap = time.perf_counter() - t
             for refs in got:
                 for ref in refs:

@@ -95,12 +95,12 @@ if mix:  # one stream, so the 48 held-out prompts differ from the N trained ones
     # the bench's own chat/math/code prompts (the 16 of each it sends), for eval-draft only: never trained
     # on, so the simulated acceptance per bench set sits beside the engine's
     from specforge_kimi.bench import builtin_prompt_set
+    from specforge_kimi.conversation import Conversation, Message, conversation_to_openai
     with open("runs/bench-heldout.jsonl", "w") as f:
         for name in ("chat", "math", "code"):
             for p in builtin_prompt_set(name).prompts[:16]:
-                msgs = [{"role": m.role, "content": m.content} for m in p.messages]
-                f.write(json.dumps({"id": p.id, "source": f"bench/{name}",
-                                    "messages": msgs + [{"role": "assistant", "content": ""}]}) + "\n")
+                conv = Conversation(messages=(*p.messages, Message(role="assistant")), tools=p.tools)
+                f.write(json.dumps({"id": p.id, "source": f"bench/{name}", **conversation_to_openai(conv)}) + "\n")
 PY
 CORPUS=runs/corpus.jsonl
 if [ "${REGENERATE:-0}" = 1 ]; then
