@@ -29,12 +29,17 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
                                          lr=args.pretrain_lr, schedule=args.pretrain_schedule,
                                          loss=args.pretrain_loss, max_steps=args.pretrain_steps,
                                          deterministic=args.pretrain_deterministic,
-                                         batch_size=args.pretrain_batch_size, precision=args.pretrain_precision)
+                                         batch_size=args.pretrain_batch_size, precision=args.pretrain_precision,
+                                         prompt_rules=args.pretrain_prompt_rules)
         tr, held = res["train"], res["heldout"]
         print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
               f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
               f"answer loss {held['loss']:.3f} full vocab / {held['loss_corpus_tokens']:.3f} corpus tokens "
               f"(greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
+        if "prompt_rules" in res:
+            rh = res["prompt_rules"]["heldout"]
+            print(f"prompt rules: {res['prompt_rules']['conversations']} conversations trained on; on the bench's own "
+                  f"chat/math/code prompts answer loss {rh['loss']:.3f}, greedy acc {rh['greedy_accuracy']:.2f}")
         if tr["lr_schedule"] == "cosine" and tr["schedule_fraction"] < 1:
             print(f"note: the time budget ended the cosine schedule at {tr['schedule_fraction']:.0%} of its steps "
                   "(deterministic runs decay over --pretrain-steps)")
@@ -153,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pretrain-loss", choices=("full", "corpus"), default="full",
                    help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
                         "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)")
+    t.add_argument("--pretrain-prompt-rules", type=int, default=0, metavar="N",
+                   help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.prompt_rules), "
+                        "so the target answers the bench's natural-language prompts by that rule, not at random")
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")

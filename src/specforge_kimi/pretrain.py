@@ -188,10 +188,12 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                                conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
                                lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
                                schedule: str = "constant", loss: str = "full", max_steps: int = 10_000,
-                               deterministic: bool = True, precision: str = "fp32") -> dict:
+                               deterministic: bool = True, precision: str = "fp32", prompt_rules: int = 0) -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
     :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
-    target does not depend on how fast the machine happened to be).
+    target does not depend on how fast the machine happened to be). ``prompt_rules`` (``--pretrain-prompt-rules
+    N``) adds N prompt-mix prompts answered by :mod:`prompt_rules`, so that the target answers the bench's
+    chat/math/code prompts by a rule too; the rule's held-out numbers are then taken on the bench's own prompts.
 
     Writes the checkpoint, the stand-in tokenizer (byte-level, K2.5 special ids and its text-only
     chat template, so SGLang can serve it), ``pretrain.json`` (corpus, loss curve, held-out loss
@@ -204,7 +206,6 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     from dataclasses import asdict
 
     import torch
-    import torch.nn.functional as F
 
     from specforge_kimi import corpus
     from specforge_kimi.demo import _rows
@@ -218,6 +219,8 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         raise KimiInputError("--pretrain-steps must be positive")
     if batch_size < 1:
         raise KimiInputError("--pretrain-batch-size must be positive")
+    if prompt_rules < 0:
+        raise KimiInputError("--pretrain-prompt-rules must be >= 0")
     if precision not in ("fp32", "bf16"):
         raise KimiInputError(f"--pretrain-precision must be fp32 or bf16, not {precision!r}")
     device = resolve_device(device)
@@ -227,11 +230,21 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     tok = build_standin_tokenizer()
     train_rows = _rows(list(corpus.conversations(conversations, seed=TRAIN_SEED)), tok)
     held_rows = _rows(list(corpus.conversations(heldout, seed=HELDOUT_SEED)), tok)
+    rule_rows, rule_held = [], []
+    if prompt_rules:
+        from specforge_kimi import prompt_rules as rules
+
+        try:
+            rule_rows = _rows(list(rules.conversations(prompt_rules)), tok)
+        except ValueError as e:  # more than the prompt templates can make
+            raise KimiInputError(f"--pretrain-prompt-rules {prompt_rules}: {e}") from e
+        rule_held = _rows(rules.bench_conversations(), tok)
     raw = out.with_name(out.name + ".random")
     shutil.rmtree(raw, ignore_errors=True)
     try:
         write_tiny(raw, spec)
-        res = pretrain(str(raw), [ids for ids, _ in train_rows], str(out), seconds=seconds, batch_size=batch_size,
+        res = pretrain(str(raw), [ids for ids, _ in train_rows + rule_rows], str(out), seconds=seconds,
+                       batch_size=batch_size,
                        lr=lr, seed=spec.seed, progress=progress, device=device, schedule=schedule,
                        loss=loss, max_steps=max_steps, deterministic=deterministic, precision=precision)
     finally:
@@ -240,21 +253,9 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
 
     # The target's own held-out numbers, full 163,840-way softmax (unused head rows are zero).
     model = load_text_model(str(out)).to(device).eval()
-    used = torch.tensor(sorted({t for ids, _ in train_rows for t in ids}), device=device)
-    nll, nll_used, correct, correct_used, n = 0.0, 0.0, 0, 0, 0
-    with torch.no_grad():
-        for ids, mask in held_rows:
-            x = torch.tensor([ids], device=device)
-            logits = model(input_ids=x).logits[0, :-1].float()
-            m = torch.tensor(mask[1:], device=device, dtype=torch.bool)
-            y = x[0, 1:]
-            nll += F.cross_entropy(logits[m], y[m], reduction="sum").item()
-            # restricted to the corpus's tokens, comparable with the training loss
-            pos = torch.searchsorted(used, y[m])
-            nll_used += F.cross_entropy(logits[m][:, used], pos, reduction="sum").item()
-            correct += int((logits[m].argmax(-1) == y[m]).sum())
-            correct_used += int((logits[m][:, used].argmax(-1) == pos).sum())
-            n += int(m.sum())
+    used = torch.tensor(sorted({t for ids, _ in train_rows + rule_rows for t in ids}), device=device)
+    held = _heldout_numbers(model, held_rows, used, device)
+    rule_held_numbers = _heldout_numbers(model, rule_held, used, device) if rule_held else None
     del model
     summary = {
         "command": list(command) if command is not None else sys.argv,
@@ -278,9 +279,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                   "what": "next-token cross-entropy over every position; " + (
                       "full vocabulary (the untrained tokens' zero logits as one log(V - n) term)" if loss == "full"
                       else "softmax restricted to the corpus's tokens")},
-        "heldout": {"conversations": heldout, "seed": HELDOUT_SEED, "answer_tokens": n,
-                    "loss": nll / max(n, 1), "loss_corpus_tokens": nll_used / max(n, 1),
-                    "greedy_accuracy": correct / max(n, 1), "greedy_accuracy_corpus_tokens": correct_used / max(n, 1),
+        "heldout": {"conversations": heldout, "seed": HELDOUT_SEED, **held,
                     "what": "on the answer (loss-mask) tokens of the held-out conversations, i.e. the bench's "
                             "`structured` prompt set: cross-entropy over the full vocab (unused head rows are 0, "
                             "so ~log(163840) until trained logits grow), the same restricted to the corpus's "
@@ -288,9 +287,50 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                             "argmax accuracy among the corpus's tokens; the two differ when untrained tokens "
                             "outscore every trained one"},
     }
+    if prompt_rules:
+        from specforge_kimi import prompt_rules as rules
+
+        summary["prompt_rules"] = {
+            "module": "specforge_kimi.prompt_rules", "conversations": prompt_rules, "seed": rules.PRETRAIN_SEED,
+            "rows": len(rule_rows), "tokens": sum(len(i) for i, _ in rule_rows),
+            "what": f"prompt_mix chat/math/code prompts answered by a rule: the prompt's first {rules.MAX_WORDS} "
+                    "words, one per numbered line; every 2nd with reasoning; trained on beside the corpus",
+            "heldout": {"conversations": len(rule_held), **rule_held_numbers,
+                        "what": "the same numbers on the bench's own chat/math/code prompts answered by the rule "
+                                "(never trained on)"},
+        }
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2))
     _plot_pretrain(res.losses, summary, out / "pretrain_loss.png")
     return summary
+
+
+def _heldout_numbers(model, rows, used, device) -> dict:
+    """Answer-token cross-entropy and greedy accuracy of ``model`` on ``rows`` (ids, loss mask): over the
+    full vocabulary and restricted to the ``used`` (trained) tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    nll, nll_used, correct, correct_used, n, n_known = 0.0, 0.0, 0, 0, 0, 0
+    with torch.no_grad():
+        for ids, mask in rows:
+            x = torch.tensor([ids], device=device)
+            logits = model(input_ids=x).logits[0, :-1].float()
+            m = torch.tensor(mask[1:], device=device, dtype=torch.bool)
+            y = x[0, 1:]
+            nll += F.cross_entropy(logits[m], y[m], reduction="sum").item()
+            # restricted to the corpus's tokens, comparable with the training loss: over the answer tokens
+            # the training rows use (a token they never use has no place among them; counted apart)
+            pos = torch.searchsorted(used, y[m]).clamp(max=len(used) - 1)
+            known = used[pos] == y[m]
+            lu = logits[m][:, used]
+            nll_used += F.cross_entropy(lu[known], pos[known], reduction="sum").item()
+            correct += int((logits[m].argmax(-1) == y[m]).sum())
+            correct_used += int((lu.argmax(-1) == pos)[known].sum())
+            n += int(m.sum())
+            n_known += int(known.sum())
+    return {"answer_tokens": n, "loss": nll / max(n, 1), "loss_corpus_tokens": nll_used / max(n_known, 1),
+            "greedy_accuracy": correct / max(n, 1), "greedy_accuracy_corpus_tokens": correct_used / max(n_known, 1),
+            "answer_tokens_unused_in_training": n - n_known}
 
 
 def _plot_pretrain(losses: list[float], summary: dict, path: Path) -> None:

@@ -85,8 +85,8 @@ def _calls(tmp_path: Path) -> list[dict]:
 def test_target_stage_puts_one_candidate_per_gpu_and_keeps_the_chosen(tmp_path):
     box, env = _sandbox(tmp_path)
     env.update(STAGE="target", TARGET_SEEDS="0 1", PRETRAIN_STEPS="1200", PRETRAIN_S="600", PRETRAIN_BATCH="128",
-               PRETRAIN_PRECISION="bf16", PRETRAIN_SCHEDULE="cosine", OUT=str(tmp_path / "out"),
-               RECIPE="recipes/tiny-k25-tp2-h200x2.yaml")
+               PRETRAIN_PRECISION="bf16", PRETRAIN_SCHEDULE="cosine", PRETRAIN_PROMPT_RULES="2000",
+               OUT=str(tmp_path / "out"), RECIPE="recipes/tiny-k25-tp2-h200x2.yaml")
     res = subprocess.run(["bash", "scripts/gpu_online_run.sh"], cwd=box, env=env, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -95,7 +95,8 @@ def test_target_stage_puts_one_candidate_per_gpu_and_keeps_the_chosen(tmp_path):
     for c in tiny:
         a = c["args"]
         assert [a[a.index(k) + 1] for k in ("--pretrain-steps", "--pretrain-batch-size", "--pretrain-precision",
-                                            "--pretrain-schedule")] == ["1200", "128", "bf16", "cosine"]
+                                            "--pretrain-schedule", "--pretrain-prompt-rules")] \
+            == ["1200", "128", "bf16", "cosine", "2000"]
     assert (box / "runs" / "tiny-k25" / "pretrain.json").is_file()
     assert not list((box / "runs").glob("tiny-k25-seed*"))
 

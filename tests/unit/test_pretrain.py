@@ -89,3 +89,35 @@ def test_bf16_precision_runs_the_forward_under_autocast(tmp_path, tiny_dir):
 def test_bad_precision_or_batch_size_is_refused(tmp_path, bad, match):
     with pytest.raises(KimiInputError, match=match):
         pretrain(str(tmp_path), [[1, 2, 3]], str(tmp_path / "out"), **bad)
+
+
+SMALL = dict(layers=2, hidden=64, heads=4, experts=4, experts_per_token=2, moe_intermediate=32,
+             dense_intermediate=64, q_lora_rank=32, vision_hidden=32, vision_heads=4)
+
+
+def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
+    """``prompt_rules=N``: N rule conversations join the corpus in training (the step losses change),
+    and pretrain.json scores the rule on the bench's own 96 prompts; the structured numbers stay."""
+    from specforge_kimi.pretrain import pretrain_structured_target
+    from specforge_kimi.tiny import TinySpec
+
+    kw = dict(seconds=300, max_steps=2, progress=False, heldout=2, conversations=8, batch_size=4)
+    plain = pretrain_structured_target(tmp_path / "plain", TinySpec(**SMALL), **kw)
+    ruled = pretrain_structured_target(tmp_path / "ruled", TinySpec(**SMALL), prompt_rules=8, **kw)
+    assert "prompt_rules" not in plain
+    pr = ruled["prompt_rules"]
+    assert pr["conversations"] == 8 and pr["rows"] == 8 and pr["tokens"] > 0
+    assert pr["heldout"]["conversations"] == 96 and pr["heldout"]["answer_tokens"] > 0
+    assert 0 <= pr["heldout"]["greedy_accuracy"] <= 1
+    assert ruled["train"]["losses"] != plain["train"]["losses"]
+    assert ruled["heldout"].keys() == plain["heldout"].keys()
+
+
+@pytest.mark.parametrize("n, match", [(-1, "must be >= 0"), (10_000, "distinct prompts")])
+def test_bad_prompt_rule_counts_are_refused(tmp_path, n, match):
+    from specforge_kimi.pretrain import pretrain_structured_target
+    from specforge_kimi.tiny import TinySpec
+
+    with pytest.raises(KimiInputError, match=match):
+        pretrain_structured_target(tmp_path / "t", TinySpec(**SMALL), seconds=10, max_steps=1, prompt_rules=n,
+                                   progress=False)

@@ -1,0 +1,42 @@
+"""The tiny target's rule for free-form prompts (``specforge_kimi.prompt_rules``): the answer it
+defines, the conversations it makes from the prompt mix, and its held-out rows from the bench."""
+
+import pytest
+
+from specforge_kimi import prompt_mix, prompt_rules
+
+
+def test_answer_numbers_the_first_words_one_per_line():
+    assert prompt_rules.answer("Solve for x: 3x + 7 = 25.") == "1. Solve\n2. for\n3. x\n4. 3x\n5. 7\n6. 25"
+    long = " ".join(f"w{i}" for i in range(30))
+    lines = prompt_rules.answer(long).split("\n")
+    assert len(lines) == prompt_rules.MAX_WORDS and lines[-1] == f"{prompt_rules.MAX_WORDS}. w{prompt_rules.MAX_WORDS - 1}"
+
+
+def test_a_prompt_without_words_has_no_answer():
+    with pytest.raises(ValueError, match="no words"):
+        prompt_rules.answer("?! ... --")
+
+
+def test_conversations_are_the_prompt_mix_answered_by_the_rule():
+    convs = list(prompt_rules.conversations(40, seed=5))
+    prompts = [p for _, p in prompt_mix.prompts(40, seed=5)]
+    assert [c["messages"][0]["content"] for c in convs] == prompts
+    assert list(prompt_rules.conversations(40, seed=5)) == convs  # deterministic
+    for i, c in enumerate(convs):
+        user, assistant = c["messages"]
+        assert assistant["content"] == prompt_rules.answer(user["content"])
+        assert ("reasoning_content" in assistant) == (i % 2 == 0)
+    bench = prompt_mix.bench_prompts()
+    assert not any(prompt_mix.normalize(p) in bench for p in prompts)
+
+
+def test_bench_conversations_are_the_bench_prompts_with_reasoning():
+    rows = prompt_rules.bench_conversations()
+    assert len(rows) == 96 and {r["id"].split("-")[0] for r in rows} == {"chat", "math", "code"}
+    bench = prompt_mix.bench_prompts()
+    for r in rows:
+        user, assistant = r["messages"]
+        assert prompt_mix.normalize(user["content"]) in bench
+        assert assistant["reasoning_content"] == prompt_rules.REASONING
+        assert assistant["content"] == prompt_rules.answer(user["content"])
