@@ -13,9 +13,16 @@ batch (16 objects of 4096 x 2048 bf16 = 16.8 MB, from one registered host buffer
   relative to the same loop alone (about 1: the binding releases the GIL, so the put does not stall
   the scheduler's Python; about 0: it holds it).
 
+- ``clients`` (with ``--clients``): the batch split over C store clients of the one process, each
+  mounting its own segment and putting its share into it (``ReplicateConfig.preferred_segment``)
+  from its own thread. Mooncake copies a client's local puts on one memcpy thread per client
+  (``transfer_task.cpp``: ``kDefaultMemcpyWorkers = 1``, not configurable), so more threads on one
+  client do not help (``threads``); this asks whether more clients do.
+
 Measurements, never pass/fail. The first repetition includes first-touch of the segment's pages.
 
     python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json
+    python bench/mooncake_put_cpu.py --threads 1 --clients 1,2 --out bench/results/mooncake_put_clients_cpu.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=512, help="target hidden size (aux 3H + last H per token)")
     p.add_argument("--threads", default="1,2,4")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--clients", default="", help="comma list of store-client counts (each its own segment) to time")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     import torch
@@ -88,6 +96,10 @@ def main(argv=None) -> int:
                                          "all_ms": [round(t * 1e3, 1) for t in times]}
             print(f"{T} thread(s): {result['threads'][str(T)]}", flush=True)
 
+        for C in [int(c) for c in a.clients.split(",") if c]:
+            result.setdefault("clients", {})[str(C)] = _time_clients(C, n, per, buf, mc, a.reps)
+            print(f"{C} client(s): {result['clients'][str(C)]}", flush=True)
+
         stop = [False]
 
         def spin(seconds):
@@ -121,6 +133,64 @@ def main(argv=None) -> int:
             print(f"gil rep {rep}: {result['gil'][-1]}", flush=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
+    """The batch's put split over ``C`` clients of this process, each into its own segment, one
+    thread per client; every object read back and compared once."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    share = -(-n // C)
+    clients = []
+    for _ in range(C):
+        st = MooncakeDistributedStore()
+        rc = st.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", share * per * 2 + (64 << 20),
+                      64 << 20, "tcp", "", f"127.0.0.1:{mc.rpc_port}")
+        if rc:
+            raise SystemExit(f"mooncake setup failed: {rc}")
+        st.register_buffer(buf.data_ptr(), buf.numel() * 2)
+        cfg = ReplicateConfig()
+        cfg.preferred_segment = st.get_hostname()
+        clients.append((st, cfg))
+    base = buf.data_ptr()
+    times, errors = [], []
+
+    def put(st, cfg, idx, keys):
+        status = st.batch_put_from([keys[i] for i in idx], [base + i * per for i in idx], [per] * len(idx), cfg)
+        if any(x != 0 for x in status):
+            errors.append(status)
+
+    for rep in range(reps):
+        keys = [f"c{C}-{rep}-{i}" for i in range(n)]
+        parts = [list(range(j * share, min(n, (j + 1) * share))) for j in range(C)]
+        t0 = time.perf_counter()
+        th = [threading.Thread(target=put, args=(*clients[j], parts[j], keys)) for j in range(C)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        times.append(time.perf_counter() - t0)
+        if errors:
+            raise SystemExit(f"batch_put_from failed: {errors}")
+        if rep == 0:  # the bytes landed where they should
+            raw = buf.view(-1).view(torch_uint8())
+            for i in range(n):
+                if clients[0][0].get(keys[i]) != raw[i * per:(i + 1) * per].numpy().tobytes():
+                    raise SystemExit(f"object {keys[i]} differs after the put")
+        for j, idx in enumerate(parts):
+            for i in idx:
+                clients[j][0].remove(keys[i])
+    med = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    for st, _ in clients:
+        st.close()
+    return {"median_ms": round(med * 1e3, 1), "GB_per_s": round(n * per / med / 1e9, 2),
+            "all_ms": [round(t * 1e3, 1) for t in times]}
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
 
 
 if __name__ == "__main__":

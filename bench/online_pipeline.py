@@ -25,6 +25,9 @@ register, put) are summed per shape to show where capture time goes. Prompts are
 
     python bench/online_pipeline.py --target runs/tiny-k25 --tp 1 2 \
         --run-report /tmp/online-run/online_run.json --out bench/results/online_pipeline_h200x2.json
+
+``--put-clients 1 4`` runs each TP size once per value: the capture sink splits each batch's Mooncake
+put over that many store clients (our SGLang patch 0003, ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS``).
 """
 
 from __future__ import annotations
@@ -169,30 +172,32 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
 
 
 def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang",
-           in_flight: int = 1) -> dict:
+           in_flight: int = 1, put_clients: int = 1) -> dict:
     from specforge_kimi import services
     from specforge_kimi.capture_features import capture_tools
     from specforge_kimi.capture_server import capture_server_argv, capture_server_env
 
     port = services.free_ports(1)[0]
     longest = max(length for _, length in shapes)
-    result: dict = {"tp": tp}
-    with services.mooncake_master(workdir / f"mooncake-tp{tp}.log", segment_bytes=16 << 30) as mc:
+    result: dict = {"tp": tp, "put_clients": put_clients}
+    tag = f"tp{tp}" + (f"-put{put_clients}" if put_clients > 1 else "")
+    with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30) as mc:
         argv = capture_server_argv(target, tp=tp, port=port, aux_specforge_ids=AUX_IDS, fusion=False,
                                    attention_backend="triton", mem_fraction_static=0.5,
                                    context_length=longest + 256, disable_cuda_graph=True, python=sys.executable)
         if engine == "reference":  # the CPU stand-in: exercises this script without a GPU
             argv = [sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", target,
                     "--spec-capture-aux-layer-ids", *map(str, AUX_IDS), "--port", str(port), "--dtype", "bfloat16"]
-        env = {**capture_server_env(mc, cuda_visible_devices=list(range(tp))), "SGLANG_SPEC_CAPTURE_TIMING": "1"}
-        log = workdir / f"server-tp{tp}.log"
+        env = {**capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
+               "SGLANG_SPEC_CAPTURE_TIMING": "1"}
+        log = workdir / f"server-{tag}.log"
         t = time.time()
         with services.server(argv, env, log, port, timeout_s=420):
             result["server_start_s"] = round(time.time() - t, 1)
             result["server_argv"] = argv
             adapter, cfg, store, _layout = capture_tools(f"http://127.0.0.1:{port}", mc, aux_ids=AUX_IDS,
                                                          hidden=info.hidden_size, vocab=info.vocab_size,
-                                                         run_id=f"bench-tp{tp}")
+                                                         run_id=f"bench-{tag}")
             url = f"http://127.0.0.1:{port}"
             result["shapes"] = [bench_shape(url, adapter, cfg, store, n, length, reps, log) for n, length in shapes]
             if in_flight > 1:
@@ -209,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--in-flight", type=int, default=1,
                    help="also time K batches in flight per shape (K > 1), as producer_concurrency: K would send")
+    p.add_argument("--put-clients", type=int, nargs="+", default=[1],
+                   help="capture sink store clients (our SGLang patch 0003); one server run per TP size and value")
     p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
     p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
     p.add_argument("--engine", choices=("sglang", "reference"), default="sglang",
@@ -217,6 +224,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.in_flight < 1:
         p.error("--in-flight must be >= 1")
+    if min(args.put_clients) < 1:
+        p.error("--put-clients must be >= 1")
 
     import torch
 
@@ -235,7 +244,7 @@ def main(argv=None) -> int:
                            "cpu_count": os.cpu_count()},
            "config": {"target": args.target, "layers": info.num_layers, "hidden": info.hidden_size,
                       "aux_specforge_ids": AUX_IDS, "shapes": args.shapes, "reps": args.reps,
-                      "in_flight": args.in_flight,
+                      "in_flight": args.in_flight, "put_clients": args.put_clients,
                       "server_max_pending_capture_batches": int(os.environ.get(
                           "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
                       "mooncake_protocol": "tcp (loopback)", "allreduce_fusion": False,
@@ -245,11 +254,13 @@ def main(argv=None) -> int:
                                            "tp2": {"64x1024": 0.79, "16x4096": 0.92}},
            "runs": []}
     for tp in args.tp:
-        try:
-            out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine, args.in_flight))
-        except Exception as exc:  # record and go on with the next TP size
-            out["runs"].append({"tp": tp, "error": f"{type(exc).__name__}: {exc}"})
-        Path(args.out).write_text(json.dumps(out, indent=2))
+        for clients in args.put_clients:
+            try:
+                out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine, args.in_flight,
+                                          clients))
+            except Exception as exc:  # record and go on with the next run
+                out["runs"].append({"tp": tp, "put_clients": clients, "error": f"{type(exc).__name__}: {exc}"})
+            Path(args.out).write_text(json.dumps(out, indent=2))
     if args.run_report and Path(args.run_report).is_file():
         rep = json.loads(Path(args.run_report).read_text())
         perf = rep.get("perf", {})
@@ -266,7 +277,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=2))
     for r in out["runs"]:
         for s in r.get("shapes", []):
-            print(f"tp{r['tp']} {s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
+            print(f"tp{r['tp']} put clients {r.get('put_clients', 1)} {s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
                   f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
                   f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
                   f"read {s['read_gb_per_s']:.2f} GB/s")

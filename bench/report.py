@@ -241,11 +241,13 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
         rows = []
         base = res.get("baseline_capture_over_plain") or {}
         for run in res.get("runs") or []:
+            # --put-clients N (> 1): the sink split its puts over N store clients (SGLang patch 0003)
+            tpl = f"tp{run.get('tp')}" + (f", {run['put_clients']} put clients" if run.get("put_clients", 1) > 1 else "")
             if run.get("error"):
-                rows.append([f"tp{run.get('tp')}", "-", "error: " + run["error"][:80], "-", "-", "-", "-", "-", "-"])
+                rows.append([tpl, "-", "error: " + run["error"][:80], "-", "-", "-", "-", "-", "-"])
             for sh in run.get("shapes") or []:
                 shape = f"{sh.get('batch')}x{sh.get('tokens_per_prompt')}"
-                rows.append([f"tp{run.get('tp')}", shape, _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
+                rows.append([tpl, shape, _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
                              _num(sh.get("capture_tokens_per_s"), "{:.0f}"),
                              _num(sh.get("capture_over_plain"), "{:.2f}x"),
                              _num((base.get(f"tp{run.get('tp')}") or {}).get(shape), "{:.2f}x"),
@@ -253,7 +255,7 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
                              _num(sh.get("capture_write_gb_per_s"), "{:.2f}"), _num(sh.get("read_gb_per_s"), "{:.2f}")])
                 fl = sh.get("in_flight")
                 if fl:  # --in-flight K: aggregate rates with K batches in flight (no baseline for this mode)
-                    rows.append([f"tp{run.get('tp')}", f"{shape}, {fl.get('in_flight')} in flight",
+                    rows.append([tpl, f"{shape}, {fl.get('in_flight')} in flight",
                                  _num(fl.get("plain_tokens_per_s"), "{:.0f}"),
                                  _num(fl.get("capture_tokens_per_s"), "{:.0f}"),
                                  _num(fl.get("capture_over_plain"), "{:.2f}x"), "-", "-", "-", "-"])

@@ -75,12 +75,17 @@ def mooncake_client_env(mooncake) -> dict[str, str]:
     return env
 
 
-def capture_server_env(mooncake, *, cuda_visible_devices: Optional[Sequence[int | str]] = None) -> dict[str, str]:
+def capture_server_env(mooncake, *, cuda_visible_devices: Optional[Sequence[int | str]] = None,
+                       put_clients: int = 1) -> dict[str, str]:
     """Environment additions for a capture server (SpecForge's managed_local ``service_env``).
 
     The patch's sink reads its Mooncake endpoints and segment sizes from these; the server owns
     the Mooncake segment the features live in, so its segment must hold every capture in flight.
+    ``put_clients`` > 1 sets ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS`` (our SGLang patch 0003: the sink
+    splits each batch's put over that many store clients, each mounting 1/N of the segment).
     """
+    if put_clients < 1:
+        raise ValueError(f"put_clients must be >= 1, not {put_clients}")
     env = {
         **mooncake_client_env(mooncake),
         "FLASHINFER_DISABLE_VERSION_CHECK": "1",
@@ -88,6 +93,8 @@ def capture_server_env(mooncake, *, cuda_visible_devices: Optional[Sequence[int 
         "MOONCAKE_LOCAL_BUFFER_SIZE": str(mooncake.local_buffer_size_bytes),
         **NVLS_OFF_ENV,
     }
+    if put_clients > 1:
+        env["SGLANG_SPEC_CAPTURE_PUT_CLIENTS"] = str(put_clients)
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in cuda_visible_devices)
     return env

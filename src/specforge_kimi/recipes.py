@@ -56,6 +56,10 @@ class ServerSection(_Strict):
                       description="HTTP port; at most 55535 (SGLang serves gRPC on port + 10000)")
     disable_cuda_graph: bool = Field(default=False, description="--disable-cuda-graph (tiny smoke runs)")
     extra_args: list[str] = Field(default_factory=list, description="More SGLang launch_server args, verbatim")
+    capture_put_clients: int = Field(
+        default=1, ge=1, le=16, description="Mooncake store clients the capture sink splits each batch's put over, "
+        "each into its own 1/N of the server's segment (our SGLang patch 0003; Mooncake copies one client's "
+        "same-process puts on one thread). segment_owner: server only")
 
 
 class MooncakeSection(_Strict):
@@ -136,6 +140,9 @@ class Recipe(_Strict):
             raise ValueError(f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
                              f"target.aux_layer_ids {list(self.target.aux_layer_ids)}: the draft would be "
                              "trained on other layers than it names")
+        if self.server.capture_put_clients > 1 and self.resilience.segment_owner != "server":
+            raise ValueError("server.capture_put_clients > 1 splits the server's own segment; with segment_owner: "
+                             "keeper the server mounts none (set capture_put_clients: 1)")
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
         plan = memory_plan(self)
@@ -252,7 +259,7 @@ def server_env(r: Recipe) -> dict[str, str]:
     """The capture server's environment: SpecForge's managed-local Mooncake settings + our plugin."""
     from specforge_kimi.capture_server import capture_server_env
 
-    env = capture_server_env(_mooncake(r))
+    env = capture_server_env(_mooncake(r), put_clients=r.server.capture_put_clients)
     if r.mooncake.host != "127.0.0.1":
         env["MOONCAKE_METADATA_SERVER"] = f"http://{r.mooncake.host}:{r.mooncake.metadata_port}/metadata"
         env["MOONCAKE_MASTER_SERVER_ADDR"] = f"{r.mooncake.host}:{r.mooncake.rpc_port}"

@@ -61,3 +61,32 @@ def test_in_flight_must_be_positive(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         mod.main(["--target", str(tmp_path), "--in-flight", "0", "--out", str(tmp_path / "x.json")])
     assert exc.value.code == 2 and "--in-flight must be >= 1" in capsys.readouterr().err
+
+
+def test_put_clients_run_one_server_each(tmp_path, monkeypatch):
+    """``--put-clients 1 2``: one server run per value, each started with that many sink put clients."""
+    from specforge_kimi import capture_server
+    from specforge_kimi.cli import main as cli
+
+    target = tmp_path / "tiny"
+    assert cli(["tiny", str(target), "--layers", "8", "--hidden", "64"]) == 0
+    out = tmp_path / "pipeline.json"
+    monkeypatch.setattr(sys, "argv", ["bench/online_pipeline.py"])
+    mod = _pipeline_module()
+    seen = []
+    real = capture_server.capture_server_env
+
+    def spy(*args, **kwargs):
+        env = real(*args, **kwargs)
+        seen.append(env.get("SGLANG_SPEC_CAPTURE_PUT_CLIENTS"))
+        return env
+
+    monkeypatch.setattr(capture_server, "capture_server_env", spy)
+    assert mod.main(["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "1",
+                     "--put-clients", "1", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["tp"], r["put_clients"], "error" in r) for r in res["runs"]] == [(1, 1, False), (1, 2, False)]
+    assert seen == [None, "2"] and res["config"]["put_clients"] == [1, 2]
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--target", str(target), "--put-clients", "0", "--out", str(tmp_path / "x.json")])
+    assert exc.value.code == 2

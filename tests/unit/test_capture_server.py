@@ -71,6 +71,12 @@ def test_env_is_specforge_service_env(monkeypatch, tmp_path):
     assert ours["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(4 << 30)
     # multicast stays off in anything we start
     assert ours["NCCL_NVLS_ENABLE"] == "0" and ours["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert "SGLANG_SPEC_CAPTURE_PUT_CLIENTS" not in ours  # one put client: the sink as SpecForge ships it
+    split = cs.capture_server_env(mc, put_clients=4)
+    assert split["SGLANG_SPEC_CAPTURE_PUT_CLIENTS"] == "4"
+    assert split["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(4 << 30)  # the sink splits it, the budget stays
+    with pytest.raises(ValueError, match="put_clients"):
+        cs.capture_server_env(mc, put_clients=0)
 
 
 def test_mooncake_master_and_reader_match_specforge(monkeypatch, tmp_path):

@@ -45,6 +45,15 @@ def test_num_epochs_reaches_specforge(tmp_path):
         Recipe.model_validate(raw)
 
 
+def test_capture_put_clients_reach_the_server_env():
+    from specforge_kimi.recipes import server_env
+
+    raw = _raw()
+    assert "SGLANG_SPEC_CAPTURE_PUT_CLIENTS" not in server_env(Recipe.model_validate(raw))
+    raw["server"]["capture_put_clients"] = 4
+    assert server_env(Recipe.model_validate(raw))["SGLANG_SPEC_CAPTURE_PUT_CLIENTS"] == "4"
+
+
 def _raw():
     return yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-8xb200-lowered.yaml").read_text())
 
@@ -60,6 +69,9 @@ def _raw():
     (lambda r: r["gpus"].update(nnodes=2), "multi-node recipe needs server.host"),
     (lambda r: r["trainer"]["draft"].update(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
      r"eagle_aux_hidden_state_layer_ids \[2, 30, 58\] != target.aux_layer_ids \[1, 29, 57\]"),
+    (lambda r: (r["server"].update(capture_put_clients=2), r.update(resilience={"segment_owner": "keeper"})),
+     "capture_put_clients > 1 splits the server's own segment"),
+    (lambda r: r["server"].update(capture_put_clients=0), "capture_put_clients"),
 ])
 def test_bad_recipes(tmp_path, mutate, msg):
     raw = copy.deepcopy(_raw())

@@ -48,24 +48,27 @@ def test_drift_in_our_patch_is_named(tmp_path):
     assert ours and ours[0].state == "drift" and "spec_capture_sink.py" in " ".join(ours[0].files)
 
 
-@pytest.fixture(params=["0001", "0001+0002"])
+@pytest.fixture(params=["0001", "stack", "stack, 2 put clients"])
 def sink_site(request, tmp_path):
-    """The sink as `setup` leaves it (capture patch, 0001, 0002), or with 0001 alone (0002 reverts to it)."""
+    """The sink as `setup` leaves it (capture patch, 0001, 0002, 0003) with one put client (0003's
+    default) or two (``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=2``), or with 0001 alone; -> (site, clients)."""
     from specforge_kimi import setup_patches as sp
 
-    if request.param == "0001+0002":
-        return request.getfixturevalue("patched_site")
+    if request.param.startswith("stack"):
+        return request.getfixturevalue("patched_site"), 2 if "2 put" in request.param else 1
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site-0001")
     sp.apply(sp.classify(capture, site, 2))
     status = sp.classify(sp.patches_root() / "sglang" / sp.SGLANG_PIN / "0001-spec-capture-staging-buffer.patch", site, 2)
     assert status.state == "applicable", status.detail
     sp.apply(status)
-    return site
+    return site, 1
 
 
 def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
-    patched_site = sink_site
+    """Byte-exact objects across a staging-buffer regrowth; with 2 put clients (0003) every batch's
+    objects land in both writers' segments."""
+    patched_site, clients = sink_site
     import torch
     from mooncake.store import MooncakeDistributedStore
 
@@ -77,7 +80,8 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
     with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=512 << 20) as mc:
         env = {"MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
                "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-               "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20), "MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20)}
+               "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20), "MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20),
+               "SGLANG_SPEC_CAPTURE_PUT_CLIENTS": str(clients)}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -102,6 +106,11 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
                                                      {"name": "mask", "data": [i % 2 == 0] * length,
                                                       "shape": [1, length], "dtype": "bool"}]}, aux, last))
                 results = sink.put_samples(samples)
+                if hasattr(sink, "_writers"):  # 0003
+                    assert len(sink._writers) == clients
+                    ends = {reader.get_replica_desc(f"t/{sp_['sample_id']}/g1/hidden_state")[0]
+                            .get_memory_descriptor().buffer_descriptor.transport_endpoint for sp_, _, _ in samples}
+                    assert ends == {w.get_hostname() for w, _ in sink._writers}, ends
                 assert [r["features"]["hidden_state"]["shape"] for r in results] == [[1, length, 96]] * n
                 for (spec_, aux, last), _ in zip(samples, results):
                     key = f"t/{spec_['sample_id']}/g1/"
