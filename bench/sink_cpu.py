@@ -10,7 +10,7 @@ host tensor per batch, per-request row slices), checking every object byte for b
     python bench/sink_cpu.py --sinks /tmp/sgp 64 1024 512
     python bench/sink_cpu.py --sinks /tmp/sgp --runs c,d,d:2 16 4096 512
 """
-import importlib.util, os, sys, time, torch, json
+import importlib.util, os, time, torch, json
 from specforge_kimi import services
 from mooncake.store import MooncakeDistributedStore
 from pathlib import Path
