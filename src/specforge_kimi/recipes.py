@@ -59,7 +59,8 @@ class ServerSection(_Strict):
     capture_put_clients: int = Field(
         default=1, ge=1, le=16, description="Mooncake store clients the capture sink splits each batch's put over, "
         "each into its own 1/N of the server's segment (our SGLang patch 0003; Mooncake copies one client's "
-        "same-process puts on one thread). segment_owner: server only")
+        "same-process puts on one thread); each client holds its own local transfer buffer. segment_owner: server "
+        "only")
 
 
 class MooncakeSection(_Strict):
