@@ -138,6 +138,7 @@ def main(argv=None) -> int:
 def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
     """The batch's put split over ``C`` clients of this process, each into its own segment, one
     thread per client; every object read back and compared once."""
+    import torch
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     share = -(-n // C)
@@ -173,7 +174,7 @@ def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
         if errors:
             raise SystemExit(f"batch_put_from failed: {errors}")
         if rep == 0:  # the bytes landed where they should
-            raw = buf.view(-1).view(torch_uint8())
+            raw = buf.view(-1).view(torch.uint8)
             for i in range(n):
                 if clients[0][0].get(keys[i]) != raw[i * per:(i + 1) * per].numpy().tobytes():
                     raise SystemExit(f"object {keys[i]} differs after the put")
@@ -185,12 +186,6 @@ def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
         st.close()
     return {"median_ms": round(med * 1e3, 1), "GB_per_s": round(n * per / med / 1e9, 2),
             "all_ms": [round(t * 1e3, 1) for t in times]}
-
-
-def torch_uint8():
-    import torch
-
-    return torch.uint8
 
 
 if __name__ == "__main__":

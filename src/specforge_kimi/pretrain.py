@@ -208,6 +208,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     import torch
 
     from specforge_kimi import corpus
+    from specforge_kimi import prompt_rules as rules
     from specforge_kimi.demo import _rows
     from specforge_kimi.target import load_text_model, resolve_device
     from specforge_kimi.tiny import write_tiny
@@ -232,8 +233,6 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     held_rows = _rows(list(corpus.conversations(heldout, seed=HELDOUT_SEED)), tok)
     rule_rows, rule_held = [], []
     if prompt_rules:
-        from specforge_kimi import prompt_rules as rules
-
         try:
             rule_rows = _rows(list(rules.conversations(prompt_rules)), tok)
         except ValueError as e:  # more than the prompt templates can make
@@ -288,8 +287,6 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                             "outscore every trained one"},
     }
     if prompt_rules:
-        from specforge_kimi import prompt_rules as rules
-
         summary["prompt_rules"] = {
             "module": "specforge_kimi.prompt_rules", "conversations": prompt_rules, "seed": rules.PRETRAIN_SEED,
             "rows": len(rule_rows), "tokens": sum(len(i) for i, _ in rule_rows),

@@ -21,7 +21,6 @@ rule to the bench's own prompts, for held-out numbers only.
 from __future__ import annotations
 
 import re
-from importlib import resources
 from typing import Iterator
 
 WORD = re.compile(r"[A-Za-z0-9]+")
@@ -58,16 +57,8 @@ def conversations(n: int, seed: int = PRETRAIN_SEED, *, thinking_every: int = 2)
 def bench_conversations() -> list[dict]:
     """The bench's own chat/math/code prompts answered by the rule, with reasoning (the bench asks with
     thinking on): held-out rows for the target's numbers, never trained on."""
-    import json
-
+    from specforge_kimi.bench import builtin_prompt_set
     from specforge_kimi.prompt_mix import DOMAINS
 
-    out = []
-    for name in DOMAINS:
-        text = resources.files("specforge_kimi.prompts").joinpath(f"{name}.jsonl").read_text()
-        for line in text.splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                user = next(m["content"] for m in rec["messages"] if m.get("role") == "user")
-                out.append(_conversation(rec["id"], user, True))
-    return out
+    return [_conversation(p.id, next(m.content for m in p.messages if m.role == "user"), True)
+            for name in DOMAINS for p in builtin_prompt_set(name).prompts]

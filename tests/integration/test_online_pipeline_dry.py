@@ -25,14 +25,19 @@ def _pipeline_module():
     return mod
 
 
-def test_in_flight_rounds_capture_every_batch(tmp_path, monkeypatch):
+@pytest.fixture
+def pipeline(tmp_path, monkeypatch):
+    """(the script as a module, a tiny target, the JSON path it writes)."""
     from specforge_kimi.cli import main as cli
 
     target = tmp_path / "tiny"
     assert cli(["tiny", str(target), "--layers", "8", "--hidden", "64"]) == 0
-    out = tmp_path / "pipeline.json"
     monkeypatch.setattr(sys, "argv", ["bench/online_pipeline.py"])
-    mod = _pipeline_module()
+    return _pipeline_module(), target, tmp_path / "pipeline.json"
+
+
+def test_in_flight_rounds_capture_every_batch(tmp_path, monkeypatch, pipeline):
+    mod, target, out = pipeline
     calls = []
     real = mod.bench_in_flight
 
@@ -63,16 +68,11 @@ def test_in_flight_must_be_positive(tmp_path, capsys, monkeypatch):
     assert exc.value.code == 2 and "--in-flight must be >= 1" in capsys.readouterr().err
 
 
-def test_put_clients_run_one_server_each(tmp_path, monkeypatch):
+def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
     """``--put-clients 1 2``: one server run per value, each started with that many sink put clients."""
     from specforge_kimi import capture_server
-    from specforge_kimi.cli import main as cli
 
-    target = tmp_path / "tiny"
-    assert cli(["tiny", str(target), "--layers", "8", "--hidden", "64"]) == 0
-    out = tmp_path / "pipeline.json"
-    monkeypatch.setattr(sys, "argv", ["bench/online_pipeline.py"])
-    mod = _pipeline_module()
+    mod, target, out = pipeline
     seen = []
     real = capture_server.capture_server_env
 
