@@ -28,6 +28,17 @@ register, put) are summed per shape to show where capture time goes. Prompts are
 
 ``--put-clients 1 4`` runs each TP size once per value: the capture sink splits each batch's Mooncake
 put over that many store clients (our SGLang patch 0003, ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS``).
+
+``--breakdown`` also splits a capture call's time per shape (``bench_breakdown``): the same
+``/generate`` body SpecForge's producer builds, JSON-encoded on the client (timed apart) and posted
+as bytes, in four variants posted in turn: ``plain`` (no ``spec_capture``), ``bookkeeping``
+(``spec_capture`` naming no feature and no passthrough: the capture mode's cost without a sink
+write), ``features`` (aux + last hidden, no passthrough) and ``full`` (the producer's body: also
+input_ids / loss_mask / attention_mask sent as JSON int lists for the sink to store). Differences
+of the medians attribute the capture cost to the capture mode, the feature sink and the
+passthrough lists; ``producer_minus_full`` is what SpecForge's ``produce_refs`` adds around the
+post (ref construction, JSON decode of the response). The server log's ``async_batch_complete``
+lines give its own queue-to-stream time per batch.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import uuid
 from pathlib import Path
 
 AUX_IDS = [1, 3, 4]
+QUEUE = re.compile(r"\[spec-capture-timing\] async_batch_complete samples=(\d+) queue_to_stream_ms=([\d.]+)")
 TIMING = re.compile(r"\[spec-capture-timing\] batch_sink samples=(\d+) objects=(\d+) bytes=(\d+) "
                     r"materialize_ms=([\d.]+) register_ms=([\d.]+) put_ms=([\d.]+) total_ms=([\d.]+)")
 
@@ -140,6 +152,91 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
             "capture_extra_ms": (c - p) * 1000, "sink_per_request_mean": sink_tot, "sink_batches_seen": len(sink)}
 
 
+def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]:
+    """The producer's ``/generate`` body for ``prompts`` (``SGLangServerCaptureAdapter``'s own request
+    and payload builders), cut down to ``variant``; and the (sample_id, names) it makes the server write."""
+    tasks = _tasks(prompts, adapter.run_id, tag)
+    body = adapter._request_inputs(tasks)
+    body["extra_key"] = [uuid.uuid4().hex for _ in tasks]
+    body["sampling_params"] = {"temperature": 0.0, "max_new_tokens": 1}
+    if variant == "plain":
+        return body, []
+    payloads = [adapter._spec_capture_payload(t) for t in tasks]
+    for pl in payloads:
+        if variant in ("bookkeeping", "features"):
+            pl["passthrough"] = []
+        if variant == "bookkeeping":
+            pl["features"] = {}
+    body["spec_capture"] = payloads
+    written = [(pl["sample_id"], [*pl["features"].values(), *(i["name"] for i in pl["passthrough"])])
+               for pl in payloads]
+    return body, [w for w in written if w[1]]
+
+
+BREAKDOWN_VARIANTS = ("plain", "bookkeeping", "features", "full")
+
+
+def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, log: Path) -> dict:
+    """Per variant (``BREAKDOWN_VARIANTS``), 1 warm-up + ``reps`` rounds, interleaved: client JSON
+    encode ms and post ms (request sent as bytes to the answer); medians and their differences."""
+    import requests
+    from specforge.runtime.data_plane.feature_store import drain_feature_store_removals
+
+    prompts = _prompts(n, length, seed=length * 1000 + n)
+    enc: dict = {v: [] for v in BREAKDOWN_VARIANTS}
+    post: dict = {v: [] for v in BREAKDOWN_VARIANTS}
+    body_bytes: dict = {}
+    errors: dict = {}
+    log_start = log.stat().st_size if log.exists() else 0
+    for rnd in range(reps + 1):
+        for v in BREAKDOWN_VARIANTS:
+            if v in errors:
+                continue
+            body, written = _variant_body(adapter, prompts, f"bd{rnd}-{v}-{n}x{length}", v)
+            for sample_id, names in written:
+                store.track_external_attempt(sample_id, generation=1, feature_names=names)
+            t = time.perf_counter()
+            data = json.dumps(body).encode()
+            t_enc = time.perf_counter() - t
+            t = time.perf_counter()
+            try:
+                r = requests.post(f"{url}/generate", data=data, headers={"Content-Type": "application/json"},
+                                  timeout=600)
+                r.raise_for_status()
+                rows = r.json()
+                rows = rows if isinstance(rows, list) else [rows]
+                bad = [row["meta_info"]["spec_capture"] for row in rows
+                       if isinstance((row.get("meta_info") or {}).get("spec_capture"), dict)
+                       and "error" in row["meta_info"]["spec_capture"]]
+                t_post = time.perf_counter() - t
+                if bad:
+                    raise RuntimeError(f"capture error: {bad[0]['error']}")
+            except Exception as exc:  # a variant the server refuses is recorded, the others go on
+                errors[v] = f"{type(exc).__name__}: {exc}"[:400]
+                continue
+            finally:  # the keys the server wrote for this post, removed before the next one
+                store.discard_external_attempts(reason="bench-breakdown")
+                drain_feature_store_removals(store)
+            body_bytes[v] = len(data)
+            if rnd:
+                enc[v].append(t_enc * 1000)
+                post[v].append(t_post * 1000)
+    med = {v: {"encode_ms": statistics.median(enc[v]), "post_ms": statistics.median(post[v]),
+               "body_bytes": body_bytes[v]} for v in BREAKDOWN_VARIANTS if post[v]}
+    out: dict = {"batch": n, "tokens_per_prompt": length, "reps": reps, "variants": med,
+                 "post_ms": post, "encode_ms": enc, "errors": errors}
+    q = [float(m.group(2)) for m in QUEUE.finditer(log.read_text(errors="replace")[log_start:])]
+    out["server_queue_to_stream_ms"] = q
+    if all(v in med for v in BREAKDOWN_VARIANTS):
+        out["attribution_ms"] = {
+            "capture_mode (bookkeeping - plain)": med["bookkeeping"]["post_ms"] - med["plain"]["post_ms"],
+            "feature_sink (features - bookkeeping)": med["features"]["post_ms"] - med["bookkeeping"]["post_ms"],
+            "passthrough_server (full - features)": med["full"]["post_ms"] - med["features"]["post_ms"],
+            "passthrough_client_encode (full - plain)": med["full"]["encode_ms"] - med["plain"]["encode_ms"],
+        }
+    return out
+
+
 def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: int, k: int) -> dict:
     """``reps`` rounds each of ``k`` concurrent plain batches, then ``k`` concurrent capture calls
     (after one warm-up round of each): aggregate prefill tokens per second, medians over rounds."""
@@ -172,7 +269,7 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
 
 
 def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang",
-           in_flight: int = 1, put_clients: int = 1) -> dict:
+           in_flight: int = 1, put_clients: int = 1, breakdown: bool = False) -> dict:
     from specforge_kimi import services
     from specforge_kimi.capture_features import capture_tools
     from specforge_kimi.capture_server import capture_server_argv, capture_server_env
@@ -203,6 +300,13 @@ def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine:
             if in_flight > 1:
                 for shape, (n, length) in zip(result["shapes"], shapes):
                     shape["in_flight"] = bench_in_flight(url, adapter, cfg, store, n, length, reps, in_flight)
+            if breakdown:
+                for shape, (n, length) in zip(result["shapes"], shapes):
+                    shape["breakdown"] = bench_breakdown(url, adapter, store, n, length, reps, log)
+                    shape["breakdown"]["producer_minus_full_ms"] = (
+                        statistics.median(shape["capture_s"]) * 1000
+                        - shape["breakdown"]["variants"].get("full", {}).get("post_ms", float("nan"))
+                        - shape["breakdown"]["variants"].get("full", {}).get("encode_ms", float("nan")))
     return result
 
 
@@ -216,6 +320,8 @@ def main(argv=None) -> int:
                    help="also time K batches in flight per shape (K > 1), as producer_concurrency: K would send")
     p.add_argument("--put-clients", type=int, nargs="+", default=[1],
                    help="capture sink store clients (our SGLang patch 0003); one server run per TP size and value")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split a capture call's time: capture mode, feature sink, passthrough lists, client")
     p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
     p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
     p.add_argument("--engine", choices=("sglang", "reference"), default="sglang",
@@ -244,7 +350,7 @@ def main(argv=None) -> int:
                            "cpu_count": os.cpu_count()},
            "config": {"target": args.target, "layers": info.num_layers, "hidden": info.hidden_size,
                       "aux_specforge_ids": AUX_IDS, "shapes": args.shapes, "reps": args.reps,
-                      "in_flight": args.in_flight, "put_clients": args.put_clients,
+                      "in_flight": args.in_flight, "put_clients": args.put_clients, "breakdown": args.breakdown,
                       "server_max_pending_capture_batches": int(os.environ.get(
                           "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
                       "mooncake_protocol": "tcp (loopback)", "allreduce_fusion": False,
@@ -257,7 +363,7 @@ def main(argv=None) -> int:
         for clients in args.put_clients:
             try:
                 out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine, args.in_flight,
-                                          clients))
+                                          clients, args.breakdown))
             except Exception as exc:  # record and go on with the next run
                 out["runs"].append({"tp": tp, "put_clients": clients, "error": f"{type(exc).__name__}: {exc}"})
             Path(args.out).write_text(json.dumps(out, indent=2))
@@ -281,6 +387,14 @@ def main(argv=None) -> int:
                   f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
                   f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
                   f"read {s['read_gb_per_s']:.2f} GB/s")
+            if "breakdown" in s:
+                b = s["breakdown"]
+                print("  breakdown (median ms): " + ", ".join(
+                    f"{v} encode {m['encode_ms']:.1f} post {m['post_ms']:.1f}" for v, m in b["variants"].items())
+                    + (f"; errors {b['errors']}" if b["errors"] else ""))
+                for k, v in (b.get("attribution_ms") or {}).items():
+                    print(f"    {k}: {v:.1f} ms")
+                print(f"    producer_minus_full: {b['producer_minus_full_ms']:.1f} ms")
             if "in_flight" in s:
                 f = s["in_flight"]
                 print(f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "

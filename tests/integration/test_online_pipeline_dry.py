@@ -90,3 +90,44 @@ def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
     with pytest.raises(SystemExit) as exc:
         mod.main(["--target", str(target), "--put-clients", "0", "--out", str(tmp_path / "x.json")])
     assert exc.value.code == 2
+
+
+def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkeypatch, pipeline):
+    """``--breakdown``: every variant posted per round with the producer's own body builders, the
+    passthrough lists only in ``full``, and every key the server wrote discarded after its post."""
+    mod, target, out = pipeline
+    bodies, discards = [], []
+    real_body = mod._variant_body
+
+    def spy_body(adapter, prompts, tag, variant):
+        body, written = real_body(adapter, prompts, tag, variant)
+        bodies.append((variant, body, written))
+        real_discard = adapter.store.discard_external_attempts
+        if not getattr(real_discard, "_spy", False):
+            def discard(**kw):
+                n = real_discard(**kw)
+                discards.append(n)
+                return n
+            discard._spy = True
+            monkeypatch.setattr(adapter.store, "discard_external_attempts", discard)
+        return body, written
+
+    monkeypatch.setattr(mod, "_variant_body", spy_body)
+    assert mod.main(["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "2",
+                     "--breakdown", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    b = res["runs"][0]["shapes"][0]["breakdown"]
+    assert b["errors"] == {} and set(b["variants"]) == set(mod.BREAKDOWN_VARIANTS)
+    assert all(len(b["post_ms"][v]) == 2 for v in mod.BREAKDOWN_VARIANTS)  # warm-up round dropped
+    assert set(b["attribution_ms"]) and "producer_minus_full_ms" in b
+    assert [v for v, _, _ in bodies] == list(mod.BREAKDOWN_VARIANTS) * 3
+    by = {v: (body, written) for v, body, written in bodies}
+    assert "spec_capture" not in by["plain"][0] and by["plain"][1] == []
+    assert by["bookkeeping"][1] == [] and all(not p["features"] for p in by["bookkeeping"][0]["spec_capture"])
+    feats = by["features"][0]["spec_capture"]
+    assert all(p["features"] and p["passthrough"] == [] for p in feats)
+    full = by["full"][0]["spec_capture"]
+    assert {i["name"] for i in full[0]["passthrough"]} >= {"input_ids"}
+    assert full[0]["passthrough"][0]["data"] == by["full"][0]["input_ids"][0]
+    # one discard per post; the two writing variants each removed one attempt per sample
+    assert len(discards) == 4 * 3 and discards[2::4] == [2] * 3 and discards[3::4] == [2] * 3
