@@ -31,10 +31,13 @@ put over that many store clients (our SGLang patch 0003, ``SGLANG_SPEC_CAPTURE_P
 
 ``--breakdown`` also splits a capture call's time per shape (``bench_breakdown``): the same
 ``/generate`` body SpecForge's producer builds, JSON-encoded on the client (timed apart) and posted
-as bytes, in four variants posted in turn: ``plain`` (no ``spec_capture``), ``bookkeeping``
+as bytes, in five variants posted in turn: ``plain`` (no ``spec_capture``), ``bookkeeping``
 (``spec_capture`` naming no feature and no passthrough: the capture mode's cost without a sink
 write), ``features`` (aux + last hidden, no passthrough) and ``full`` (the producer's body: also
-input_ids / loss_mask / attention_mask sent as JSON int lists for the sink to store). Differences
+input_ids / loss_mask / attention_mask sent as JSON int lists for the sink to store), and
+``compact`` (the same with ``SPECFORGE_SPEC_CAPTURE_COMPACT=1``: our SpecForge patch 0002 sends
+those three compactly and SGLang patch 0004 rebuilds them; an error is recorded for it where
+either patch is missing). Differences
 of the medians attribute the capture cost to the capture mode, the feature sink and the
 passthrough lists; ``producer_minus_full`` is what SpecForge's ``produce_refs`` adds around the
 post (ref construction, JSON decode of the response). The server log's ``async_batch_complete``
@@ -161,7 +164,21 @@ def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]
     body["sampling_params"] = {"temperature": 0.0, "max_new_tokens": 1}
     if variant == "plain":
         return body, []
-    payloads = [adapter._spec_capture_payload(t) for t in tasks]
+    if variant == "compact":  # the producer's body with our SpecForge patch 0002 switched on
+        old = os.environ.get("SPECFORGE_SPEC_CAPTURE_COMPACT")
+        os.environ["SPECFORGE_SPEC_CAPTURE_COMPACT"] = "1"
+        try:
+            payloads = [adapter._spec_capture_payload(t) for t in tasks]
+        finally:
+            if old is None:
+                os.environ.pop("SPECFORGE_SPEC_CAPTURE_COMPACT")
+            else:
+                os.environ["SPECFORGE_SPEC_CAPTURE_COMPACT"] = old
+        if any("data" in i for pl in payloads for i in pl["passthrough"]):
+            raise RuntimeError("the installed SpecForge lacks patches/specforge/0.2.0/0002 (its compact body still "
+                               "carries JSON lists)")
+    else:
+        payloads = [adapter._spec_capture_payload(t) for t in tasks]
     for pl in payloads:
         if variant in ("bookkeeping", "features"):
             pl["passthrough"] = []
@@ -173,7 +190,7 @@ def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]
     return body, [w for w in written if w[1]]
 
 
-BREAKDOWN_VARIANTS = ("plain", "bookkeeping", "features", "full")
+BREAKDOWN_VARIANTS = ("plain", "bookkeeping", "features", "full", "compact")
 
 
 def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, log: Path) -> dict:
@@ -192,7 +209,11 @@ def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, lo
         for v in BREAKDOWN_VARIANTS:
             if v in errors:
                 continue
-            body, written = _variant_body(adapter, prompts, f"bd{rnd}-{v}-{n}x{length}", v)
+            try:
+                body, written = _variant_body(adapter, prompts, f"bd{rnd}-{v}-{n}x{length}", v)
+            except RuntimeError as exc:
+                errors[v] = str(exc)
+                continue
             for sample_id, names in written:
                 store.track_external_attempt(sample_id, generation=1, feature_names=names)
             t = time.perf_counter()
@@ -227,13 +248,18 @@ def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, lo
                  "post_ms": post, "encode_ms": enc, "errors": errors}
     q = [float(m.group(2)) for m in QUEUE.finditer(log.read_text(errors="replace")[log_start:])]
     out["server_queue_to_stream_ms"] = q
-    if all(v in med for v in BREAKDOWN_VARIANTS):
+    if all(v in med for v in BREAKDOWN_VARIANTS if v != "compact"):
         out["attribution_ms"] = {
             "capture_mode (bookkeeping - plain)": med["bookkeeping"]["post_ms"] - med["plain"]["post_ms"],
             "feature_sink (features - bookkeeping)": med["features"]["post_ms"] - med["bookkeeping"]["post_ms"],
             "passthrough_server (full - features)": med["full"]["post_ms"] - med["features"]["post_ms"],
             "passthrough_client_encode (full - plain)": med["full"]["encode_ms"] - med["plain"]["encode_ms"],
         }
+        if "compact" in med:
+            out["attribution_ms"]["compact_saves_server (full - compact)"] = (
+                med["full"]["post_ms"] - med["compact"]["post_ms"])
+            out["attribution_ms"]["compact_saves_client_encode (full - compact)"] = (
+                med["full"]["encode_ms"] - med["compact"]["encode_ms"])
     return out
 
 

@@ -87,7 +87,7 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
         readiness=ReadinessSpec("http", f"http://{recipe.server.host}:{recipe.server.port}/health",
                                 SERVER_START_TIMEOUT_S),
         log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=server_phase))
-    env = {"SPECFORGE_PLUGINS": "specforge_kimi", "CUDA_VISIBLE_DEVICES": gpus,
+    env = {**launch["env"], "CUDA_VISIBLE_DEVICES": gpus,
            "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s)}
     commands = []
     if node_rank == 0:

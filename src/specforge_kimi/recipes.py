@@ -61,6 +61,11 @@ class ServerSection(_Strict):
         "each into its own 1/N of the server's segment (our SGLang patch 0003; Mooncake copies one client's "
         "same-process puts on one thread); each client holds its own local transfer buffer. segment_owner: server "
         "only")
+    compact_passthrough: bool = Field(
+        default=False, description="SpecForge's producer sends each capture's input_ids / loss_mask / attention_mask "
+        "compactly (the request's own ids, a fill value or base64 bytes) instead of JSON int lists "
+        "(SPECFORGE_SPEC_CAPTURE_COMPACT=1; needs our SpecForge patch 0002 and SGLang patch 0004, both applied by "
+        "`specforge-kimi setup`)")
 
 
 class MooncakeSection(_Strict):
@@ -267,6 +272,14 @@ def server_env(r: Recipe) -> dict[str, str]:
     return {**env, "SPECFORGE_PLUGINS": "specforge_kimi"}
 
 
+def process_env(r: Recipe) -> dict[str, str]:
+    """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
+    env = {"SPECFORGE_PLUGINS": "specforge_kimi"}
+    if r.server.compact_passthrough:
+        env["SPECFORGE_SPEC_CAPTURE_COMPACT"] = "1"
+    return env
+
+
 def specforge_config(r: Recipe, draft_config_path: str) -> dict:
     """The SpecForge run config (external disaggregated mode); validated by SpecForge's ``Config``."""
     mc = r.mooncake
@@ -325,7 +338,7 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
     cfg = specforge_config(r, str(draft_path))
     (o / "specforge_run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     sheet = {
-        "env": {"SPECFORGE_PLUGINS": "specforge_kimi"},
+        "env": process_env(r),
         "server_env": server_env(r),
         "mooncake_master": _master_argv(r),
         "capture_server": server_argv(r),

@@ -35,6 +35,34 @@ logger = logging.getLogger("specforge_kimi.reference_server")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+def passthrough_tensor(item: dict, input_ids: list[int]):
+    """A ``spec_capture`` passthrough item's tensor, as our patched SGLang sink builds it: ``data``
+    (SpecForge's JSON list), or the compact forms of patches/sglang/0.5.14/0004 (``source:
+    input_ids``, ``fill``, ``data_b64`` + ``data_dtype``) that SpecForge sends with
+    ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (patches/specforge/0.2.0/0002)."""
+    import base64
+
+    import torch
+
+    dtype = getattr(torch, str(item.get("dtype", "int64")))
+    shape = [int(d) for d in item["shape"]]
+    if item.get("source") == "input_ids":
+        return torch.tensor(input_ids, dtype=dtype).reshape(shape)
+    if "source" in item:
+        raise ValueError(f"passthrough {item.get('name')!r}: unknown source {item['source']!r} (only 'input_ids')")
+    if "data" in item:
+        return torch.tensor(item["data"], dtype=dtype).reshape(shape)
+    if "fill" in item:
+        return torch.full(shape, item["fill"], dtype=dtype)
+    if "data_b64" in item:
+        raw = getattr(torch, str(item.get("data_dtype")), None)
+        if not isinstance(raw, torch.dtype) or raw is torch.bool:
+            raise ValueError(f"passthrough {item.get('name')!r}: unsupported data_dtype {item.get('data_dtype')!r}")
+        data = bytearray(base64.b64decode(item["data_b64"], validate=True))
+        return torch.frombuffer(data, dtype=raw).to(dtype).reshape(shape)
+    raise ValueError(f"passthrough {item.get('name')!r} has none of data, source, fill, data_b64")
+
+
 class ReferenceCapture:
     """The model, the aux positions and the Mooncake connection behind the HTTP handler."""
 
@@ -103,8 +131,7 @@ class ReferenceCapture:
                 raise ValueError(f"unknown capture artifact {artifact!r}")
             stage(str(name), artifacts[artifact].to(self.dtype))  # already [1, L, W]
         for item in spec.get("passthrough") or []:
-            dtype = getattr(torch, str(item.get("dtype", "int64")))
-            stage(str(item["name"]), torch.tensor(item["data"], dtype=dtype).reshape([int(d) for d in item["shape"]]))
+            stage(str(item["name"]), passthrough_tensor(item, input_ids))
         store = self.store()
         if spec.get("replace"):
             for key in keys:

@@ -95,6 +95,8 @@ def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
 def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkeypatch, pipeline):
     """``--breakdown``: every variant posted per round with the producer's own body builders, the
     passthrough lists only in ``full``, and every key the server wrote discarded after its post."""
+    from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
+
     mod, target, out = pipeline
     bodies, discards = [], []
     real_body = mod._variant_body
@@ -113,13 +115,24 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
         return body, written
 
     monkeypatch.setattr(mod, "_variant_body", spy_body)
-    assert mod.main(["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "2",
-                     "--breakdown", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    args = ["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "2",
+            "--breakdown", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    # the installed SpecForge is the unpatched wheel: the compact variant is refused, the others run
+    assert mod.main(args) == 0
+    b = json.loads(out.read_text())["runs"][0]["shapes"][0]["breakdown"]
+    assert list(b["errors"]) == ["compact"] and "lacks patches/specforge/0.2.0/0002" in b["errors"]["compact"]
+    assert set(b["variants"]) == set(mod.BREAKDOWN_VARIANTS) - {"compact"} and b["attribution_ms"]
+    # with the payload builder as `specforge-kimi setup` patches it, every variant runs
+    monkeypatch.setattr(SGLangServerCaptureAdapter, "_spec_capture_payload",
+                        _patched_server_capture(tmp_path).SGLangServerCaptureAdapter._spec_capture_payload)
+    bodies.clear()
+    discards.clear()
+    assert mod.main(args) == 0
     res = json.loads(out.read_text())
     b = res["runs"][0]["shapes"][0]["breakdown"]
     assert b["errors"] == {} and set(b["variants"]) == set(mod.BREAKDOWN_VARIANTS)
     assert all(len(b["post_ms"][v]) == 2 for v in mod.BREAKDOWN_VARIANTS)  # warm-up round dropped
-    assert set(b["attribution_ms"]) and "producer_minus_full_ms" in b
+    assert "compact_saves_server (full - compact)" in b["attribution_ms"] and "producer_minus_full_ms" in b
     assert [v for v, _, _ in bodies] == list(mod.BREAKDOWN_VARIANTS) * 3
     by = {v: (body, written) for v, body, written in bodies}
     assert "spec_capture" not in by["plain"][0] and by["plain"][1] == []
@@ -129,5 +142,28 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     full = by["full"][0]["spec_capture"]
     assert {i["name"] for i in full[0]["passthrough"]} >= {"input_ids"}
     assert full[0]["passthrough"][0]["data"] == by["full"][0]["input_ids"][0]
-    # one discard per post; the two writing variants each removed one attempt per sample
-    assert len(discards) == 4 * 3 and discards[2::4] == [2] * 3 and discards[3::4] == [2] * 3
+    compact = by["compact"][0]["spec_capture"]
+    assert [i["name"] for i in compact[0]["passthrough"]] == [i["name"] for i in full[0]["passthrough"]]
+    assert all("data" not in i for i in compact[0]["passthrough"])
+    # one discard per post; the three writing variants each removed one attempt per sample
+    k = len(mod.BREAKDOWN_VARIANTS)
+    assert len(discards) == k * 3 and all(discards[i::k] == [2] * 3 for i in (2, 3, 4))
+
+
+def _patched_server_capture(tmp_path):
+    """SpecForge's server_capture.py as `specforge-kimi setup` leaves it (patch 0002), as a module."""
+    import importlib.util as iu
+
+    from specforge_kimi import setup_patches as sp
+
+    rel = "specforge/inference/adapters/server_capture.py"
+    site = Path(iu.find_spec("specforge").origin).parent.parent
+    root = sp._scratch_copy(site, [rel], tmp_path / "sf-patched")
+    for patch in sorted((sp.patches_root() / "specforge" / sp.SPECFORGE_PIN).glob("*.patch")):
+        if rel in sp._files(patch, 1):
+            sp.apply(sp.classify(patch, root, 1))
+    spec = iu.spec_from_file_location("patched_server_capture_dry", root / rel)
+    module = iu.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -54,6 +54,27 @@ def test_capture_put_clients_reach_the_server_env():
     assert server_env(Recipe.model_validate(raw))["SGLANG_SPEC_CAPTURE_PUT_CLIENTS"] == "4"
 
 
+def test_compact_passthrough_reaches_every_specforge_process(tmp_path):
+    """``server.compact_passthrough``: the producer and the trainer ranks of the launch plan get
+    ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (our SpecForge patch 0002 reads it); off, they do not."""
+    import sys
+
+    from specforge_kimi.launch import build_colocated_plan
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    for on in (False, True):
+        raw["server"]["compact_passthrough"] = on
+        recipe = Recipe.model_validate(raw)
+        rendered = render(recipe, tmp_path / f"r{on}")
+        plan = build_colocated_plan(recipe, rendered, python=sys.executable)
+        envs = [c.env for c in plan.commands]
+        assert [c.label for c in plan.commands] == ["producer", "consumer"]
+        assert all(e.get("SPECFORGE_SPEC_CAPTURE_COMPACT") == ("1" if on else None) for e in envs), envs
+        assert all(e["SPECFORGE_PLUGINS"] == "specforge_kimi" for e in envs)
+        assert rendered["launch"]["env"].get("SPECFORGE_SPEC_CAPTURE_COMPACT") == ("1" if on else None)
+
+
 def _raw():
     return yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-8xb200-lowered.yaml").read_text())
 

@@ -41,7 +41,9 @@ def test_apply_is_idempotent_and_plugins_load(fake_checkout):
     assert "_load_plugins" not in (fake_checkout / "specforge/cli.py").read_text()  # --check wrote nothing
     assert _run(fake_checkout) == 0
     assert "_load_plugins()" in (fake_checkout / "specforge/cli.py").read_text()
-    assert [s.state for s in setup_patches.plan(str(fake_checkout), sglang=False)] == ["applied"]
+    states = [s.state for s in setup_patches.plan(str(fake_checkout), sglang=False)]
+    assert len(states) == len(list((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
+                                   .glob("*.patch"))) and set(states) == {"applied"}
     assert _run(fake_checkout) == 0  # second apply: no-op
     # The patched entry point registers specforge_kimi in a fresh process via SPECFORGE_PLUGINS.
     code = ("import specforge.cli as c; c._load_plugins();"

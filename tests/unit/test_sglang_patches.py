@@ -125,3 +125,84 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
+    """0004: a request whose passthrough comes compactly (``source: input_ids``, ``fill``,
+    ``data_b64`` in uint8 / int32), resolved by the patched scheduler hook and written by the
+    patched sink, stores the same bytes as the same request with SpecForge's JSON lists."""
+    import base64
+    import sys
+    import types
+
+    import numpy as np
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+
+    from specforge_kimi import services
+
+    def load(name, rel):
+        spec = importlib.util.spec_from_file_location(name, patched_site / rel)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    sink_mod = load("sglang.srt.spec_capture_sink", "sglang/srt/spec_capture_sink.py")
+    brp = load("patched_brp", "sglang/srt/managers/scheduler_components/batch_result_processor.py")
+    processor = brp.SchedulerBatchResultProcessor
+    length = 300
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 160_000, (length,), generator=gen).tolist()
+    mask = [int(i % 3 != 0) for i in range(length)]
+    pos = list(range(100_000, 100_000 + length))
+    lists = [{"name": "input_ids", "data": ids, "shape": [1, length], "dtype": "int64"},
+             {"name": "loss_mask", "data": mask, "shape": [1, length], "dtype": "int64"},
+             {"name": "attention_mask", "data": [1] * length, "shape": [1, length], "dtype": "int64"},
+             {"name": "positions", "data": pos, "shape": [1, length], "dtype": "int64"}]
+    b64 = lambda v, dt: base64.b64encode(np.asarray(v, dtype=dt).tobytes()).decode()  # noqa: E731
+    compact = [{"name": "input_ids", "source": "input_ids", "shape": [1, length], "dtype": "int64"},
+               {"name": "loss_mask", "data_b64": b64(mask, "<u1"), "data_dtype": "uint8", "shape": [1, length],
+                "dtype": "int64"},
+               {"name": "attention_mask", "fill": 1, "shape": [1, length], "dtype": "int64"},
+               {"name": "positions", "data_b64": b64(pos, "<i4"), "data_dtype": "int32", "shape": [1, length],
+                "dtype": "int64"}]
+    with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=256 << 20) as mc:
+        for k, v in {"MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
+                     "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+                     "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(128 << 20),
+                     "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}.items():
+            monkeypatch.setenv(k, v)
+        sink = sink_mod.SpecCaptureSink([1, 3, 4])
+        monkeypatch.setattr(sink_mod, "get_sink", lambda: sink)
+        this = types.SimpleNamespace(
+            output_streamer=types.SimpleNamespace(ps=types.SimpleNamespace(attn_tp_rank=0)),
+            _coalesce_spec_capture_chunks=lambda chunks: chunks[0] if chunks else None,
+            _resolve_spec_capture_source=processor._resolve_spec_capture_source)
+        aux = torch.randn(length, 24, generator=gen).to(torch.bfloat16)
+        last = torch.randn(length, 8, generator=gen).to(torch.bfloat16)
+        samples = []
+        for name, passthrough in (("lists", lists), ("compact", compact)):
+            req = types.SimpleNamespace(
+                origin_input_ids=ids, spec_capture_aux=[aux], spec_capture_last_hidden=[last],
+                spec_capture={"store_id": "t", "sample_id": name, "gen": 1,
+                              "features": {"aux": "hidden_state", "last_hidden": "target"},
+                              "passthrough": passthrough})
+            _, spec, a, lh, _, _ = processor._sink_spec_capture(this, req)
+            samples.append((spec, a, lh))
+        assert all("source" in i for i in compact[:1])  # the request's own spec is left as it came
+        results = sink.put_samples(samples)
+        assert results[0]["features"] == results[1]["features"]
+        reader = MooncakeDistributedStore()
+        reader.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", 0, 32 << 20, "tcp", "",
+                     f"127.0.0.1:{mc.rpc_port}")
+        for item in lists:
+            want = torch.tensor(item["data"], dtype=torch.int64).numpy().tobytes()
+            assert reader.get(f"t/lists/g1/{item['name']}") == want
+            assert reader.get(f"t/compact/g1/{item['name']}") == want, item["name"]
+        # a source the scheduler does not know, and an item with no values, fail loudly
+        with pytest.raises(ValueError, match="unknown source"):
+            processor._resolve_spec_capture_source(types.SimpleNamespace(origin_input_ids=ids),
+                                                   {"name": "x", "source": "labels", "shape": [1], "dtype": "int64"})
+        with pytest.raises(RuntimeError, match="none of data, fill, data_b64"):
+            sink_mod._passthrough_tensor({"name": "x", "shape": [1]}, torch.int64)

@@ -1,0 +1,104 @@
+"""Our SpecForge patch 0002 (compact capture passthrough) against the pinned wheel.
+
+Scope: the producer side. With ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` the patched
+``SGLangServerCaptureAdapter._spec_capture_payload`` sends input_ids as ``source: input_ids``, a
+one-valued list as ``fill`` and any other as base64 bytes of the smallest integer type; every form
+rebuilds the exact tensor SpecForge's JSON list gives (checked through the reference server's
+``passthrough_tensor``, the CPU stand-in of SGLang patch 0004, whose own sink is tested byte-exact
+in ``test_sglang_patches.py``). Without the variable the payload is SpecForge's, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge_kimi import setup_patches
+from specforge_kimi.reference_server import passthrough_tensor
+
+WHEEL_PKG = Path(importlib.util.find_spec("specforge").origin).parent
+FILE = "specforge/inference/adapters/server_capture.py"
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    """The wheel's server_capture.py after ``specforge-kimi setup`` (on a copy), as a module."""
+    root = tmp_path_factory.mktemp("sf") / "SpecForge"
+    shutil.copytree(WHEEL_PKG, root / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
+    assert setup_patches.run(argparse.Namespace(specforge_checkout=str(root), check=False, no_sglang=True)) == 0
+    spec = importlib.util.spec_from_file_location("patched_server_capture", root / FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _adapter(module, input_adapter=None):
+    """Just what ``_spec_capture_payload`` reads of an adapter: SpecForge's eagle3 passthrough."""
+    schema = module.ServerCaptureSchema(
+        aux_feature="hidden_state", last_hidden_feature="target",
+        passthrough=(("input_ids", "input_ids", ()), ("loss_mask", "loss_mask", ()), ("pos", "pos", ())),
+        attention_mask_feature="attention_mask")
+    this = types.SimpleNamespace(schema=schema, store=types.SimpleNamespace(store_id="s"), run_id="r",
+                                 request_input_adapter=input_adapter)
+    this._sample_id = lambda task: f"r:{task.task_id}"
+    return this
+
+
+def _task(payload):
+    return types.SimpleNamespace(task_id="t0", attempt=0, payload=payload)
+
+
+@pytest.mark.parametrize("pos", [list(range(7)), [5] * 7, [70_000 + i for i in range(7)],
+                                 [-3, 2**40, 0, 1, 2, 3, 4]], ids=["uint8", "fill", "int32", "int64"])
+def test_compact_payload_rebuilds_the_same_tensors(patched, monkeypatch, pos):
+    ids = [163_000, 5, 17, 99_999, 0, 1, 2]
+    payload = {"input_ids": ids, "loss_mask": [0, 0, 1, 1, 1, 0, 1], "pos": pos}
+    adapter = _adapter(patched)
+    monkeypatch.delenv("SPECFORGE_SPEC_CAPTURE_COMPACT", raising=False)
+    lists = patched.SGLangServerCaptureAdapter._spec_capture_payload(adapter, _task(payload))
+    monkeypatch.setenv("SPECFORGE_SPEC_CAPTURE_COMPACT", "1")
+    compact = patched.SGLangServerCaptureAdapter._spec_capture_payload(adapter, _task(payload))
+    assert {k: v for k, v in lists.items() if k != "passthrough"} == \
+        {k: v for k, v in compact.items() if k != "passthrough"}
+    assert all("data" in i for i in lists["passthrough"])  # the variable off: SpecForge's payload
+    assert all("data" not in i for i in compact["passthrough"])
+    by = {i["name"]: i for i in compact["passthrough"]}
+    assert by["input_ids"]["source"] == "input_ids" and by["attention_mask"]["fill"] == 1
+    assert by["loss_mask"]["data_dtype"] == "uint8"
+    want_pos = {"uint8": "uint8", "fill": None, "int32": "int32", "int64": "int64"}
+    kind = "fill" if len(set(pos)) == 1 else ("uint8" if max(pos) < 256 and min(pos) >= 0
+                                              else "int32" if max(pos) < 2**31 else "int64")
+    assert by["pos"].get("data_dtype") == want_pos[kind] and (kind != "fill" or by["pos"]["fill"] == 5)
+    for full, small in zip(lists["passthrough"], compact["passthrough"]):
+        assert full["name"] == small["name"] and full["shape"] == small["shape"]
+        assert torch.equal(passthrough_tensor(small, ids), passthrough_tensor(full, ids)), full["name"]
+
+
+def test_input_adapter_keeps_input_ids_in_the_payload(patched, monkeypatch):
+    """With a request input adapter the request body's model inputs are not the task's input_ids,
+    so the ids travel as bytes, not as a reference to the request."""
+    ids = [1, 2, 300]
+    monkeypatch.setenv("SPECFORGE_SPEC_CAPTURE_COMPACT", "1")
+    payload = patched.SGLangServerCaptureAdapter._spec_capture_payload(
+        _adapter(patched, input_adapter=object()), _task({"input_ids": ids, "loss_mask": [1, 1, 1], "pos": [0, 1, 2]}))
+    item = payload["passthrough"][0]
+    assert "source" not in item and item["data_dtype"] == "int32"
+    assert passthrough_tensor(item, [9, 9, 9]).tolist() == [ids]
+
+
+def test_reference_server_refuses_unknown_forms():
+    with pytest.raises(ValueError, match="unknown source"):
+        passthrough_tensor({"name": "x", "source": "labels", "shape": [1, 1]}, [1])
+    with pytest.raises(ValueError, match="none of data"):
+        passthrough_tensor({"name": "x", "shape": [1, 1]}, [1])
+    with pytest.raises(ValueError, match="unsupported data_dtype"):
+        passthrough_tensor({"name": "x", "data_b64": "AA==", "data_dtype": "bool", "shape": [1, 1]}, [1])
