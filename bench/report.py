@@ -26,6 +26,8 @@ file is recognised by its content:
 - fault drills (``"benchmark": "fault drills"``);
 - the capture sink's Mooncake put on the CPU (``bench/mooncake_put_cpu.py``: ``"benchmark": "mooncake
   same-process put"``);
+- where a capture call's time goes: ``bench/online_pipeline.py --breakdown`` shapes and
+  ``bench/passthrough_cpu.py`` (``"benchmark": "capture passthrough request path"``);
 - draft logits parity (``tests/gpu/test_draft_logits_parity.py``'s summary: per architecture
   ``tolerance`` + ``sequences``);
 - offline twin (``scripts/gpu_offline_twin.sh``'s ``offline_twin.json``: ``online`` + ``offline``);
@@ -108,6 +110,8 @@ def classify(data: Any) -> str:
         return "fault_drills"
     if bench == "mooncake same-process put":
         return "mooncake_put"
+    if bench == "capture passthrough request path":
+        return "passthrough_cpu"
     if isinstance(bench, str) and bench.startswith("MLA vs Llama-style"):
         return "mla_vs_llama"
     if isinstance(bench, str) and bench.startswith("EAGLE-3 draft acceptance on the tiny target's own greedy text"):
@@ -542,6 +546,50 @@ def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
                         rows) + [""]
 
 
+def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Where a capture call's time goes", "",
+           "`bench/online_pipeline.py --breakdown`: the producer's `/generate` body in variants posted in turn "
+           "(median post ms; `plain` no capture, `bookkeeping` capture naming nothing, `features` aux + last hidden, "
+           "`full` also the passthrough JSON lists, `compact` those sent compactly by our patches), and the "
+           "client's JSON encode of `full`.", ""]
+    rows = []
+    for n, r in pipelines:
+        for run in r.get("runs") or []:
+            for sh in run.get("shapes") or []:
+                b = sh.get("breakdown")
+                if not b:
+                    continue
+                v = b.get("variants") or {}
+                rows.append([n, f"tp{run.get('tp')}, {run.get('put_clients', 1)} put client(s)",
+                             f"{sh['batch']}x{sh['tokens_per_prompt']}",
+                             *[(v.get(k) or {}).get("post_ms") for k in ("plain", "bookkeeping", "features", "full",
+                                                                         "compact")],
+                             (v.get("full") or {}).get("encode_ms"), (v.get("plain") or {}).get("encode_ms")])
+    if rows:
+        out += _table(["file", "server", "batch", "plain", "bookkeeping", "features", "full", "compact",
+                       "encode full", "encode plain"], rows) + [""]
+    else:
+        out += ["No breakdown measured yet (`bench/online_pipeline.py ... --breakdown`).", ""]
+    out += ["`bench/passthrough_cpu.py` (CPU): the passthrough lists' cost per batch on the request path "
+            "(encode, decode, pickle to the scheduler, the sink's tensors), SpecForge's JSON lists vs the compact "
+            "forms.", ""]
+    rows = []
+    for n, r in cpu:
+        for sh in r.get("shapes") or []:
+            for form in ("lists", "compact"):
+                f = sh.get(form) or {}
+                rows.append([n, (r.get("environment") or {}).get("cpu_count"),
+                             f"{sh['batch']}x{sh['tokens_per_prompt']}", form,
+                             _num((f.get("body_bytes") or 0) / 1e6, "{:.2f}"), f.get("encode_ms"), f.get("decode_ms"),
+                             f.get("ipc_ms"), f.get("build_ms"), f.get("total_ms"), sh.get("identical_tensors")])
+    if rows:
+        out += _table(["file", "CPUs", "batch", "form", "body MB", "encode", "decode", "ipc", "build", "total ms",
+                       "same tensors"], rows) + [""]
+    else:
+        out += ["Not measured yet: `python bench/passthrough_cpu.py --out bench/results/passthrough_cpu.json`.", ""]
+    return out
+
+
 def section_draft_parity(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Draft logits parity: SGLang vs the training-side forward", "",
            "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by its own "
@@ -606,6 +654,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_cpu_simulated(kinds.get("mla_vs_llama", []), kinds.get("greedy_acceptance", []))
     lines += section_fault_drills(kinds.get("fault_drills", []))
     lines += section_mooncake_put(kinds.get("mooncake_put", []))
+    lines += section_capture_time(kinds.get("online_pipeline", []), kinds.get("passthrough_cpu", []))
     other = kinds.get("unknown", []) + kinds.get("unreadable", [])
     if other:
         lines += ["## Unrecognised results files", "", *[f"- `{n}`" for n, _ in other], ""]

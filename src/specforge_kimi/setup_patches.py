@@ -188,6 +188,30 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
     return statuses
 
 
+def load_patched_specforge_module(rel: str, scratch: Path, name: str | None = None):
+    """The installed SpecForge's file ``rel`` (e.g. ``specforge/inference/adapters/server_capture.py``)
+    as our SpecForge patches leave it, imported from a copy under ``scratch``: the install is not
+    touched. For tests and CPU benches of a patched code path on an unpatched wheel."""
+    import importlib.util
+    import sys
+
+    site = specforge_root(None)
+    root = _scratch_copy(site, [rel], Path(scratch))
+    for patch in sorted((patches_root() / "specforge" / SPECFORGE_PIN).glob("*.patch")):
+        if rel in _files(patch, 1):
+            status = classify(patch, root, 1)
+            if status.state == "drift":
+                raise KimiInputError(f"{patch} does not apply to {site / rel}. {status.detail}")
+            if status.state == "applicable":
+                apply(status)
+    name = name or "specforge_kimi_patched_" + rel.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, root / rel)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("setup", help="apply our patches to SpecForge and SpecForge's + ours to the installed SGLang")
     p.add_argument("--specforge-checkout", default=None,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SERVER_CAPTURE = "specforge/inference/adapters/server_capture.py"
 
 
 def _pipeline_module():
@@ -97,6 +98,8 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     passthrough lists only in ``full``, and every key the server wrote discarded after its post."""
     from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
 
+    from specforge_kimi.setup_patches import load_patched_specforge_module
+
     mod, target, out = pipeline
     bodies, discards = [], []
     real_body = mod._variant_body
@@ -124,7 +127,8 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     assert set(b["variants"]) == set(mod.BREAKDOWN_VARIANTS) - {"compact"} and b["attribution_ms"]
     # with the payload builder as `specforge-kimi setup` patches it, every variant runs
     monkeypatch.setattr(SGLangServerCaptureAdapter, "_spec_capture_payload",
-                        _patched_server_capture(tmp_path).SGLangServerCaptureAdapter._spec_capture_payload)
+                        load_patched_specforge_module(SERVER_CAPTURE, tmp_path / "sf")
+                        .SGLangServerCaptureAdapter._spec_capture_payload)
     bodies.clear()
     discards.clear()
     assert mod.main(args) == 0
@@ -149,21 +153,3 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     k = len(mod.BREAKDOWN_VARIANTS)
     assert len(discards) == k * 3 and all(discards[i::k] == [2] * 3 for i in (2, 3, 4))
 
-
-def _patched_server_capture(tmp_path):
-    """SpecForge's server_capture.py as `specforge-kimi setup` leaves it (patch 0002), as a module."""
-    import importlib.util as iu
-
-    from specforge_kimi import setup_patches as sp
-
-    rel = "specforge/inference/adapters/server_capture.py"
-    site = Path(iu.find_spec("specforge").origin).parent.parent
-    root = sp._scratch_copy(site, [rel], tmp_path / "sf-patched")
-    for patch in sorted((sp.patches_root() / "specforge" / sp.SPECFORGE_PIN).glob("*.patch")):
-        if rel in sp._files(patch, 1):
-            sp.apply(sp.classify(patch, root, 1))
-    spec = iu.spec_from_file_location("patched_server_capture_dry", root / rel)
-    module = iu.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module

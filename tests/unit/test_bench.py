@@ -469,7 +469,8 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     for name in ("tiny_target_pretrain_120s_h200x2.json", "online_run_regen_h200x2.json",
                  "online_run_regen_h200x2_eval_draft.json", "fault_drills_h200x2.json", "mla_vs_llama_cpu.json",
                  "draft_logits_parity_h200.json", "offline_twin_tp1_h200.json", "mla_vs_llama_engine_tp1_h200.json",
-                 "pretrain_repro_h200.json", "online_run_mix_tp1_h200_eval_draft.json", "mooncake_put_cpu.json"):
+                 "pretrain_repro_h200.json", "online_run_mix_tp1_h200_eval_draft.json", "mooncake_put_cpu.json",
+                 "passthrough_cpu.json", "online_pipeline_tp1_h200_breakdown.json"):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     greedy = {"benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                            "draft-vocab padding (CPU)", "settings": {"steps": 300, "pretrain_steps": 150},
@@ -498,6 +499,11 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     assert "| pretrain_repro_h200.json | 1b6c33f | NVIDIA H200 | default | 300 / 300 | 2.739 / 2.495 |" in md
     assert "| online_run_mix_tp1_h200_eval_draft.json | tiny-k25-tp1-step2400 | prompt_mix/chat | 16 | 2.342 |" in md
     assert "| mooncake_put_cpu.json | 2 | 268 | 1 | 50.100 | 5.360 |" in md
+    timing = md.split("## Where a capture call's time goes", 1)[1]
+    assert ("| online_pipeline_tp1_h200_breakdown.json | tp1, 1 put client(s) | 64x1024 | 170.290 | 171.724 | "
+            "179.953 | 228.803 | - | 26.977 | 4.277 |") in timing
+    assert "| passthrough_cpu.json | 2 | 64x1024 | lists | 1.37 |" in timing
+    assert "| passthrough_cpu.json | 2 | 16x4096 | compact | 0.57 |" in timing
     # a file of neither shape stays unrecognised rather than landing in these sections
     (results / "odd.json").write_text(json.dumps({"online": 1, "offline": 2, "command": "something else"}))
     assert "- `odd.json`" in report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")

@@ -10,12 +10,7 @@ in ``test_sglang_patches.py``). Without the variable the payload is SpecForge's,
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import shutil
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,22 +18,13 @@ import torch
 from specforge_kimi import setup_patches
 from specforge_kimi.reference_server import passthrough_tensor
 
-WHEEL_PKG = Path(importlib.util.find_spec("specforge").origin).parent
 FILE = "specforge/inference/adapters/server_capture.py"
 
 
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
-    """The wheel's server_capture.py after ``specforge-kimi setup`` (on a copy), as a module."""
-    root = tmp_path_factory.mktemp("sf") / "SpecForge"
-    shutil.copytree(WHEEL_PKG, root / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
-    assert setup_patches.run(argparse.Namespace(specforge_checkout=str(root), check=False, no_sglang=True)) == 0
-    spec = importlib.util.spec_from_file_location("patched_server_capture", root / FILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    """The wheel's server_capture.py as ``specforge-kimi setup`` leaves it (on a copy), as a module."""
+    return setup_patches.load_patched_specforge_module(FILE, tmp_path_factory.mktemp("sf"))
 
 
 def _adapter(module, input_adapter=None):
@@ -102,3 +88,25 @@ def test_reference_server_refuses_unknown_forms():
         passthrough_tensor({"name": "x", "shape": [1, 1]}, [1])
     with pytest.raises(ValueError, match="unsupported data_dtype"):
         passthrough_tensor({"name": "x", "data_b64": "AA==", "data_dtype": "bool", "shape": [1, 1]}, [1])
+
+
+def test_passthrough_cpu_bench_compares_equal_tensors(tmp_path):
+    """``bench/passthrough_cpu.py`` builds both bodies through the patched producer and checks the
+    sink gets identical tensors from them (its timings are not asserted)."""
+    import importlib.util as iu
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "passthrough_cpu.py"
+    spec = iu.spec_from_file_location("bench_passthrough_cpu", path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "p.json"
+    assert mod.main(["--shapes", "3x40,2x64", "--reps", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["command"] and res["environment"]["cpu_count"]
+    for s in res["shapes"]:
+        assert s["identical_tensors"] is True
+        assert s["lists"]["passthrough_items"] == ["data"]
+        assert s["compact"]["passthrough_items"] == ["data_b64", "fill", "source"]
+        assert s["compact"]["body_bytes"] < s["lists"]["body_bytes"]
