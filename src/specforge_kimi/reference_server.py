@@ -27,12 +27,17 @@ import json
 import logging
 import os
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger("specforge_kimi.reference_server")
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+#: the keys that carry a passthrough item's values (SpecForge's ``data``, 0004's compact forms)
+PASSTHROUGH_FORMS = ("data", "source", "fill", "data_b64")
 
 
 def passthrough_tensor(item: dict, input_ids: list[int]):
@@ -84,6 +89,7 @@ class ReferenceCapture:
         self._cfg = None
         self.requests = 0
         self.samples = 0
+        self.passthrough_forms: Counter = Counter()  # how the passthrough values came (logged per request)
 
     def store(self):
         if self._store is None:
@@ -132,6 +138,7 @@ class ReferenceCapture:
             stage(str(name), artifacts[artifact].to(self.dtype))  # already [1, L, W]
         for item in spec.get("passthrough") or []:
             stage(str(item["name"]), passthrough_tensor(item, input_ids))
+            self.passthrough_forms[next((k for k in PASSTHROUGH_FORMS if k in item), "?")] += 1
         store = self.store()
         if spec.get("replace"):
             for key in keys:
@@ -182,6 +189,8 @@ class ReferenceCapture:
                     meta["spec_capture"] = {"error": f"{type(exc).__name__}: {exc}"}
                     token = None
                 rows.append({"output_ids": [] if token is None else [token], "meta_info": meta})
+            if any(specs):
+                logger.info("passthrough forms so far: %s", dict(sorted(self.passthrough_forms.items())))
         return rows
 
 
@@ -200,7 +209,8 @@ def make_handler(backend: ReferenceCapture):
                 self._send(200, {"status": "ok"})
             elif self.path.split("?")[0] == "/server_info":
                 self._send(200, {"requests": backend.requests, "samples": backend.samples,
-                                 "aux_layer_ids": list(backend.aux.positions), "dtype": backend.dtype_name})
+                                 "aux_layer_ids": list(backend.aux.positions), "dtype": backend.dtype_name,
+                                 "passthrough_forms": dict(backend.passthrough_forms)})
             else:
                 self._send(404, {"error": "not found"})
 

@@ -16,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40,
-             resilience: dict | None = None, dp: int = 1):
-    """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``."""
+             resilience: dict | None = None, dp: int = 1, compact_specforge: Path | None = None):
+    """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``.
+
+    ``compact_specforge``: a directory holding a SpecForge package patched by ``specforge-kimi
+    setup``; the recipe turns ``server.compact_passthrough`` on and the producer and trainer ranks
+    import SpecForge from there."""
     from specforge_kimi.launch import build_colocated_plan
     from specforge_kimi.recipes import Recipe, render
     from specforge_kimi.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
@@ -39,6 +43,8 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     raw["trainer"]["draft"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=4, draft_vocab_size=256)
     raw["trainer"].update(max_steps=steps, save_interval=save_interval, max_length=256)
+    if compact_specforge is not None:
+        raw["server"]["compact_passthrough"] = True
     raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
                    "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
     recipe = Recipe.model_validate(raw)
@@ -62,4 +68,10 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
             "--dtype", "float32")
     env = {**server.command.env, "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
     server = dataclasses.replace(server, command=dataclasses.replace(server.command, argv=argv, env=env))
-    return dataclasses.replace(plan, services=(*others, server)), recipe, rendered, target
+    commands = plan.commands
+    if compact_specforge is not None:
+        import os
+
+        path = os.pathsep.join(p for p in (str(compact_specforge), os.environ.get("PYTHONPATH", "")) if p)
+        commands = tuple(dataclasses.replace(c, env={**c.env, "PYTHONPATH": path}) for c in commands)
+    return dataclasses.replace(plan, services=(*others, server), commands=commands), recipe, rendered, target
