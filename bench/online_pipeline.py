@@ -329,10 +329,10 @@ def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine:
             if breakdown:
                 for shape, (n, length) in zip(result["shapes"], shapes):
                     shape["breakdown"] = bench_breakdown(url, adapter, store, n, length, reps, log)
+                    full = shape["breakdown"]["variants"].get("full")  # absent when the server refused it
                     shape["breakdown"]["producer_minus_full_ms"] = (
-                        statistics.median(shape["capture_s"]) * 1000
-                        - shape["breakdown"]["variants"].get("full", {}).get("post_ms", float("nan"))
-                        - shape["breakdown"]["variants"].get("full", {}).get("encode_ms", float("nan")))
+                        statistics.median(shape["capture_s"]) * 1000 - full["post_ms"] - full["encode_ms"]
+                        if full else None)
     return result
 
 
@@ -420,7 +420,8 @@ def main(argv=None) -> int:
                     + (f"; errors {b['errors']}" if b["errors"] else ""))
                 for k, v in (b.get("attribution_ms") or {}).items():
                     print(f"    {k}: {v:.1f} ms")
-                print(f"    producer_minus_full: {b['producer_minus_full_ms']:.1f} ms")
+                if b["producer_minus_full_ms"] is not None:
+                    print(f"    producer_minus_full: {b['producer_minus_full_ms']:.1f} ms")
             if "in_flight" in s:
                 f = s["in_flight"]
                 print(f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "
