@@ -156,35 +156,23 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
 
 
 def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]:
-    """The producer's ``/generate`` body for ``prompts`` (``SGLangServerCaptureAdapter``'s own request
-    and payload builders), cut down to ``variant``; and the (sample_id, names) it makes the server write."""
-    tasks = _tasks(prompts, adapter.run_id, tag)
-    body = adapter._request_inputs(tasks)
-    body["extra_key"] = [uuid.uuid4().hex for _ in tasks]
-    body["sampling_params"] = {"temperature": 0.0, "max_new_tokens": 1}
+    """The producer's ``/generate`` body for ``prompts`` (``capture_features.producer_body``: SpecForge's
+    own builders), cut down to ``variant``; and the (sample_id, names) it makes the server write."""
+    from specforge_kimi.capture_features import producer_body
+
+    body = producer_body(adapter, _tasks(prompts, adapter.run_id, tag), compact=variant == "compact")
     if variant == "plain":
+        del body["spec_capture"]
         return body, []
-    if variant == "compact":  # the producer's body with our SpecForge patch 0002 switched on
-        old = os.environ.get("SPECFORGE_SPEC_CAPTURE_COMPACT")
-        os.environ["SPECFORGE_SPEC_CAPTURE_COMPACT"] = "1"
-        try:
-            payloads = [adapter._spec_capture_payload(t) for t in tasks]
-        finally:
-            if old is None:
-                os.environ.pop("SPECFORGE_SPEC_CAPTURE_COMPACT")
-            else:
-                os.environ["SPECFORGE_SPEC_CAPTURE_COMPACT"] = old
-        if any("data" in i for pl in payloads for i in pl["passthrough"]):
-            raise RuntimeError("the installed SpecForge lacks patches/specforge/0.2.0/0002 (its compact body still "
-                               "carries JSON lists)")
-    else:
-        payloads = [adapter._spec_capture_payload(t) for t in tasks]
+    payloads = body["spec_capture"]
+    if variant == "compact" and any("data" in i for pl in payloads for i in pl["passthrough"]):
+        raise RuntimeError("the installed SpecForge lacks patches/specforge/0.2.0/0002 (its compact body still "
+                           "carries JSON lists)")
     for pl in payloads:
         if variant in ("bookkeeping", "features"):
             pl["passthrough"] = []
         if variant == "bookkeeping":
             pl["features"] = {}
-    body["spec_capture"] = payloads
     written = [(pl["sample_id"], [*pl["features"].values(), *(i["name"] for i in pl["passthrough"])])
                for pl in payloads]
     return body, [w for w in written if w[1]]
@@ -246,8 +234,9 @@ def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, lo
                "body_bytes": body_bytes[v]} for v in BREAKDOWN_VARIANTS if post[v]}
     out: dict = {"batch": n, "tokens_per_prompt": length, "reps": reps, "variants": med,
                  "post_ms": post, "encode_ms": enc, "errors": errors}
-    q = [float(m.group(2)) for m in QUEUE.finditer(log.read_text(errors="replace")[log_start:])]
-    out["server_queue_to_stream_ms"] = q
+    batches = [(int(m.group(1)), float(m.group(2))) for m in QUEUE.finditer(log.read_text(errors="replace")[log_start:])]
+    out["server_queue_to_stream_ms"] = [ms for _, ms in batches]
+    out["server_batch_samples"] = [n for n, _ in batches]  # how SGLang split the calls into scheduler batches
     if all(v in med for v in BREAKDOWN_VARIANTS if v != "compact"):
         out["attribution_ms"] = {
             "capture_mode (bookkeeping - plain)": med["bookkeeping"]["post_ms"] - med["plain"]["post_ms"],

@@ -59,22 +59,12 @@ def _adapter(module):
 def _body(adapter, prompts, compact: bool) -> dict:
     from specforge.runtime.contracts import PromptTask
 
+    from specforge_kimi.capture_features import producer_body
+
     tasks = [PromptTask(task_id=f"t{i}", run_id="bench", source_id="bench",
                         payload={"input_ids": p, "loss_mask": [0] * (len(p) // 3) + [1] * (len(p) - len(p) // 3)},
                         max_length=len(p) + 1, metadata={"num_tokens": len(p)}) for i, p in enumerate(prompts)]
-    old = os.environ.pop("SPECFORGE_SPEC_CAPTURE_COMPACT", None)
-    if compact:
-        os.environ["SPECFORGE_SPEC_CAPTURE_COMPACT"] = "1"
-    try:
-        body = adapter._request_inputs(tasks)
-        body["extra_key"] = ["0" * 32 for _ in tasks]
-        body["sampling_params"] = {"temperature": 0.0, "max_new_tokens": 1}
-        body["spec_capture"] = [adapter._spec_capture_payload(t) for t in tasks]
-    finally:
-        os.environ.pop("SPECFORGE_SPEC_CAPTURE_COMPACT", None)
-        if old is not None:
-            os.environ["SPECFORGE_SPEC_CAPTURE_COMPACT"] = old
-    return body
+    return producer_body(adapter, tasks, compact=compact)
 
 
 def _median_ms(fn, reps: int) -> float:

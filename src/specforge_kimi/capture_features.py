@@ -25,6 +25,9 @@ from typing import Iterator, Optional, Sequence
 from specforge_kimi.errors import KimiInputError
 
 BATCH_TOKENS = 16384
+#: our SpecForge patch 0002 sends capture passthrough compactly when this is "1" (recipe
+#: ``server.compact_passthrough``; SGLang patch 0004 rebuilds the values)
+COMPACT_PASSTHROUGH_ENV = "SPECFORGE_SPEC_CAPTURE_COMPACT"
 
 
 def _rows(prompts_path: Path, limit: Optional[int]) -> list[dict]:
@@ -55,6 +58,28 @@ def _batches(rows: list[dict], max_length: int) -> Iterator[list[int]]:
         tokens += n
     if batch:
         yield batch
+
+
+def producer_body(adapter, tasks, *, compact: bool) -> dict:
+    """The ``/generate`` body SpecForge's ``SGLangServerCaptureAdapter.produce_refs`` posts for
+    ``tasks``, built with its own request and payload builders, with :data:`COMPACT_PASSTHROUGH_ENV`
+    set for the call (``compact``) or unset; for benches that post it themselves."""
+    import os
+    import uuid
+
+    old = os.environ.pop(COMPACT_PASSTHROUGH_ENV, None)
+    if compact:
+        os.environ[COMPACT_PASSTHROUGH_ENV] = "1"
+    try:
+        body = adapter._request_inputs(tasks)
+        body["extra_key"] = [uuid.uuid4().hex for _ in tasks]
+        body["sampling_params"] = {"temperature": 0.0, "max_new_tokens": 1}
+        body["spec_capture"] = [adapter._spec_capture_payload(t) for t in tasks]
+    finally:
+        os.environ.pop(COMPACT_PASSTHROUGH_ENV, None)
+        if old is not None:
+            os.environ[COMPACT_PASSTHROUGH_ENV] = old
+    return body
 
 
 def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vocab: int, run_id: str):

@@ -274,9 +274,11 @@ def server_env(r: Recipe) -> dict[str, str]:
 
 def process_env(r: Recipe) -> dict[str, str]:
     """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
+    from specforge_kimi.capture_features import COMPACT_PASSTHROUGH_ENV
+
     env = {"SPECFORGE_PLUGINS": "specforge_kimi"}
     if r.server.compact_passthrough:
-        env["SPECFORGE_SPEC_CAPTURE_COMPACT"] = "1"
+        env[COMPACT_PASSTHROUGH_ENV] = "1"
     return env
 
 

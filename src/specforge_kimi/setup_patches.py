@@ -188,7 +188,7 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
     return statuses
 
 
-def load_patched_specforge_module(rel: str, scratch: Path, name: str | None = None):
+def load_patched_specforge_module(rel: str, scratch: Path):
     """The installed SpecForge's file ``rel`` (e.g. ``specforge/inference/adapters/server_capture.py``)
     as our SpecForge patches leave it, imported from a copy under ``scratch``: the install is not
     touched. For tests and CPU benches of a patched code path on an unpatched wheel."""
@@ -204,7 +204,7 @@ def load_patched_specforge_module(rel: str, scratch: Path, name: str | None = No
                 raise KimiInputError(f"{patch} does not apply to {site / rel}. {status.detail}")
             if status.state == "applicable":
                 apply(status)
-    name = name or "specforge_kimi_patched_" + rel.replace("/", "_").removesuffix(".py")
+    name = "specforge_kimi_patched_" + rel.replace("/", "_").removesuffix(".py")
     spec = importlib.util.spec_from_file_location(name, root / rel)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up

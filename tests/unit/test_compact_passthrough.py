@@ -110,3 +110,24 @@ def test_passthrough_cpu_bench_compares_equal_tensors(tmp_path):
         assert s["lists"]["passthrough_items"] == ["data"]
         assert s["compact"]["passthrough_items"] == ["data_b64", "fill", "source"]
         assert s["compact"]["body_bytes"] < s["lists"]["body_bytes"]
+
+
+def test_producer_body_sets_the_variable_for_the_call_only(patched, monkeypatch):
+    """``capture_features.producer_body``: the payload builder sees the variable as asked, and the
+    caller's environment is as it was afterwards."""
+    import os
+
+    from specforge_kimi.capture_features import COMPACT_PASSTHROUGH_ENV, producer_body
+
+    adapter = _adapter(patched)
+    adapter._request_inputs = lambda tasks: {"input_ids": [list(t.payload["input_ids"]) for t in tasks]}
+    adapter._spec_capture_payload = lambda t: patched.SGLangServerCaptureAdapter._spec_capture_payload(adapter, t)
+    task = _task({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "pos": [4, 4, 4]})
+    monkeypatch.setenv(COMPACT_PASSTHROUGH_ENV, "0")
+    compact = producer_body(adapter, [task], compact=True)
+    assert os.environ[COMPACT_PASSTHROUGH_ENV] == "0"
+    lists = producer_body(adapter, [task], compact=False)
+    assert os.environ[COMPACT_PASSTHROUGH_ENV] == "0"
+    assert all("data" not in i for i in compact["spec_capture"][0]["passthrough"])
+    assert all("data" in i for i in lists["spec_capture"][0]["passthrough"])
+    assert lists["input_ids"] == [[1, 2, 3]] and lists["sampling_params"]["max_new_tokens"] == 1
