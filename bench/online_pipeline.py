@@ -29,6 +29,10 @@ register, put) are summed per shape to show where capture time goes. Prompts are
 ``--put-clients 1 4`` runs each TP size once per value: the capture sink splits each batch's Mooncake
 put over that many store clients (our SGLang patch 0003, ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS``).
 
+``--compact-passthrough`` makes the producer's own calls (``capture``, in flight) send the passthrough
+compactly, as a recipe with ``server.compact_passthrough: true`` does; refused when our SpecForge patch 0002
+(or, for the SGLang engine, SGLang patch 0004) is not applied.
+
 ``--breakdown`` also splits a capture call's time per shape (``bench_breakdown``): the same
 ``/generate`` body SpecForge's producer builds, JSON-encoded on the client (timed apart) and posted
 as bytes, in five variants posted in turn: ``plain`` (no ``spec_capture``), ``bookkeeping``
@@ -337,6 +341,9 @@ def main(argv=None) -> int:
                    help="capture sink store clients (our SGLang patch 0003); one server run per TP size and value")
     p.add_argument("--breakdown", action="store_true",
                    help="also split a capture call's time: capture mode, feature sink, passthrough lists, client")
+    p.add_argument("--compact-passthrough", action="store_true",
+                   help="the producer calls (capture, in-flight) send passthrough compactly, as a recipe with "
+                        "server.compact_passthrough: true does (our SpecForge 0002 + SGLang 0004; refused if missing)")
     p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
     p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
     p.add_argument("--engine", choices=("sglang", "reference"), default="sglang",
@@ -355,6 +362,14 @@ def main(argv=None) -> int:
     from specforge_kimi.target import inspect_target
 
     specforge_kimi.register()
+    if args.compact_passthrough:
+        from specforge_kimi.capture_features import COMPACT_PASSTHROUGH_ENV
+        from specforge_kimi.setup_patches import compact_passthrough_gaps
+
+        gaps = [g for g in compact_passthrough_gaps() if args.engine == "sglang" or g.startswith("0002-")]
+        if gaps:  # the reference engine takes compact items without SGLang's patch
+            p.error("--compact-passthrough: " + "; ".join(gaps))
+        os.environ[COMPACT_PASSTHROUGH_ENV] = "1"
     info = inspect_target(args.target)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     work = Path(args.workdir)
@@ -366,6 +381,7 @@ def main(argv=None) -> int:
            "config": {"target": args.target, "layers": info.num_layers, "hidden": info.hidden_size,
                       "aux_specforge_ids": AUX_IDS, "shapes": args.shapes, "reps": args.reps,
                       "in_flight": args.in_flight, "put_clients": args.put_clients, "breakdown": args.breakdown,
+                      "compact_passthrough": args.compact_passthrough,
                       "server_max_pending_capture_batches": int(os.environ.get(
                           "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
                       "mooncake_protocol": "tcp (loopback)", "allreduce_fusion": False,

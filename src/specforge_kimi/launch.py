@@ -130,6 +130,22 @@ def preflight(plan) -> None:
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
         raise KimiInputError("the installed sglang lacks SpecForge's spec-capture patch; "
                              "run specforge-kimi setup --specforge-checkout /path/to/SpecForge")
+    compact_preflight(plan)
+
+
+def compact_preflight(plan) -> None:
+    """With ``server.compact_passthrough`` on (the plan's SpecForge processes carry the variable), refuse to
+    start unless both halves of it are applied (``setup_patches.compact_passthrough_gaps``)."""
+    from specforge_kimi.capture_features import COMPACT_PASSTHROUGH_ENV
+
+    if any(c.env.get(COMPACT_PASSTHROUGH_ENV) == "1" for c in plan.commands):
+        from specforge_kimi.setup_patches import compact_passthrough_gaps
+
+        gaps = compact_passthrough_gaps()
+        if gaps:
+            raise KimiInputError("server.compact_passthrough is on, but " + "; ".join(gaps) + ". Run specforge-kimi "
+                                 "setup --specforge-checkout /path/to/SpecForge, or set server.compact_passthrough: "
+                                 "false in the recipe")
 
 
 def run_plan(plan, **kwargs) -> int:

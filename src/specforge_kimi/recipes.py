@@ -62,10 +62,11 @@ class ServerSection(_Strict):
         "same-process puts on one thread); each client holds its own local transfer buffer. segment_owner: server "
         "only")
     compact_passthrough: bool = Field(
-        default=False, description="SpecForge's producer sends each capture's input_ids / loss_mask / attention_mask "
+        default=True, description="SpecForge's producer sends each capture's input_ids / loss_mask / attention_mask "
         "compactly (the request's own ids, a fill value or base64 bytes) instead of JSON int lists "
         "(SPECFORGE_SPEC_CAPTURE_COMPACT=1; needs our SpecForge patch 0002 and SGLang patch 0004, both applied by "
-        "`specforge-kimi setup`)")
+        "`specforge-kimi setup`; the launch refuses to start when either is missing). Measured on one H200 (TP=1, "
+        "NOTES.md): saves 30-35 ms on the server and 15 ms of client encoding per 65,536-token capture call")
 
 
 class MooncakeSection(_Strict):

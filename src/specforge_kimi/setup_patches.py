@@ -188,6 +188,32 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
     return statuses
 
 
+#: the two patches ``server.compact_passthrough`` needs: our SpecForge producer side and our SGLang sink side
+COMPACT_PATCHES = (("specforge", "0002-compact-capture-passthrough.patch"),
+                   ("sglang", "0004-spec-capture-compact-passthrough.patch"))
+
+
+def compact_passthrough_gaps(*, specforge_site: Path | None = None, sglang_site: Path | None = None) -> list[str]:
+    """What keeps ``server.compact_passthrough`` from working on the installed (or given) trees: one line per
+    patch of :data:`COMPACT_PATCHES` that is not applied (empty when both are). Without the SpecForge half
+    the producer silently sends the JSON lists again; without the SGLang half the server refuses the compact
+    items, so a launch checks this first (``launch.preflight``)."""
+    root = patches_root()
+    gaps = []
+    for package, name in COMPACT_PATCHES:
+        pin, strip = (SPECFORGE_PIN, 1) if package == "specforge" else (SGLANG_PIN, 2)
+        patch = root / package / pin / name
+        try:
+            site = (specforge_site or specforge_root(None)) if package == "specforge" else (sglang_site or sglang_root())
+        except KimiInputError as e:
+            gaps.append(f"{patch.name}: {e}")
+            continue
+        status = classify(patch, site, strip)
+        if status.state != "applied":
+            gaps.append(f"{patch.name} is not applied to {site} ({status.state})")
+    return gaps
+
+
 def load_patched_specforge_module(rel: str, scratch: Path):
     """The installed SpecForge's file ``rel`` (e.g. ``specforge/inference/adapters/server_capture.py``)
     as our SpecForge patches leave it, imported from a copy under ``scratch``: the install is not

@@ -43,8 +43,7 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     raw["trainer"]["draft"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=4, draft_vocab_size=256)
     raw["trainer"].update(max_steps=steps, save_interval=save_interval, max_length=256)
-    if compact_specforge is not None:
-        raw["server"]["compact_passthrough"] = True
+    raw["server"]["compact_passthrough"] = compact_specforge is not None  # off: SpecForge's JSON lists
     raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
                    "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
     recipe = Recipe.model_validate(raw)

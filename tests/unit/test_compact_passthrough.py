@@ -131,3 +131,45 @@ def test_producer_body_sets_the_variable_for_the_call_only(patched, monkeypatch)
     assert all("data" not in i for i in compact["spec_capture"][0]["passthrough"])
     assert all("data" in i for i in lists["spec_capture"][0]["passthrough"])
     assert lists["input_ids"] == [[1, 2, 3]] and lists["sampling_params"]["max_new_tokens"] == 1
+
+
+def test_compact_gaps_name_each_missing_half(tmp_path):
+    """``compact_passthrough_gaps`` names our SpecForge 0002 while the wheel is unpatched and stops naming
+    it on a copy ``setup`` patched; SGLang 0004 is named on an sglang without the capture stack."""
+    sf_site = setup_patches.specforge_root(None)
+    sg_site = setup_patches.sglang_root()
+    gaps = setup_patches.compact_passthrough_gaps(specforge_site=sf_site, sglang_site=sg_site)
+    assert any(g.startswith("0002-compact-capture-passthrough.patch is not applied") for g in gaps), gaps
+    assert any(g.startswith("0004-spec-capture-compact-passthrough.patch is not applied") for g in gaps), gaps
+    setup_patches.load_patched_specforge_module(FILE, tmp_path)  # patches the copy under tmp_path
+    gaps = setup_patches.compact_passthrough_gaps(specforge_site=tmp_path, sglang_site=sg_site)
+    assert not any(g.startswith("0002-") for g in gaps) and any(g.startswith("0004-") for g in gaps), gaps
+
+
+def test_launch_refuses_compact_without_its_patches(tmp_path):
+    """A launch plan with ``server.compact_passthrough`` on stops in preflight, naming the missing patches
+    and both ways out; with it off the check does not run."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.launch import build_colocated_plan, compact_preflight
+    from specforge_kimi.recipes import Recipe, render
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
+    raw["output_dir"] = str(tmp_path / "run")
+    assert Recipe.model_validate(raw).server.compact_passthrough  # the recipes keep the default: on
+    for on in (True, False):
+        raw["server"]["compact_passthrough"] = on
+        recipe = Recipe.model_validate(raw)
+        plan = build_colocated_plan(recipe, render(recipe, tmp_path / f"r{on}"), python=sys.executable)
+        if on:
+            with pytest.raises(KimiInputError) as e:
+                compact_preflight(plan)
+            msg = str(e.value)
+            assert "server.compact_passthrough is on" in msg and "0002-compact-capture-passthrough.patch" in msg
+            assert "specforge-kimi setup" in msg and "server.compact_passthrough: false" in msg
+        else:
+            compact_preflight(plan)
