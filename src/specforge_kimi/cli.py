@@ -30,7 +30,8 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
                                          loss=args.pretrain_loss, max_steps=args.pretrain_steps,
                                          deterministic=args.pretrain_deterministic,
                                          batch_size=args.pretrain_batch_size, precision=args.pretrain_precision,
-                                         prompt_rules=args.pretrain_prompt_rules)
+                                         prompt_rules=args.pretrain_prompt_rules,
+                                         prompt_rule=args.pretrain_prompt_rule)
         tr, held = res["train"], res["heldout"]
         print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
               f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
@@ -38,7 +39,7 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
               f"(greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
         if "prompt_rules" in res:
             rh = res["prompt_rules"]["heldout"]
-            print(f"prompt rules: {res['prompt_rules']['conversations']} conversations trained on; on the bench's own "
+            print(f"prompt rules ({res['prompt_rules']['rule']}): {res['prompt_rules']['conversations']} conversations trained on; on the bench's own "
                   f"chat/math/code prompts answer loss {rh['loss']:.3f}, greedy acc {rh['greedy_accuracy']:.2f}")
         if tr["lr_schedule"] == "cosine" and tr["schedule_fraction"] < 1:
             print(f"note: the time budget ended the cosine schedule at {tr['schedule_fraction']:.0%} of its steps "
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pretrain-prompt-rules", type=int, default=0, metavar="N",
                    help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.prompt_rules), "
                         "so the target answers the bench's natural-language prompts by that rule, not at random")
+    t.add_argument("--pretrain-prompt-rule", choices=("echo", "words"), default="echo",
+                   help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
+                        "one per numbered line); specforge_kimi.prompt_rules describes both")
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")

@@ -188,11 +188,12 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                                conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
                                lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
                                schedule: str = "constant", loss: str = "full", max_steps: int = 10_000,
-                               deterministic: bool = True, precision: str = "fp32", prompt_rules: int = 0) -> dict:
+                               deterministic: bool = True, precision: str = "fp32", prompt_rules: int = 0,
+                               prompt_rule: str = "echo") -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
     :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
     target does not depend on how fast the machine happened to be). ``prompt_rules`` (``--pretrain-prompt-rules
-    N``) adds N prompt-mix prompts answered by :mod:`prompt_rules`, so that the target answers the bench's
+    N``) adds N prompt-mix prompts answered by :mod:`prompt_rules`'s ``prompt_rule``, so that the target answers the bench's
     chat/math/code prompts by a rule too; the rule's held-out numbers are then taken on the bench's own prompts.
 
     Writes the checkpoint, the stand-in tokenizer (byte-level, K2.5 special ids and its text-only
@@ -222,6 +223,8 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         raise KimiInputError("--pretrain-batch-size must be positive")
     if prompt_rules < 0:
         raise KimiInputError("--pretrain-prompt-rules must be >= 0")
+    if prompt_rule not in rules.RULES:
+        raise KimiInputError(f"--pretrain-prompt-rule {prompt_rule!r}: choose one of {sorted(rules.RULES)}")
     if precision not in ("fp32", "bf16"):
         raise KimiInputError(f"--pretrain-precision must be fp32 or bf16, not {precision!r}")
     device = resolve_device(device)
@@ -234,10 +237,10 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     rule_rows, rule_held = [], []
     if prompt_rules:
         try:
-            rule_rows = _rows(list(rules.conversations(prompt_rules)), tok)
+            rule_rows = _rows(list(rules.conversations(prompt_rules, rule=prompt_rule)), tok)
         except ValueError as e:  # more than the prompt templates can make
             raise KimiInputError(f"--pretrain-prompt-rules {prompt_rules}: {e}") from e
-        rule_held = _rows(rules.bench_conversations(), tok)
+        rule_held = _rows(rules.bench_conversations(prompt_rule), tok)
     raw = out.with_name(out.name + ".random")
     shutil.rmtree(raw, ignore_errors=True)
     try:
@@ -288,10 +291,11 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     }
     if prompt_rules:
         summary["prompt_rules"] = {
-            "module": "specforge_kimi.prompt_rules", "conversations": prompt_rules, "seed": rules.PRETRAIN_SEED,
+            "module": "specforge_kimi.prompt_rules", "rule": prompt_rule, "conversations": prompt_rules,
+            "seed": rules.PRETRAIN_SEED,
             "rows": len(rule_rows), "tokens": sum(len(i) for i, _ in rule_rows),
-            "what": f"prompt_mix chat/math/code prompts answered by a rule: the prompt's first {rules.MAX_WORDS} "
-                    "words, one per numbered line; every 2nd with reasoning; trained on beside the corpus",
+            "what": f"prompt_mix chat/math/code prompts answered by the {prompt_rule!r} rule: "
+                    f"{rules.RULES[prompt_rule][1]}; every 2nd with reasoning; trained on beside the corpus",
             "heldout": {"conversations": len(rule_held), **rule_held_numbers,
                         "what": "the same numbers on the bench's own chat/math/code prompts answered by the rule "
                                 "(never trained on)"},

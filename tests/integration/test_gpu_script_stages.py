@@ -95,8 +95,8 @@ def test_target_stage_puts_one_candidate_per_gpu_and_keeps_the_chosen(tmp_path):
     for c in tiny:
         a = c["args"]
         assert [a[a.index(k) + 1] for k in ("--pretrain-steps", "--pretrain-batch-size", "--pretrain-precision",
-                                            "--pretrain-schedule", "--pretrain-prompt-rules")] \
-            == ["1200", "128", "bf16", "cosine", "2000"]
+                                            "--pretrain-schedule", "--pretrain-prompt-rules", "--pretrain-prompt-rule")] \
+            == ["1200", "128", "bf16", "cosine", "2000", "echo"]
     assert (box / "runs" / "tiny-k25" / "pretrain.json").is_file()
     assert not list((box / "runs").glob("tiny-k25-seed*"))
 

@@ -106,18 +106,21 @@ def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
     ruled = pretrain_structured_target(tmp_path / "ruled", TinySpec(**SMALL), prompt_rules=8, **kw)
     assert "prompt_rules" not in plain
     pr = ruled["prompt_rules"]
-    assert pr["conversations"] == 8 and pr["rows"] == 8 and pr["tokens"] > 0
+    assert pr["conversations"] == 8 and pr["rows"] == 8 and pr["tokens"] > 0 and pr["rule"] == "echo"
     assert pr["heldout"]["conversations"] == 96 and pr["heldout"]["answer_tokens"] > 0
     assert 0 <= pr["heldout"]["greedy_accuracy"] <= 1
     assert ruled["train"]["losses"] != plain["train"]["losses"]
     assert ruled["heldout"].keys() == plain["heldout"].keys()
+    words = pretrain_structured_target(tmp_path / "words", TinySpec(**SMALL), prompt_rules=8, prompt_rule="words", **kw)
+    assert words["prompt_rules"]["rule"] == "words" and words["prompt_rules"]["tokens"] != pr["tokens"]
 
 
-@pytest.mark.parametrize("n, match", [(-1, "must be >= 0"), (10_000, "distinct prompts")])
-def test_bad_prompt_rule_counts_are_refused(tmp_path, n, match):
+@pytest.mark.parametrize("n, rule, match", [(-1, "echo", "must be >= 0"), (10_000, "echo", "distinct prompts"),
+                                            (8, "shout", "--pretrain-prompt-rule 'shout'")])
+def test_bad_prompt_rule_counts_are_refused(tmp_path, n, rule, match):
     from specforge_kimi.pretrain import pretrain_structured_target
     from specforge_kimi.tiny import TinySpec
 
     with pytest.raises(KimiInputError, match=match):
         pretrain_structured_target(tmp_path / "t", TinySpec(**SMALL), seconds=10, max_steps=1, prompt_rules=n,
-                                   progress=False)
+                                   prompt_rule=rule, progress=False)
