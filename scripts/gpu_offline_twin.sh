@@ -11,7 +11,11 @@
 #                eval-draft of both final checkpoints (held-out simulated acceptance, loss; the recipe's aux ids)
 # TWIN_STAGE=features runs the first two lines only (capture + the online draft's bench), TWIN_STAGE=rest
 # the others on what a features stage left in runs/ (so a long twin fits two device calls; the same OUT).
-# Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] [TWIN_STAGE=all|features|rest] bash scripts/gpu_offline_twin.sh
+# ONLINE_BENCH_JSON=FILE: the online draft's bench result from an earlier call or session on the same target and
+# prepared data (both are rebuilt bit for bit by gpu_online_run.sh's deterministic target and data stages; compare
+# the data stage's prepare line); no online export is needed then and its bench is not run again.
+# Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] [TWIN_STAGE=all|features|rest]
+#   [ONLINE_BENCH_JSON=FILE] bash scripts/gpu_offline_twin.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/offline-twin}"; mkdir -p "$OUT"
@@ -26,7 +30,12 @@ SETS="${BENCH_SETS:-structured,chat,math,code}"
 BENCH=(--target runs/tiny-k25 --sets "$SETS" --num-prompts "${BENCH_PROMPTS:-16}" --max-new-tokens 128
        --concurrency "${BENCH_CONCURRENCY:-4}" --config 3,1,4 --min-acceptance-length 3.0 --disable-cuda-graph --mem-fraction-static 0.3)
 # (SGLang 0.5.14 takes the fraction of the memory free when it starts, so a server beside another fits)
-[ -f "$ONLINE/config.json" ] || { echo "no online export at $ONLINE: run scripts/gpu_online_run.sh first" >&2; exit 2; }
+ONLINE_BENCH_JSON="${ONLINE_BENCH_JSON:-}"
+if [ -n "$ONLINE_BENCH_JSON" ]; then
+  [ -f "$ONLINE_BENCH_JSON" ] || { echo "ONLINE_BENCH_JSON=$ONLINE_BENCH_JSON: no such file" >&2; exit 2; }
+else
+  [ -f "$ONLINE/config.json" ] || { echo "no online export at $ONLINE: run scripts/gpu_online_run.sh first" >&2; exit 2; }
+fi
 TWIN_STAGE="${TWIN_STAGE:-all}"
 case "$TWIN_STAGE" in all|features|rest) ;; *) echo "TWIN_STAGE must be all, features or rest, not $TWIN_STAGE" >&2; exit 2;; esac
 if [ "$TWIN_STAGE" != rest ]; then
@@ -35,6 +44,8 @@ rm -rf runs/features-offline runs/features-offline.partial runs/features-offline
 T0=$(date +%s)
 python3 -m specforge_kimi capture-features "$RECIPE" --out runs/features-offline > "$OUT/capture_features.out" 2>&1 &
 CAP=$!
+BON=
+if [ -z "$ONLINE_BENCH_JSON" ]; then
 # a TP>1 capture server checks that its GPUs have the same free memory when it starts, so the
 # GPU-0 bench waits until that server is up (its first feature file is written)
 for _ in $(seq 1 300); do
@@ -45,9 +56,10 @@ done
 CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi bench "${BENCH[@]}" --draft "$ONLINE" --out runs/bench-online \
   > "$OUT/bench_online.out" 2>&1 &
 BON=$!
+fi
 wait $CAP; echo "capture-features rc=$? seconds=$(( $(date +%s) - T0 ))" | tee -a "$OUT/capture_features.out"
 if [ "$TWIN_STAGE" = features ]; then
-  wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"
+  [ -n "$BON" ] && { wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"; }
   cp runs/bench-online/bench_result.json "$OUT/bench-online.json" 2>/dev/null
   cp runs/features-offline.json "$OUT/" 2>/dev/null
   exit 0
@@ -61,16 +73,19 @@ echo "train-offline rc=$? seconds=$(( $(date +%s) - T1 ))" | tee -a "$OUT/train_
 CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi bench "${BENCH[@]}" --no-baseline --draft runs/offline-twin/export-sglang \
   --out runs/bench-offline > "$OUT/bench_offline.out" 2>&1
 echo "bench offline rc=$?" | tee -a "$OUT/bench_offline.out"
-[ "$TWIN_STAGE" = all ] && { wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"; }
+[ "$TWIN_STAGE" = all ] && [ -n "$BON" ] && { wait $BON; echo "bench online rc=$?" | tee -a "$OUT/bench_online.out"; }
 for d in bench-online bench-offline; do
   cp "runs/$d/bench_result.json" "$OUT/$d.json" 2>/dev/null; cp "runs/$d/acceptance.png" "$OUT/$d.png" 2>/dev/null
 done
+[ -n "$ONLINE_BENCH_JSON" ] && cp "$ONLINE_BENCH_JSON" "$OUT/bench-online.json"
 cp runs/features-offline.json "$OUT/" 2>/dev/null
-RECIPE="$RECIPE" python3 - "$OUT" <<'PY'
+RECIPE="$RECIPE" ONLINE_BENCH_JSON="$ONLINE_BENCH_JSON" python3 - "$OUT" <<'PY'
 import json, os, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 res = {"command": "RECIPE=" + os.environ["RECIPE"] + " bash scripts/gpu_offline_twin.sh"}
+if os.environ.get("ONLINE_BENCH_JSON"):
+    res["online_bench_from"] = os.environ["ONLINE_BENCH_JSON"]
 def acc(name):
     p = out / f"{name}.json"
     if not p.is_file():
@@ -91,10 +106,12 @@ PY
 # eval-draft last: offline_twin.json above is written even if a device call's time runs out here
 ONLINE_CKPT=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V | tail -1)
 OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
-if [ -n "$ONLINE_CKPT" ] && [ -n "$OFFLINE_CKPT" ]; then
+DRAFT_CONFIG="$RUN/rendered/draft_config.json"
+[ -f "$DRAFT_CONFIG" ] || DRAFT_CONFIG=runs/offline-twin/rendered/draft_config.json  # the same recipe renders both
+if [ -n "$OFFLINE_CKPT" ]; then  # (the online checkpoint too when this session trained it)
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
-    --draft-config "$RUN/rendered/draft_config.json" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
-    --aux-ids "$AUX" --checkpoints "$ONLINE_CKPT" "$OFFLINE_CKPT" --heldout "$(held_out_rows)" --device cuda \
+    --draft-config "$DRAFT_CONFIG" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
+    --aux-ids "$AUX" --checkpoints $ONLINE_CKPT "$OFFLINE_CKPT" --heldout "$(held_out_rows)" --device cuda \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) \
     --out "$OUT/eval_online_vs_offline.json" > "$OUT/eval_online_vs_offline.out" 2>&1
 fi

@@ -113,18 +113,16 @@ def preflight(plan) -> None:
     Covers what SpecForge's own managed preflight checks, as :class:`KimiInputError` with a fix.
     """
     import importlib.util
-    import socket
 
     if plan.managed_root and Path(plan.managed_root).exists():
         raise KimiInputError(f"{plan.managed_root} exists: a previous launch used this output_dir; "
                              "move it away or choose another output_dir")
+    from specforge_kimi.services import port_taken
+
     for port in plan.managed_ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                raise KimiInputError(f"port 127.0.0.1:{port} is already in use; stop what holds it or change the "
-                                     "recipe's ports") from None
+        if port_taken(port):
+            raise KimiInputError(f"port 127.0.0.1:{port} is already in use; stop what holds it or change the "
+                                 "recipe's ports")
     if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
         raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:

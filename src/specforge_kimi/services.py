@@ -41,6 +41,20 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a socket listens on (or is bound to) ``host:port``. Probed with SO_REUSEADDR, as the
+    servers we start bind (Mooncake's master, SGLang's uvicorn): a connection of an earlier process still
+    in TIME_WAIT on that port does not count, since it does not stop them from listening there (seen on
+    the GPU box: a port inside Linux's ephemeral range held by a closed connection for ~60 s)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live processes of one process group, from /proc."""
     out = []

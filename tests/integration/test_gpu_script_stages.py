@@ -130,3 +130,35 @@ def test_twin_in_two_calls_equals_one(tmp_path):
     assert summary["within_3_percent"] is True and summary["online"]["acceptance_length"] == 2.5
     res = twin("bogus", "x")
     assert res.returncode == 2 and "TWIN_STAGE must be" in res.stderr
+
+
+def test_twin_against_an_earlier_online_bench(tmp_path):
+    """``ONLINE_BENCH_JSON``: the twin needs no online export then, does not bench the online draft again,
+    compares the offline twin with that file and evaluates the offline checkpoint alone."""
+    box, env = _sandbox(tmp_path)
+    env["RECIPE"] = "recipes/tiny-k25-tp1-h200.yaml"
+    earlier = tmp_path / "earlier.json"
+    run = {"config": {"steps": 3, "topk": 1, "draft_tokens": 4}, "overall": {"acceptance_length": 2.45},
+           "sets": {"chat": {"acceptance_length": 2.45}}}
+    earlier.write_text(json.dumps({"speculative": [run]}))
+
+    def twin(stage: str, online: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/gpu_offline_twin.sh"], cwd=box, capture_output=True, text=True,
+                              env={**env, "TWIN_STAGE": stage, "OUT": str(tmp_path / "o"), "ONLINE_BENCH_JSON": online},
+                              timeout=120)
+
+    res = twin("features", str(tmp_path / "missing.json"))
+    assert res.returncode == 2 and "no such file" in res.stderr
+    res = twin("features", str(earlier))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [c["cmd"] for c in _calls(tmp_path)] == ["capture-features"]
+    res = twin("rest", str(earlier))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [c["cmd"] for c in _calls(tmp_path)][1:] == ["train-offline", "bench", "eval-draft"]
+    ev = _calls(tmp_path)[-1]["args"]
+    assert ev[ev.index("--draft-config") + 1] == "runs/offline-twin/rendered/draft_config.json"
+    assert ev[ev.index("--checkpoints") + 1:ev.index("--checkpoints") + 3] == ["runs/offline-twin/twin-step10",
+                                                                              "--heldout"]
+    summary = json.loads((tmp_path / "o" / "offline_twin.json").read_text())
+    assert summary["online_bench_from"] == str(earlier) and summary["online"]["acceptance_length"] == 2.45
+    assert summary["offline"]["acceptance_length"] == 2.5 and summary["within_3_percent"] is True
