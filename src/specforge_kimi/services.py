@@ -42,10 +42,11 @@ def free_ports(n: int) -> list[int]:
 
 
 def port_taken(port: int, host: str = "127.0.0.1") -> bool:
-    """True when a socket listens on (or is bound to) ``host:port``. Probed with SO_REUSEADDR, as the
-    servers we start bind (Mooncake's master, SGLang's uvicorn): a connection of an earlier process still
-    in TIME_WAIT on that port does not count, since it does not stop them from listening there (seen on
-    the GPU box: a port inside Linux's ephemeral range held by a closed connection for ~60 s)."""
+    """True when a socket listens on (or is bound to) ``host:port``. Probed with SO_REUSEADDR, as servers
+    bind (SGLang's uvicorn sets it; Mooncake's master is built on asio acceptors, which set it by default):
+    a closed connection still in TIME_WAIT on that port (~60 s on Linux) does not count, since it does not
+    stop them from listening there. The recipe's default Mooncake ports lie inside Linux's ephemeral range,
+    so a stage that just made thousands of HTTP requests (regenerate) can leave such a connection on one."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
