@@ -42,8 +42,6 @@ RULES = {
               f"the prompt's first {MAX_WORDS} words, one per numbered line"),
 }
 DEFAULT_RULE = "echo"
-#: the ``words`` rule's reasoning (kept under its earlier name)
-REASONING = RULES["words"][0]
 #: seed of :func:`prompt_mix.prompts` for pretraining (the data stage's mix uses seed 0)
 PRETRAIN_SEED = 3
 
@@ -53,7 +51,7 @@ def _check(rule: str) -> None:
         raise ValueError(f"unknown prompt rule {rule!r}; choose one of {sorted(RULES)}")
 
 
-def answer(prompt: str, rule: str = "words") -> str:
+def answer(prompt: str, rule: str = DEFAULT_RULE) -> str:
     """The ``rule``'s answer to ``prompt``; a prompt without a letter or digit has none (``ValueError``)."""
     _check(rule)
     if not WORD.search(prompt):
@@ -78,7 +76,7 @@ def _conversation(cid: str, prompt: str, thinking: bool, rule: str) -> dict:
 
 
 def conversations(n: int, seed: int = PRETRAIN_SEED, *, thinking_every: int = 2,
-                  rule: str = "words") -> Iterator[dict]:
+                  rule: str = DEFAULT_RULE) -> Iterator[dict]:
     """``n`` prompt-mix prompts answered by ``rule``; every ``thinking_every``-th with reasoning (as
     :func:`corpus.conversations`)."""
     from specforge_kimi import prompt_mix
@@ -89,7 +87,7 @@ def conversations(n: int, seed: int = PRETRAIN_SEED, *, thinking_every: int = 2,
                             rule)
 
 
-def bench_conversations(rule: str = "words") -> list[dict]:
+def bench_conversations(rule: str = DEFAULT_RULE) -> list[dict]:
     """The bench's own chat/math/code prompts answered by ``rule``, with reasoning (the bench asks with
     thinking on): held-out rows for the target's numbers, never trained on."""
     from specforge_kimi.bench import builtin_prompt_set

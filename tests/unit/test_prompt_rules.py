@@ -7,14 +7,14 @@ from specforge_kimi import prompt_mix, prompt_rules
 
 
 def test_answer_numbers_the_first_words_one_per_line():
-    assert prompt_rules.answer("Solve for x: 3x + 7 = 25.") == "1. Solve\n2. for\n3. x\n4. 3x\n5. 7\n6. 25"
+    assert prompt_rules.answer("Solve for x: 3x + 7 = 25.", "words") == "1. Solve\n2. for\n3. x\n4. 3x\n5. 7\n6. 25"
     long = " ".join(f"w{i}" for i in range(30))
-    lines = prompt_rules.answer(long).split("\n")
+    lines = prompt_rules.answer(long, "words").split("\n")
     assert len(lines) == prompt_rules.MAX_WORDS and lines[-1] == f"{prompt_rules.MAX_WORDS}. w{prompt_rules.MAX_WORDS - 1}"
 
 
 def test_echo_restates_the_prompt_cut_at_its_length():
-    assert prompt_rules.answer("Solve for x:\n  3x + 7 = 25.", "echo") == "Solve for x: 3x + 7 = 25."
+    assert prompt_rules.answer("Solve for x:\n  3x + 7 = 25.") == "Solve for x: 3x + 7 = 25."  # the default rule
     long = "word " * 40
     out = prompt_rules.answer(long, "echo")
     assert len(out) <= prompt_rules.ECHO_CHARS and long.startswith(out) and not out.endswith(" ")
