@@ -206,3 +206,12 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
                                                    {"name": "x", "source": "labels", "shape": [1], "dtype": "int64"})
         with pytest.raises(RuntimeError, match="none of data, fill, data_b64"):
             sink_mod._passthrough_tensor({"name": "x", "shape": [1]}, torch.int64)
+
+
+def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
+    """Once SpecForge's capture patch and ours are in, ``compact_passthrough_gaps`` no longer names SGLang
+    patch 0004 (the launch preflight's check for ``server.compact_passthrough``)."""
+    from specforge_kimi import setup_patches as sp
+
+    gaps = sp.compact_passthrough_gaps(sglang_site=patched_site)
+    assert not any(g.startswith("0004-") for g in gaps), gaps
