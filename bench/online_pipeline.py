@@ -366,8 +366,8 @@ def main(argv=None) -> int:
         from specforge_kimi.capture_features import COMPACT_PASSTHROUGH_ENV
         from specforge_kimi.setup_patches import compact_passthrough_gaps
 
-        gaps = [g for g in compact_passthrough_gaps() if args.engine == "sglang" or g.startswith("0002-")]
-        if gaps:  # the reference engine takes compact items without SGLang's patch
+        gaps = compact_passthrough_gaps(sglang=args.engine == "sglang")  # the reference engine takes them as is
+        if gaps:
             p.error("--compact-passthrough: " + "; ".join(gaps))
         os.environ[COMPACT_PASSTHROUGH_ENV] = "1"
     info = inspect_target(args.target)

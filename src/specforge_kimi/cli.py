@@ -127,6 +127,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specforge_kimi import prompt_rules  # light: the rule names for --pretrain-prompt-rule
+
     p = argparse.ArgumentParser(prog="specforge-kimi", description="Kimi-K2.5 EAGLE-3 drafts with SpecForge")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pretrain-prompt-rules", type=int, default=0, metavar="N",
                    help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.prompt_rules), "
                         "so the target answers the bench's natural-language prompts by that rule, not at random")
-    t.add_argument("--pretrain-prompt-rule", choices=("echo", "words"), default="echo",
+    t.add_argument("--pretrain-prompt-rule", choices=sorted(prompt_rules.RULES), default=prompt_rules.DEFAULT_RULE,
                    help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
                         "one per numbered line); specforge_kimi.prompt_rules describes both")
     t.set_defaults(func=_cmd_tiny)

@@ -189,7 +189,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
                                lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
                                schedule: str = "constant", loss: str = "full", max_steps: int = 10_000,
                                deterministic: bool = True, precision: str = "fp32", prompt_rules: int = 0,
-                               prompt_rule: str = "echo") -> dict:
+                               prompt_rule: str | None = None) -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
     :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
     target does not depend on how fast the machine happened to be). ``prompt_rules`` (``--pretrain-prompt-rules
@@ -223,6 +223,7 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         raise KimiInputError("--pretrain-batch-size must be positive")
     if prompt_rules < 0:
         raise KimiInputError("--pretrain-prompt-rules must be >= 0")
+    prompt_rule = prompt_rule or rules.DEFAULT_RULE
     if prompt_rule not in rules.RULES:
         raise KimiInputError(f"--pretrain-prompt-rule {prompt_rule!r}: choose one of {sorted(rules.RULES)}")
     if precision not in ("fp32", "bf16"):

@@ -189,22 +189,25 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
 
 
 #: the two patches ``server.compact_passthrough`` needs: our SpecForge producer side and our SGLang sink side
-COMPACT_PATCHES = (("specforge", "0002-compact-capture-passthrough.patch"),
-                   ("sglang", "0004-spec-capture-compact-passthrough.patch"))
+COMPACT_SPECFORGE_PATCH = "0002-compact-capture-passthrough.patch"
+COMPACT_SGLANG_PATCH = "0004-spec-capture-compact-passthrough.patch"
 
 
-def compact_passthrough_gaps(*, specforge_site: Path | None = None, sglang_site: Path | None = None) -> list[str]:
+def compact_passthrough_gaps(*, specforge_site: Path | None = None, sglang_site: Path | None = None,
+                             sglang: bool = True) -> list[str]:
     """What keeps ``server.compact_passthrough`` from working on the installed (or given) trees: one line per
-    patch of :data:`COMPACT_PATCHES` that is not applied (empty when both are). Without the SpecForge half
-    the producer silently sends the JSON lists again; without the SGLang half the server refuses the compact
-    items, so a launch checks this first (``launch.preflight``)."""
+    compact patch that is not applied (empty when all are; the SGLang half only with ``sglang``). Without the
+    SpecForge half the producer silently sends the JSON lists again; without the SGLang half the server
+    refuses the compact items, so a launch checks this first (``launch.preflight``)."""
     root = patches_root()
+    checks = [(root / "specforge" / SPECFORGE_PIN / COMPACT_SPECFORGE_PATCH, 1,
+               lambda: specforge_site or specforge_root(None))]
+    if sglang:
+        checks.append((root / "sglang" / SGLANG_PIN / COMPACT_SGLANG_PATCH, 2, lambda: sglang_site or sglang_root()))
     gaps = []
-    for package, name in COMPACT_PATCHES:
-        pin, strip = (SPECFORGE_PIN, 1) if package == "specforge" else (SGLANG_PIN, 2)
-        patch = root / package / pin / name
+    for patch, strip, site_of in checks:
         try:
-            site = (specforge_site or specforge_root(None)) if package == "specforge" else (sglang_site or sglang_root())
+            site = site_of()
         except KimiInputError as e:
             gaps.append(f"{patch.name}: {e}")
             continue
