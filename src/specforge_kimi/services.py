@@ -43,7 +43,7 @@ def free_ports(n: int) -> list[int]:
 
 def port_taken(port: int, host: str = "127.0.0.1") -> bool:
     """True when a socket listens on (or is bound to) ``host:port``. Probed with SO_REUSEADDR, as servers
-    bind (SGLang's uvicorn sets it; Mooncake's master is built on asio acceptors, which set it by default):
+    usually bind (SGLang's uvicorn sets it; that Mooncake's master does is assumed, not checked):
     a closed connection still in TIME_WAIT on that port (~60 s on Linux) does not count, since it does not
     stop them from listening there. The recipe's default Mooncake ports lie inside Linux's ephemeral range,
     so a stage that just made thousands of HTTP requests (regenerate) can leave such a connection on one."""
