@@ -624,7 +624,11 @@ def section_engine_pairs(twins: list[tuple[str, dict]], engines: list[tuple[str,
     for n, r in engines:
         a, b = (r.get("llama") or {}).get("acceptance_length"), (r.get("mla") or {}).get("acceptance_length")
         rows.append([n, "Llama-style", "MLA", a, b, _num((b - a) / a if a and b else None, "{:+.1%}"), None])
-    return out + _table(["file", "A", "B", "AL A", "AL B", "B vs A", "within 3%"], rows) + [""]
+    notes = [f"- `{n}`: the online side is `{r['online_bench_from']}`, an earlier device call's bench; the twin's "
+             "target and data were rebuilt for it (tests/gpu/RUNS.md says how closely)"
+             for n, r in twins if r.get("online_bench_from")]
+    return (out + _table(["file", "A", "B", "AL A", "AL B", "B vs A", "within 3%"], rows) + [""]
+            + (notes + [""] if notes else []))
 
 
 def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
