@@ -133,22 +133,41 @@ def test_producer_body_sets_the_variable_for_the_call_only(patched, monkeypatch)
     assert lists["input_ids"] == [[1, 2, 3]] and lists["sampling_params"]["max_new_tokens"] == 1
 
 
+def _unpatched_specforge(dest):
+    """The installed wheel's FILE under ``dest`` as SpecForge ships it: copied, and our 0002 taken back out
+    when ``specforge-kimi setup`` had applied it there (so these tests do not depend on the venv's state)."""
+    import shutil
+    import subprocess
+
+    src = setup_patches.specforge_root(None) / FILE
+    (dest / FILE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dest / FILE)
+    patch = setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN / setup_patches.COMPACT_SPECFORGE_PATCH
+    if setup_patches.classify(patch, dest, 1).state == "applied":
+        subprocess.run(["patch", "-R", "-p1", "-d", str(dest), "--batch", "-i", str(patch)], check=True,
+                       capture_output=True)
+    assert setup_patches.classify(patch, dest, 1).state == "applicable"
+    return dest
+
+
 def test_compact_gaps_name_each_missing_half(tmp_path):
-    """``compact_passthrough_gaps`` names our SpecForge 0002 while the wheel is unpatched and stops naming
-    it on a copy ``setup`` patched; SGLang 0004 is named on an sglang without the capture stack."""
-    sf_site = setup_patches.specforge_root(None)
-    sg_site = setup_patches.sglang_root()
+    """``compact_passthrough_gaps`` names our SpecForge 0002 on the wheel as shipped and stops naming it on
+    a copy ``setup`` patched; SGLang 0004 is named on an sglang tree without the capture stack."""
+    sf_site = _unpatched_specforge(tmp_path / "wheel")
+    sg_site = tmp_path / "sglang-without-capture"
+    sg_site.mkdir()
     gaps = setup_patches.compact_passthrough_gaps(specforge_site=sf_site, sglang_site=sg_site)
     assert any(g.startswith("0002-compact-capture-passthrough.patch is not applied") for g in gaps), gaps
     assert any(g.startswith("0004-spec-capture-compact-passthrough.patch is not applied") for g in gaps), gaps
-    setup_patches.load_patched_specforge_module(FILE, tmp_path)  # patches the copy under tmp_path
-    gaps = setup_patches.compact_passthrough_gaps(specforge_site=tmp_path, sglang_site=sg_site)
+    setup_patches.load_patched_specforge_module(FILE, tmp_path / "patched")  # patches the copy there
+    gaps = setup_patches.compact_passthrough_gaps(specforge_site=tmp_path / "patched", sglang_site=sg_site)
     assert not any(g.startswith("0002-") for g in gaps) and any(g.startswith("0004-") for g in gaps), gaps
 
 
-def test_launch_refuses_compact_without_its_patches(tmp_path):
+def test_launch_refuses_compact_without_its_patches(tmp_path, monkeypatch):
     """A launch plan with ``server.compact_passthrough`` on stops in preflight, naming the missing patches
-    and both ways out; with it off the check does not run."""
+    and both ways out; with it off the check does not run. The installed trees are stood in for by the
+    wheel as shipped and an sglang without the capture stack, whatever ``setup`` did to this venv."""
     import sys
     from pathlib import Path
 
@@ -158,6 +177,10 @@ def test_launch_refuses_compact_without_its_patches(tmp_path):
     from specforge_kimi.launch import build_colocated_plan, compact_preflight
     from specforge_kimi.recipes import Recipe, render
 
+    wheel = _unpatched_specforge(tmp_path / "wheel")
+    (tmp_path / "sglang").mkdir()
+    monkeypatch.setattr(setup_patches, "specforge_root", lambda checkout: wheel)
+    monkeypatch.setattr(setup_patches, "sglang_root", lambda: tmp_path / "sglang")
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
     raw["output_dir"] = str(tmp_path / "run")
     assert Recipe.model_validate(raw).server.compact_passthrough  # the recipes keep the default: on
