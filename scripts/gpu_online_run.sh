@@ -142,8 +142,10 @@ fi
 python3 -m specforge_kimi prepare "$CORPUS" --out runs/tiny-k25-data --tokenizer runs/tiny-k25 \
   --draft-vocab-size 256 --no-progress > "$OUT/prepare.out" 2>&1 || { cat "$OUT/prepare.out"; exit 1; }
 echo "prep seconds=$(( $(date +%s) - T0 ))" | tee "$OUT/prep.out"
-# what a later session compares to show it rebuilt the same data (the twin against an earlier online run)
-sha256sum runs/tiny-k25-data/prompts.jsonl runs/tiny-k25/model-*.safetensors 2>/dev/null | tee -a "$OUT/prep.out"
+# what a later session compares to show it rebuilt the same data (the twin against an earlier online run);
+# the regenerated files too, so a difference can be traced to the step that made it
+sha256sum runs/tiny-k25-data/prompts.jsonl runs/tiny-k25/model-*.safetensors runs/*-regen.jsonl 2>/dev/null \
+  | tee -a "$OUT/prep.out"
 { [ "$STAGE" = prep ] || [ "$STAGE" = data ]; } && exit 0
 else
   [ -f runs/tiny-k25-data/prompts.jsonl ] || { echo "STAGE=train needs a prep stage's runs/tiny-k25-data" >&2; exit 2; }
