@@ -127,6 +127,8 @@ def capture_server_argv(
     host: str = "127.0.0.1",
     dtype: str = "bfloat16",
     disable_cuda_graph: bool = True,
+    ep_size: int = 1,
+    dp_attention_size: Optional[int] = None,
     python: str = sys.executable,
     extra: Sequence[str] = (),
 ) -> list[str]:
@@ -143,6 +145,14 @@ def capture_server_argv(
 
     ``aux_specforge_ids`` are SpecForge/SGLang ids (SGLang shifts all by +1 when the first is 1;
     see :mod:`specforge_kimi.layer_ids`). ``context_length=None`` keeps the checkpoint's own.
+
+    ``ep_size`` (expert parallelism) and ``dp_attention_size`` (``--enable-dp-attention --dp-size N``:
+    N attention data-parallel groups inside the TP group, the layout DeepSeek-V3-style models are served
+    with) go through SpecForge's own ``ModelConfig`` fields (``sglang_ep_size``, ``sglang_enable_dp_attention``,
+    ``sglang_dp_size``), so the flags are spelled as SpecForge spells them; each must divide ``tp``. SpecForge's
+    managed launcher refuses DP attention for capture servers, and the capture patch writes from every
+    attention-TP rank 0 (one per DP group): whether those captures are right is what the TP=8 parity test
+    checks (``tests/gpu/test_capture_parity.py``), not something this function assumes.
     """
     from specforge.config import ModelConfig
     from specforge.launch_plan import _sglang_argv
@@ -152,6 +162,9 @@ def capture_server_argv(
     ids = [int(i) for i in aux_specforge_ids]
     if not ids:
         raise ValueError("aux_specforge_ids is empty")
+    for name, size in (("ep_size", ep_size), ("dp_attention_size", dp_attention_size)):
+        if size is not None and (size < 1 or tp % size):
+            raise ValueError(f"{name} must be a positive divisor of tp={tp}, got {size}")
     argv = [
         python, "-m", "specforge_kimi.capture_server",
         "--model-path", str(model_dir),
@@ -168,7 +181,9 @@ def capture_server_argv(
     model = ModelConfig(target_model_path=str(model_dir), torch_dtype=dtype,
                         sglang_attention_backend=attention_backend,
                         sglang_mem_fraction_static=mem_fraction_static,
-                        sglang_context_length=context_length)
+                        sglang_context_length=context_length, sglang_ep_size=ep_size,
+                        sglang_enable_dp_attention=bool(dp_attention_size and dp_attention_size > 1),
+                        sglang_dp_size=dp_attention_size if dp_attention_size and dp_attention_size > 1 else None)
     argv += _sglang_argv(model)
     if disable_cuda_graph:
         argv.append("--disable-cuda-graph")

@@ -2,7 +2,8 @@
 
 What runs: a tiny K2.5 checkpoint, a Mooncake master on loopback, a text-only capture server
 (:mod:`specforge_kimi.capture_server`, SGLang patched with SpecForge's spec-capture patch) at
-TP=1 / TP=2 with FlashInfer all-reduce fusion off / on. Capture requests go through SpecForge's
+TP=1 / TP=2 / TP=8 with FlashInfer all-reduce fusion off / on, and at TP=8 with expert parallelism (EP=8)
+and with attention data parallelism (8 groups). Capture requests go through SpecForge's
 own producer transport (``SGLangServerCaptureAdapter.produce_refs`` with the eagle3 server
 layout), tensors come back through SpecForge's ``MooncakeFeatureStore.get``; the reference is
 :func:`specforge_kimi.capture.capture_aux` on an fp32 transformers forward of the same weights.
@@ -64,7 +65,14 @@ START_TIMEOUT_S = float(os.environ.get("SPECFORGE_KIMI_SERVER_START_TIMEOUT", "2
 #: Optional wall-clock deadline (epoch seconds) for the whole module, so that a stalled server
 #: leaves time to write the summary before an outer limit kills the run.
 DEADLINE = float(os.environ.get("SPECFORGE_KIMI_GPU_DEADLINE", "0")) or None
-CONFIGS = [(1, False), (1, True), (2, False), (2, True)]  # fusion-on at TP=2 last: it may stall
+#: (tp, fusion, ep, dp attention groups). Fusion-on at TP=2 after fusion-off: it may stall. The TP=8 layouts
+#: (issue 8) run where 8 GPUs are; elsewhere they skip: plain TP, fusion on, expert parallel 8 (each rank
+#: holds one of the 8 experts and the MoE output is all-reduced over ranks that computed different experts),
+#: attention data parallel 8 (--enable-dp-attention --dp-size 8: each rank attends over its own requests,
+#: tokens are gathered for the MoE and scattered back, and every rank is its group's capture writer).
+#: ``-k "tp1_fusion-off or tp8"`` runs the TP=8 set with the TP=1 base it is compared against.
+CONFIGS = [(1, False, 1, 1), (1, True, 1, 1), (2, False, 1, 1), (2, True, 1, 1),
+           (8, False, 1, 1), (8, True, 1, 1), (8, False, 8, 1), (8, False, 1, 8)]
 
 #: Server-log lines that say whether FlashInfer all-reduce fusion really ran.
 LOG_EVIDENCE = {
@@ -88,8 +96,8 @@ def rel_bound(tokens: int) -> float:
     return 0.02 + 0.04 * tokens / 1024
 
 
-def run_name(tp: int, fusion: bool) -> str:
-    return f"tp{tp}_fusion-{'on' if fusion else 'off'}"
+def run_name(tp: int, fusion: bool, ep: int = 1, dp: int = 1) -> str:
+    return f"tp{tp}_fusion-{'on' if fusion else 'off'}" + (f"_ep{ep}" if ep > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,12 +302,12 @@ class ServerStartError(RuntimeError):
         self.diagnosis = diagnosis
 
 
-def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids) -> list[str]:
+def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep: int = 1, dp: int = 1) -> list[str]:
     from specforge_kimi.capture_server import capture_server_argv
 
     return capture_server_argv(ckpt, tp=tp, port=port, aux_specforge_ids=aux_ids, fusion=fusion,
                                attention_backend="triton", mem_fraction_static=0.4,
-                               context_length=MAX_BATCH_TOKENS + 7)
+                               context_length=MAX_BATCH_TOKENS + 7, ep_size=ep, dp_attention_size=dp)
 
 
 def _health(port: int) -> bool:
@@ -558,11 +566,11 @@ def _failures(rows: list[dict], *, with_identity: bool) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tp,fusion", CONFIGS, ids=[run_name(*c) for c in CONFIGS])
-def test_capture_parity(tp, fusion, tiny_k25, aux_layers, prompts, reference, out_dir, tmp_path):
+@pytest.mark.parametrize("tp,fusion,ep,dp", CONFIGS, ids=[run_name(*c) for c in CONFIGS])
+def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, reference, out_dir, tmp_path):
     from specforge_kimi.capture_server import capture_server_env
 
-    name = run_name(tp, fusion)
+    name = run_name(tp, fusion, ep, dp)
     aux_ids, aux = aux_layers
     _SUMMARY.setdefault("test", "tests/gpu/test_capture_parity.py")
     _SUMMARY.setdefault("date_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -599,7 +607,7 @@ def test_capture_parity(tp, fusion, tiny_k25, aux_layers, prompts, reference, ou
     server_log = tmp_path / f"server_{name}.log"
     try:
         with mooncake_master(tmp_path) as mc:
-            argv = server_command(tiny_k25, tp=tp, fusion=fusion, port=port, aux_ids=aux_ids)
+            argv = server_command(tiny_k25, tp=tp, fusion=fusion, port=port, aux_ids=aux_ids, ep=ep, dp=dp)
             extra_env = capture_server_env(mc, cuda_visible_devices=list(range(tp)))
             run.update({"server_argv": argv[1:], "server_env": extra_env})
             env = {**os.environ, **extra_env,

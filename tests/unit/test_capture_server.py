@@ -114,6 +114,25 @@ def test_knobs_and_validation():
         cs.capture_server_argv("/m", tp=1, port=9, aux_specforge_ids=[], fusion=False)
 
 
+def test_expert_and_attention_data_parallel_go_through_specforges_fields():
+    plain = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False)
+    assert plain[plain.index("--ep-size") + 1] == "1"
+    assert "--enable-dp-attention" not in plain and "--dp-size" not in plain
+    ep = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False, ep_size=8)
+    assert ep[ep.index("--ep-size") + 1] == "8" and ep.count("--ep-size") == 1
+    dp = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False,
+                                dp_attention_size=8)
+    assert "--enable-dp-attention" in dp and dp[dp.index("--dp-size") + 1] == "8"
+    i = dp.index("--dp-size")
+    assert [a for a in dp[:i] + dp[i + 2:] if a != "--enable-dp-attention"] == plain  # adds only those flags
+    one = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False,
+                                 dp_attention_size=1)
+    assert one == plain  # one DP group is no DP attention
+    for bad in ({"ep_size": 3}, {"ep_size": 0}, {"dp_attention_size": 16}):
+        with pytest.raises(ValueError, match="divisor of tp=8"):
+            cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1], fusion=False, **bad)
+
+
 def test_detects_k25_checkpoints(tiny_dir, tmp_path):
     assert cs.is_kimi_k25_checkpoint(tiny_dir)
     plain = tmp_path / "dsv3"
@@ -125,9 +144,10 @@ def test_detects_k25_checkpoints(tiny_dir, tmp_path):
     assert not cs.is_kimi_k25_checkpoint(None)
 
 
-def _sglang_argv_without_spec_flags(model_dir):
+def _sglang_argv_without_spec_flags(model_dir, **kw):
     """Our argv minus the spec-capture flags, which only a patched sglang parses."""
-    argv = cs.capture_server_argv(model_dir, tp=1, port=30000, aux_specforge_ids=[1, 3, 4], fusion=False)[3:]
+    kw = {"tp": 1, **kw}
+    argv = cs.capture_server_argv(model_dir, port=30000, aux_specforge_ids=[1, 3, 4], fusion=False, **kw)[3:]
     if not cs.spec_capture_supported():
         i = argv.index("--enable-spec-capture")
         argv = argv[:i] + argv[i + 7:]
@@ -158,3 +178,13 @@ def test_server_args_model_config_is_text_only(tiny_dir):
     assert args.enable_multimodal is False
     assert args.get_model_config().is_multimodal is False
     assert args.flashinfer_allreduce_fusion_backend is None
+
+
+@pytest.mark.slow
+def test_sglang_parses_the_tp8_layouts(tiny_dir):
+    """The TP=8 parity layouts (expert parallel 8; attention data parallel 8) are flags SGLang 0.5.14's own
+    parser takes as meant."""
+    ep = cs.parse_text_only_args(_sglang_argv_without_spec_flags(tiny_dir, tp=8, ep_size=8))
+    assert (ep.tp_size, ep.ep_size, ep.enable_dp_attention) == (8, 8, False)
+    dp = cs.parse_text_only_args(_sglang_argv_without_spec_flags(tiny_dir, tp=8, dp_attention_size=8))
+    assert (dp.tp_size, dp.dp_size, dp.enable_dp_attention, dp.ep_size) == (8, 8, True, 1)
