@@ -188,3 +188,14 @@ def test_sglang_parses_the_tp8_layouts(tiny_dir):
     assert (ep.tp_size, ep.ep_size, ep.enable_dp_attention) == (8, 8, False)
     dp = cs.parse_text_only_args(_sglang_argv_without_spec_flags(tiny_dir, tp=8, dp_attention_size=8))
     assert (dp.tp_size, dp.dp_size, dp.enable_dp_attention, dp.ep_size) == (8, 8, True, 1)
+
+
+@pytest.mark.slow
+def test_deterministic_inference_is_accepted_for_the_tiny_target(tiny_dir):
+    """``REGEN_DETERMINISTIC=1`` (scripts/gpu_online_run.sh) adds ``--enable-deterministic-inference`` to a server
+    of this checkpoint with triton attention; SGLang 0.5.14's own argument handling takes it (and switches
+    sampling to pytorch) rather than refusing the backend."""
+    args = cs.prepare_text_only_server_args(_sglang_argv_without_spec_flags(tiny_dir)
+                                            + ["--device", "cpu", "--enable-deterministic-inference"])
+    assert args.enable_deterministic_inference is True
+    assert args.attention_backend == "triton" and args.sampling_backend == "pytorch"
