@@ -165,6 +165,7 @@ def capture_server_argv(
     for name, size in (("ep_size", ep_size), ("dp_attention_size", dp_attention_size)):
         if size is not None and (size < 1 or tp % size):
             raise ValueError(f"{name} must be a positive divisor of tp={tp}, got {size}")
+    dp = dp_attention_size if (dp_attention_size or 1) > 1 else None  # one DP group is no DP attention
     argv = [
         python, "-m", "specforge_kimi.capture_server",
         "--model-path", str(model_dir),
@@ -182,8 +183,7 @@ def capture_server_argv(
                         sglang_attention_backend=attention_backend,
                         sglang_mem_fraction_static=mem_fraction_static,
                         sglang_context_length=context_length, sglang_ep_size=ep_size,
-                        sglang_enable_dp_attention=bool(dp_attention_size and dp_attention_size > 1),
-                        sglang_dp_size=dp_attention_size if dp_attention_size and dp_attention_size > 1 else None)
+                        sglang_enable_dp_attention=dp is not None, sglang_dp_size=dp)
     argv += _sglang_argv(model)
     if disable_cuda_graph:
         argv.append("--disable-cuda-graph")
