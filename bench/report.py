@@ -12,6 +12,8 @@ file is recognised by its content:
 - capture parity (``"test": "tests/gpu/test_capture_parity.py"``);
 - data preparation memory (``bench/prepare_memory.py``: ``"benchmark": "prepare peak RSS vs input size"``);
 - regenerate against SGLang (``tests/gpu/test_regenerate_sglang.py`` summary: ``regenerate_stdout``);
+- the bench's own GPU test (``tests/gpu/test_bench_sglang.py`` summary: ``untrained_draft`` +
+  ``server_info_avg_spec_accept_length``);
 - online pipeline (``bench/online_pipeline.py``: ``baseline_capture_over_plain`` + ``runs``):
   capture overhead per TP and batch shape; with its ``online_run`` part (from ``specforge-kimi
   run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
@@ -106,6 +108,8 @@ def classify(data: Any) -> str:
         return "capture_parity"
     if "regenerate_stdout" in data:
         return "regenerate"
+    if "untrained_draft" in data and "server_info_avg_spec_accept_length" in data:
+        return "bench_test"
     if bench == "fault drills":
         return "fault_drills"
     if bench == "mooncake same-process put":
@@ -381,6 +385,26 @@ def section_regenerate(files: list[tuple[str, dict]]) -> list[str]:
                          "target loss last"], rows) + [""]
 
 
+def section_bench_test(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## The bench's GPU test", "",
+           "`tests/gpu/test_bench_sglang.py`: `specforge-kimi bench` through SGLang EAGLE-3 at 3/1/4 with the "
+           "baseline, on a target pretrained in the test; an untrained draft sits near 1 by design (the test checks "
+           "the result's fields and the engine's counters, not a draft).", ""]
+    if not files:
+        return out + ["Not measured yet: `tests/gpu/test_bench_sglang.py --run-gpu`.", ""]
+    rows = []
+    for n, r in files:
+        for name, st in (r.get("sets") or {}).items():
+            match = (r.get("output_match") or {}).get(name) or {}
+            same = f"{match['identical']}/{match['identical'] + match['different']}" if match else "-"
+            rows.append([n, "untrained" if r.get("untrained_draft") else "given", name,
+                         _num(st.get("acceptance_length"), "{:.3f}"), _num(st.get("output_tok_per_s"), "{:.1f}"),
+                         _num((r.get("baseline_tok_per_s") or {}).get(name), "{:.1f}"),
+                         _num((r.get("speedup") or {}).get(name), "{:.2f}x"), same])
+    return out + _table(["file", "draft", "set", "acceptance length", "tok/s", "baseline tok/s", "speedup",
+                         "identical outputs"], rows) + [""]
+
+
 def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Tiny targets", "",
            "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer tokens "
@@ -648,6 +672,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_capture_parity(kinds.get("capture_parity", []), plots)
     lines += section_prepare_memory(kinds.get("prepare_memory", []), plots)
     lines += section_regenerate(kinds.get("regenerate", []))
+    lines += section_bench_test(kinds.get("bench_test", []))
     lines += section_tiny_targets(kinds.get("tiny_target", []))
     lines += section_pretrain_repro(kinds.get("pretrain_repro", []))
     lines += section_target_select(kinds.get("target_select", []))

@@ -13,8 +13,9 @@
 # the others on what a features stage left in runs/ (so a long twin fits two device calls; the same OUT).
 # ONLINE_BENCH_JSON=FILE: the online draft's bench result from an earlier call or session on the same target and
 # prepared data, rebuilt by gpu_online_run.sh's target and data stages (the target stage rebuilds it bit for bit; the
-# data stage's greedy regeneration came out 0.013% of tokens different in the twelfth session, REGEN_DETERMINISTIC=1
-# is meant to close that; compare the data stage's prepare and sha256 lines); no online export is needed then and
+# data stage's greedy regeneration came out 0.013% of tokens different in the twelfth session, with SGLang's default
+# kernels; its REGEN_DETERMINISTIC=1 default rebuilt it bit for bit in the thirteenth; compare the data stage's
+# prepare and sha256 lines); no online export is needed then and
 # its bench is not run again.
 # Writes logs and JSON under ${OUT:-/tmp/offline-twin}. usage: [RECIPE=...] [TWIN_STAGE=all|features|rest]
 #   [ONLINE_BENCH_JSON=FILE] bash scripts/gpu_offline_twin.sh

@@ -22,11 +22,12 @@
 # default runs all.
 # usage: [RECIPE=recipes/...yaml] [STAGE=all|prep|target|data|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [TARGET_SEEDS="0 1"]
 #        [PRETRAIN_BATCH=32] [PRETRAIN_LR=2e-3] [PRETRAIN_PRECISION=fp32|bf16] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus]
-#        [PRETRAIN_PROMPT_RULES=0] [PRETRAIN_PROMPT_RULE=echo|words] [REGENERATE=0|1] [MIX=0] [REGEN_DETERMINISTIC=0|1]
+#        [PRETRAIN_PROMPT_RULES=0] [PRETRAIN_PROMPT_RULE=echo|words] [REGENERATE=0|1] [MIX=0] [REGEN_DETERMINISTIC=1|0]
 #        bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
-# REGEN_DETERMINISTIC=1 starts the regenerate server with SGLang's --enable-deterministic-inference (batch-invariant
-# kernels, pytorch sampling; SGLang 0.5.14 accepts it with triton attention for this checkpoint, checked on the CPU),
-# so that two data stages on the same target can give the same data bit for bit; not yet run on the box (slower).
+# REGEN_DETERMINISTIC=1 (the default) starts the regenerate server with SGLang's --enable-deterministic-inference
+# (batch-invariant kernels, pytorch sampling), so two data stages on the same target give the same data bit for bit:
+# measured on one H200 (thirteenth session, tests/gpu/RUNS.md), two such stages 0 of 3,100 rows apart, two with
+# REGEN_DETERMINISTIC=0 (SGLang's default kernels, 256 requests in flight) 31 of 3,100; about 25% slower regeneration.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
@@ -117,7 +118,7 @@ if [ "${REGENERATE:-0}" = 1 ]; then
   PORT=31999
   setsid python3 -m specforge_kimi.capture_server --model-path runs/tiny-k25 --tp-size 1 --host 127.0.0.1 --port $PORT \
     --attention-backend triton --disable-cuda-graph --mem-fraction-static 0.3 --reasoning-parser kimi_k2 \
-    --served-model-name tiny-k25 $([ "${REGEN_DETERMINISTIC:-0}" = 1 ] && echo --enable-deterministic-inference) \
+    --served-model-name tiny-k25 $([ "${REGEN_DETERMINISTIC:-1}" = 1 ] && echo --enable-deterministic-inference) \
     > "$OUT/regen_server.log" 2>&1 &
   SRV=$!
   for _ in $(seq 1 180); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done

@@ -192,7 +192,7 @@ def test_sglang_parses_the_tp8_layouts(tiny_dir):
 
 @pytest.mark.slow
 def test_deterministic_inference_is_accepted_for_the_tiny_target(tiny_dir):
-    """``REGEN_DETERMINISTIC=1`` (scripts/gpu_online_run.sh) adds ``--enable-deterministic-inference`` to a server
+    """``REGEN_DETERMINISTIC=1`` (scripts/gpu_online_run.sh's default) adds ``--enable-deterministic-inference`` to a server
     of this checkpoint with triton attention; SGLang 0.5.14's own argument handling takes it (and switches
     sampling to pytorch) rather than refusing the backend."""
     args = cs.prepare_text_only_server_args(_sglang_argv_without_spec_flags(tiny_dir)
