@@ -74,10 +74,11 @@ def check_patches() -> list[Check]:
     spec = importlib.util.find_spec("sglang.srt.spec_capture_sink") if _version("sglang") else None
     if spec and spec.origin:
         out.append(Check("sglang spec-capture patch", "ok", f"spec_capture_sink.py@{_sha256(Path(spec.origin))}"))
-        for patch in sorted((setup_patches.patches_root() / "sglang" / setup_patches.SGLANG_PIN).glob("*.patch")):
-            state = setup_patches.classify(patch, setup_patches.sglang_root(), 2).state
+        # ours edit what the one before left: read as a stack (each alone would not reverse once the next is in)
+        for s in setup_patches.classify_stack(setup_patches.our_sglang_patches(), setup_patches.sglang_root()):
+            state = s.state
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[state]
-            out.append(Check(f"sglang patch {patch.name}", status, state,
+            out.append(Check(f"sglang patch {s.patch.name}", status, state,
                              {"ok": "", "warn": "specforge-kimi setup --specforge-checkout /path/to/SpecForge",
                               "fail": "reinstall sglang==0.5.14, then specforge-kimi setup --specforge-checkout ..."}
                              [status]))

@@ -506,8 +506,9 @@ def add_parser(sub) -> None:
 
 
 def _run_cli(args) -> int:
-    """Same draft config, vocab mapping, lr, TTT, max length, seed and global batch (one rank,
-    gradient accumulation = the recipe's trainer ranks) as the recipe's online run."""
+    """Same draft config, vocab mapping, lr, TTT, max length, seed, global batch (one rank,
+    gradient accumulation = the recipe's trainer ranks) and, on a GPU, attention backend as the
+    recipe's online run."""
     import json
     import sys
 
@@ -526,7 +527,9 @@ def _run_cli(args) -> int:
                            embedding_key=recipe.target.embedding_key, lm_head_key=recipe.target.lm_head_key,
                            save_interval=recipe.trainer.save_interval or None,
                            accumulation_steps=recipe.gpus.per_node * recipe.gpus.nnodes,
-                           extra_overrides=None if _cuda_available() else {"model.torch_dtype": "float32"})
+                           # the recipe's attention backend on a GPU; sdpa on the CPU (flex has no CPU backward)
+                           extra_overrides=({"training.attention_backend": recipe.trainer.attention_backend}
+                                            if _cuda_available() else {"model.torch_dtype": "float32"}))
     export_dir = os.path.join(args.out, "export-sglang")
     export_run_draft(result["checkpoint_dir"], model["draft_model_config"], export_dir,
                      vocab_mapping_path=recipe.data.vocab_mapping_path, target_dir=recipe.target.path,

@@ -103,6 +103,12 @@ class TrainerSection(_Strict):
     save_interval: int = Field(default=1000, ge=0, description="Checkpoint every N steps")
     seed: int = Field(default=0, description="Seed")
     reserve_gib: float = Field(default=6.0, ge=0, description="Per-GPU headroom (CUDA context, NCCL, fragmentation)")
+    attention_backend: Literal["flex_attention", "sdpa"] = Field(
+        default="flex_attention",
+        description="SpecForge's training.attention_backend. flex_attention (SpecForge's default) keeps TTT "
+                    "attention memory linear in max_length; sdpa is SpecForge's eager TTT path, which keeps "
+                    "heads x max_length^2 softmax weights (fp32 + bf16) per TTT step for the backward: fine for "
+                    "short samples, needed on the CPU (flex has no CPU backward) and by the MLA draft (sdpa only)")
 
 
 class DataSection(_Strict):
@@ -152,6 +158,9 @@ class Recipe(_Strict):
                              "keeper the server mounts none (set capture_put_clients: 1)")
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
+        if "kv_lora_rank" in self.trainer.draft and self.trainer.attention_backend != "sdpa":
+            raise ValueError("the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: "
+                             "sdpa only")
         plan = memory_plan(self)
         if not plan["fits"]:
             raise ValueError(f"memory split does not fit: {plan['why']}")
@@ -183,7 +192,11 @@ def memory_plan(r: Recipe) -> dict:
     trainer = draft params x 16 B (bf16 weights + fp32 master + Adam m, v + bf16 grads)
               + frozen embedding and teacher head, bf16 (vocab x hidden x 2 B each)
               + activations: max_length x ttt_length x (draft_vocab x 12 B + hidden x 64 B)
-              + teacher logits chunk: max_length x 32768 x 4 B (SpecForge chunks the full-vocab teacher)
+              + with attention_backend sdpa: 6 B x draft heads x ttt_length x max_length^2 (SpecForge's eager
+                TTT attention keeps each step's fp32 softmax and its bf16 copy for the backward)
+              + teacher logits: max_length x target vocab x 10 B (online, SpecForge's TargetHead makes the full
+                bf16 logits, then ``_compute_target_p`` takes them to fp32 and a logsumexp; its chunked
+                compact teacher is offline-only)
               + reserve.
     """
     g, t, s, tr = r.gpus, r.target, r.server, r.trainer
@@ -192,9 +205,10 @@ def memory_plan(r: Recipe) -> dict:
     kv = s.kv_tokens * t.kv_bytes_per_token / GIB
     server_pool = s.mem_fraction_static * g.memory_gib
     params = _draft_params(d)
+    sdpa = 6 * d["num_attention_heads"] * tr.ttt_length * tr.max_length ** 2 if tr.attention_backend == "sdpa" else 0
     trainer = (params * 16 + 2 * t.vocab_size * t.hidden_size * 2
                + tr.max_length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64)
-               + tr.max_length * 32768 * 4) / GIB + tr.reserve_gib
+               + sdpa + tr.max_length * t.vocab_size * 10) / GIB + tr.reserve_gib
     trainer_room = (1 - s.mem_fraction_static) * g.memory_gib
     why = []
     if weights + kv > server_pool:
@@ -204,7 +218,8 @@ def memory_plan(r: Recipe) -> dict:
         why.append(f"trainer peak ~{trainer:.1f} GiB > {trainer_room:.1f} GiB left beside the server")
     return {"server_weights_gib": round(weights, 2), "server_kv_gib": round(kv, 2),
             "server_pool_gib": round(server_pool, 2), "draft_params": params,
-            "trainer_peak_gib": round(trainer, 2), "trainer_room_gib": round(trainer_room, 2),
+            "trainer_peak_gib": round(trainer, 2), "trainer_sdpa_attention_gib": round(sdpa / GIB, 2),
+            "trainer_room_gib": round(trainer_room, 2),
             "fits": not why, "why": "; ".join(why)}
 
 
@@ -298,7 +313,8 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
         "training": {"strategy": "eagle3", "max_steps": r.trainer.max_steps, "num_epochs": r.trainer.num_epochs,
                      "batch_size": r.trainer.batch_size,
                      "learning_rate": r.trainer.learning_rate, "ttt_length": r.trainer.ttt_length,
-                     "save_interval": r.trainer.save_interval, "seed": r.trainer.seed, "attention_backend": "sdpa",
+                     "save_interval": r.trainer.save_interval, "seed": r.trainer.seed,
+                     "attention_backend": r.trainer.attention_backend,
                      # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
                      "log_interval": 10},
         "deployment": {

@@ -4,8 +4,11 @@ Scope: the pinned versions only -- a SpecForge checkout at commit a6b6b023 or th
 ``specforge==0.2.0`` wheel, and the installed ``sglang==0.5.14``. Each patch is classified
 before anything is written: *applied* (reverse dry-run succeeds), *applicable* (forward dry-run
 succeeds) or *drift* (neither: the target file changed under us; a clear error names the patch
-and the file). ``--check`` classifies only. Applying twice is a no-op. The inventory of what
-each patch touches and why is ``patches/README.md``.
+and the files whose hunks fail). Dry runs and applies use ``--fuzz=0``: a hunk whose context lines
+changed is drift, not a guess. A stack (SpecForge's capture patch, then ours, each editing what the
+one before left) is read as its longest applied prefix, then the rest in order, so a half-applied
+stack is finished rather than refused. ``--check`` classifies only. Applying twice is a no-op. The
+inventory of what each patch touches and why is ``patches/README.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
@@ -41,6 +44,7 @@ class PatchStatus:
     state: str  # applied | applicable | drift
     files: list[str]
     detail: str = ""
+    failed: list[str] = field(default_factory=list)  # drift: the files whose hunks fail
 
 
 def _files(patch: Path, strip: int) -> list[str]:
@@ -53,10 +57,23 @@ def _files(patch: Path, strip: int) -> list[str]:
 
 
 def _dry(patch: Path, root: Path, strip: int, reverse: bool) -> subprocess.CompletedProcess:
-    args = ["patch", f"-p{strip}", "-d", str(root), "--dry-run", "--batch", "--silent", "-f"]
+    args = ["patch", f"-p{strip}", "-d", str(root), "--dry-run", "--batch", "--fuzz=0", "-f"]
     if reverse:
         args.append("-R")
     return subprocess.run(args + ["-i", str(patch)], capture_output=True, text=True)
+
+
+def _failed_files(output: str) -> list[str]:
+    """The files ``patch``'s dry-run output reports failing hunks for, in order."""
+    failed: list[str] = []
+    current = None
+    for line in output.splitlines():
+        m = re.match(r"^(?:checking|patching) file '?(.+?)'?$", line)
+        if m:
+            current = m.group(1)
+        elif current and ("FAILED" in line or "saving rejects" in line) and current not in failed:
+            failed.append(current)
+    return failed
 
 
 def classify(patch: Path, root: Path, strip: int) -> PatchStatus:
@@ -73,7 +90,8 @@ def classify(patch: Path, root: Path, strip: int) -> PatchStatus:
     fwd = _dry(patch, root, strip, reverse=False)
     if fwd.returncode == 0:
         return PatchStatus(patch, root, strip, "applicable", files)
-    return PatchStatus(patch, root, strip, "drift", files, (fwd.stdout + fwd.stderr).strip()[-400:])
+    out = (fwd.stdout + fwd.stderr).strip()
+    return PatchStatus(patch, root, strip, "drift", files, out[-400:], _failed_files(out))
 
 
 def _creates(patch: Path, rel: str) -> bool:
@@ -82,7 +100,7 @@ def _creates(patch: Path, rel: str) -> bool:
 
 
 def apply(status: PatchStatus) -> None:
-    res = subprocess.run(["patch", f"-p{status.strip}", "-d", str(status.root), "--batch", "--forward",
+    res = subprocess.run(["patch", f"-p{status.strip}", "-d", str(status.root), "--batch", "--forward", "--fuzz=0",
                           "--no-backup-if-mismatch", "-i", str(status.patch)], capture_output=True, text=True)
     if res.returncode != 0:
         raise KimiInputError(f"applying {status.patch} to {status.root} failed: {(res.stdout + res.stderr)[-400:]}")
@@ -147,19 +165,34 @@ def _classify_after(patch: Path, site: Path, prior: list[PatchStatus]) -> PatchS
     return status
 
 
-def _stack_applied(patches: list[Path], site: Path) -> bool:
-    """True when every patch of the stack is in: each reverses, last first, on a scratch copy
-    (a later patch edits a file an earlier one created, so the earlier one alone no longer reverses)."""
+def _applied_prefix(patches: list[Path], site: Path) -> int:
+    """How many leading patches of the stack are in ``site``: the largest k whose patches reverse,
+    last first, on a scratch copy (a later patch edits what an earlier one left, so an earlier one
+    alone no longer reverses once a later one is in)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="specforge-kimi-patch-") as tmp:
-        scratch = _scratch_copy(site, {f for p in patches for f in _files(p, 2)}, Path(tmp))
-        for p in reversed(patches):
-            if _dry(p, scratch, 2, reverse=True).returncode != 0:
-                return False
-            subprocess.run(["patch", "-p2", "-d", str(scratch), "-R", "--batch", "--silent", "-i", str(p)],
-                           capture_output=True)
-    return True
+    for k in range(len(patches), 0, -1):
+        with tempfile.TemporaryDirectory(prefix="specforge-kimi-patch-") as tmp:
+            scratch = _scratch_copy(site, {f for p in patches[:k] for f in _files(p, 2)}, Path(tmp))
+            for p in reversed(patches[:k]):
+                if _dry(p, scratch, 2, reverse=True).returncode != 0:
+                    break
+                subprocess.run(["patch", "-p2", "-d", str(scratch), "-R", "--batch", "--fuzz=0", "-i", str(p)],
+                               capture_output=True)
+            else:
+                return k
+    return 0
+
+
+def classify_stack(stack: list[Path], site: Path) -> list[PatchStatus]:
+    """Each patch of an ordered stack (``-p2`` into ``site``) with its state: the longest applied prefix is
+    *applied*; each later one is classified as it will meet the tree after the ones before it."""
+    k = _applied_prefix(stack, site)
+    statuses = [PatchStatus(p, site, 2, "applied", _files(p, 2)) for p in stack[:k]]
+    rest: list[PatchStatus] = []
+    for p in stack[k:]:
+        rest.append(_classify_after(p, site, rest))
+    return statuses + rest
 
 
 def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None) -> list[PatchStatus]:
@@ -177,15 +210,13 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
         if not capture.is_file():
             raise KimiInputError(f"{capture} not found in the SpecForge checkout")
         site = sglang_site or sglang_root()
-        stack = [capture, *sorted((root / "sglang" / SGLANG_PIN).glob("*.patch"))]
-        if _stack_applied(stack, site):
-            statuses += [PatchStatus(p, site, 2, "applied", _files(p, 2)) for p in stack]
-            return statuses
-        sglang_statuses = [classify(capture, site, 2)]
-        for p in stack[1:]:
-            sglang_statuses.append(_classify_after(p, site, sglang_statuses))
-        statuses += sglang_statuses
+        statuses += classify_stack([capture, *our_sglang_patches()], site)
     return statuses
+
+
+def our_sglang_patches() -> list[Path]:
+    """``patches/sglang/<pin>/*.patch`` in application order."""
+    return sorted((patches_root() / "sglang" / SGLANG_PIN).glob("*.patch"))
 
 
 #: the two patches ``server.compact_passthrough`` needs: our SpecForge producer side and our SGLang sink side
@@ -258,8 +289,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.state:10s} {s.patch.name:40s} -> {s.root} ({', '.join(s.files)})")
     if drift:
         s = drift[0]
-        raise KimiInputError(f"{s.patch} does not apply to {s.root}/{s.files[0] if s.files else ''}: the file "
-                             f"changed (version drift?). {s.detail}")
+        where = ", ".join(f"{s.root}/{f}" for f in (s.failed or s.files[:1]))
+        raise KimiInputError(f"{s.patch} does not apply to {where}: the file changed (version drift?). {s.detail}")
+    note = _imported_elsewhere(args.specforge_checkout)
+    if note:
+        print(note)
     if args.check:
         return 0
     for s in statuses:
@@ -267,3 +301,21 @@ def run(args: argparse.Namespace) -> int:
             apply(s)
             print(f"applied    {s.patch.name}")
     return 0
+
+
+def _imported_elsewhere(checkout: str | None) -> str:
+    """A note when ``--specforge-checkout`` is not the specforge this Python imports (patching it then
+    leaves what runs unpatched); empty otherwise."""
+    if not checkout:
+        return ""
+    import importlib.util
+
+    spec = importlib.util.find_spec("specforge")
+    if spec is None or not spec.origin:
+        return ""
+    imported = Path(spec.origin).resolve().parent
+    if imported == (Path(checkout) / "specforge").resolve():
+        return ""
+    return (f"note: this Python imports specforge from {imported}, not from {checkout}: install the checkout "
+            f"(pip install -e {checkout}) or also patch the installed one (specforge-kimi setup --no-sglang)")
+

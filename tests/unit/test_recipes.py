@@ -29,6 +29,9 @@ def test_recipe_renders(path, tmp_path):
     assert cfg["deployment"]["mode"] == "disaggregated"
     assert cfg["deployment"]["trainer"]["nproc_per_node"] == r.gpus.per_node
     assert cfg["training"]["num_epochs"] == r.trainer.num_epochs
+    assert cfg["training"]["attention_backend"] == r.trainer.attention_backend
+    if r.target.path.startswith("/models/"):  # a real K2.5: long samples need SpecForge's linear-memory attention
+        assert r.trainer.attention_backend == "flex_attention"
     assert cfg["model"]["embedding_key"].startswith("language_model.")
     argv = out["launch"]["capture_server"]
     assert "--enable-spec-capture" in argv and str(r.tp) == argv[argv.index("--tp-size") + 1]
@@ -93,6 +96,12 @@ def _raw():
     (lambda r: (r["server"].update(capture_put_clients=2), r.update(resilience={"segment_owner": "keeper"})),
      "capture_put_clients > 1 splits the server's own segment"),
     (lambda r: r["server"].update(capture_put_clients=0), "capture_put_clients"),
+    # SpecForge's eager (sdpa) TTT attention at 4k tokens: 6 B x 56 heads x 7 steps x 4096^2 = 36.8 GiB more
+    (lambda r: r["trainer"].update(attention_backend="sdpa"), "trainer peak ~90.2 GiB"),
+    (lambda r: r["trainer"].update(attention_backend="fa"), "attention_backend"),
+    (lambda r: r["trainer"]["draft"].update(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                                            qk_rope_head_dim=64, v_head_dim=128),
+     "MLA draft .* sdpa only"),
 ])
 def test_bad_recipes(tmp_path, mutate, msg):
     raw = copy.deepcopy(_raw())

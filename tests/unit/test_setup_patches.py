@@ -26,9 +26,15 @@ def test_check_against_installed_wheel(capsys):
 
 @pytest.fixture
 def fake_checkout(tmp_path):
-    """A copy of the wheel's specforge package laid out like a checkout (not a git repo)."""
+    """A copy of the wheel's specforge package laid out like a checkout (not a git repo), as SpecForge ships
+    it: our patches are taken back out, last first, where `setup` had applied them to the venv's wheel."""
     root = tmp_path / "SpecForge"
     shutil.copytree(WHEEL_PKG, root / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
+    for patch in reversed(sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
+                                 .glob("*.patch"))):
+        if setup_patches.classify(patch, root, 1).state == "applied":
+            subprocess.run(["patch", "-R", "-p1", "-d", str(root), "--batch", "-i", str(patch)], check=True,
+                           capture_output=True)
     return root
 
 
@@ -64,6 +70,26 @@ def test_drift_names_the_file(fake_checkout):
     cli.write_text(cli.read_text().replace("def main(argv", "def main_renamed(argv"))
     with pytest.raises(KimiInputError, match="0001-load-plugins.patch does not apply to .*specforge/cli.py"):
         _run(fake_checkout, check=True)
+
+
+def test_changed_context_is_drift_not_fuzz(fake_checkout):
+    """A context line of the hunk changed (not a line the patch edits): `patch`'s default fuzz would still
+    apply it at a guessed place; setup calls it drift and names the file."""
+    cli = fake_checkout / "specforge/cli.py"
+    text = cli.read_text()
+    assert text.count('    sub = parser.add_subparsers(dest="command", required=True)') == 1
+    cli.write_text(text.replace('    sub = parser.add_subparsers(dest="command", required=True)',
+                                '    sub = parser.add_subparsers(dest="command", required=True)  # edited'))
+    status = setup_patches.classify(setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN
+                                    / "0001-load-plugins.patch", fake_checkout, 1)
+    assert status.state == "drift" and status.failed == ["specforge/cli.py"], (status.state, status.detail)
+    with pytest.raises(KimiInputError, match=r"0001-load-plugins.patch does not apply to \S*/specforge/cli.py"):
+        _run(fake_checkout, check=True)
+
+
+def test_a_checkout_python_does_not_import_gets_a_note(fake_checkout, capsys):
+    assert _run(fake_checkout, check=True) == 0
+    assert f"not from {fake_checkout}" in capsys.readouterr().out
 
 
 def test_sglang_needs_checkout():

@@ -215,3 +215,46 @@ def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
 
     gaps = sp.compact_passthrough_gaps(sglang_site=patched_site)
     assert not any(g.startswith("0004-") for g in gaps), gaps
+
+
+def test_half_applied_stack_is_finished(tmp_path):
+    """The capture patch and our 0001 in, the rest not (an interrupted setup, or one from an older
+    specforge-kimi): setup reads the applied prefix and finishes the stack instead of calling it drift."""
+    from specforge_kimi import setup_patches as sp
+
+    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    stack = [capture, *sp.our_sglang_patches()]
+    site = sp._scratch_copy(sp.sglang_root(), {f for p in stack for f in sp._files(p, 2)}, tmp_path / "site")
+    for p in stack[:2]:
+        status = sp.classify(p, site, 2)
+        assert status.state == "applicable", status.detail
+        sp.apply(status)
+    states = [(s.patch.name, s.state) for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.root == site]
+    assert [st for _, st in states] == ["applied"] * 2 + ["applicable"] * (len(stack) - 2), states
+    for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site):
+        if s.root == site and s.state == "applicable":
+            sp.apply(s)
+    assert {s.state for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.root == site} == {"applied"}
+    assert sp.classify_stack(sp.our_sglang_patches(), site)[-1].state == "applied"  # doctor's reading
+
+
+def test_drift_error_names_the_file_that_fails(tmp_path):
+    """The capture patch touches many files; the error names the one whose hunk fails, not the first listed."""
+    import argparse
+
+    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.errors import KimiInputError
+
+    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
+    batch = site / "sglang/srt/managers/schedule_batch.py"
+    old = "        return_pooled_hidden_states: bool = False,\n"
+    assert batch.read_text().count(old) == 1
+    batch.write_text(batch.read_text().replace(old, "        return_pooled_hidden_states: bool = True,\n"))
+    status = sp.classify(capture, site, 2)
+    assert status.state == "drift" and status.failed == ["sglang/srt/managers/schedule_batch.py"], status.detail
+    import unittest.mock as um
+
+    with um.patch.object(sp, "sglang_root", return_value=site), \
+            pytest.raises(KimiInputError, match=r"spec-capture.patch does not apply to \S*/schedule_batch.py:"):
+        sp.run(argparse.Namespace(specforge_checkout=CHECKOUT, check=True, no_sglang=False))
