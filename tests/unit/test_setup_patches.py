@@ -95,3 +95,17 @@ def test_a_checkout_python_does_not_import_gets_a_note(fake_checkout, capsys):
 def test_sglang_needs_checkout():
     with pytest.raises(KimiInputError, match="only in a SpecForge checkout"):
         setup_patches.plan(None, sglang=True)
+
+
+@pytest.mark.skipif(not os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT"),
+                    reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023")
+def test_applies_to_the_pinned_checkout(tmp_path):
+    """The same patches on a copy of the a6b6b023 checkout's specforge/ (the tree `setup --specforge-checkout`
+    patches in place): applicable there, then applied, then a no-op."""
+    root = tmp_path / "SpecForge"
+    shutil.copytree(Path(os.environ["SPECFORGE_KIMI_SPECFORGE_CHECKOUT"]) / "specforge", root / "specforge",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applicable"}
+    assert _run(root) == 0
+    assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applied"}
+    assert _run(root) == 0
