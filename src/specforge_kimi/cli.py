@@ -62,9 +62,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_layer_ids(args: argparse.Namespace) -> int:
-    from specforge_kimi.layer_ids import ENGINES, AuxLayers
+    from specforge_kimi.layer_ids import ENGINES, AuxLayers, parse_id_list
 
-    aux = AuxLayers.from_engine(args.engine, [int(x) for x in args.ids.split(",")], args.num_layers)
+    aux = AuxLayers.from_engine(args.engine, parse_id_list(args.ids, "layer-ids"), args.num_layers)
     table = {"captured_positions": list(aux.positions)}
     for engine in ENGINES:
         try:

@@ -149,7 +149,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    res = evaluate(args.target, args.draft_config, args.vocab_mapping, [int(x) for x in args.aux_ids.split(",")],
+    from specforge_kimi.layer_ids import parse_id_list
+
+    res = evaluate(args.target, args.draft_config, args.vocab_mapping, parse_id_list(args.aux_ids, "--aux-ids"),
                    args.checkpoints, heldout=args.heldout, steps=args.steps, device=args.device,
                    heldout_file=args.heldout_file)
     text = json.dumps(res, indent=2)

@@ -56,6 +56,11 @@ def _as_ints(ids: Iterable[int], what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_id_list(text: str, what: str) -> list[int]:
+    """``"1,29,57"`` -> ``[1, 29, 57]``; anything else is a :class:`KimiInputError` naming ``what``."""
+    return list(_as_ints([x for x in text.split(",")], what))
+
+
 @dataclass(frozen=True)
 class AuxLayers:
     """Captured positions of the aux hidden states for a target with ``num_layers`` layers."""

@@ -505,6 +505,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_run_cli)
 
 
+def _check_inputs(recipe, features: str) -> None:
+    """What train-offline reads, before anything is written: a clear error instead of SpecForge's traceback."""
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    from specforge_kimi.errors import KimiInputError
+
+    if not os.path.isdir(features):
+        raise KimiInputError(f"--features {features} is not a directory (specforge-kimi capture-features output)")
+    if not list_feature_files(features):
+        raise KimiInputError(f"--features {features} holds no .ckpt / .ckpt.gz feature files")
+    if not os.path.isdir(recipe.target.path):
+        raise KimiInputError(f"target.path {recipe.target.path} is not a directory")
+    if not os.path.isfile(recipe.data.vocab_mapping_path):
+        raise KimiInputError(f"data.vocab_mapping_path {recipe.data.vocab_mapping_path} not found "
+                             "(specforge-kimi prepare writes it)")
+
+
 def _run_cli(args) -> int:
     """Same draft config, vocab mapping, lr, TTT, max length, seed, global batch (one rank,
     gradient accumulation = the recipe's trainer ranks) and, on a GPU, attention backend as the
@@ -517,6 +534,7 @@ def _run_cli(args) -> int:
     from specforge_kimi.recipes import load_recipe, render
 
     recipe = load_recipe(args.recipe)
+    _check_inputs(recipe, args.features)
     rendered = render(recipe, os.path.join(args.out, "rendered"))
     model = rendered["specforge_config"]["model"]
     result = train_offline(target_dir=recipe.target.path, draft_config_path=model["draft_model_config"],

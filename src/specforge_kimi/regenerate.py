@@ -175,12 +175,12 @@ class _Client:
 def regenerate(options: RegenerateOptions) -> dict[str, Any]:
     """Run the regeneration; returns counts (rows written, skipped, failed, truncated)."""
     _check_options(options)
-    done = _resume_state(options)
     client = _Client(options)
-    try:
+    try:  # before OUT is created: an unreachable server leaves nothing a retry would have to --resume
         model = options.model or client.model_name()
     except _RowFailed as exc:
         raise KimiInputError(f"cannot list the server's models ({exc}); check --server") from exc
+    done = _resume_state(options)
     errors_path = _errors_path(options.out_path)
     counts = {"written": 0, "already_done": len(done), "failed": 0, "skipped": 0, "truncated": 0}
     consecutive_server_failures = 0

@@ -90,6 +90,13 @@ CASES = {
     "layer-ids: out of range": (lambda t, d: ["layer-ids", "1,29,60"], "has residual positions 1..60", None),
     "layer-ids: duplicated": (lambda t, d: ["layer-ids", "2,30,30", "--engine", "vllm"], "duplicated", None),
     "layer-ids: embedding output": (lambda t, d: ["layer-ids", "0,30,58", "--engine", "vllm"], "embedding output", None),
+    "layer-ids: not a number": (lambda t, d: ["layer-ids", "1,x"], "must be integers, got 'x'", None),
+    "eval-draft: aux ids not numbers": (lambda t, d: ["eval-draft", "--target", str(d), "--draft-config", str(t / "c.json"),
+                                                      "--vocab-mapping", str(t / "v.pt"), "--aux-ids", "1,x"],
+                                        "must be integers, got 'x'", None),
+    "train-offline: no feature files": (lambda t, d: ["train-offline", str(TINY_RECIPE), "--features",
+                                                      str((t / "feats").mkdir() or t / "feats"), "--out", str(t / "o")],
+                                        "holds no .ckpt", "o"),
     "recipe: unknown field": (lambda t, d: ["recipe", "validate", _recipe(t, lambda r: r.update(surprise=1))],
                               "Extra inputs are not permitted", None),
     "recipe: TP does not divide heads": (lambda t, d: ["recipe", "validate", _recipe(

@@ -390,6 +390,7 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
         [str(source), "--server", url, "--out", str(tmp_path / "o.jsonl"), "--max-retries", "0"]
     )
     assert code == 2
+    assert not (tmp_path / "o.jsonl").exists()  # so the retry with the right --server needs no --resume
 
 
 def test_keep_unfinished_keeps_cut_generations(tmp_path, server):
