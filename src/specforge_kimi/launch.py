@@ -50,8 +50,14 @@ def node_gpus(count: int, environ: Any = None) -> str:
     return ",".join(devices[:count])
 
 
-def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python"):
-    """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`)."""
+def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python",
+                         local_host: str | None = None):
+    """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`).
+
+    Multi-node: ``local_host`` is this node's address the other nodes reach (Mooncake's
+    ``MOONCAKE_LOCAL_HOSTNAME`` for its server and trainer ranks, and the bind address of a
+    non-zero node's SGLang ranks); node 0 defaults to ``server.host``, other nodes must give it.
+    Each node keeps its own supervisor directory under the shared ``output_dir``."""
     from specforge.launch_plan import CommandSpec, LaunchPlan, ReadinessSpec, ServiceSpec
 
     out = Path(recipe.output_dir)
@@ -79,6 +85,14 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
         server_env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "0"  # the server puts into the keeper's segment
         server_phase = 2
     server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(launch["capture_server"], python)]
+    if recipe.gpus.nnodes > 1:
+        if local_host is None and node_rank != 0:
+            raise KimiInputError(f"node {node_rank} of a {recipe.gpus.nnodes}-node recipe needs --local-host: this "
+                                 "node's address the other nodes reach (Mooncake transfers and SGLang bind to it)")
+        local_host = local_host or recipe.server.host
+        server_env["MOONCAKE_LOCAL_HOSTNAME"] = local_host
+        if node_rank != 0 and "--host" in server_argv:  # SGLang's other nodes bind their health stand-in here
+            server_argv[server_argv.index("--host") + 1] = local_host
     if res.server_restarts:
         server_argv = [python, "-m", "specforge_kimi.keeper", "--restarts", str(res.server_restarts), "--",
                        *server_argv]
@@ -88,7 +102,8 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
                                 SERVER_START_TIMEOUT_S),
         log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=server_phase))
     env = {**launch["env"], "CUDA_VISIBLE_DEVICES": gpus,
-           "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s)}
+           "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s),
+           **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if recipe.gpus.nnodes > 1 else {})}
     commands = []
     if node_rank == 0:
         commands.append(CommandSpec("producer", _logged(_py(launch["producer"], python), logs / "producer.log"), env))
@@ -100,7 +115,7 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
                     "--resume-consumer", str(out), recipe.name, "--", *consumer]
     commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
     return LaunchPlan(kind="managed_supervisor", role="both", commands=tuple(commands), services=tuple(services),
-                      managed_root=str(out / "supervisor"),
+                      managed_root=str(out / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
                       managed_ports=(mc.rpc_port, mc.metadata_port, recipe.server.port,
                                      *([res.keeper_port] if res.segment_owner == "keeper" else []))
                       if node_rank == 0 else (),
@@ -183,7 +198,10 @@ def export_latest(recipe, rendered: dict) -> Path:
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="co-located online run of a recipe on this node (server + Mooncake + trainer)")
     p.add_argument("recipe")
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank in a multi-node recipe (0 runs Mooncake, "
+                   "the producer, the export and the bench)")
+    p.add_argument("--local-host", default=None, help="multi-node: this node's address the others reach "
+                   "(default on node 0: the recipe's server.host; required on the others)")
     p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
     p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
     p.set_defaults(func=run)
@@ -197,7 +215,8 @@ def run(args) -> int:
 
     recipe = load_recipe(args.recipe)
     rendered = render(recipe, Path(recipe.output_dir) / "rendered")
-    plan = build_colocated_plan(recipe, rendered, node_rank=args.node_rank, python=sys.executable)
+    plan = build_colocated_plan(recipe, rendered, node_rank=args.node_rank, python=sys.executable,
+                                local_host=args.local_host)
     if args.plan:
         print(plan.render())
         print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
@@ -207,6 +226,9 @@ def run(args) -> int:
     rc = run_plan(plan, managed_preflight=lambda _plan: None)
     if rc != 0:
         return rc
+    if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared
+        print(f"node {args.node_rank}: training done; node 0 exports the draft and runs the bench", flush=True)
+        return 0
     export_dir = export_latest(recipe, rendered)
     print(f"exported draft: {export_dir}", flush=True)
     if args.no_bench:

@@ -1,0 +1,54 @@
+"""The two-node recipe's per-node launch plans (nothing is started): what each node runs, where it
+keeps its supervisor state, and which address Mooncake and SGLang use on it."""
+
+from pathlib import Path
+
+import pytest
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.launch import build_colocated_plan
+from specforge_kimi.recipes import load_recipe, render
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-2x8xb300.yaml"
+
+
+@pytest.fixture(scope="module")
+def recipe_and_rendered(tmp_path_factory):
+    recipe = load_recipe(RECIPE)
+    return recipe, render(recipe, tmp_path_factory.mktemp("rendered"))
+
+
+def _by_name(plan):
+    return ({s.command.label: s for s in plan.services}, {c.label: c for c in plan.commands})
+
+
+def test_node0_runs_the_shared_services_with_its_own_address(recipe_and_rendered):
+    recipe, rendered = recipe_and_rendered
+    plan = build_colocated_plan(recipe, rendered, node_rank=0)
+    services, commands = _by_name(plan)
+    assert {"mooncake", "capture-server"} <= set(services) and {"producer", "consumer"} == set(commands)
+    assert services["capture-server"].command.env["MOONCAKE_LOCAL_HOSTNAME"] == recipe.server.host
+    assert commands["consumer"].env["MOONCAKE_LOCAL_HOSTNAME"] == recipe.server.host
+    assert plan.managed_root.endswith("/supervisor")
+
+
+def test_other_nodes_use_their_own_address_and_supervisor_dir(recipe_and_rendered):
+    recipe, rendered = recipe_and_rendered
+    plan = build_colocated_plan(recipe, rendered, node_rank=1, local_host="10.0.0.2")
+    services, commands = _by_name(plan)
+    assert set(services) == {"capture-server"} and set(commands) == {"consumer"}  # no second master or producer
+    server = services["capture-server"].command
+    assert server.env["MOONCAKE_LOCAL_HOSTNAME"] == "10.0.0.2"
+    assert server.argv[list(server.argv).index("--host") + 1] == "10.0.0.2"
+    assert server.argv[list(server.argv).index("--node-rank") + 1] == "1"
+    assert commands["consumer"].env["MOONCAKE_LOCAL_HOSTNAME"] == "10.0.0.2"
+    assert "--node_rank=1" in commands["consumer"].argv
+    node0 = build_colocated_plan(recipe, rendered, node_rank=0)
+    assert plan.managed_root != node0.managed_root and plan.managed_root.endswith("/supervisor-node1")
+    assert plan.managed_ports == ()
+
+
+def test_other_nodes_must_name_their_address(recipe_and_rendered):
+    recipe, rendered = recipe_and_rendered
+    with pytest.raises(KimiInputError, match="needs --local-host"):
+        build_colocated_plan(recipe, rendered, node_rank=1)
