@@ -103,6 +103,10 @@ class TrainerSection(_Strict):
     save_interval: int = Field(default=1000, ge=0, description="Checkpoint every N steps")
     seed: int = Field(default=0, description="Seed")
     reserve_gib: float = Field(default=6.0, ge=0, description="Per-GPU headroom (CUDA context, NCCL, fragmentation)")
+    consumer_state_dir: Optional[str] = Field(
+        default=None, description="SpecForge's consumer ledger (SQLite/WAL) directory; default "
+                                  "<output_dir>/consumer-state. A multi-node recipe must name a directory on trainer "
+                                  "node 0's local disk (SpecForge: node-local; SQLite on a shared filesystem is unsafe)")
     attention_backend: Literal["flex_attention", "sdpa"] = Field(
         default="flex_attention",
         description="SpecForge's training.attention_backend. flex_attention (SpecForge's default) keeps TTT "
@@ -158,6 +162,9 @@ class Recipe(_Strict):
                              "keeper the server mounts none (set capture_put_clients: 1)")
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
+        if self.gpus.nnodes > 1 and not self.trainer.consumer_state_dir:
+            raise ValueError("a multi-node recipe needs trainer.consumer_state_dir on trainer node 0's local disk "
+                             "(output_dir is shared; SpecForge's ledger is SQLite/WAL)")
         if "kv_lora_rank" in self.trainer.draft and self.trainer.attention_backend != "sdpa":
             raise ValueError("the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: "
                              "sdpa only")
@@ -298,6 +305,12 @@ def process_env(r: Recipe) -> dict[str, str]:
     return env
 
 
+def consumer_state_dir(r: Recipe) -> str:
+    """Where SpecForge's consumer ledger lives: the recipe's ``trainer.consumer_state_dir`` or
+    ``<output_dir>/consumer-state``."""
+    return r.trainer.consumer_state_dir or str(Path(r.output_dir) / "consumer-state")
+
+
 def specforge_config(r: Recipe, draft_config_path: str) -> dict:
     """The SpecForge run config (external disaggregated mode); validated by SpecForge's ``Config``."""
     mc = r.mooncake
@@ -322,7 +335,7 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
             "trainer": {"nnodes": r.gpus.nnodes, "nproc_per_node": r.gpus.per_node,
                         **({"master_addr": r.server.host, "master_port": 29500} if r.gpus.nnodes > 1 else {})},
             "disaggregated": {
-                "control_dir": str(out / "control"), "consumer_state_dir": str(out / "consumer-state"),
+                "control_dir": str(out / "control"), "consumer_state_dir": consumer_state_dir(r),
                 "backend": "mooncake", "server_urls": [f"http://{r.server.host}:{r.server.port}"],
                 "mooncake_metadata_server": f"http://{mc.host}:{mc.metadata_port}/metadata",
                 "mooncake_master_server_addr": f"{mc.host}:{mc.rpc_port}", "mooncake_protocol": mc.protocol,

@@ -44,9 +44,23 @@ def consumer_steps(log_text: str) -> list[dict]:
     return out
 
 
+def _ledger_db(run_dir: Path) -> Path:
+    """The consumer ledger: where the run's rendered SpecForge config put it (a recipe's
+    ``trainer.consumer_state_dir``), else ``<run_dir>/consumer-state/consumer.sqlite``."""
+    import yaml
+
+    cfg = run_dir / "rendered" / "specforge_run.yaml"
+    if cfg.is_file():
+        state = ((yaml.safe_load(cfg.read_text()) or {}).get("deployment", {}).get("disaggregated", {})
+                 .get("consumer_state_dir"))
+        if state:
+            return Path(state) / "consumer.sqlite"
+    return run_dir / "consumer-state" / "consumer.sqlite"
+
+
 def durable_step(run_dir: Path) -> Optional[int]:
     """The consumer ledger's durable optimizer step (``marker.global_step``), if any."""
-    db = run_dir / "consumer-state" / "consumer.sqlite"
+    db = _ledger_db(run_dir)
     if not db.is_file():
         return None
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -59,7 +73,7 @@ def durable_step(run_dir: Path) -> Optional[int]:
 
 def ledger(run_dir: Path) -> dict:
     """SpecForge's consumer ledger: trained samples, duplicates, tokens, durable step."""
-    db = run_dir / "consumer-state" / "consumer.sqlite"
+    db = _ledger_db(run_dir)
     if not db.is_file():
         return {"present": False}
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)

@@ -52,3 +52,30 @@ def test_other_nodes_must_name_their_address(recipe_and_rendered):
     recipe, rendered = recipe_and_rendered
     with pytest.raises(KimiInputError, match="needs --local-host"):
         build_colocated_plan(recipe, rendered, node_rank=1)
+
+
+def test_the_ledger_stays_on_node0s_own_disk(recipe_and_rendered):
+    recipe, rendered = recipe_and_rendered
+    state = rendered["specforge_config"]["deployment"]["disaggregated"]["consumer_state_dir"]
+    assert state == recipe.trainer.consumer_state_dir and not state.startswith(recipe.output_dir)
+
+
+def test_run_report_reads_the_ledger_where_the_config_put_it(tmp_path):
+    import sqlite3
+
+    import yaml
+
+    from specforge_kimi.run_report import durable_step
+
+    run, state = tmp_path / "run", tmp_path / "node-local" / "consumer-state"
+    (run / "rendered").mkdir(parents=True)
+    state.mkdir(parents=True)
+    (run / "rendered" / "specforge_run.yaml").write_text(yaml.safe_dump(
+        {"deployment": {"disaggregated": {"consumer_state_dir": str(state)}}}))
+    con = sqlite3.connect(state / "consumer.sqlite")
+    con.execute("create table marker (k text primary key, v)")
+    con.execute("insert into marker values ('global_step', 42)")
+    con.commit()
+    con.close()
+    assert durable_step(run) == 42
+

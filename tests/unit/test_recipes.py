@@ -91,6 +91,8 @@ def _raw():
     (lambda r: r["server"].update(mem_fraction_static=0.9), "trainer peak"),
     (lambda r: r["trainer"]["draft"].update(hidden_size=4096), "draft hidden_size 4096 != target"),
     (lambda r: r["gpus"].update(nnodes=2), "multi-node recipe needs server.host"),
+    (lambda r: (r["gpus"].update(nnodes=2), r["server"].update(host="10.0.0.1")),
+     "multi-node recipe needs trainer.consumer_state_dir"),
     (lambda r: r["trainer"]["draft"].update(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
      r"eagle_aux_hidden_state_layer_ids \[2, 30, 58\] != target.aux_layer_ids \[1, 29, 57\]"),
     (lambda r: (r["server"].update(capture_put_clients=2), r.update(resilience={"segment_owner": "keeper"})),
