@@ -162,6 +162,9 @@ class Recipe(_Strict):
                              "keeper the server mounts none (set capture_put_clients: 1)")
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
+        if self.gpus.nnodes > 1 and self.resilience.consumer_restarts:
+            raise ValueError("resilience.consumer_restarts is single-node only: the keeper reads the ledger, which "
+                             "a multi-node run keeps on trainer node 0's disk")
         if self.gpus.nnodes > 1 and not self.trainer.consumer_state_dir:
             raise ValueError("a multi-node recipe needs trainer.consumer_state_dir on trainer node 0's local disk "
                              "(output_dir is shared; SpecForge's ledger is SQLite/WAL)")

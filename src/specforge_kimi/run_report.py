@@ -45,17 +45,19 @@ def consumer_steps(log_text: str) -> list[dict]:
 
 
 def _ledger_db(run_dir: Path) -> Path:
-    """The consumer ledger: where the run's rendered SpecForge config put it (a recipe's
-    ``trainer.consumer_state_dir``), else ``<run_dir>/consumer-state/consumer.sqlite``."""
+    """The consumer ledger: ``<run_dir>/consumer-state/consumer.sqlite`` (the default, wherever the run
+    directory now is), or the directory a recipe's ``trainer.consumer_state_dir`` named, as the run's
+    rendered SpecForge config records it."""
     import yaml
 
+    default = run_dir / "consumer-state" / "consumer.sqlite"
     cfg = run_dir / "rendered" / "specforge_run.yaml"
     if cfg.is_file():
-        state = ((yaml.safe_load(cfg.read_text()) or {}).get("deployment", {}).get("disaggregated", {})
-                 .get("consumer_state_dir"))
-        if state:
+        raw = yaml.safe_load(cfg.read_text()) or {}
+        state = raw.get("deployment", {}).get("disaggregated", {}).get("consumer_state_dir")
+        if state and state != str(Path(raw.get("output_dir", "")) / "consumer-state"):
             return Path(state) / "consumer.sqlite"
-    return run_dir / "consumer-state" / "consumer.sqlite"
+    return default
 
 
 def durable_step(run_dir: Path) -> Optional[int]:

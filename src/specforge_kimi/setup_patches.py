@@ -290,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
     if drift:
         s = drift[0]
         where = ", ".join(f"{s.root}/{f}" for f in (s.failed or s.files[:1]))
-        raise KimiInputError(f"{s.patch} does not apply to {where}: the file changed (version drift?). {s.detail}")
+        raise KimiInputError(f"{s.patch} does not apply to {where}: the file changed (version drift, or an older "
+                             f"specforge-kimi's patches are in: reinstall that package at its pin and run setup "
+                             f"again). {s.detail}")
     note = _imported_elsewhere(args.specforge_checkout)
     if note:
         print(note)
