@@ -111,9 +111,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from specforge_kimi.cpu_shims import install_cpu_shims
 
     install_cpu_shims()  # no-op with CUDA; lets a CPU-only rank (tests, debugging) train
+    from pydantic import ValidationError
     from specforge.cli import main as specforge_main
 
-    return int(specforge_main(["train", *args.specforge_args]) or 0)
+    try:
+        return int(specforge_main(["train", *args.specforge_args]) or 0)
+    except ValidationError as exc:  # SpecForge's own config schema: one line, not its traceback
+        from specforge_kimi.recipes import validation_summary
+
+        raise KimiInputError(f"SpecForge run config: {validation_summary(exc)}") from None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -75,17 +75,17 @@ class AuxLayers:
         if not p:
             raise KimiInputError("aux layer ids are empty")
         if len(set(p)) != len(p):
-            raise KimiInputError(f"aux layer ids {list(p)} capture duplicated positions")
+            raise KimiInputError(f"captured positions {list(p)} are duplicated")
         if list(p) != sorted(p):
-            raise KimiInputError(f"aux layer ids {list(p)} are not ascending")
+            raise KimiInputError(f"captured positions {list(p)} are not ascending")
         if p[0] < 1:
             raise KimiInputError(
-                f"aux layer ids {list(p)} capture position 0, the embedding output; "
+                f"captured positions {list(p)} include 0, the embedding output; "
                 "EAGLE-3 needs decoder-layer residuals (positions 1..L-1)"
             )
         if p[-1] > n - 1:
             raise KimiInputError(
-                f"aux layer ids {list(p)} capture position {p[-1]}, but a {n}-layer target "
+                f"captured positions {list(p)} include {p[-1]}, but a {n}-layer target "
                 f"has residual positions 1..{n - 1} only"
             )
 
@@ -97,7 +97,10 @@ class AuxLayers:
         if not ids:
             raise KimiInputError("aux layer ids are empty")
         shift = 1 if ids[0] == 1 else 0
-        return cls(tuple(i + shift for i in ids), num_layers)
+        try:
+            return cls(tuple(i + shift for i in ids), num_layers)
+        except KimiInputError as exc:  # say what the user wrote, then what it captures
+            raise KimiInputError(f"SpecForge aux layer ids {list(ids)}: {exc}") from None
 
     from_sglang = from_specforge
 

@@ -130,6 +130,8 @@ def prepare(
         counts: Counter = Counter()
         unshuffled = staging / _UNSHUFFLED_FILE
         input_sha256 = _tokenize_file(options, tokenizer, unshuffled, stats, counts)
+        if stats.input_lines - stats.blank_lines <= 0:
+            raise KimiInputError(f"{options.input_path} is empty (no JSONL lines)")
         if stats.rows == 0:
             raise KimiInputError(
                 f"{options.input_path}: no training rows survived "

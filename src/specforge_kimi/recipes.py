@@ -247,9 +247,18 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise KimiInputError(f"recipe {p}: {loc}: {first['msg']}") from None
+        raise KimiInputError(f"recipe {p}: {validation_summary(exc)}") from None
+
+
+def validation_summary(exc, limit: int = 3) -> str:
+    """A pydantic ``ValidationError`` on one line: each error as ``loc: msg`` (a whole-recipe check has no
+    loc), ``; ``-joined, at most ``limit`` of them (a misspelt required key gives two: missing and extra)."""
+    parts = []
+    for err in exc.errors()[:limit]:
+        loc = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    more = len(exc.errors()) - limit
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def server_argv(r: Recipe) -> list[str]:
