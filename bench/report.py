@@ -57,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 PLANNED = {
     "capture_overhead": ("Capture overhead",
                          "throughput of the same requests with and without `spec_capture` on one server "
-                         "(`bench/online_pipeline.py`). FACTS.md quotes an earlier ad-hoc measurement "
+                         "(`bench/online_pipeline.py`). Issue 4 quotes an earlier ad-hoc measurement "
                          "(TP=1 64x1024 tokens 0.55x, 16x4096 0.91x; TP=2 0.79x / 0.92x) that has no results file."),
     "pipeline_efficiency": ("Pipeline efficiency",
                             "trained tokens/s of the co-located online loop against its slowest stage "

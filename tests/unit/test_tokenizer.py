@@ -26,7 +26,7 @@ def standin_dir(tmp_path_factory):
 
 
 def test_special_ids_are_k25s():
-    # FACTS.md / K2.5 config: bos, eos, chat markers, media, pad; think ids as in Kimi's config.
+    # K2.5 config: bos, eos, chat markers, media, pad; think ids as in Kimi's config.
     assert K25_SPECIAL_TOKENS["[BOS]"] == 163584
     assert K25_SPECIAL_TOKENS["[EOS]"] == 163585
     assert K25_SPECIAL_TOKENS["<|im_end|>"] == 163586

@@ -73,7 +73,7 @@ class KimiMLAEagle3Config(DeepseekV3Config):
 # configs
 # ---------------------------------------------------------------------------------------------
 def _k25_rope() -> dict:
-    # K2.5 text_config's rope (FACTS.md): YaRN factor 64 over 4096 positions, theta 50000.
+    # K2.5 text_config's rope: YaRN factor 64 over 4096 positions, theta 50000.
     return {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 4096, "type": "yarn"}
 
