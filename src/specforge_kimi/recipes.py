@@ -54,7 +54,10 @@ class ServerSection(_Strict):
     host: str = Field(default="127.0.0.1", description="Bind address; loopback unless multi-node")
     port: int = Field(default=30000, gt=0, le=55535,
                       description="HTTP port; at most 55535 (SGLang serves gRPC on port + 10000)")
-    disable_cuda_graph: bool = Field(default=False, description="--disable-cuda-graph (tiny smoke runs)")
+    disable_cuda_graph: bool = Field(
+        default=True, description="--disable-cuda-graph. On by default: a capture server only prefills (SpecForge's "
+                                  "producer asks max_new_tokens 0), so decode CUDA graphs would only cost startup "
+                                  "time and memory outside the static pool, i.e. beside the trainer")
     extra_args: list[str] = Field(default_factory=list, description="More SGLang launch_server args, verbatim")
     capture_put_clients: int = Field(
         default=1, ge=1, le=16, description="Mooncake store clients the capture sink splits each batch's put over, "
