@@ -139,17 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tiny", help="write a tiny random Kimi-K2.5 checkpoint (K2.5 names and nesting)")
-    t.add_argument("out_dir")
-    t.add_argument("--layers", type=int, default=8)
-    t.add_argument("--hidden", type=int, default=512)
-    t.add_argument("--heads", type=int, default=8)
-    t.add_argument("--experts", type=int, default=8)
-    t.add_argument("--experts-per-token", type=int, default=2)
+    t.add_argument("out_dir", help="new directory for the checkpoint (config, safetensors, tokenizer)")
+    t.add_argument("--layers", type=int, default=8, help="decoder layers (K2.5: 61; the first is dense)")
+    t.add_argument("--hidden", type=int, default=512, help="hidden size (K2.5: 7168)")
+    t.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the TP size you test)")
+    t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (K2.5: 384)")
+    t.add_argument("--experts-per-token", type=int, default=2, help="top-k routing (K2.5: 8)")
     t.add_argument("--moe-intermediate", type=int, default=256)
     t.add_argument("--dense-intermediate", type=int, default=1024)
     t.add_argument("--q-lora-rank", type=int, default=1536)
     t.add_argument("--vocab", type=int, default=163840)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     t.add_argument("--pretrain", type=float, default=0, metavar="SECONDS",
                    help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)")
     t.add_argument("--pretrain-steps", type=int, default=10_000, metavar="N",
@@ -176,29 +176,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")
-    i.add_argument("target")
+    i.add_argument("target", help="checkpoint directory (config.json + safetensors)")
     i.set_defaults(func=_cmd_inspect)
 
     lid = sub.add_parser("layer-ids", help="convert aux layer ids between SpecForge/SGLang, vLLM and HF")
     lid.add_argument("ids", help="comma-separated, e.g. 1,29,57")
-    lid.add_argument("--engine", default="specforge", choices=("specforge", "sglang", "vllm", "hf"))
-    lid.add_argument("--num-layers", type=int, default=61)
+    lid.add_argument("--engine", default="specforge", choices=("specforge", "sglang", "vllm", "hf"),
+                     help="whose convention the ids are in")
+    lid.add_argument("--num-layers", type=int, default=61, help="target decoder layers (K2.5: 61)")
     lid.set_defaults(func=_cmd_layer_ids)
 
     e = sub.add_parser("export-check", help="check an exported SGLang draft against what its loader needs")
-    e.add_argument("draft")
+    e.add_argument("draft", help="exported draft directory (config.json + model.safetensors)")
     e.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
     e.set_defaults(func=_cmd_export_check)
 
     tr = sub.add_parser("train", help="`specforge train ...` with the K2.5 adapter registered (torchrun-able)",
                         description="Passes its arguments to `specforge train`, e.g. "
                                     "torchrun --nproc_per_node 8 -m specforge_kimi train -c run.yaml --role consumer")
-    tr.add_argument("specforge_args", nargs=argparse.REMAINDER)
+    tr.add_argument("specforge_args", nargs=argparse.REMAINDER, help="passed on: see `specforge train --help` (-c CONFIG, --role ...)")
     tr.set_defaults(func=_cmd_train)
 
     rc = sub.add_parser("recipe", help="validate a recipe or render it to SpecForge config + launch commands")
     rc.add_argument("action", choices=("validate", "render"))
-    rc.add_argument("recipe")
+    rc.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
     rc.add_argument("--out", default=None, help="render directory (default: OUTPUT_DIR/rendered)")
     rc.set_defaults(func=_cmd_recipe)
 
@@ -208,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pretrain-seconds", type=float, default=60.0, help="tiny-target pretraining budget")
     d.add_argument("--pretrain-steps", type=int, default=0,
                    help="also stop tiny-target pretraining after this many steps (0: the time budget only)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--seed", type=int, default=0, help="seed of the tiny target and the training")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars (SpecForge still logs its steps)")
     d.set_defaults(func=_cmd_demo)
 
     for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report", "capture_features", "offline_train",

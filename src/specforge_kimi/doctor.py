@@ -193,8 +193,8 @@ def run_checks(recipe_path: str | None) -> list[Check]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check versions, patches, CUDA, target, Mooncake and GPU budget (read-only)")
-    p.add_argument("recipe", nargs="?", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("recipe", nargs="?", default=None, help="also check this recipe's target checkpoint, Mooncake and per-GPU memory budget")
+    p.add_argument("--json", action="store_true", help="the checks as a JSON list")
     p.set_defaults(func=run)
 
 

@@ -190,9 +190,9 @@ def report(run_dir: str | Path, *, gpu_samples: Optional[str] = None) -> dict:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run-report", help="summarize an online run directory (steps, loss, ledger, disk, memory)")
-    p.add_argument("run_dir")
-    p.add_argument("--gpu-samples", default=None)
-    p.add_argument("--out", default=None)
+    p.add_argument("run_dir", help="the recipe's output_dir")
+    p.add_argument("--gpu-samples", default=None, help="nvidia-smi samples CSV taken during the run (per-role peaks)")
+    p.add_argument("--out", default=None, help="write the JSON here too")
     p.set_defaults(func=run)
 
 
