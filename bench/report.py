@@ -12,6 +12,8 @@ file is recognised by its content:
 - capture parity (``"test": "tests/gpu/test_capture_parity.py"``);
 - data preparation memory (``bench/prepare_memory.py``: ``"benchmark": "prepare peak RSS vs input size"``);
 - regenerate against SGLang (``tests/gpu/test_regenerate_sglang.py`` summary: ``regenerate_stdout``);
+- the online teacher's memory on the CPU (``bench/teacher_memory_cpu.py``: ``"benchmark": "online teacher
+  memory per token x vocab entry (CPU)"``);
 - the bench's own GPU test (``tests/gpu/test_bench_sglang.py`` summary: ``untrained_draft`` +
   ``server_info_avg_spec_accept_length``);
 - online pipeline (``bench/online_pipeline.py``: ``baseline_capture_over_plain`` + ``runs``):
@@ -112,6 +114,8 @@ def classify(data: Any) -> str:
         return "bench_test"
     if bench == "fault drills":
         return "fault_drills"
+    if bench == "online teacher memory per token x vocab entry (CPU)":
+        return "teacher_memory"
     if bench == "mooncake same-process put":
         return "mooncake_put"
     if bench == "capture passthrough request path":
@@ -405,6 +409,24 @@ def section_bench_test(files: list[tuple[str, dict]]) -> list[str]:
                          "identical outputs"], rows) + [""]
 
 
+def section_teacher_memory(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Online teacher memory (CPU)", "",
+           "`bench/teacher_memory_cpu.py`: peak resident memory of SpecForge's online teacher (full bf16 logits, "
+           "then `_compute_target_p_padded`) above the inputs, per sample length; the slope over L x V is what "
+           "`recipes.memory_plan` charges per token and vocab entry.", ""]
+    if not files:
+        return out + ["Not measured yet: `python bench/teacher_memory_cpu.py`.", ""]
+    rows = []
+    for n, r in files:
+        for row in r.get("rows") or []:
+            rows.append([n, (r.get("config") or {}).get("vocab"), row.get("L"),
+                         _num(row.get("peak_above_baseline_bytes", 0) / 2**30, "{:.3f}"),
+                         _num(row.get("bytes_per_token_vocab"), "{:.2f}"),
+                         _num(r.get("slope_bytes_per_token_vocab"), "{:.2f}"), r.get("plan_bytes_per_token_vocab")])
+    return out + _table(["file", "vocab", "L", "peak above inputs GiB", "B per L x V", "fitted slope B",
+                         "plan B"], rows) + [""]
+
+
 def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Tiny targets", "",
            "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer tokens "
@@ -683,6 +705,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_cpu_simulated(kinds.get("mla_vs_llama", []), kinds.get("greedy_acceptance", []))
     lines += section_fault_drills(kinds.get("fault_drills", []))
     lines += section_mooncake_put(kinds.get("mooncake_put", []))
+    lines += section_teacher_memory(kinds.get("teacher_memory", []))
     lines += section_capture_time(kinds.get("online_pipeline", []), kinds.get("passthrough_cpu", []))
     other = kinds.get("unknown", []) + kinds.get("unreadable", [])
     if other:

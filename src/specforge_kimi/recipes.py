@@ -209,7 +209,8 @@ def memory_plan(r: Recipe) -> dict:
                 TTT attention keeps each step's fp32 softmax and its bf16 copy for the backward)
               + teacher logits: max_length x target vocab x 10 B (online, SpecForge's TargetHead makes the full
                 bf16 logits, then ``_compute_target_p`` takes them to fp32 and a logsumexp; its chunked
-                compact teacher is offline-only)
+                compact teacher is offline-only; ``bench/teacher_memory_cpu.py`` measures 8.1 B on the CPU,
+                the 10 leaves room for the CUDA allocator)
               + reserve.
     """
     g, t, s, tr = r.gpus, r.target, r.server, r.trainer

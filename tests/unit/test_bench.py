@@ -471,7 +471,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
                  "draft_logits_parity_h200.json", "offline_twin_tp1_h200.json", "mla_vs_llama_engine_tp1_h200.json",
                  "pretrain_repro_h200.json", "online_run_mix_tp1_h200_eval_draft.json", "mooncake_put_cpu.json",
                  "passthrough_cpu.json", "online_pipeline_tp1_h200_breakdown.json", "offline_twin_echo_tp1_h200.json",
-                 "bench_sglang_test_untrained_tp1_h200.json"):
+                 "bench_sglang_test_untrained_tp1_h200.json", "teacher_memory_cpu.json"):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     greedy = {"benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                            "draft-vocab padding (CPU)", "settings": {"steps": 300, "pretrain_steps": 150},
@@ -502,6 +502,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     assert ("- `offline_twin_echo_tp1_h200.json`: the online side is "
             "`bench/results/acceptance_online_draft_echo_tp1_h200.json`") in pairs
     assert "- `offline_twin_tp1_h200.json`" not in pairs
+    assert "| teacher_memory_cpu.json | 163840 | 2048 | 2.647 | 8.47 | 8.12 | 10 |" in md
     assert ("| bench_sglang_test_untrained_tp1_h200.json | untrained | structured | 1.025 | 36.6 | 52.2 | 0.70x | 8/8 |"
             in md)
     assert "| pretrain_repro_h200.json | 1b6c33f | NVIDIA H200 | default | 300 / 300 | 2.739 / 2.495 |" in md
