@@ -66,8 +66,11 @@ def check_patches() -> list[Check]:
         for s in setup_patches.plan(None, sglang=False):
             files = ", ".join(f"{f}@{_sha256(s.root / f)}" for f in s.files if (s.root / f).is_file())
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[s.state]
+            warn = ("specforge-kimi setup (or set server.compact_passthrough: false in the recipe)"
+                    if s.patch.name == setup_patches.COMPACT_SPECFORGE_PATCH
+                    else "specforge-kimi setup (or run SpecForge through `specforge-kimi train`)")
             out.append(Check(f"specforge patch {s.patch.name}", status, f"{s.state}; {files}",
-                             {"ok": "", "warn": "specforge-kimi setup (or run SpecForge through `specforge-kimi train`)",
+                             {"ok": "", "warn": warn,
                               "fail": "reinstall specforge==0.2.0, then specforge-kimi setup"}[status]))
     except KimiInputError as exc:
         out.append(Check("specforge patches", "fail", str(exc), "bash scripts/bootstrap.sh"))
