@@ -47,3 +47,20 @@ def tiny_dir(tmp_path_factory):
     from specforge_kimi.tiny import TinySpec, write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "k25", TinySpec(**TEST_SPEC))
+
+
+def specforge_as_shipped(root):
+    """``root`` (a copy of SpecForge's package tree, ``root/specforge/...``) with our SpecForge patches taken
+    back out, last first, wherever `specforge-kimi setup` had applied them (so tests do not depend on whether
+    the venv's wheel or the user's checkout was set up). Returns ``root``."""
+    import subprocess
+
+    from specforge_kimi import setup_patches
+
+    for patch in reversed(sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
+                                 .glob("*.patch"))):
+        if setup_patches.classify(patch, root, 1).state == "applied":
+            subprocess.run(["patch", "-R", "-p1", "-d", str(root), "--batch", "-i", str(patch)], check=True,
+                           capture_output=True)
+    return root
+

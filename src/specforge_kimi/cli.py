@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Sequence
 
-from specforge_kimi.errors import KimiInputError
+from specforge_kimi.errors import KimiInputError, validation_summary
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
@@ -117,8 +117,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         return int(specforge_main(["train", *args.specforge_args]) or 0)
     except ValidationError as exc:  # SpecForge's own config schema: one line, not its traceback
-        from specforge_kimi.recipes import validation_summary
-
         raise KimiInputError(f"SpecForge run config: {validation_summary(exc)}") from None
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specforge_kimi.errors import KimiInputError
+from specforge_kimi.errors import KimiInputError, validation_summary
 
 GIB = 1 << 30
 
@@ -252,17 +252,6 @@ def load_recipe(path: str | Path) -> Recipe:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
         raise KimiInputError(f"recipe {p}: {validation_summary(exc)}") from None
-
-
-def validation_summary(exc, limit: int = 3) -> str:
-    """A pydantic ``ValidationError`` on one line: each error as ``loc: msg`` (a whole-recipe check has no
-    loc), ``; ``-joined, at most ``limit`` of them (a misspelt required key gives two: missing and extra)."""
-    parts = []
-    for err in exc.errors()[:limit]:
-        loc = ".".join(str(x) for x in err["loc"])
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    more = len(exc.errors()) - limit
-    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def server_argv(r: Recipe) -> list[str]:

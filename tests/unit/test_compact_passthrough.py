@@ -136,13 +136,10 @@ def test_producer_body_sets_the_variable_for_the_call_only(patched, monkeypatch)
 def _unpatched_specforge(dest):
     """The installed wheel's FILE under ``dest`` as SpecForge ships it: copied, and our 0002 taken back out
     when ``specforge-kimi setup`` had applied it there (so these tests do not depend on the venv's state)."""
-    import subprocess
+    from conftest import specforge_as_shipped
 
-    setup_patches._scratch_copy(setup_patches.specforge_root(None), [FILE], dest)
+    specforge_as_shipped(setup_patches._scratch_copy(setup_patches.specforge_root(None), [FILE], dest))
     patch = setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN / setup_patches.COMPACT_SPECFORGE_PATCH
-    if setup_patches.classify(patch, dest, 1).state == "applied":
-        subprocess.run(["patch", "-R", "-p1", "-d", str(dest), "--batch", "-i", str(patch)], check=True,
-                       capture_output=True)
     assert setup_patches.classify(patch, dest, 1).state == "applicable"
     return dest
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import specforge_as_shipped
 from specforge_kimi import setup_patches
 from specforge_kimi.errors import KimiInputError
 
@@ -30,17 +31,7 @@ def fake_checkout(tmp_path):
     it: our patches are taken back out, last first, where `setup` had applied them to the venv's wheel."""
     root = tmp_path / "SpecForge"
     shutil.copytree(WHEEL_PKG, root / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
-    return _as_shipped(root)
-
-
-def _as_shipped(root):
-    """``root``'s specforge/ with our patches taken back out, last first, where they are in."""
-    for patch in reversed(sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
-                                 .glob("*.patch"))):
-        if setup_patches.classify(patch, root, 1).state == "applied":
-            subprocess.run(["patch", "-R", "-p1", "-d", str(root), "--batch", "-i", str(patch)], check=True,
-                           capture_output=True)
-    return root
+    return specforge_as_shipped(root)
 
 
 def _run(root, check=False):
@@ -110,7 +101,7 @@ def test_applies_to_the_pinned_checkout(tmp_path):
     root = tmp_path / "SpecForge"
     shutil.copytree(Path(os.environ["SPECFORGE_KIMI_SPECFORGE_CHECKOUT"]) / "specforge", root / "specforge",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    _as_shipped(root)  # the user's checkout may already be set up
+    specforge_as_shipped(root)  # the user's checkout may already be set up
     assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applicable"}
     assert _run(root) == 0
     assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applied"}
