@@ -14,6 +14,8 @@ file is recognised by its content:
 - regenerate against SGLang (``tests/gpu/test_regenerate_sglang.py`` summary: ``regenerate_stdout``);
 - the online teacher's memory on the CPU (``bench/teacher_memory_cpu.py``: ``"benchmark": "online teacher
   memory per token x vocab entry (CPU)"``);
+- one trainer rank's memory and speed at a recipe's sizes (``bench/trainer_memory.py``: ``"benchmark": "one
+  trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"``);
 - the bench's own GPU test (``tests/gpu/test_bench_sglang.py`` summary: ``untrained_draft`` +
   ``server_info_avg_spec_accept_length``);
 - online pipeline (``bench/online_pipeline.py``: ``baseline_capture_over_plain`` + ``runs``):
@@ -56,6 +58,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
+TRAINER_STEP_BENCH = "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
 PLANNED = {
     "capture_overhead": ("Capture overhead",
                          "throughput of the same requests with and without `spec_capture` on one server "
@@ -116,6 +119,8 @@ def classify(data: Any) -> str:
         return "fault_drills"
     if bench == "online teacher memory per token x vocab entry (CPU)":
         return "teacher_memory"
+    if bench == TRAINER_STEP_BENCH:
+        return "trainer_step_memory"
     if bench == "mooncake same-process put":
         return "mooncake_put"
     if bench == "capture passthrough request path":
@@ -427,6 +432,30 @@ def section_teacher_memory(files: list[tuple[str, dict]]) -> list[str]:
                          "plan B"], rows) + [""]
 
 
+def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
+    out = ["## One trainer rank at a recipe's sizes", "",
+           "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
+           "optimizer, eagle3 strategy) at a recipe's draft and target sizes, world size 1, capture-shaped batches "
+           "held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
+           "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first.", ""]
+    if not files:
+        return out + ["Not measured yet: `python bench/trainer_memory.py` on a GPU.", ""]
+    rows = []
+    for n, r in files:
+        env = r.get("environment") or {}
+        for row in r.get("rows") or []:
+            if "error" in row:
+                rows.append([n, env.get("gpu"), row.get("backend"), row.get("length"), "error: " + row["error"][:60],
+                             "-", "-", "-", "-", "-"])
+                continue
+            rows.append([n, env.get("gpu") or "cpu", row.get("backend"), row.get("length"),
+                         _num(row.get("peak_allocated_gib"), "{:.2f}"), _num(row.get("peak_reserved_gib"), "{:.2f}"),
+                         _num(row.get("plan_gib"), "{:.2f}"), _num(row.get("measured_over_plan"), "{:.2f}x"),
+                         _num(row.get("median_step_s_after_first"), "{:.3f}"), _num(row.get("tokens_per_s"), "{:.0f}")])
+    return out + _table(["file", "device", "attention", "tokens", "peak allocated GiB", "peak reserved GiB",
+                         "plan GiB", "allocated / plan", "step s", "tok/s"], rows) + [""]
+
+
 def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
     out = ["## Tiny targets", "",
            "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer tokens "
@@ -695,6 +724,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     lines += section_prepare_memory(kinds.get("prepare_memory", []), plots)
     lines += section_regenerate(kinds.get("regenerate", []))
     lines += section_bench_test(kinds.get("bench_test", []))
+    lines += section_trainer_step_memory(kinds.get("trainer_step_memory", []))
     lines += section_tiny_targets(kinds.get("tiny_target", []))
     lines += section_pretrain_repro(kinds.get("pretrain_repro", []))
     lines += section_target_select(kinds.get("target_select", []))

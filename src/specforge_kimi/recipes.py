@@ -198,31 +198,44 @@ def _draft_params(d: dict) -> int:
     return 3 * h * h + attn + mlp + d["draft_vocab_size"] * h + 3 * h
 
 
+def trainer_terms(r: Recipe) -> dict:
+    """The trainer side of :func:`memory_plan`, term by term, in bytes (reserve excluded).
+
+    ``optimizer``: draft params x 16 B (bf16 weights + fp32 master + Adam m, v + bf16 grads);
+    ``frozen_tables``: the draft's frozen embedding and SpecForge's ``TargetHead``, bf16
+    (vocab x hidden x 2 B each); ``activations``: max_length x ttt_length x (draft_vocab x 12 B +
+    hidden x 64 B); ``sdpa_attention``: with ``attention_backend: sdpa``, 6 B x draft heads x
+    ttt_length x max_length^2 (SpecForge's eager TTT attention keeps each step's fp32 softmax and
+    its bf16 copy for the backward), else 0; ``teacher_logits``: max_length x target vocab x 10 B
+    (online, SpecForge's TargetHead makes the full bf16 logits, then ``_compute_target_p`` takes
+    them to fp32 and a logsumexp; its chunked compact teacher is offline-only;
+    ``bench/teacher_memory_cpu.py`` measures 8.1 B on the CPU, the 10 leaves room for the CUDA
+    allocator). ``bench/trainer_memory.py`` measures the sum on a GPU with SpecForge's own step.
+    """
+    t, tr = r.target, r.trainer
+    d = tr.draft
+    return {
+        "optimizer": _draft_params(d) * 16,
+        "frozen_tables": 2 * t.vocab_size * t.hidden_size * 2,
+        "activations": tr.max_length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64),
+        "sdpa_attention": (6 * d["num_attention_heads"] * tr.ttt_length * tr.max_length ** 2
+                           if tr.attention_backend == "sdpa" else 0),
+        "teacher_logits": tr.max_length * t.vocab_size * 10,
+    }
+
+
 def memory_plan(r: Recipe) -> dict:
     """Per-GPU memory estimate (GiB) for server and trainer, and whether they fit.
 
     server = mem_fraction_static x GPU memory, must hold weights/TP + kv_tokens x KV bytes;
-    trainer = draft params x 16 B (bf16 weights + fp32 master + Adam m, v + bf16 grads)
-              + frozen embedding and teacher head, bf16 (vocab x hidden x 2 B each)
-              + activations: max_length x ttt_length x (draft_vocab x 12 B + hidden x 64 B)
-              + with attention_backend sdpa: 6 B x draft heads x ttt_length x max_length^2 (SpecForge's eager
-                TTT attention keeps each step's fp32 softmax and its bf16 copy for the backward)
-              + teacher logits: max_length x target vocab x 10 B (online, SpecForge's TargetHead makes the full
-                bf16 logits, then ``_compute_target_p`` takes them to fp32 and a logsumexp; its chunked
-                compact teacher is offline-only; ``bench/teacher_memory_cpu.py`` measures 8.1 B on the CPU,
-                the 10 leaves room for the CUDA allocator)
-              + reserve.
+    trainer = the sum of :func:`trainer_terms` + ``trainer.reserve_gib``.
     """
     g, t, s, tr = r.gpus, r.target, r.server, r.trainer
-    d = tr.draft
     weights = t.weights_gib / r.tp
     kv = s.kv_tokens * t.kv_bytes_per_token / GIB
     server_pool = s.mem_fraction_static * g.memory_gib
-    params = _draft_params(d)
-    sdpa = 6 * d["num_attention_heads"] * tr.ttt_length * tr.max_length ** 2 if tr.attention_backend == "sdpa" else 0
-    trainer = (params * 16 + 2 * t.vocab_size * t.hidden_size * 2
-               + tr.max_length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64)
-               + sdpa + tr.max_length * t.vocab_size * 10) / GIB + tr.reserve_gib
+    terms = trainer_terms(r)
+    trainer = sum(terms.values()) / GIB + tr.reserve_gib
     trainer_room = (1 - s.mem_fraction_static) * g.memory_gib
     why = []
     if weights + kv > server_pool:
@@ -231,8 +244,8 @@ def memory_plan(r: Recipe) -> dict:
     if trainer > trainer_room:
         why.append(f"trainer peak ~{trainer:.1f} GiB > {trainer_room:.1f} GiB left beside the server")
     return {"server_weights_gib": round(weights, 2), "server_kv_gib": round(kv, 2),
-            "server_pool_gib": round(server_pool, 2), "draft_params": params,
-            "trainer_peak_gib": round(trainer, 2), "trainer_sdpa_attention_gib": round(sdpa / GIB, 2),
+            "server_pool_gib": round(server_pool, 2), "draft_params": _draft_params(tr.draft),
+            "trainer_peak_gib": round(trainer, 2), "trainer_sdpa_attention_gib": round(terms["sdpa_attention"] / GIB, 2),
             "trainer_room_gib": round(trainer_room, 2),
             "fits": not why, "why": "; ".join(why)}
 

@@ -471,7 +471,8 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
                  "draft_logits_parity_h200.json", "offline_twin_tp1_h200.json", "mla_vs_llama_engine_tp1_h200.json",
                  "pretrain_repro_h200.json", "online_run_mix_tp1_h200_eval_draft.json", "mooncake_put_cpu.json",
                  "passthrough_cpu.json", "online_pipeline_tp1_h200_breakdown.json", "offline_twin_echo_tp1_h200.json",
-                 "bench_sglang_test_untrained_tp1_h200.json", "teacher_memory_cpu.json"):
+                 "bench_sglang_test_untrained_tp1_h200.json", "teacher_memory_cpu.json",
+                 "trainer_memory_k25_b200_h200.json"):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     greedy = {"benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
                            "draft-vocab padding (CPU)", "settings": {"steps": 300, "pretrain_steps": 150},
@@ -503,6 +504,8 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
             "`bench/results/acceptance_online_draft_echo_tp1_h200.json`") in pairs
     assert "- `offline_twin_tp1_h200.json`" not in pairs
     assert "| teacher_memory_cpu.json | 163840 | 2048 | 2.647 | 8.47 | 8.12 | 10 |" in md
+    assert ("| trainer_memory_k25_b200_h200.json | NVIDIA H200 | flex_attention | 16384 | 69.15 | 95.23 | 133.75 | "
+            "0.52x | 1.687 | 9715 |") in md
     assert ("| bench_sglang_test_untrained_tp1_h200.json | untrained | structured | 1.025 | 36.6 | 52.2 | 0.70x | 8/8 |"
             in md)
     assert "| pretrain_repro_h200.json | 1b6c33f | NVIDIA H200 | default | 300 / 300 | 2.739 / 2.495 |" in md

@@ -1,0 +1,316 @@
+"""Peak memory and speed of one EAGLE-3 trainer rank at a recipe's real sizes, against the memory plan.
+
+Scope: the consumer side of the online loop only, on one device, world size 1. The K2.5 recipes'
+fit rests on ``recipes.memory_plan``'s trainer terms (``recipes.trainer_terms``), which were
+derived from SpecForge's code, not measured on a GPU. This script builds exactly what SpecForge's
+online consumer builds for a recipe -- ``build_model_bundle`` (the draft from the recipe's draft
+config, ``OnlineEagle3Model`` with the recipe's TTT length and attention backend, the frozen
+``TargetHead``), ``FSDPTrainingBackend`` with SpecForge's ``BF16Optimizer`` factory, the eagle3
+step strategy, ``TrainerCore.train_step`` -- and feeds it batches shaped like a capture
+(``hidden_state`` [1, L, 3 x hidden], ``target`` = the last hidden state [1, L, hidden],
+``target_repr: hidden_state``), random but fixed, in memory. No server, Mooncake or data.
+
+The target is a stand-in directory holding only what the consumer reads: the recipe target's
+K2.5 ``config.json`` (wrapper and ``text_config``), its embedding and LM-head tensors (random
+bf16, under the recipe's keys) and the stand-in tokenizer. The draft config, vocab mapping
+(``draft_vocab_size`` ids) and SpecForge run config are rendered from the recipe with
+``max_length`` and ``attention_backend`` overridden per row.
+
+Per (backend, length): steps run back to back; the script records memory allocated after the
+model is built, the peak allocated and reserved over the steps (``torch.cuda`` counters, reset
+per length), per-step time after the first (which compiles), and the losses. With world size 1
+SpecForge's FSDP (``SHARD_GRAD_OP``) shards nothing, so the optimizer term is the whole draft's,
+as the plan charges it; on 8 ranks that term shrinks, the activation and teacher terms do not.
+
+    python bench/trainer_memory.py --recipe recipes/kimi-k25-8xb200-lowered.yaml \\
+        --backends flex_attention,sdpa --lengths 2048,4096 --out bench/results/trainer_memory_....json
+
+Each backend runs in a fresh Python process (lengths ascending; an out-of-memory length ends
+that backend's list and is recorded). On a host without CUDA it runs SpecForge's CPU path (the
+package's CPU shims, sdpa only) and records no device memory: that is how the tests exercise it.
+Measurements, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GIB = 2**30
+
+
+def write_standin_target(recipe, out: Path) -> Path:
+    """The recipe target's config, embedding and LM head (random bf16) and the stand-in tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specforge_kimi.tiny import TinySpec, config
+    from specforge_kimi.tokenizer import build_standin_tokenizer
+
+    t = recipe.target
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    spec = TinySpec(layers=t.num_layers, hidden=t.hidden_size, heads=t.num_attention_heads, vocab=t.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {key: (torch.randn(t.vocab_size, t.hidden_size, generator=gen) * 0.02).to(torch.bfloat16)
+               for key in (t.embedding_key, t.lm_head_key)}
+    save_file(tensors, str(out / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(x.numel() * 2 for x in tensors.values())},
+         "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}))
+    (out / "config.json").write_text(json.dumps(config(spec), indent=2))
+    build_standin_tokenizer(out)
+    return out
+
+
+def write_vocab_mapping(recipe, path: Path) -> Path:
+    """A draft vocabulary of the recipe's ``draft_vocab_size`` (frequency order is irrelevant to memory)."""
+    from specforge_kimi.vocab_mapping import build_vocab_mapping, save_vocab_mapping
+
+    if not path.is_file():
+        n = recipe.trainer.draft["draft_vocab_size"]
+        save_vocab_mapping(build_vocab_mapping({i: 1 for i in range(n)}, draft_vocab_size=n,
+                                               target_vocab_size=recipe.target.vocab_size), path)
+    return path
+
+
+def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int, backend: str):
+    """The recipe with this row's length, backend and stand-in paths (validated again)."""
+    from specforge_kimi.recipes import Recipe
+
+    raw = recipe.model_dump()
+    raw["target"]["path"] = str(target)
+    raw["data"]["vocab_mapping_path"] = str(vocab)
+    raw["data"]["prompts_path"] = str(workdir / "unused-prompts.jsonl")
+    raw["output_dir"] = str(workdir / f"run-{backend}-{length}")
+    raw["trainer"]["max_length"] = length
+    raw["trainer"]["attention_backend"] = backend
+    raw["trainer"]["reserve_gib"] = 0.0
+    raw["gpus"]["memory_gib"] = 1e6  # the plan's fit check is not this script's question
+    return Recipe.model_validate(raw)
+
+
+def _batch(length: int, hidden: int, vocab: int, seed: int):
+    import torch
+
+    from specforge.runtime.contracts import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "input_ids": torch.randint(0, vocab, (1, length), generator=g),
+        "attention_mask": torch.ones(1, length, dtype=torch.long),
+        "loss_mask": torch.ones(1, length, dtype=torch.long),
+        "hidden_state": torch.randn(1, length, 3 * hidden, generator=g).to(torch.bfloat16),
+        "target": torch.randn(1, length, hidden, generator=g).to(torch.bfloat16),
+    }
+    return TrainBatch(sample_ids=[f"bench-{seed}"], strategy="eagle3", tensors=tensors,
+                      metadata={"target_repr": "hidden_state"})
+
+
+def child(args) -> int:
+    """One backend, lengths ascending, in this process; prints one JSON line per length."""
+    import torch
+
+    from specforge_kimi.recipes import load_recipe, render, trainer_terms
+    from specforge_kimi import register
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from specforge_kimi.cpu_shims import install_cpu_shims
+
+        install_cpu_shims()
+    register()
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config import Config
+    from specforge.distributed import destroy_distributed, init_distributed
+    from specforge.training.assembly import _optimizer_factory, build_model_bundle
+    from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
+    from specforge.training.controller import TrainerCore
+
+    workdir = Path(args.workdir)
+    base = load_recipe(args.recipe)
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(args.port)})
+    init_distributed(timeout=10)
+    rows = [row_recipe(base, target=Path(args.target), vocab=Path(args.vocab), workdir=workdir, length=n,
+                       backend=args.backend) for n in args.lengths]
+    try:
+        # one model per backend, as one run sees samples of many lengths: max_length shapes no tensor of
+        # the model, only the samples; the peak counters are reset per length
+        r = rows[-1]
+        cfg_dict = render(r, workdir / f"render-{args.backend}")["specforge_config"]
+        cfg_dict["training"]["role"] = "consumer"
+        # SpecForge's FSDP needs an accelerator; on the CPU its DDP path (NO_SHARD) runs instead
+        sharding = cfg_dict["training"].get("fsdp_sharding", "SHARD_GRAD_OP") if cuda else "NO_SHARD"
+        os.environ["FSDP_SHARDING"] = sharding
+        cfg = Config.model_validate(cfg_dict)
+        algorithm = builtin_algorithm_registry().resolve("eagle3")
+        t0 = time.perf_counter()
+        bundle = build_model_bundle(cfg, algorithm=algorithm)
+        backend = FSDPTrainingBackend(ParallelConfig.from_distributed(), optimizer_factory=_optimizer_factory(cfg))
+        wrapped = backend.prepare_model(bundle.model, optimizer_target=bundle.model.draft_model)
+        strategy = algorithm.providers.step.build(wrapped, target_head=bundle.target_head,
+                                                  **dict(bundle.strategy_kwargs))
+        core = TrainerCore(strategy, backend)
+        build_s = time.perf_counter() - t0
+        built = None
+        if cuda:
+            torch.cuda.synchronize()
+            built = torch.cuda.memory_allocated() / GIB
+        hidden, vocab = r.target.hidden_size, r.target.vocab_size
+    except Exception as exc:
+        print(json.dumps({"backend": args.backend, "error": f"build: {type(exc).__name__}: {exc}"}), flush=True)
+        destroy_distributed()
+        return 0
+    try:
+        for length, rr in zip(args.lengths, rows):
+            terms = trainer_terms(rr)
+            row = {"backend": args.backend, "length": length, "fsdp_sharding": sharding, "build_s": build_s,
+                   "built_allocated_gib": built, "plan_bytes": terms, "plan_gib": sum(terms.values()) / GIB}
+            try:
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    row["start_allocated_gib"] = torch.cuda.memory_allocated() / GIB
+                times, losses = [], []
+                for step in range(args.steps):
+                    batch = _batch(length, hidden, vocab, seed=step)
+                    t0 = time.perf_counter()
+                    out = core.train_step(batch)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    losses.append(float(out.loss))
+                row["step_s"] = times
+                row["losses"] = losses
+                if len(times) > 1:
+                    med = sorted(times[1:])[len(times[1:]) // 2]
+                    row["median_step_s_after_first"] = med
+                    row["tokens_per_s"] = length / med
+                if cuda:
+                    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+                    row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+                    row["measured_over_plan"] = row["peak_allocated_gib"] / row["plan_gib"]
+            except torch.OutOfMemoryError as exc:
+                row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
+            except Exception as exc:  # record and stop this backend's list
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            print(json.dumps(row), flush=True)
+            if "error" in row:
+                break
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _free_port() -> int:
+    from specforge_kimi.services import free_ports
+
+    return free_ports(1)[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="recipes/kimi-k25-8xb200-lowered.yaml", help="recipe whose trainer is built")
+    ap.add_argument("--backends", default="flex_attention,sdpa",
+                    help="comma-separated SpecForge attention backends (flex_attention needs CUDA)")
+    ap.add_argument("--lengths", default="2048,4096", help="comma-separated sample lengths (ascending per backend)")
+    ap.add_argument("--sdpa-lengths", default=None, help="lengths for sdpa if different from --lengths")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per length (the first compiles)")
+    ap.add_argument("--workdir", default="runs/trainer-memory", help="stand-in target, renders, logs")
+    ap.add_argument("--out", default=None, help="JSON result path")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    if args.child:
+        args.lengths = [int(x) for x in args.lengths.split(",")]
+        return child(args)
+
+    import torch
+
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in ("flex_attention", "sdpa"):
+            raise KimiInputError(f"--backends: {b!r} is not flex_attention or sdpa")
+    if "flex_attention" in backends and not torch.cuda.is_available():
+        raise KimiInputError("--backends flex_attention needs CUDA (SpecForge's flex path has no CPU backward)")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    target = write_standin_target(recipe, workdir / "target")
+    vocab = write_vocab_mapping(recipe, workdir / "vocab_mapping.pt")
+    setup_s = time.perf_counter() - t0
+    import importlib.metadata
+
+    try:
+        sf_version = importlib.metadata.version("specforge")
+    except importlib.metadata.PackageNotFoundError:
+        sf_version = "unknown"
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "specforge": sf_version, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+           "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None,
+           "cpus": os.cpu_count(), "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    doc = {"benchmark": "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan",
+           "command": [sys.executable, *sys.argv], "environment": env,
+           "config": {"recipe": args.recipe, "draft": recipe.trainer.draft, "ttt_length": recipe.trainer.ttt_length,
+                      "target_hidden": recipe.target.hidden_size, "target_vocab": recipe.target.vocab_size,
+                      "steps": args.steps, "world_size": 1, "standin_setup_s": setup_s},
+           "rows": []}
+    for b in backends:
+        lengths = args.sdpa_lengths if (b == "sdpa" and args.sdpa_lengths) else args.lengths
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--recipe", args.recipe, "--backend", b,
+               "--lengths", lengths, "--steps", str(args.steps), "--workdir", str(workdir), "--target", str(target),
+               "--vocab", str(vocab), "--port", str(_free_port())]
+        log = workdir / f"child-{b}.log"
+        rows = []
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, text=True)
+            for line in proc.stdout:  # each row is kept as it comes (a killed run keeps what it measured)
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+                    doc["rows"].append(rows[-1])
+                    if args.out:
+                        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+            rc = proc.wait()
+        if rc and not any("error" in r for r in rows):
+            rows.append({"backend": b, "error": f"child exited {rc} (see {log})"})
+            doc["rows"].append(rows[-1])
+        for r in rows:
+            if "error" in r:
+                print(f"{b} L={r.get('length')}: {r['error']}", flush=True)
+                continue
+            mem = (f"peak {r['peak_allocated_gib']:.2f} GiB allocated / {r['peak_reserved_gib']:.2f} reserved, "
+                   f"plan {r['plan_gib']:.2f} ({r['measured_over_plan']:.2f}x), "
+                   if "peak_allocated_gib" in r else "")
+            print(f"{b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
+                  f"losses {[round(x, 3) for x in r['losses']]}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as exc:
+        if type(exc).__name__ != "KimiInputError":
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

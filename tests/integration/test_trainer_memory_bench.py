@@ -1,0 +1,58 @@
+"""``bench/trainer_memory.py`` on the CPU: SpecForge's own consumer step builds and trains at a tiny recipe's sizes.
+
+The GPU run (bench/results/trainer_memory_k25_b200_h200.json) is the measurement; this keeps the script
+working against the pinned SpecForge (its model bundle, FSDP backend, optimizer factory and step strategy
+are private-ish seams) and checks what it records.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "trainer_memory.py"
+RECIPE = "recipes/tiny-k25-tp1-h200.yaml"
+
+
+@pytest.mark.slow
+def test_cpu_run_records_every_length_with_the_plan(tmp_path):
+    out = tmp_path / "tm.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", "--lengths", "32,48",
+                          "--steps", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
+    rows = doc["rows"]
+    assert [r["length"] for r in rows] == [32, 48], rows
+    from specforge_kimi.recipes import Recipe, load_recipe, trainer_terms
+
+    for r in rows:
+        assert "error" not in r, r
+        assert r["fsdp_sharding"] == "NO_SHARD"  # SpecForge's FSDP needs an accelerator; its DDP path runs
+        assert len(r["losses"]) == 2 and all(x == x and x > 0 for x in r["losses"])
+        raw = load_recipe(REPO / RECIPE).model_dump()
+        raw["trainer"].update(max_length=r["length"], attention_backend="sdpa", reserve_gib=0.0)
+        raw["gpus"]["memory_gib"] = 1e6
+        assert r["plan_bytes"] == trainer_terms(Recipe.model_validate(raw))
+    # the stand-in target holds only what the consumer reads
+    target = tmp_path / "work" / "target"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    recipe = load_recipe(REPO / RECIPE)
+    assert set(index["weight_map"]) == {recipe.target.embedding_key, recipe.target.lm_head_key}
+    assert json.loads((target / "config.json").read_text())["text_config"]["hidden_size"] == recipe.target.hidden_size
+
+
+def test_flex_without_cuda_and_unknown_backend_are_one_line_errors(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("flex_attention runs here")
+    for backends, msg in (("flex_attention", "needs CUDA"), ("eager", "is not flex_attention or sdpa")):
+        res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", backends,
+                              "--workdir", str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert not (tmp_path / "w").exists()  # checked before anything is written
