@@ -189,6 +189,17 @@ def _describe_draft(res: dict) -> str:
     return f"{name} ({arch}, draft vocab {d.get('draft_vocab_size')})"
 
 
+def _tabled(title: str, intro: Optional[str], files: list[tuple[str, dict]], missing: str, header: list[str],
+            rows_of, tail: Optional[list[str]] = None) -> list[str]:
+    """The common section: ``## title``, the intro paragraph, then one table of ``rows_of(name, result)`` over
+    all ``files`` (each call returns that file's rows) and ``tail`` lines, or "Not measured yet: ``missing``"."""
+    out = [f"## {title}", ""] + ([intro, ""] if intro else [])
+    if not files:
+        return out + [f"Not measured yet: {missing}", ""]
+    rows = [row for n, r in files for row in rows_of(n, r)]
+    return out + _table(header, rows) + [""] + (tail or [])
+
+
 def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
     out = ["## Acceptance length through SGLang EAGLE-3", ""]
     if not files:
@@ -384,152 +395,144 @@ def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[s
 
 
 def section_regenerate(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Regenerate against SGLang", ""]
-    if not files:
-        return out + ["Not measured yet: `tests/gpu/test_regenerate_sglang.py --run-gpu`.", ""]
-    rows = [[n, r.get("rows"), _num(r.get("wall_s"), "{:.1f}"), (r.get("pretrain") or {}).get("steps"),
-             (r.get("pretrain") or {}).get("loss_first"), (r.get("pretrain") or {}).get("loss_last")]
-            for n, r in files]
-    return out + _table(["file", "rows written", "wall s", "target pretrain steps", "target loss first",
-                         "target loss last"], rows) + [""]
+    def rows(n, r):
+        pre = r.get("pretrain") or {}
+        return [[n, r.get("rows"), _num(r.get("wall_s"), "{:.1f}"), pre.get("steps"), pre.get("loss_first"),
+                 pre.get("loss_last")]]
+
+    return _tabled("Regenerate against SGLang", None, files, "`tests/gpu/test_regenerate_sglang.py --run-gpu`.",
+                   ["file", "rows written", "wall s", "target pretrain steps", "target loss first", "target loss last"],
+                   rows)
 
 
 def section_bench_test(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## The bench's GPU test", "",
-           "`tests/gpu/test_bench_sglang.py`: `specforge-kimi bench` through SGLang EAGLE-3 at 3/1/4 with the "
-           "baseline, on a target pretrained in the test; an untrained draft sits near 1 by design (the test checks "
-           "the result's fields and the engine's counters, not a draft).", ""]
-    if not files:
-        return out + ["Not measured yet: `tests/gpu/test_bench_sglang.py --run-gpu`.", ""]
-    rows = []
-    for n, r in files:
+    def rows(n, r):
+        out = []
         for name, st in (r.get("sets") or {}).items():
             match = (r.get("output_match") or {}).get(name) or {}
             same = f"{match['identical']}/{match['identical'] + match['different']}" if match else "-"
-            rows.append([n, "untrained" if r.get("untrained_draft") else "given", name,
-                         _num(st.get("acceptance_length"), "{:.3f}"), _num(st.get("output_tok_per_s"), "{:.1f}"),
-                         _num((r.get("baseline_tok_per_s") or {}).get(name), "{:.1f}"),
-                         _num((r.get("speedup") or {}).get(name), "{:.2f}x"), same])
-    return out + _table(["file", "draft", "set", "acceptance length", "tok/s", "baseline tok/s", "speedup",
-                         "identical outputs"], rows) + [""]
+            out.append([n, "untrained" if r.get("untrained_draft") else "given", name,
+                        _num(st.get("acceptance_length"), "{:.3f}"), _num(st.get("output_tok_per_s"), "{:.1f}"),
+                        _num((r.get("baseline_tok_per_s") or {}).get(name), "{:.1f}"),
+                        _num((r.get("speedup") or {}).get(name), "{:.2f}x"), same])
+        return out
+
+    return _tabled("The bench's GPU test",
+                   "`tests/gpu/test_bench_sglang.py`: `specforge-kimi bench` through SGLang EAGLE-3 at 3/1/4 with the "
+                   "baseline, on a target pretrained in the test; an untrained draft sits near 1 by design (the test "
+                   "checks the result's fields and the engine's counters, not a draft).",
+                   files, "`tests/gpu/test_bench_sglang.py --run-gpu`.",
+                   ["file", "draft", "set", "acceptance length", "tok/s", "baseline tok/s", "speedup",
+                    "identical outputs"], rows)
 
 
 def section_teacher_memory(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Online teacher memory (CPU)", "",
-           "`bench/teacher_memory_cpu.py`: peak resident memory of SpecForge's online teacher (full bf16 logits, "
-           "then `_compute_target_p_padded`) above the inputs, per sample length; the slope over L x V is what "
-           "`recipes.memory_plan` charges per token and vocab entry.", ""]
-    if not files:
-        return out + ["Not measured yet: `python bench/teacher_memory_cpu.py`.", ""]
-    rows = []
-    for n, r in files:
-        for row in r.get("rows") or []:
-            rows.append([n, (r.get("config") or {}).get("vocab"), row.get("L"),
-                         _num(row.get("peak_above_baseline_bytes", 0) / 2**30, "{:.3f}"),
-                         _num(row.get("bytes_per_token_vocab"), "{:.2f}"),
-                         _num(r.get("slope_bytes_per_token_vocab"), "{:.2f}"), r.get("plan_bytes_per_token_vocab")])
-    return out + _table(["file", "vocab", "L", "peak above inputs GiB", "B per L x V", "fitted slope B",
-                         "plan B"], rows) + [""]
+    def rows(n, r):
+        return [[n, (r.get("config") or {}).get("vocab"), row.get("L"),
+                 _num(row.get("peak_above_baseline_bytes", 0) / 2**30, "{:.3f}"),
+                 _num(row.get("bytes_per_token_vocab"), "{:.2f}"),
+                 _num(r.get("slope_bytes_per_token_vocab"), "{:.2f}"), r.get("plan_bytes_per_token_vocab")]
+                for row in r.get("rows") or []]
+
+    return _tabled("Online teacher memory (CPU)",
+                   "`bench/teacher_memory_cpu.py`: peak resident memory of SpecForge's online teacher (full bf16 "
+                   "logits, then `_compute_target_p_padded`) above the inputs, per sample length; the slope over L x V "
+                   "is what `recipes.memory_plan` charges per token and vocab entry.",
+                   files, "`python bench/teacher_memory_cpu.py`.",
+                   ["file", "vocab", "L", "peak above inputs GiB", "B per L x V", "fitted slope B", "plan B"], rows)
 
 
 def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## One trainer rank at a recipe's sizes", "",
-           "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
-           "optimizer, eagle3 strategy) at a recipe's draft and target sizes, world size 1, capture-shaped batches "
-           "held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
-           "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first.", ""]
-    if not files:
-        return out + ["Not measured yet: `python bench/trainer_memory.py` on a GPU.", ""]
-    rows = []
-    for n, r in files:
-        env = r.get("environment") or {}
-        for row in r.get("rows") or []:
-            if "error" in row:
-                rows.append([n, env.get("gpu"), row.get("backend"), row.get("length"), "error: " + row["error"][:60],
-                             "-", "-", "-", "-", "-"])
-                continue
-            rows.append([n, env.get("gpu") or "cpu", row.get("backend"), row.get("length"),
-                         _num(row.get("peak_allocated_gib"), "{:.2f}"), _num(row.get("peak_reserved_gib"), "{:.2f}"),
-                         _num(row.get("plan_gib"), "{:.2f}"), _num(row.get("measured_over_plan"), "{:.2f}x"),
-                         _num(row.get("median_step_s_after_first"), "{:.3f}"), _num(row.get("tokens_per_s"), "{:.0f}")])
-    return out + _table(["file", "device", "attention", "tokens", "peak allocated GiB", "peak reserved GiB",
-                         "plan GiB", "allocated / plan", "step s", "tok/s"], rows) + [""]
+    def rows(n, r):
+        gpu = (r.get("environment") or {}).get("gpu") or "cpu"
+        return [[n, gpu, row.get("backend"), row.get("length"), "error: " + row["error"][:60], "-", "-", "-", "-", "-"]
+                if "error" in row else
+                [n, gpu, row.get("backend"), row.get("length"),
+                 _num(row.get("peak_allocated_gib"), "{:.2f}"), _num(row.get("peak_reserved_gib"), "{:.2f}"),
+                 _num(row.get("plan_gib"), "{:.2f}"), _num(row.get("measured_over_plan"), "{:.2f}x"),
+                 _num(row.get("median_step_s_after_first"), "{:.3f}"), _num(row.get("tokens_per_s"), "{:.0f}")]
+                for row in r.get("rows") or []]
+
+    return _tabled("One trainer rank at a recipe's sizes",
+                   "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
+                   "optimizer, eagle3 strategy) at a recipe's draft and target sizes, world size 1, capture-shaped "
+                   "batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
+                   "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first.",
+                   files, "`python bench/trainer_memory.py` on a GPU.",
+                   ["file", "device", "attention", "tokens", "peak allocated GiB", "peak reserved GiB", "plan GiB",
+                    "allocated / plan", "step s", "tok/s"], rows)
 
 
 def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Tiny targets", "",
-           "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer tokens "
-           "of the `structured` prompt set's conversations; greedy accuracy is the full-vocabulary argmax "
-           "(what SGLang decodes).", ""]
-    if not files:
-        return out + ["Not measured yet: `specforge-kimi tiny OUT --pretrain SECONDS`.", ""]
-    rows = []
-    for n, r in files:
+    def rows(n, r):
         tr, h, sp = r["train"], r["heldout"], r["spec"]
-        rows.append([n, f"{sp.get('layers')}L/{sp.get('hidden')}h", r.get("device"), tr.get("steps"),
-                     _num(tr.get("seconds"), "{:.0f}"), tr.get("batch_size"), tr.get("loss", "corpus"),
-                     f"{_fmt(tr.get('loss_first'))} -> {_fmt(tr.get('loss_last'))}", h.get("loss"),
-                     h.get("loss_corpus_tokens"), h.get("greedy_accuracy")])
-    return out + _table(["file", "target", "device", "steps", "s", "batch", "training loss", "loss first -> last",
-                         "held-out loss (full vocab)", "held-out loss (corpus tokens)", "greedy acc"], rows) + [""]
+        return [[n, f"{sp.get('layers')}L/{sp.get('hidden')}h", r.get("device"), tr.get("steps"),
+                 _num(tr.get("seconds"), "{:.0f}"), tr.get("batch_size"), tr.get("loss", "corpus"),
+                 f"{_fmt(tr.get('loss_first'))} -> {_fmt(tr.get('loss_last'))}", h.get("loss"),
+                 h.get("loss_corpus_tokens"), h.get("greedy_accuracy")]]
+
+    return _tabled("Tiny targets",
+                   "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer "
+                   "tokens of the `structured` prompt set's conversations; greedy accuracy is the full-vocabulary "
+                   "argmax (what SGLang decodes).",
+                   files, "`specforge-kimi tiny OUT --pretrain SECONDS`.",
+                   ["file", "target", "device", "steps", "s", "batch", "training loss", "loss first -> last",
+                    "held-out loss (full vocab)", "held-out loss (corpus tokens)", "greedy acc"], rows)
 
 
 def section_target_select(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Choosing the tiny target", "",
-           "`specforge-kimi target-text`: entropy of each candidate's next-token distribution along its own greedy "
-           "text on selection prompts (no bench prompt); the lowest is kept.", ""]
-    if not files:
-        return out + ["Not measured yet: `TARGET_SEEDS=\"0 1\" STAGE=target bash scripts/gpu_online_run.sh`.", ""]
-    rows = []
-    for n, r in files:
+    def rows(n, r):
+        out = []
         for c in r["candidates"]:
-            pre = c.get("pretrain") or {}
-            g = c.get("groups") or {}
-            rows.append([n, pre.get("seed"), pre.get("steps"), pre.get("heldout_greedy_accuracy"), c.get("mean_entropy"),
-                         (g.get("corpus") or {}).get("mean_entropy"), (g.get("prompt_mix") or {}).get("mean_entropy"),
-                         c.get("mean_top1_probability"), "yes" if c.get("target") == r.get("chosen") else ""])
-    return out + _table(["file", "seed", "steps", "held-out greedy acc", "entropy (all)", "corpus", "prompt mix",
-                         "top-1 p", "kept"], rows) + [""]
+            pre, g = c.get("pretrain") or {}, c.get("groups") or {}
+            out.append([n, pre.get("seed"), pre.get("steps"), pre.get("heldout_greedy_accuracy"), c.get("mean_entropy"),
+                        (g.get("corpus") or {}).get("mean_entropy"), (g.get("prompt_mix") or {}).get("mean_entropy"),
+                        c.get("mean_top1_probability"), "yes" if c.get("target") == r.get("chosen") else ""])
+        return out
+
+    return _tabled("Choosing the tiny target",
+                   "`specforge-kimi target-text`: entropy of each candidate's next-token distribution along its own "
+                   "greedy text on selection prompts (no bench prompt); the lowest is kept.",
+                   files, "`TARGET_SEEDS=\"0 1\" STAGE=target bash scripts/gpu_online_run.sh`.",
+                   ["file", "seed", "steps", "held-out greedy acc", "entropy (all)", "corpus", "prompt mix", "top-1 p",
+                    "kept"], rows)
 
 
 def section_pretrain_repro(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Tiny target repeatability", "",
-           "`bench/pretrain_repro.py`: the same step-bounded pretraining twice per mode on one device.", ""]
-    if not files:
-        return out + ["Not measured yet: `python bench/pretrain_repro.py --steps 300 --device cuda --out ...`.", ""]
-    rows = []
-    for n, r in files:
+    def rows(n, r):
+        out = []
         for mode, m in r["modes"].items():
             runs = m.get("runs") or []
-            rows.append([n, r.get("git_commit") or "-", (r.get("environment") or {}).get("device"), mode,
-                         " / ".join(str(x.get("steps")) for x in runs),
-                         " / ".join(_fmt(x.get("heldout_loss")) for x in runs),
-                         " / ".join(_fmt(x.get("heldout_greedy_accuracy")) for x in runs),
-                         m.get("first_differing_step"), m.get("max_abs_weight_diff")])
-    return out + _table(["file", "commit", "device", "mode", "steps", "held-out loss", "held-out greedy acc",
-                         "first differing step", "max weight difference"], rows) + [""] + [
-        f"`{n}`: {r['note']}" for n, r in files if r.get("note")] + [""]
+            out.append([n, r.get("git_commit") or "-", (r.get("environment") or {}).get("device"), mode,
+                        " / ".join(str(x.get("steps")) for x in runs),
+                        " / ".join(_fmt(x.get("heldout_loss")) for x in runs),
+                        " / ".join(_fmt(x.get("heldout_greedy_accuracy")) for x in runs),
+                        m.get("first_differing_step"), m.get("max_abs_weight_diff")])
+        return out
+
+    return _tabled("Tiny target repeatability",
+                   "`bench/pretrain_repro.py`: the same step-bounded pretraining twice per mode on one device.",
+                   files, "`python bench/pretrain_repro.py --steps 300 --device cuda --out ...`.",
+                   ["file", "commit", "device", "mode", "steps", "held-out loss", "held-out greedy acc",
+                    "first differing step", "max weight difference"], rows,
+                   tail=[f"`{n}`: {r['note']}" for n, r in files if r.get("note")] + [""])
 
 
 def section_online_runs(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Online runs (trainer view)", "",
-           "`specforge-kimi run-report` of a co-located run: SpecForge's ledger, disk bytes besides checkpoints, "
-           "median step performance after warm-up.", ""]
-    if not files:
-        return out + ["Not measured yet: `scripts/gpu_online_run.sh` on the GPU box.", ""]
-    rows = []
-    for n, r in files:
-        led, perf = r.get("ledger") or {}, r.get("perf") or {}
-        acc = r.get("acc_last_mean") or {}
-        rows.append([n, r.get("last_step"), led.get("acked_unique"), led.get("duplicates"), led.get("trained_tokens"),
-                     f"{_fmt(r.get('loss_first_mean'))} -> {_fmt(r.get('loss_last_mean'))}",
-                     " / ".join(f"{acc[k]:.2f}" for k in sorted(acc)),
-                     _num(r.get("metadata_bytes_per_trained_token"), "{:.1f}"),
-                     _num(perf.get("end_to_end_tokens_per_s"), "{:.0f}"),
-                     _num(perf.get("trainer_only_tokens_per_s"), "{:.0f}")])
-    return out + _table(["file", "steps", "samples (unique)", "duplicates", "trained tokens", "train loss",
-                         "train acc per TTT position", "metadata B/token", "end-to-end tok/s",
-                         "trainer-only tok/s"], rows) + [""]
+    def rows(n, r):
+        led, perf, acc = r.get("ledger") or {}, r.get("perf") or {}, r.get("acc_last_mean") or {}
+        return [[n, r.get("last_step"), led.get("acked_unique"), led.get("duplicates"), led.get("trained_tokens"),
+                 f"{_fmt(r.get('loss_first_mean'))} -> {_fmt(r.get('loss_last_mean'))}",
+                 " / ".join(f"{acc[k]:.2f}" for k in sorted(acc)),
+                 _num(r.get("metadata_bytes_per_trained_token"), "{:.1f}"),
+                 _num(perf.get("end_to_end_tokens_per_s"), "{:.0f}"), _num(perf.get("trainer_only_tokens_per_s"), "{:.0f}")]]
+
+    return _tabled("Online runs (trainer view)",
+                   "`specforge-kimi run-report` of a co-located run: SpecForge's ledger, disk bytes besides "
+                   "checkpoints, median step performance after warm-up.",
+                   files, "`scripts/gpu_online_run.sh` on the GPU box.",
+                   ["file", "steps", "samples (unique)", "duplicates", "trained tokens", "train loss",
+                    "train acc per TTT position", "metadata B/token", "end-to-end tok/s", "trainer-only tok/s"], rows)
 
 
 def section_eval_draft(files: list[tuple[str, dict]]) -> list[str]:
@@ -591,34 +594,30 @@ def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, d
 
 
 def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Fault drills", "", "`tests/gpu/test_faults_gpu.py`; lost and duplicated samples from SpecForge's ledger.", ""]
-    if not files:
-        return out + ["Not measured yet: `tests/gpu/test_faults_gpu.py --run-gpu`.", ""]
-    rows = []
-    for n, r in files:
-        for d in r.get("drills", []):
-            rows.append([n, d.get("drill"), f"{d.get('tp')} / {d.get('trainer_ranks')}", d.get("rc"),
-                         _num(d.get("stop_s"), "{:.0f}"), d.get("prompts"), d.get("acked"), d.get("duplicates"),
-                         d.get("processes_left")])
-    return out + _table(["file", "drill", "TP / trainer ranks", "rc", "s to run end", "prompts", "acked",
-                         "duplicates", "processes left"], rows) + [""]
+    def rows(n, r):
+        return [[n, d.get("drill"), f"{d.get('tp')} / {d.get('trainer_ranks')}", d.get("rc"),
+                 _num(d.get("stop_s"), "{:.0f}"), d.get("prompts"), d.get("acked"), d.get("duplicates"),
+                 d.get("processes_left")] for d in r.get("drills", [])]
+
+    return _tabled("Fault drills", "`tests/gpu/test_faults_gpu.py`; lost and duplicated samples from SpecForge's ledger.",
+                   files, "`tests/gpu/test_faults_gpu.py --run-gpu`.",
+                   ["file", "drill", "TP / trainer ranks", "rc", "s to run end", "prompts", "acked", "duplicates",
+                    "processes left"], rows)
 
 
 def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## The capture sink's Mooncake put, segment in the putting process (CPU)", "",
-           "`bench/mooncake_put_cpu.py`: one batch's `batch_put_from` (median over repetitions after the first) "
-           "issued from T threads, and how far a Python loop in another thread gets during the put (1: the GIL "
-           "is released).", ""]
-    if not files:
-        return out + ["Not measured yet: `python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json`.", ""]
-    rows = []
-    for n, r in files:
+    def rows(n, r):
         cfg, gil = r.get("config") or {}, [g.get("main_thread_progress") for g in r.get("gil") or []]
-        for t, v in (r.get("threads") or {}).items():
-            rows.append([n, (r.get("environment") or {}).get("cpu_count"), _num((cfg.get("batch_bytes") or 0) / 1e6, "{:.0f}"),
-                         t, v.get("median_ms"), v.get("GB_per_s"), " / ".join(f"{g:.2f}" for g in gil if g is not None)])
-    return out + _table(["file", "CPUs", "batch MB", "threads", "median ms", "GB/s", "other thread's progress"],
-                        rows) + [""]
+        return [[n, (r.get("environment") or {}).get("cpu_count"), _num((cfg.get("batch_bytes") or 0) / 1e6, "{:.0f}"),
+                 t, v.get("median_ms"), v.get("GB_per_s"), " / ".join(f"{g:.2f}" for g in gil if g is not None)]
+                for t, v in (r.get("threads") or {}).items()]
+
+    return _tabled("The capture sink's Mooncake put, segment in the putting process (CPU)",
+                   "`bench/mooncake_put_cpu.py`: one batch's `batch_put_from` (median over repetitions after the "
+                   "first) issued from T threads, and how far a Python loop in another thread gets during the put "
+                   "(1: the GIL is released).",
+                   files, "`python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json`.",
+                   ["file", "CPUs", "batch MB", "threads", "median ms", "GB/s", "other thread's progress"], rows)
 
 
 def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str, dict]]) -> list[str]:
@@ -666,21 +665,19 @@ def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str,
 
 
 def section_draft_parity(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Draft logits parity: SGLang vs the training-side forward", "",
-           "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by its own "
-           "loader, one extend batch with aux states, against the training-side module (fp32). Margin = the closest "
-           "rope/scale mutant's error over SGLang's error (parity needs >= the file's `margin_min`).", ""]
-    if not files:
-        return out + ["Not measured yet: `tests/gpu/test_draft_logits_parity.py --run-gpu`.", ""]
-    rows = []
-    for n, r in files:
-        for arch, res in r.items():
-            for s in res.get("sequences") or [{}]:
-                rows.append([n, arch, res.get("backend"), s.get("T"), _num(s.get("cos_min"), "{:.5f}"), _num(s.get("rel"), "{:.2%}"),
-                             s.get("top1_agreement"), _num(s.get("margin_min"), "{:.1f}"), res.get("passed"),
-                             res.get("returncode")])
-    return out + _table(["file", "draft", "backend", "tokens", "cos min", "rel. error", "top-1 agreement",
-                         "mutant margin", "passed", "rc"], rows) + [""]
+    def rows(n, r):
+        return [[n, arch, res.get("backend"), s.get("T"), _num(s.get("cos_min"), "{:.5f}"), _num(s.get("rel"), "{:.2%}"),
+                 s.get("top1_agreement"), _num(s.get("margin_min"), "{:.1f}"), res.get("passed"), res.get("returncode")]
+                for arch, res in r.items() for s in res.get("sequences") or [{}]]
+
+    return _tabled("Draft logits parity: SGLang vs the training-side forward",
+                   "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by "
+                   "its own loader, one extend batch with aux states, against the training-side module (fp32). Margin "
+                   "= the closest rope/scale mutant's error over SGLang's error (parity needs >= the file's "
+                   "`margin_min`).",
+                   files, "`tests/gpu/test_draft_logits_parity.py --run-gpu`.",
+                   ["file", "draft", "backend", "tokens", "cos min", "rel. error", "top-1 agreement", "mutant margin",
+                    "passed", "rc"], rows)
 
 
 def section_engine_pairs(twins: list[tuple[str, dict]], engines: list[tuple[str, dict]]) -> list[str]:
