@@ -118,8 +118,8 @@ def child(args) -> int:
     """One backend, lengths ascending, in this process; prints one JSON line per length."""
     import torch
 
-    from specforge_kimi.recipes import load_recipe, render, trainer_terms
     from specforge_kimi import register
+    from specforge_kimi.recipes import load_recipe, render, trainer_terms
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -243,6 +243,17 @@ def main(argv=None) -> int:
     from specforge_kimi.recipes import load_recipe
 
     recipe = load_recipe(args.recipe)
+    for flag, value in (("--lengths", args.lengths), ("--sdpa-lengths", args.sdpa_lengths)):
+        if value is None:
+            continue
+        try:
+            lengths = [int(x) for x in value.split(",")]
+        except ValueError:
+            raise KimiInputError(f"{flag}: {value!r} is not a comma-separated list of token counts") from None
+        if not lengths or min(lengths) <= 0 or lengths != sorted(lengths):
+            raise KimiInputError(f"{flag}: {value!r} must be positive token counts in ascending order")
+    if args.steps < 2:
+        raise KimiInputError("--steps must be at least 2 (the first step compiles and is not timed)")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("flex_attention", "sdpa"):

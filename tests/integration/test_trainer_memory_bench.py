@@ -46,13 +46,16 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     assert json.loads((target / "config.json").read_text())["text_config"]["hidden_size"] == recipe.target.hidden_size
 
 
-def test_flex_without_cuda_and_unknown_backend_are_one_line_errors(tmp_path):
+def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("flex_attention runs here")
-    for backends, msg in (("flex_attention", "needs CUDA"), ("eager", "is not flex_attention or sdpa")):
-        res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", backends,
+    for extra, msg in ((["--backends", "flex_attention"], "needs CUDA"),
+                       (["--backends", "eager"], "is not flex_attention or sdpa"),
+                       (["--lengths", "64,x"], "not a comma-separated list"),
+                       (["--lengths", "128,64"], "ascending"), (["--steps", "1"], "at least 2")):
+        res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", *extra,
                               "--workdir", str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert not (tmp_path / "w").exists()  # checked before anything is written
