@@ -445,9 +445,11 @@ def section_teacher_memory(files: list[tuple[str, dict]]) -> list[str]:
 def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         gpu = (r.get("environment") or {}).get("gpu") or "cpu"
-        return [[n, gpu, row.get("backend"), row.get("length"), "error: " + row["error"][:60], "-", "-", "-", "-", "-"]
+        ranks = (r.get("config") or {}).get("world_size")
+        return [[n, gpu, ranks, row.get("backend"), row.get("length"), "error: " + row["error"][:60], "-", "-", "-",
+                 "-", "-"]
                 if "error" in row else
-                [n, gpu, row.get("backend"), row.get("length"),
+                [n, gpu, ranks, row.get("backend"), row.get("length"),
                  _num(row.get("peak_allocated_gib"), "{:.2f}"), _num(row.get("peak_reserved_gib"), "{:.2f}"),
                  _num(row.get("plan_gib"), "{:.2f}"), _num(row.get("measured_over_plan"), "{:.2f}x"),
                  _num(row.get("median_step_s_after_first"), "{:.3f}"), _num(row.get("tokens_per_s"), "{:.0f}")]
@@ -455,11 +457,12 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
 
     return _tabled("One trainer rank at a recipe's sizes",
                    "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
-                   "optimizer, eagle3 strategy) at a recipe's draft and target sizes, world size 1, capture-shaped "
-                   "batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
-                   "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first.",
+                   "optimizer, eagle3 strategy) at a recipe's draft and target sizes, on 1 or N ranks of one host, "
+                   "capture-shaped batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
+                   "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first "
+                   "(tok/s: all ranks' tokens over the slowest rank's step).",
                    files, "`python bench/trainer_memory.py` on a GPU.",
-                   ["file", "device", "attention", "tokens", "peak allocated GiB", "peak reserved GiB", "plan GiB",
+                   ["file", "device", "ranks", "attention", "tokens", "peak allocated GiB (max over ranks)", "peak reserved GiB", "plan GiB",
                     "allocated / plan", "step s", "tok/s"], rows)
 
 

@@ -1,6 +1,7 @@
-"""Peak memory and speed of one EAGLE-3 trainer rank at a recipe's real sizes, against the memory plan.
+"""Peak memory and speed of EAGLE-3 trainer ranks at a recipe's real sizes, against the memory plan.
 
-Scope: the consumer side of the online loop only, on one device, world size 1. The K2.5 recipes'
+Scope: the consumer side of the online loop only, on one host: one rank (default) or ``--nproc N``
+ranks started by torchrun, one per GPU, as a co-located run's trainer ranks. The K2.5 recipes'
 fit rests on ``recipes.memory_plan``'s trainer terms (``recipes.trainer_terms``), which were
 derived from SpecForge's code, not measured on a GPU. This script builds exactly what SpecForge's
 online consumer builds for a recipe -- ``build_model_bundle`` (the draft from the recipe's draft
@@ -18,9 +19,11 @@ bf16, under the recipe's keys) and the stand-in tokenizer. The draft config, voc
 
 Per (backend, length): steps run back to back; the script records memory allocated after the
 model is built, the peak allocated and reserved over the steps (``torch.cuda`` counters, reset
-per length), per-step time after the first (which compiles), and the losses. With world size 1
-SpecForge's FSDP (``SHARD_GRAD_OP``) shards nothing, so the optimizer term is the whole draft's,
-as the plan charges it; on 8 ranks that term shrinks, the activation and teacher terms do not.
+per length), per-step time after the first (which compiles), and the losses; with several ranks, the maximum
+over ranks and each rank's value (each rank trains its own sample, as data parallelism does). With
+one rank SpecForge's FSDP (``SHARD_GRAD_OP``) shards nothing, so the optimizer term is the whole
+draft's, as the plan charges it; over N ranks that term shrinks, the activation and teacher terms
+do not.
 
     python bench/trainer_memory.py --recipe recipes/kimi-k25-8xb200-lowered.yaml \\
         --backends flex_attention,sdpa --lengths 2048,4096 --out bench/results/trainer_memory_....json
@@ -136,9 +139,13 @@ def child(args) -> int:
 
     workdir = Path(args.workdir)
     base = load_recipe(args.recipe)
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(args.port)})
+    if "WORLD_SIZE" not in os.environ:  # started directly, not by torchrun: one rank
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(args.port)})
     init_distributed(timeout=10)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     rows = [row_recipe(base, target=Path(args.target), vocab=Path(args.vocab), workdir=workdir, length=n,
                        backend=args.backend) for n in args.lengths]
     try:
@@ -166,7 +173,8 @@ def child(args) -> int:
             built = torch.cuda.memory_allocated() / GIB
         hidden, vocab = r.target.hidden_size, r.target.vocab_size
     except Exception as exc:
-        print(json.dumps({"backend": args.backend, "error": f"build: {type(exc).__name__}: {exc}"}), flush=True)
+        print(json.dumps({"backend": args.backend, "rank": rank, "error": f"build: {type(exc).__name__}: {exc}"}),
+              flush=True)
         destroy_distributed()
         return 0
     try:
@@ -181,7 +189,7 @@ def child(args) -> int:
                     row["start_allocated_gib"] = torch.cuda.memory_allocated() / GIB
                 times, losses = [], []
                 for step in range(args.steps):
-                    batch = _batch(length, hidden, vocab, seed=step)
+                    batch = _batch(length, hidden, vocab, seed=1000 * step + rank)  # each rank its own sample
                     t0 = time.perf_counter()
                     out = core.train_step(batch)
                     if cuda:
@@ -202,12 +210,42 @@ def child(args) -> int:
                 row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
             except Exception as exc:  # record and stop this backend's list
                 row["error"] = f"{type(exc).__name__}: {exc}"
-            print(json.dumps(row), flush=True)
+            row = _merge_ranks(row, dist, world)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
             if "error" in row:
                 break
     finally:
         destroy_distributed()
     return 0
+
+
+def _merge_ranks(row: dict, dist, world: int) -> dict:
+    """Every rank's row for one length, merged (a collective: every rank calls it after each length).
+
+    Peaks are the maximum over ranks, with the per-rank values beside them; throughput counts every
+    rank's tokens over the slowest rank's median step; ``losses`` are rank 0's; an error on any rank is
+    the row's error. With
+    several ranks, a rank that fails inside a step's collectives can leave the others waiting there
+    until SpecForge's process-group timeout (10 minutes here).
+    """
+    if world == 1:
+        return {**row, "world_size": 1}
+    rows: list = [None] * world
+    dist.all_gather_object(rows, row)
+    out = {**rows[0], "world_size": world}
+    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(rows) if "error" in r]
+    if errors:
+        return {**out, "error": "; ".join(errors)}
+    for key in ("peak_allocated_gib", "peak_reserved_gib", "median_step_s_after_first"):
+        if key in out:
+            out[f"per_rank_{key}"] = [r[key] for r in rows]
+            out[key] = max(r[key] for r in rows)
+    if "median_step_s_after_first" in out:
+        out["tokens_per_s"] = out["length"] * world / out["median_step_s_after_first"]
+    if "peak_allocated_gib" in out:
+        out["measured_over_plan"] = out["peak_allocated_gib"] / out["plan_gib"]
+    return out
 
 
 def _free_port() -> int:
@@ -223,6 +261,9 @@ def main(argv=None) -> int:
                     help="comma-separated SpecForge attention backends (flex_attention needs CUDA)")
     ap.add_argument("--lengths", default="2048,4096", help="comma-separated sample lengths (ascending per backend)")
     ap.add_argument("--sdpa-lengths", default=None, help="lengths for sdpa if different from --lengths")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="trainer ranks (torchrun on this host, one per GPU); SpecForge's FSDP shards the optimizer "
+                         "state over them (SHARD_GRAD_OP) as in a co-located run")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per length (the first compiles)")
     ap.add_argument("--workdir", default="runs/trainer-memory", help="stand-in target, renders, logs")
     ap.add_argument("--out", default=None, help="JSON result path")
@@ -252,6 +293,9 @@ def main(argv=None) -> int:
             raise KimiInputError(f"{flag}: {value!r} is not a comma-separated list of token counts") from None
         if not lengths or min(lengths) <= 0 or lengths != sorted(lengths):
             raise KimiInputError(f"{flag}: {value!r} must be positive token counts in ascending order")
+    if args.nproc < 1 or (torch.cuda.is_available() and args.nproc > torch.cuda.device_count()):
+        raise KimiInputError(f"--nproc {args.nproc}: need 1..{torch.cuda.device_count() or 'N'} ranks "
+                             "(one per GPU)")
     if args.steps < 2:
         raise KimiInputError("--steps must be at least 2 (the first step compiles and is not timed)")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -282,11 +326,13 @@ def main(argv=None) -> int:
            "command": [sys.executable, *sys.argv], "environment": env,
            "config": {"recipe": args.recipe, "draft": recipe.trainer.draft, "ttt_length": recipe.trainer.ttt_length,
                       "target_hidden": recipe.target.hidden_size, "target_vocab": recipe.target.vocab_size,
-                      "steps": args.steps, "world_size": 1, "standin_setup_s": setup_s},
+                      "steps": args.steps, "world_size": args.nproc, "standin_setup_s": setup_s},
            "rows": []}
     for b in backends:
         lengths = args.sdpa_lengths if (b == "sdpa" and args.sdpa_lengths) else args.lengths
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--recipe", args.recipe, "--backend", b,
+        launcher = [sys.executable] if args.nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+        cmd = [*launcher, str(Path(__file__).resolve()), "--child", "--recipe", args.recipe, "--backend", b,
                "--lengths", lengths, "--steps", str(args.steps), "--workdir", str(workdir), "--target", str(target),
                "--vocab", str(vocab), "--port", str(_free_port())]
         log = workdir / f"child-{b}.log"

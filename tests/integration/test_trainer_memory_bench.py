@@ -46,6 +46,22 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     assert json.loads((target / "config.json").read_text())["text_config"]["hidden_size"] == recipe.target.hidden_size
 
 
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
+    out = tmp_path / "tm.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", "--lengths", "32",
+                          "--steps", "2", "--nproc", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["world_size"] == 2
+    [row] = doc["rows"]  # rank 0 alone prints the merged row
+    assert "error" not in row and row["world_size"] == 2
+    per_rank = row["per_rank_median_step_s_after_first"]
+    assert len(per_rank) == 2 and row["median_step_s_after_first"] == max(per_rank)
+    assert row["tokens_per_s"] == pytest.approx(32 * 2 / max(per_rank))
+
+
 def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
     import torch
 
@@ -54,7 +70,8 @@ def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
     for extra, msg in ((["--backends", "flex_attention"], "needs CUDA"),
                        (["--backends", "eager"], "is not flex_attention or sdpa"),
                        (["--lengths", "64,x"], "not a comma-separated list"),
-                       (["--lengths", "128,64"], "ascending"), (["--steps", "1"], "at least 2")):
+                       (["--lengths", "128,64"], "ascending"), (["--steps", "1"], "at least 2"),
+                       (["--nproc", "0"], "--nproc 0")):
         res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", *extra,
                               "--workdir", str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr

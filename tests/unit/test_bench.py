@@ -504,7 +504,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
             "`bench/results/acceptance_online_draft_echo_tp1_h200.json`") in pairs
     assert "- `offline_twin_tp1_h200.json`" not in pairs
     assert "| teacher_memory_cpu.json | 163840 | 2048 | 2.647 | 8.47 | 8.12 | 10 |" in md
-    assert ("| trainer_memory_k25_b200_h200.json | NVIDIA H200 | flex_attention | 16384 | 69.15 | 95.23 | 133.75 | "
+    assert ("| trainer_memory_k25_b200_h200.json | NVIDIA H200 | 1 | flex_attention | 16384 | 69.15 | 95.23 | 133.75 | "
             "0.52x | 1.687 | 9715 |") in md
     assert ("| bench_sglang_test_untrained_tp1_h200.json | untrained | structured | 1.025 | 36.6 | 52.2 | 0.70x | 8/8 |"
             in md)
