@@ -57,8 +57,10 @@ def write_standin_target(recipe, out: Path) -> Path:
     from specforge_kimi.tokenizer import build_standin_tokenizer
 
     t = recipe.target
-    if (out / "config.json").is_file():
-        return out
+    if (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        if set(index["weight_map"]) == {t.embedding_key, t.lm_head_key}:
+            return out
     out.mkdir(parents=True, exist_ok=True)
     spec = TinySpec(layers=t.num_layers, hidden=t.hidden_size, heads=t.num_attention_heads, vocab=t.vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -68,8 +70,8 @@ def write_standin_target(recipe, out: Path) -> Path:
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": sum(x.numel() * 2 for x in tensors.values())},
          "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}))
-    (out / "config.json").write_text(json.dumps(config(spec), indent=2))
     build_standin_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(config(spec), indent=2))  # last: a complete stand-in has it
     return out
 
 
@@ -307,8 +309,11 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    target = write_standin_target(recipe, workdir / "target")
-    vocab = write_vocab_mapping(recipe, workdir / "vocab_mapping.pt")
+    # named by what shapes them, so a workdir reused with another recipe never reads a stale stand-in
+    t = recipe.target
+    target = write_standin_target(recipe, workdir / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v")
+    vocab = write_vocab_mapping(recipe, workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}"
+                                                  f"-of-{t.vocab_size}.pt")
     setup_s = time.perf_counter() - t0
     import importlib.metadata
 

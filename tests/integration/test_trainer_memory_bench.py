@@ -39,9 +39,10 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
         raw["gpus"]["memory_gib"] = 1e6
         assert r["plan_bytes"] == trainer_terms(Recipe.model_validate(raw))
     # the stand-in target holds only what the consumer reads
-    target = tmp_path / "work" / "target"
-    index = json.loads((target / "model.safetensors.index.json").read_text())
     recipe = load_recipe(REPO / RECIPE)
+    t = recipe.target
+    target = tmp_path / "work" / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == {recipe.target.embedding_key, recipe.target.lm_head_key}
     assert json.loads((target / "config.json").read_text())["text_config"]["hidden_size"] == recipe.target.hidden_size
 
