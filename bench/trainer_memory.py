@@ -87,7 +87,7 @@ def write_vocab_mapping(recipe, path: Path) -> Path:
 
 
 def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int, backend: str):
-    """The recipe with this row's length, backend and stand-in paths (validated again)."""
+    """The recipe the model is built from: its max length and backend, the stand-in paths (validated again)."""
     from specforge_kimi.recipes import Recipe
 
     raw = recipe.model_dump()
@@ -148,12 +148,11 @@ def child(args) -> int:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = [row_recipe(base, target=Path(args.target), vocab=Path(args.vocab), workdir=workdir, length=n,
-                       backend=args.backend) for n in args.lengths]
     try:
         # one model per backend, as one run sees samples of many lengths: max_length shapes no tensor of
         # the model, only the samples; the peak counters are reset per length
-        r = rows[-1]
+        r = row_recipe(base, target=Path(args.target), vocab=Path(args.vocab), workdir=workdir,
+                       length=max(args.lengths), backend=args.backend)
         cfg_dict = render(r, workdir / f"render-{args.backend}")["specforge_config"]
         cfg_dict["training"]["role"] = "consumer"
         # SpecForge's FSDP needs an accelerator; on the CPU its DDP path (NO_SHARD) runs instead
@@ -180,8 +179,8 @@ def child(args) -> int:
         destroy_distributed()
         return 0
     try:
-        for length, rr in zip(args.lengths, rows):
-            terms = trainer_terms(rr)
+        for length in args.lengths:
+            terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
             row = {"backend": args.backend, "length": length, "fsdp_sharding": sharding, "build_s": build_s,
                    "built_allocated_gib": built, "plan_bytes": terms, "plan_gib": sum(terms.values()) / GIB}
             try:

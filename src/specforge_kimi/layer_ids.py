@@ -58,7 +58,7 @@ def _as_ints(ids: Iterable[int], what: str) -> tuple[int, ...]:
 
 def parse_id_list(text: str, what: str) -> list[int]:
     """``"1,29,57"`` -> ``[1, 29, 57]``; anything else is a :class:`KimiInputError` naming ``what``."""
-    return list(_as_ints([x for x in text.split(",")], what))
+    return list(_as_ints(text.split(","), what))
 
 
 @dataclass(frozen=True)

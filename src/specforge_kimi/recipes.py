@@ -198,8 +198,9 @@ def _draft_params(d: dict) -> int:
     return 3 * h * h + attn + mlp + d["draft_vocab_size"] * h + 3 * h
 
 
-def trainer_terms(r: Recipe) -> dict:
-    """The trainer side of :func:`memory_plan`, term by term, in bytes (reserve excluded).
+def trainer_terms(r: Recipe, *, max_length: Optional[int] = None, attention_backend: Optional[str] = None) -> dict:
+    """The trainer side of :func:`memory_plan`, term by term, in bytes (reserve excluded); ``max_length`` and
+    ``attention_backend`` override the recipe's (what a sample of that length costs on that backend).
 
     ``optimizer``: draft params x 16 B (bf16 weights + fp32 master + Adam m, v + bf16 grads);
     ``frozen_tables``: the draft's frozen embedding and SpecForge's ``TargetHead``, bf16
@@ -214,13 +215,14 @@ def trainer_terms(r: Recipe) -> dict:
     """
     t, tr = r.target, r.trainer
     d = tr.draft
+    length = tr.max_length if max_length is None else max_length
+    backend = tr.attention_backend if attention_backend is None else attention_backend
     return {
         "optimizer": _draft_params(d) * 16,
         "frozen_tables": 2 * t.vocab_size * t.hidden_size * 2,
-        "activations": tr.max_length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64),
-        "sdpa_attention": (6 * d["num_attention_heads"] * tr.ttt_length * tr.max_length ** 2
-                           if tr.attention_backend == "sdpa" else 0),
-        "teacher_logits": tr.max_length * t.vocab_size * 10,
+        "activations": length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64),
+        "sdpa_attention": 6 * d["num_attention_heads"] * tr.ttt_length * length ** 2 if backend == "sdpa" else 0,
+        "teacher_logits": length * t.vocab_size * 10,
     }
 
 
