@@ -2,7 +2,7 @@
 
 Issue 5: until the engine bench can run, compare the two draft architectures by simulated
 acceptance length on the demo's pretrained tiny K2.5 target. Both drafts are trained by
-SpecForge 0.2.0's own trainer, in this process (:func:`specforge_kimi.offline_train.train_offline`),
+SpecForge 0.2.0's own trainer, in this process (:func:`specforge_kimi.training.offline.train_offline`),
 on the SAME captured features with the same steps, seed, learning rate, TTT length and vocab
 mapping:
 
@@ -14,18 +14,18 @@ mapping:
   (:func:`~specforge_kimi.drafts.mla_eagle3.with_vocab_mapping`), aux ids = the demo's.
 
 Each draft is evaluated before training (random init after ``torch.manual_seed(seed)``, as the
-demo does) and after, on the same held-out samples, with :func:`specforge_kimi.simulate.
+demo does) and after, on the same held-out samples, with :func:`specforge_kimi.evaluate.simulate.
 simulated_acceptance` (chain, top-k 1, greedy verification; default 3 steps) and SpecForge's
 held-out loss (``-sum target_p log q`` over the draft vocab, mean over the simulated steps and
 trained positions). Results: ``bench/results/mla_vs_llama_cpu.json``.
 
 Target and features, either
-- built here exactly as ``specforge-kimi demo`` builds them (:func:`specforge_kimi.demo.
+- built here exactly as ``specforge-kimi demo`` builds them (:func:`specforge_kimi.demo.pipeline.
   prepare_inputs`, under ``<work>/demo``; pretraining is time-bounded, so each build differs), or
 - reused from a finished demo directory (``--demo-dir runs/demo``): its ``target/``,
   ``features/``, ``vocab_mapping.pt``, ``draft_config.json`` and the settings in
   ``demo_result.json``. The demo keeps the held-out samples in memory only, so they are
-  re-captured here with the demo's own capture (:func:`specforge_kimi.demo.capture_samples`, same
+  re-captured here with the demo's own capture (:func:`specforge_kimi.demo.pipeline.capture_samples`, same
   rows, same batches); the training rows are captured alongside and compared with the feature
   files on disk, which proves the re-capture reproduces the demo's.
 
@@ -34,7 +34,7 @@ Usage::
     python bench/mla_vs_llama.py --demo-dir runs/demo            # reuse the demo's target/features
     python bench/mla_vs_llama.py --steps 300                      # build a fresh demo target first
 
-Scope: simulated acceptance with teacher-forced data tokens (see :mod:`specforge_kimi.simulate`),
+Scope: simulated acceptance with teacher-forced data tokens (see :mod:`specforge_kimi.evaluate.simulate`),
 a tiny target on a synthetic corpus, fp32 on the CPU. It says which draft fits this target's
 features better at equal data and steps; it is no engine measurement.
 """
@@ -71,13 +71,13 @@ def inputs_from_demo_dir(demo_dir: Path, progress: bool):
     import torch
 
     import specforge_kimi
-    from specforge_kimi.demo import (DEMO_AUX_IDS, DemoInputs, DemoSettings, capture_samples, demo_rows,
+    from specforge_kimi.demo.pipeline import (DEMO_AUX_IDS, DemoInputs, DemoSettings, capture_samples, demo_rows,
                                      load_head_weight)
-    from specforge_kimi.layer_ids import AuxLayers
-    from specforge_kimi.simulate import add_target_greedy
-    from specforge_kimi.target import inspect_target, load_text_model
-    from specforge_kimi.tiny import TinySpec
-    from specforge_kimi.vocab_mapping import load_vocab_mapping
+    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.evaluate.simulate import add_target_greedy
+    from specforge_kimi.target.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.data.vocab_mapping import load_vocab_mapping
 
     specforge_kimi.register()
     demo_dir = demo_dir.resolve()
@@ -167,9 +167,9 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     import torch
     from specforge.export.checkpoint_io import resolve_training_state
 
-    from specforge_kimi.demo import _load_draft
-    from specforge_kimi.offline_train import train_offline
-    from specforge_kimi.simulate import simulated_acceptance
+    from specforge_kimi.demo.pipeline import _load_draft
+    from specforge_kimi.training.offline import train_offline
+    from specforge_kimi.evaluate.simulate import simulated_acceptance
 
     times = {}
     t = time.monotonic()
@@ -222,7 +222,7 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
 
 
 def main(argv=None) -> int:
-    from specforge_kimi.demo import DemoSettings
+    from specforge_kimi.demo.pipeline import DemoSettings
 
     d = DemoSettings()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -245,9 +245,9 @@ def main(argv=None) -> int:
     import torch
 
     import specforge_kimi
-    from specforge_kimi.demo import DEMO_AUX_IDS, prepare_inputs
+    from specforge_kimi.demo.pipeline import DEMO_AUX_IDS, prepare_inputs
     from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
-    from specforge_kimi.export import git_commit, versions
+    from specforge_kimi.provenance import git_commit, versions
 
     t0 = time.monotonic()
     say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))

@@ -162,7 +162,7 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
 def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]:
     """The producer's ``/generate`` body for ``prompts`` (``capture_features.producer_body``: SpecForge's
     own builders), cut down to ``variant``; and the (sample_id, names) it makes the server write."""
-    from specforge_kimi.capture_features import producer_body
+    from specforge_kimi.online.offline_twin import producer_body
 
     body = producer_body(adapter, _tasks(prompts, adapter.run_id, tag), compact=variant == "compact")
     if variant == "plain":
@@ -289,9 +289,9 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
 
 def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang",
            in_flight: int = 1, put_clients: int = 1, breakdown: bool = False) -> dict:
-    from specforge_kimi import services
-    from specforge_kimi.capture_features import capture_tools
-    from specforge_kimi.capture_server import capture_server_argv, capture_server_env
+    from specforge_kimi.online import services
+    from specforge_kimi.online.offline_twin import capture_tools
+    from specforge_kimi.online.capture_server import capture_server_argv, capture_server_env
 
     port = services.free_ports(1)[0]
     longest = max(length for _, length in shapes)
@@ -302,7 +302,7 @@ def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine:
                                    attention_backend="triton", mem_fraction_static=0.5,
                                    context_length=longest + 256, disable_cuda_graph=True, python=sys.executable)
         if engine == "reference":  # the CPU stand-in: exercises this script without a GPU
-            argv = [sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", target,
+            argv = [sys.executable, "-m", "specforge_kimi.online.reference_server", "--model-path", target,
                     "--spec-capture-aux-layer-ids", *map(str, AUX_IDS), "--port", str(port), "--dtype", "bfloat16"]
         env = {**capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
                "SGLANG_SPEC_CAPTURE_TIMING": "1"}
@@ -358,13 +358,13 @@ def main(argv=None) -> int:
     import torch
 
     import specforge_kimi
-    from specforge_kimi.export import versions
-    from specforge_kimi.target import inspect_target
+    from specforge_kimi.provenance import versions
+    from specforge_kimi.target.checkpoint import inspect_target
 
     specforge_kimi.register()
     if args.compact_passthrough:
-        from specforge_kimi.capture_features import COMPACT_PASSTHROUGH_ENV
-        from specforge_kimi.setup_patches import compact_passthrough_gaps
+        from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
+        from specforge_kimi.online.setup_patches import compact_passthrough_gaps
 
         gaps = compact_passthrough_gaps(sglang=args.engine == "sglang")  # the reference engine takes them as is
         if gaps:

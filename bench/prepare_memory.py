@@ -2,7 +2,7 @@
 
 Generates synthetic conversation files (thinking, instant, multi-turn with reasoning history,
 tool calls with results, ShareGPT; seeded, so the files are the same on every run), runs
-``python -m specforge_kimi.prepare FILE --out DIR --standin-tokenizer`` on each in a fresh
+``python -m specforge_kimi prepare FILE --out DIR --standin-tokenizer`` on each in a fresh
 subprocess (shuffled, the default, and ``--no-shuffle``) and records that subprocess's own peak
 RSS (``os.wait4`` rusage ``ru_maxrss``), wall time and the summary counts into
 ``bench/results/prepare_memory.json``, with the command and the environment.
@@ -106,7 +106,7 @@ def measure(rows: int, work: Path, *, shuffle: bool) -> dict:
     if not source.exists():
         generate(source, rows)
     out = work / f"prepared-{rows}-{'shuffled' if shuffle else 'ordered'}"
-    command = [sys.executable, "-m", "specforge_kimi.prepare", str(source), "--out", str(out),
+    command = [sys.executable, "-m", "specforge_kimi", "prepare", str(source), "--out", str(out),
                "--standin-tokenizer", "--no-progress"]  # fmt: skip
     if not shuffle:
         command.append("--no-shuffle")

@@ -11,7 +11,7 @@ host tensor per batch, per-request row slices), checking every object byte for b
     python bench/sink_cpu.py --sinks /tmp/sgp --runs c,d,d:2 16 4096 512
 """
 import importlib.util, os, time, torch, json
-from specforge_kimi import services
+from specforge_kimi.online import services
 from mooncake.store import MooncakeDistributedStore
 from pathlib import Path
 def load(path, name):

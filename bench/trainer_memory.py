@@ -53,8 +53,8 @@ def write_standin_target(recipe, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from specforge_kimi.tiny import TinySpec, config
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.target.tiny import TinySpec, config
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     t = recipe.target
     if (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
@@ -77,7 +77,7 @@ def write_standin_target(recipe, out: Path) -> Path:
 
 def write_vocab_mapping(recipe, path: Path) -> Path:
     """A draft vocabulary of the recipe's ``draft_vocab_size`` (frequency order is irrelevant to memory)."""
-    from specforge_kimi.vocab_mapping import build_vocab_mapping, save_vocab_mapping
+    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
 
     if not path.is_file():
         n = recipe.trainer.draft["draft_vocab_size"]
@@ -88,7 +88,7 @@ def write_vocab_mapping(recipe, path: Path) -> Path:
 
 def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int, backend: str):
     """The recipe the model is built from: its max length and backend, the stand-in paths (validated again)."""
-    from specforge_kimi.recipes import Recipe
+    from specforge_kimi.online.recipes import Recipe
 
     raw = recipe.model_dump()
     raw["target"]["path"] = str(target)
@@ -124,11 +124,11 @@ def child(args) -> int:
     import torch
 
     from specforge_kimi import register
-    from specforge_kimi.recipes import load_recipe, render, trainer_terms
+    from specforge_kimi.online.recipes import load_recipe, render, trainer_terms
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        from specforge_kimi.cpu_shims import install_cpu_shims
+        from specforge_kimi.training.cpu_shims import install_cpu_shims
 
         install_cpu_shims()
     register()
@@ -250,7 +250,7 @@ def _merge_ranks(row: dict, dist, world: int) -> dict:
 
 
 def _free_port() -> int:
-    from specforge_kimi.services import free_ports
+    from specforge_kimi.online.services import free_ports
 
     return free_ports(1)[0]
 
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     import torch
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.recipes import load_recipe
+    from specforge_kimi.online.recipes import load_recipe
 
     recipe = load_recipe(args.recipe)
     for flag, value in (("--lengths", args.lengths), ("--sdpa-lengths", args.sdpa_lengths)):

@@ -31,7 +31,7 @@ def prepare_corpus(root, conversations: int, *tokenizer_args: str):
     import subprocess
     import sys
 
-    from specforge_kimi import corpus
+    from specforge_kimi.data import corpus
 
     with open(root / "corpus.jsonl", "w") as f:
         for row in corpus.conversations(conversations, seed=0):
@@ -44,7 +44,7 @@ def prepare_corpus(root, conversations: int, *tokenizer_args: str):
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "k25", TinySpec(**TEST_SPEC))
 
@@ -55,7 +55,7 @@ def specforge_as_shipped(root):
     the venv's wheel or the user's checkout was set up). Returns ``root``."""
     import subprocess
 
-    from specforge_kimi import setup_patches
+    from specforge_kimi.online import setup_patches
 
     for patch in reversed(sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
                                  .glob("*.patch"))):

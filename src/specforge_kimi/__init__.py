@@ -7,7 +7,7 @@ specforge or CUDA code. Call :func:`register` in every process that runs SpecFor
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from specforge_kimi.provenance import VERSION as __version__
 
 __all__ = ["register", "__version__"]
 

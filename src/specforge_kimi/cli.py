@@ -14,16 +14,16 @@ from specforge_kimi.errors import KimiInputError, validation_summary
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
 
     spec = TinySpec(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                     experts_per_token=args.experts_per_token, moe_intermediate=args.moe_intermediate,
                     dense_intermediate=args.dense_intermediate, q_lora_rank=args.q_lora_rank,
-                    vocab=args.vocab, seed=args.seed)
+                    vocab=args.vocab, seed=args.seed, int4_experts=args.int4_experts)
     if args.pretrain:
-        from specforge_kimi.pretrain import pretrain_structured_target
+        from specforge_kimi.demo.pretrain import pretrain_structured_target
 
-        from specforge_kimi.target import resolve_device
+        from specforge_kimi.target.checkpoint import resolve_device
 
         res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=resolve_device(args.device),
                                          lr=args.pretrain_lr, schedule=args.pretrain_schedule,
@@ -45,15 +45,15 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
             print(f"note: the time budget ended the cosine schedule at {tr['schedule_fraction']:.0%} of its steps "
                   "(deterministic runs decay over --pretrain-steps)")
         return 0
-    out = write_tiny(args.out_dir, spec)
-    print(f"wrote tiny Kimi-K2.5 checkpoint to {out}")
+    out = write_tiny(args.out_dir, spec, device=args.init_device)
+    print(f"wrote tiny Kimi-K2.5 checkpoint to {out}" + (" (routed experts INT4, K2.5's format)" if spec.int4_experts else ""))
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from specforge_kimi.target import inspect_target
+    from specforge_kimi.target.checkpoint import inspect_target
 
     info = asdict(inspect_target(args.target))
     info.pop("text")
@@ -62,7 +62,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_layer_ids(args: argparse.Namespace) -> int:
-    from specforge_kimi.layer_ids import ENGINES, AuxLayers, parse_id_list
+    from specforge_kimi.target.layer_ids import ENGINES, AuxLayers, parse_id_list
 
     aux = AuxLayers.from_engine(args.engine, parse_id_list(args.ids, "layer-ids"), args.num_layers)
     table = {"captured_positions": list(aux.positions)}
@@ -76,14 +76,14 @@ def _cmd_layer_ids(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_check(args: argparse.Namespace) -> int:
-    from specforge_kimi.export import check_sglang_export
+    from specforge_kimi.drafts.export import check_sglang_export
 
     print(json.dumps(check_sglang_export(args.draft, target_dir=args.target), indent=2))
     return 0
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
-    from specforge_kimi.recipes import load_recipe, memory_plan, render
+    from specforge_kimi.online.recipes import load_recipe, memory_plan, render
 
     recipe = load_recipe(args.recipe)
     if args.action == "validate":
@@ -108,7 +108,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if "specforge_kimi" not in plugins:
         os.environ["SPECFORGE_PLUGINS"] = ",".join(plugins + ["specforge_kimi"])
     specforge_kimi.register()
-    from specforge_kimi.cpu_shims import install_cpu_shims
+    from specforge_kimi.training.cpu_shims import install_cpu_shims
 
     install_cpu_shims()  # no-op with CUDA; lets a CPU-only rank (tests, debugging) train
     from pydantic import ValidationError
@@ -121,7 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from specforge_kimi.demo import DemoSettings, run_demo
+    from specforge_kimi.demo.pipeline import DemoSettings, run_demo
 
     settings = DemoSettings(out_dir=args.out, steps=args.steps, pretrain_seconds=args.pretrain_seconds,
                             pretrain_steps=args.pretrain_steps,
@@ -131,7 +131,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specforge_kimi import prompt_rules  # light: the rule names for --pretrain-prompt-rule
+    from specforge_kimi.demo import prompt_rules  # light: the rule names for --pretrain-prompt-rule
 
     p = argparse.ArgumentParser(prog="specforge-kimi", description="Kimi-K2.5 EAGLE-3 drafts with SpecForge")
     sub = p.add_subparsers(dest="command", required=True)
@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--q-lora-rank", type=int, default=1536)
     t.add_argument("--vocab", type=int, default=163840)
     t.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    t.add_argument("--int4-experts", action="store_true",
+                   help="routed experts as K2.5 ships them: compressed-tensors pack-quantized int4, symmetric, "
+                        "group 32 (weight_packed/weight_scale/weight_shape), K2.5's quantization_config; with "
+                        "--pretrain they are quantized after training and the held-out numbers are the quantized model's")
+    t.add_argument("--init-device", default="cpu",
+                   help="device that generates (and quantizes) the random weights: cpu (default; the same bytes "
+                        "for a seed everywhere) or cuda (a K2.5-width checkpoint in seconds; other bytes than cpu's)")
     t.add_argument("--pretrain", type=float, default=0, metavar="SECONDS",
                    help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)")
     t.add_argument("--pretrain-steps", type=int, default=10_000, metavar="N",
@@ -166,11 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
                         "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)")
     t.add_argument("--pretrain-prompt-rules", type=int, default=0, metavar="N",
-                   help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.prompt_rules), "
+                   help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.demo.prompt_rules), "
                         "so the target answers the bench's natural-language prompts by that rule, not at random")
     t.add_argument("--pretrain-prompt-rule", choices=sorted(prompt_rules.RULES), default=prompt_rules.DEFAULT_RULE,
                    help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
-                        "one per numbered line); specforge_kimi.prompt_rules describes both")
+                        "one per numbered line); specforge_kimi.demo.prompt_rules describes both")
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")
@@ -211,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bars (SpecForge still logs its steps)")
     d.set_defaults(func=_cmd_demo)
 
-    for name in ("prepare", "regenerate", "setup_patches", "launch", "doctor", "bench", "draft_eval", "run_report", "capture_features", "offline_train",
-                 "target_text"):
+    for name in ("data.prepare", "data.regenerate", "online.setup_patches", "online.launch", "online.doctor",
+                 "evaluate.bench", "demo.draft_eval", "evaluate.run_report", "online.offline_twin", "demo.target_text"):
         try:
             module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
         except ModuleNotFoundError:

@@ -31,7 +31,7 @@ imports transformers/specforge lazily. The seams:
    trainer rank dies, torchrun SIGTERMs the others, and each of them publishes
    ``consumer_failed: _WorkerTermination: 15``, which stops the producer for good -- so a consumer
    the keeper is about to resume (``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``, set by
-   :mod:`specforge_kimi.keeper` while it has restarts left) would find no producer. In that case
+   :mod:`specforge_kimi.online.keeper` while it has restarts left) would find no producer. In that case
    only, a signal-driven stop (``_WorkerTermination``) is not published, nor is a collective that
    failed because a peer rank's connection closed (gloo's ``Connection closed by peer``, which can
    reach a surviving rank before torchrun's SIGTERM does: :data:`PEER_LOST`); the producer waits
@@ -57,7 +57,7 @@ def _resolving(role: str, key_arg: str, key_pos: int, default: str):
 
         @functools.wraps(fn)
         def wrapper(self, model_path, *args, **kwargs):
-            from specforge_kimi.target import resolve_weight_key
+            from specforge_kimi.target.checkpoint import resolve_weight_key
 
             if isinstance(model_path, (str, os.PathLike)) and os.path.isdir(model_path):
                 if key_arg in kwargs:
@@ -89,7 +89,7 @@ def _install_weight_key_resolution() -> None:
 
         @functools.wraps(original)
         def _load_weights(self, model_path, embed_key, lm_head_key, tie_weights):
-            from specforge_kimi.target import resolve_weight_key
+            from specforge_kimi.target.checkpoint import resolve_weight_key
 
             if os.path.isdir(model_path):
                 embed_key = resolve_weight_key(model_path, embed_key, "embedding")
@@ -117,10 +117,10 @@ def _install_tokenizer_loader() -> None:
         if not cfg.model.trust_remote_code and tok_cfg and os.path.isfile(tok_cfg):
             with open(tok_cfg, encoding="utf-8") as f:
                 remote = "auto_map" in json.load(f)
-            from specforge_kimi.capture_server import is_kimi_k25_checkpoint
+            from specforge_kimi.target.checkpoint import is_kimi_k25_checkpoint
 
             if remote and is_kimi_k25_checkpoint(path):
-                from specforge_kimi.tokenizer import load_tokenizer
+                from specforge_kimi.data.tokenizer import load_tokenizer
 
                 load_tokenizer(path)  # special-id check, with a clear error
                 model = cfg.model.model_copy(update={"trust_remote_code": True})
@@ -214,11 +214,11 @@ def register_all() -> None:
     global _DONE
     if _DONE:
         return
-    from specforge_kimi.target import register_config
+    from specforge_kimi.target.checkpoint import register_config
 
     register_config()
     _install_weight_key_resolution()
-    from specforge_kimi.chat_template import register_template
+    from specforge_kimi.data.chat_template import register_template
 
     register_template()
     _install_tokenizer_loader()

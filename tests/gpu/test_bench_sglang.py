@@ -32,15 +32,15 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
     from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
 
     import specforge_kimi
-    from specforge_kimi import corpus
-    from specforge_kimi.demo import _draft_config, _rows
-    from specforge_kimi.export import finalize_sglang_export
-    from specforge_kimi.layer_ids import AuxLayers, default_specforge_ids
-    from specforge_kimi.offline_train import export_sglang
-    from specforge_kimi.pretrain import TRAIN_SEED
-    from specforge_kimi.target import inspect_target
-    from specforge_kimi.tokenizer import build_standin_tokenizer
-    from specforge_kimi.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
+    from specforge_kimi.data import corpus
+    from specforge_kimi.demo.pipeline import _draft_config, _rows
+    from specforge_kimi.drafts.export import finalize_sglang_export
+    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
+    from specforge_kimi.drafts.export import export_sglang
+    from specforge_kimi.data.corpus import TRAIN_SEED
+    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
 
     specforge_kimi.register()
     work.mkdir(parents=True, exist_ok=True)
@@ -64,9 +64,9 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
 
 
 def test_bench_against_sglang(tmp_path):
-    from specforge_kimi.bench import BenchSettings, SpecConfig, run_bench
-    from specforge_kimi.pretrain import pretrain_structured_target
-    from specforge_kimi.tiny import TinySpec
+    from specforge_kimi.evaluate.bench import BenchSettings, SpecConfig, run_bench
+    from specforge_kimi.demo.pretrain import pretrain_structured_target
+    from specforge_kimi.target.tiny import TinySpec
 
     given_target = os.environ.get("SPECFORGE_KIMI_BENCH_TARGET")
     given_draft = os.environ.get("SPECFORGE_KIMI_BENCH_DRAFT")

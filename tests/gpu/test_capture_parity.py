@@ -6,7 +6,7 @@ TP=1 / TP=2 / TP=8 with FlashInfer all-reduce fusion off / on, and at TP=8 with 
 and with attention data parallelism (8 groups). Capture requests go through SpecForge's
 own producer transport (``SGLangServerCaptureAdapter.produce_refs`` with the eagle3 server
 layout), tensors come back through SpecForge's ``MooncakeFeatureStore.get``; the reference is
-:func:`specforge_kimi.capture.capture_aux` on an fp32 transformers forward of the same weights.
+:func:`specforge_kimi.target.capture.capture_aux` on an fp32 transformers forward of the same weights.
 
 Tolerances, chosen knowingly:
 - The tiny target routes every token to all of its experts (``experts_per_token == experts``).
@@ -140,14 +140,14 @@ def _versions() -> dict:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_k25(tmp_path_factory) -> Path:
-    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("parity") / "tiny-k25", TinySpec(**SPEC))
 
 
 @pytest.fixture(scope="module")
 def aux_layers():
-    from specforge_kimi.layer_ids import AuxLayers, default_specforge_ids
+    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
 
     ids = default_specforge_ids(SPEC["layers"])  # (1, 3, 4): SGLang shifts to positions (2, 4, 5)
     return ids, AuxLayers.from_specforge(ids, SPEC["layers"])
@@ -180,8 +180,8 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
     ``hidden_states`` at every position the identity check needs (CPU fp32)."""
     import torch
 
-    from specforge_kimi.capture import capture_aux, text_decoder
-    from specforge_kimi.target import load_text_model
+    from specforge_kimi.target.capture import capture_aux, text_decoder
+    from specforge_kimi.target.checkpoint import load_text_model
 
     _, aux = aux_layers
     layers = SPEC["layers"]
@@ -211,7 +211,7 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
         torch.cuda.empty_cache()
     _SUMMARY.setdefault("reference", {}).update(
         {"impl": "transformers DeepseekV3Model fp32 (no TF32, eager attention and experts) + "
-                 "specforge_kimi.capture hooks",
+                 "specforge_kimi.target.capture hooks",
          "device": dev, "seconds": round(time.time() - t0, 2)})
     return refs
 
@@ -277,7 +277,7 @@ def _wait_tcp(port: int, timeout_s: float) -> bool:
 
 @contextmanager
 def mooncake_master(workdir: Path):
-    from specforge_kimi.capture_server import mooncake_config, mooncake_master_argv
+    from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
 
     rpc, meta, metrics = _free_ports(3)
     mc = mooncake_config(rpc_port=rpc, metadata_port=meta, metrics_port=metrics,
@@ -303,7 +303,7 @@ class ServerStartError(RuntimeError):
 
 
 def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep: int = 1, dp: int = 1) -> list[str]:
-    from specforge_kimi.capture_server import capture_server_argv
+    from specforge_kimi.online.capture_server import capture_server_argv
 
     return capture_server_argv(ckpt, tp=tp, port=port, aux_specforge_ids=aux_ids, fusion=fusion,
                                attention_backend="triton", mem_fraction_static=0.4,
@@ -415,7 +415,7 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
     from specforge.runtime.contracts import PromptTask, SampleRef
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
-    from specforge_kimi.capture_server import mooncake_reader_setup_kwargs
+    from specforge_kimi.online.capture_server import mooncake_reader_setup_kwargs
 
     algorithm = create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
@@ -568,7 +568,7 @@ def _failures(rows: list[dict], *, with_identity: bool) -> list[str]:
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp,fusion,ep,dp", CONFIGS, ids=[run_name(*c) for c in CONFIGS])
 def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, reference, out_dir, tmp_path):
-    from specforge_kimi.capture_server import capture_server_env
+    from specforge_kimi.online.capture_server import capture_server_env
 
     name = run_name(tp, fusion, ep, dp)
     aux_ids, aux = aux_layers

@@ -36,7 +36,7 @@ TP = int(os.environ.get("SPECFORGE_KIMI_DRILL_TP", "2"))
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
 
     root = tmp_path_factory.mktemp("faults")
     target = write_tiny(root / "k25", TinySpec(layers=8, hidden=512))
@@ -46,9 +46,9 @@ def inputs(tmp_path_factory):
 
 def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None):
     def build():
-        from specforge_kimi.launch import build_colocated_plan
-        from specforge_kimi.recipes import Recipe, render
-        from specforge_kimi.services import free_ports
+        from specforge_kimi.online.launch import build_colocated_plan
+        from specforge_kimi.online.recipes import Recipe, render
+        from specforge_kimi.online.services import free_ports
 
         root, target = inputs
         raw = copy.deepcopy(yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text()))

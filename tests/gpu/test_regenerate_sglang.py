@@ -47,11 +47,11 @@ def _wait(url: str, proc, timeout: float) -> None:
 
 
 def test_regenerate_against_sglang(tmp_path):
-    from specforge_kimi import corpus
-    from specforge_kimi.demo import DEMO_TARGET, _rows
-    from specforge_kimi.pretrain import pretrain
-    from specforge_kimi.tiny import TinySpec, write_tiny
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data import corpus
+    from specforge_kimi.demo.pipeline import DEMO_TARGET, _rows
+    from specforge_kimi.demo.pretrain import pretrain
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     tok = build_standin_tokenizer()
     rows = _rows(list(corpus.conversations(2000, seed=1)), tok)

@@ -22,10 +22,10 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     ``compact_specforge``: a directory holding a SpecForge package patched by ``specforge-kimi
     setup``; the recipe turns ``server.compact_passthrough`` on and the producer and trainer ranks
     import SpecForge from there."""
-    from specforge_kimi.launch import build_colocated_plan
-    from specforge_kimi.recipes import Recipe, render
-    from specforge_kimi.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
-    from specforge_kimi.tiny import TinySpec, write_tiny
+    from specforge_kimi.online.launch import build_colocated_plan
+    from specforge_kimi.online.recipes import Recipe, render
+    from specforge_kimi.online.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
 
     target = write_tiny(root / "k25", TinySpec(**TEST_SPEC))
     prepare_corpus(root, conversations, "--standin-tokenizer")
@@ -61,8 +61,8 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     old = list(server.command.argv)
     server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1:][:3]
     assert [int(i) for i in server_ids] == cfg["model"]["aux_hidden_state_layer_ids"]
-    keeper = old[: old.index("--") + 1] if "specforge_kimi.keeper" in old else []
-    argv = (*keeper, sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", str(target),
+    keeper = old[: old.index("--") + 1] if "specforge_kimi.online.keeper" in old else []
+    argv = (*keeper, sys.executable, "-m", "specforge_kimi.online.reference_server", "--model-path", str(target),
             "--spec-capture-aux-layer-ids", *server_ids, "--host", "127.0.0.1", "--port", str(recipe.server.port),
             "--dtype", "float32")
     env = {**server.command.env, "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}

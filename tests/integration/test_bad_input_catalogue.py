@@ -44,7 +44,7 @@ def _copy_tiny(tiny_dir, tmp, edit=None, drop_weights=False):
 
 
 def _busy_port_recipe(tmp):
-    from specforge_kimi.services import free_ports
+    from specforge_kimi.online.services import free_ports
 
     s = socket.socket()
     s.bind(("127.0.0.1", free_ports(1)[0]))  # a port recipes accept (<= MAX_SERVER_PORT)

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_capture_features_round_trip(tmp_path, capsys):
-    from specforge_kimi.capture import capture
-    from specforge_kimi.capture_features import run_recipe
-    from specforge_kimi.layer_ids import AuxLayers
-    from specforge_kimi.target import load_text_model
+    from specforge_kimi.target.capture import capture
+    from specforge_kimi.online.offline_twin import run_recipe
+    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.target.checkpoint import load_text_model
 
     _plan, recipe, rendered, target = cpu_plan(tmp_path, steps=4, save_interval=0)
-    argv = [sys.executable, "-m", "specforge_kimi.reference_server", "--model-path", str(target),
+    argv = [sys.executable, "-m", "specforge_kimi.online.reference_server", "--model-path", str(target),
             "--spec-capture-aux-layer-ids", "1", "3", "4", "--port", "0", "--dtype", "float32"]
     summary = run_recipe(recipe, tmp_path / "features", limit=5, server_argv=argv, start_timeout_s=120)
     assert summary["written"] == 5
@@ -41,7 +41,7 @@ def test_capture_features_round_trip(tmp_path, capsys):
 
     # the recipe's offline twin: same draft, vocab mapping, lr, TTT, seed; then the SGLang export
     from specforge_kimi.cli import main
-    from specforge_kimi.export import check_sglang_export
+    from specforge_kimi.drafts.export import check_sglang_export
 
     raw = recipe.model_dump()
     raw["trainer"]["draft"] = json.loads(open(rendered["specforge_config"]["model"]["draft_model_config"]).read())

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from specforge_kimi.demo import DemoSettings, run_demo
+from specforge_kimi.demo.pipeline import DemoSettings, run_demo
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.export import check_sglang_export
+from specforge_kimi.drafts.export import check_sglang_export
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from specforge_kimi.errors import KimiInputError
 
 @pytest.fixture(scope="module")
 def setup(tiny_dir, tmp_path_factory):
-    from specforge_kimi.demo import _draft_config
+    from specforge_kimi.demo.pipeline import _draft_config
 
     root = tmp_path_factory.mktemp("eval")
     prepare_corpus(root, 40, "--tokenizer", str(tiny_dir))
@@ -20,8 +20,8 @@ def setup(tiny_dir, tmp_path_factory):
 
 
 def test_untrained_draft_on_corpus_and_on_a_file(setup):
-    from specforge_kimi import corpus
-    from specforge_kimi.draft_eval import evaluate
+    from specforge_kimi.data import corpus
+    from specforge_kimi.demo.draft_eval import evaluate
 
     target, root = setup
     kw = dict(target_dir=str(target), draft_config=str(root / "draft.json"),
@@ -45,7 +45,7 @@ def test_untrained_draft_on_corpus_and_on_a_file(setup):
 
 
 def test_heldout_file_errors(setup, tmp_path):
-    from specforge_kimi.draft_eval import heldout_rows
+    from specforge_kimi.demo.draft_eval import heldout_rows
 
     with pytest.raises(KimiInputError, match="does not exist"):
         heldout_rows(3, conversations_file=str(tmp_path / "nope.jsonl"))
@@ -60,8 +60,8 @@ def test_heldout_file_errors(setup, tmp_path):
 def test_groups_by_source(setup):
     """A held-out file mixing corpus conversations and prompt-mix ones (``source`` key) is also
     evaluated per group; each group's numbers equal a run on that group alone."""
-    from specforge_kimi import corpus
-    from specforge_kimi.draft_eval import evaluate
+    from specforge_kimi.data import corpus
+    from specforge_kimi.demo.draft_eval import evaluate
 
     target, root = setup
     kw = dict(target_dir=str(target), draft_config=str(root / "draft.json"),

@@ -28,7 +28,7 @@ MAX_STEPS, TTT = 24, 3
 
 def build_fixture(root: str) -> dict:
     from specforge_kimi.drafts.mla_eagle3 import _base_config, write_config
-    from specforge_kimi.offline_train import build_specforge_vocab_mapping
+    from specforge_kimi.training.offline import build_specforge_vocab_mapping
 
     g = torch.Generator().manual_seed(0)
     target = os.path.join(root, "target")
@@ -84,7 +84,8 @@ def build_fixture(root: str) -> dict:
 def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
     from specforge_kimi import register
     from specforge_kimi.drafts import export_engines as ex
-    from specforge_kimi.offline_train import export_sglang, train_offline
+    from specforge_kimi.drafts.export import export_sglang
+    from specforge_kimi.training.offline import train_offline
 
     register()
     fixture = build_fixture(str(tmp_path / "fixture"))
@@ -124,8 +125,8 @@ def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
     from safetensors import safe_open
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.export import export_run_draft
-    from specforge_kimi.layer_ids import AuxLayers
+    from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi.target.layer_ids import AuxLayers
 
     # (the fixture's target is an embedding/head stub, which the target check would refuse)
     run_out = export_run_draft(result["checkpoint_dir"], fixture["draft_config_path"], tmp_path / "run-export",

@@ -29,8 +29,8 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def compact_run(tmp_path_factory):
-    from specforge_kimi import setup_patches
-    from specforge_kimi.launch import run_plan
+    from specforge_kimi.online import setup_patches
+    from specforge_kimi.online.launch import run_plan
 
     root = tmp_path_factory.mktemp("compact")
     patched = root / "specforge-patched"

@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def online_run(tmp_path_factory):
-    from specforge_kimi.launch import export_latest, run_plan
+    from specforge_kimi.online.launch import export_latest, run_plan
 
     plan, recipe, rendered, target = cpu_plan(tmp_path_factory.mktemp("online"), steps=STEPS, save_interval=6)
     spawned = []
@@ -69,7 +69,7 @@ def test_run_succeeds_and_trains_every_step(online_run):
 
 
 def test_ledger_trained_each_sample_once(online_run):
-    from specforge_kimi.run_report import report
+    from specforge_kimi.evaluate.run_report import report
 
     rep = report(online_run["out"])
     led = rep["ledger"]
@@ -79,7 +79,7 @@ def test_ledger_trained_each_sample_once(online_run):
 
 
 def test_checkpoints_and_export(online_run):
-    from specforge_kimi.export import check_sglang_export
+    from specforge_kimi.drafts.export import check_sglang_export
 
     out, name = online_run["out"], online_run["recipe"].name
     assert (out / f"{name}-step6" / "training_state.pt").is_file()
@@ -92,7 +92,7 @@ def test_checkpoints_and_export(online_run):
 def test_only_metadata_touches_disk(online_run):
     """Features travel through Mooncake: what the run writes besides checkpoints and the export
     is refs, the consumer ledger and logs, far below the feature bytes themselves."""
-    from specforge_kimi.run_report import disk_bytes
+    from specforge_kimi.evaluate.run_report import disk_bytes
 
     out, name = online_run["out"], online_run["recipe"].name
     refs = [json.loads(line) for line in (out / "control" / "refs.jsonl").read_text().splitlines()]

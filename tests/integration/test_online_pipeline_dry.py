@@ -71,7 +71,7 @@ def test_in_flight_must_be_positive(tmp_path, capsys, monkeypatch):
 
 def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
     """``--put-clients 1 2``: one server run per value, each started with that many sink put clients."""
-    from specforge_kimi import capture_server
+    from specforge_kimi.online import capture_server
 
     mod, target, out = pipeline
     seen = []
@@ -98,7 +98,7 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     passthrough lists only in ``full``, and every key the server wrote discarded after its post."""
     from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
 
-    from specforge_kimi.setup_patches import load_patched_specforge_module
+    from specforge_kimi.online.setup_patches import load_patched_specforge_module
 
     mod, target, out = pipeline
     bodies, discards = [], []

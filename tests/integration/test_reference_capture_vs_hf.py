@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from specforge_kimi.capture import capture, text_decoder
+from specforge_kimi.target.capture import capture, text_decoder
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.layer_ids import AuxLayers
-from specforge_kimi.target import load_text_model
+from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.target.checkpoint import load_text_model
 
 
 class K25Wrapper(nn.Module):

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.regenerate import RegenerateOptions, main, regenerate
+from specforge_kimi.data.regenerate import RegenerateOptions, regenerate
+
+
+def main(argv):
+    """``specforge-kimi regenerate ARGV``."""
+    from specforge_kimi.cli import main as cli_main
+
+    return cli_main(["regenerate", *argv])
 
 TOOLS = [
     {
@@ -266,8 +273,8 @@ def test_regenerates_assistant_turns_with_reasoning(tmp_path, server):
 
 
 def test_output_feeds_prepare(tmp_path, server):
-    from specforge_kimi.prepare import PrepareOptions, prepare
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.prepare import PrepareOptions, prepare
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     source = rows_input(tmp_path)
     regenerate(options(source, tmp_path / "out.jsonl", server))
@@ -419,8 +426,8 @@ def test_thinking_mode(tmp_path, server, mode, expected):
 
 
 def test_thinking_mode_is_checked():
-    from specforge_kimi.conversation import Message
-    from specforge_kimi.regenerate import turn_thinking
+    from specforge_kimi.data.conversation import Message
+    from specforge_kimi.data.regenerate import turn_thinking
 
     with pytest.raises(KimiInputError, match="on, off or auto"):
         turn_thinking("maybe", Message(role="assistant", content="x"))
@@ -429,7 +436,7 @@ def test_thinking_mode_is_checked():
 def test_prompt_mix_records_regenerate_with_thinking_on(tmp_path, server):
     """``prompt_mix.records`` (a user prompt and an empty assistant turn) is what ``regenerate``
     fills: every row answered once, with thinking on as the bench asks those sets."""
-    from specforge_kimi import prompt_mix
+    from specforge_kimi.data import prompt_mix
 
     source = tmp_path / "mix.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in prompt_mix.records(6, seed=0)))

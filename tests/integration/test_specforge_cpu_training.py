@@ -35,7 +35,7 @@ HEAD_KEY = "lm_head.weight"
 
 
 def build_fixture(root: str, *, seed: int = 0) -> dict:
-    from specforge_kimi.offline_train import build_specforge_vocab_mapping
+    from specforge_kimi.training.offline import build_specforge_vocab_mapping
 
     g = torch.Generator().manual_seed(seed)
     target_dir = os.path.join(root, "target")
@@ -140,7 +140,8 @@ def build_fixture(root: str, *, seed: int = 0) -> dict:
 def test_specforge_offline_eagle3_training_on_cpu(tmp_path):
     from specforge.config import load_config
 
-    from specforge_kimi.offline_train import export_sglang, train_offline
+    from specforge_kimi.drafts.export import export_sglang
+    from specforge_kimi.training.offline import train_offline
 
     fixture = build_fixture(str(tmp_path / "fixture"))
     dist_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FSDP_SHARDING")

@@ -18,8 +18,8 @@ SMALL = dict(layers=2, hidden=64, heads=4, experts=4, experts_per_token=2, moe_i
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from specforge_kimi.pretrain import pretrain_structured_target
-    from specforge_kimi.tiny import TinySpec
+    from specforge_kimi.demo.pretrain import pretrain_structured_target
+    from specforge_kimi.target.tiny import TinySpec
 
     out = tmp_path_factory.mktemp("target-text") / "t"
     pretrain_structured_target(out, TinySpec(**SMALL), seconds=300, max_steps=30, progress=False, heldout=4,
@@ -30,7 +30,7 @@ def target(tmp_path_factory):
 def _model_and_tok(target):
     from transformers import AutoTokenizer
 
-    from specforge_kimi.target import load_text_model
+    from specforge_kimi.target.checkpoint import load_text_model
 
     return load_text_model(str(target)).eval(), AutoTokenizer.from_pretrained(str(target))
 
@@ -38,7 +38,7 @@ def _model_and_tok(target):
 def test_greedy_continue_and_entropy_match_direct_computation(target):
     import torch
 
-    from specforge_kimi.target_text import greedy_continue, selection_prompts, text_stats
+    from specforge_kimi.demo.target_text import greedy_continue, selection_prompts, text_stats
 
     model, tok = _model_and_tok(target)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -94,11 +94,11 @@ def test_sharper_copy_is_chosen(target, tmp_path):
 def test_selection_prompts_are_distinct_and_not_bench_prompts(target):
     """Distinct, and none is a prompt the bench sends (its structured set is the corpus's seed-20000
     conversations, asked as their prompt part; chat/math/code with thinking on)."""
-    from specforge_kimi import corpus
-    from specforge_kimi.bench import builtin_prompt_set, encode_prompt
-    from specforge_kimi.demo import _rows
-    from specforge_kimi.pretrain import HELDOUT_SEED
-    from specforge_kimi.target_text import selection_prompts
+    from specforge_kimi.data import corpus
+    from specforge_kimi.evaluate.bench import builtin_prompt_set, encode_prompt
+    from specforge_kimi.data.chat_template import encode_records as _rows
+    from specforge_kimi.data.corpus import HELDOUT_SEED
+    from specforge_kimi.demo.target_text import selection_prompts
 
     _, tok = _model_and_tok(target)
     sel = selection_prompts(tok, corpus_prompts=48, mix_prompts=48)

@@ -28,7 +28,7 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     assert doc["benchmark"] == "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
     rows = doc["rows"]
     assert [r["length"] for r in rows] == [32, 48], rows
-    from specforge_kimi.recipes import load_recipe, trainer_terms
+    from specforge_kimi.online.recipes import load_recipe, trainer_terms
 
     for r in rows:
         assert "error" not in r, r

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from specforge_kimi import bench
-from specforge_kimi.bench import BenchSettings, SpecConfig
+from specforge_kimi.evaluate import bench
+from specforge_kimi.evaluate.bench import BenchSettings, SpecConfig
 from specforge_kimi.errors import KimiInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_server_argv_is_text_only_launcher_without_capture(tmp_path):
 @pytest.mark.slow
 def test_server_argv_parses_with_sglangs_own_parser_through_our_launcher(tmp_path):
     """Every flag exists in SGLang 0.5.14 and lands where meant (imports sglang: ~10 s)."""
-    from specforge_kimi.capture_server import parse_text_only_args
+    from specforge_kimi.online.capture_server import parse_text_only_args
 
     target, draft = _dirs(tmp_path)
     s = BenchSettings(target=str(target), draft=str(draft), mem_fraction_static=0.3, disable_cuda_graph=True,
@@ -153,10 +153,10 @@ def test_server_argv_parses_with_sglangs_own_parser_through_our_launcher(tmp_pat
 # prompt sets
 # ---------------------------------------------------------------------------------------------
 def test_builtin_sets_are_package_data_and_encode_to_k25_generation_prompts():
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "prompts/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["specforge_kimi"]
+    assert "data/prompts/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["specforge_kimi"]
     tok = build_standin_tokenizer()
     for name in ("chat", "math", "code"):
         ps = bench.builtin_prompt_set(name)
@@ -362,7 +362,7 @@ def test_server_that_dies_at_start_fails_with_its_log(tmp_path, fake_server, mon
 def test_recipe_settings(tmp_path):
     import yaml
 
-    from specforge_kimi.recipes import load_recipe
+    from specforge_kimi.online.recipes import load_recipe
 
     target, draft = _dirs(tmp_path)
     raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
@@ -525,11 +525,11 @@ def test_structured_requests_are_prefixes_of_the_training_rows():
     """What the bench sends for a held-out corpus conversation is exactly the prompt part of the row
     a draft trains on for that conversation (regenerated with ``--thinking auto``), in both modes:
     otherwise the draft is measured on contexts it never saw."""
-    from specforge_kimi import corpus
-    from specforge_kimi.chat_template import encode_spans, training_rows
-    from specforge_kimi.conversation import conversation_from_record
-    from specforge_kimi.pretrain import HELDOUT_SEED
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data import corpus
+    from specforge_kimi.data.chat_template import encode_spans, training_rows
+    from specforge_kimi.data.conversation import conversation_from_record
+    from specforge_kimi.data.corpus import HELDOUT_SEED
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     tok = build_standin_tokenizer()
     records = list(corpus.conversations(12, seed=HELDOUT_SEED))

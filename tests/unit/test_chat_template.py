@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from specforge_kimi.chat_template import (
+from specforge_kimi.data.chat_template import (
     Span,
     encode_spans,
     generation_prompt,
@@ -16,8 +16,8 @@ from specforge_kimi.chat_template import (
     training_rows,
     training_spans,
 )
-from specforge_kimi.conversation import conversation_from_record
-from specforge_kimi.tool_declaration import render_tool_declaration
+from specforge_kimi.data.conversation import conversation_from_record
+from specforge_kimi.data.tool_declaration import render_tool_declaration
 
 BOS, EOS, IM_END, IM_USER, IM_ASSISTANT = 163584, 163585, 163586, 163587, 163588
 IM_SYSTEM, IM_MIDDLE, THINK, END_THINK = 163594, 163601, 163606, 163607
@@ -30,7 +30,7 @@ def B(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tok():
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     return build_standin_tokenizer()
 
@@ -461,7 +461,7 @@ def test_training_spans_rejects_non_assistant_end():
 def test_register_template_is_idempotent():
     from specforge.data.template import TEMPLATE_REGISTRY
 
-    from specforge_kimi.chat_template import register_template
+    from specforge_kimi.data.chat_template import register_template
 
     register_template()
     register_template()
@@ -471,14 +471,14 @@ def test_register_template_is_idempotent():
     assert template.end_of_turn_token == "<|im_end|>"
     assert template.system_prompt is None
     assert template.parser_type == "kimi-k2.5"
-    assert template.renderer == "specforge_kimi.chat_template:training_rows"
+    assert template.renderer == "specforge_kimi.data.chat_template:training_rows"
 
 
 def test_specforge_raw_path_refuses_the_template_loudly():
     from specforge.data.preprocessing import preprocess_conversations
     from specforge.data.template import TEMPLATE_REGISTRY
 
-    from specforge_kimi.chat_template import register_template
+    from specforge_kimi.data.chat_template import register_template
 
     register_template()
     with pytest.raises(ValueError, match="Invalid parser type"):

@@ -7,8 +7,8 @@ import importlib
 import pytest
 import torch
 
-from specforge_kimi import cpu_shims
-from specforge_kimi.cpu_shims import TorchLogSoftmaxLoss
+from specforge_kimi.training import cpu_shims
+from specforge_kimi.training.cpu_shims import TorchLogSoftmaxLoss
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="install_cpu_shims is a no-op with CUDA"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from specforge_kimi import doctor
+from specforge_kimi.online import doctor
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml"
 

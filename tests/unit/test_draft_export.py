@@ -20,7 +20,7 @@ import torch
 from specforge_kimi.drafts import export_engines as ex
 from specforge_kimi.drafts import mla_eagle3 as m
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.layer_ids import AuxLayers
+from specforge_kimi.target.layer_ids import AuxLayers
 
 NUM_LAYERS = 61
 MLA_SMALL = dict(hidden=64, heads=4, intermediate=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
@@ -251,7 +251,7 @@ def test_llama_export_round_trip(tmp_path, engine):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
     if engine == "sglang":
         # the repo's existing SGLang check agrees with this export
-        from specforge_kimi.export import check_sglang_export
+        from specforge_kimi.drafts.export import check_sglang_export
 
         assert check_sglang_export(out)["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
     else:
@@ -282,7 +282,7 @@ def test_provenance(tmp_path):
     assert prov["command"] == ["specforge-kimi", "export"]
     assert prov["versions"]["specforge"] == "0.2.0" and prov["versions"]["torch"]
     assert "specforge_kimi_git_commit" in prov
-    from specforge_kimi.export import canonical_hash, file_hash
+    from specforge_kimi.provenance import canonical_hash, file_hash
 
     assert prov["config_sha256"] == canonical_hash(json.loads((tmp_path / "out" / "config.json").read_text()))
     assert prov["weights_sha256"]["model.safetensors"] == file_hash(tmp_path / "out" / "model.safetensors")

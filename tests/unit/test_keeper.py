@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specforge_kimi import keeper
+from specforge_kimi.online import keeper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_consumer_relaunched_with_resume_from(tmp_path, capsys):
 
 
 def test_sigterm_stops_the_child_and_does_not_restart(tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "specforge_kimi.keeper", "--restarts", "5", "--", sys.executable, "-c",
+    p = subprocess.Popen([sys.executable, "-m", "specforge_kimi.online.keeper", "--restarts", "5", "--", sys.executable, "-c",
                           "import time; time.sleep(60)"], start_new_session=True)
     time.sleep(1.5)
     os.killpg(p.pid, signal.SIGTERM)  # what SpecForge's supervisor does
@@ -84,8 +84,8 @@ def test_sigterm_stops_the_child_and_does_not_restart(tmp_path):
 
 
 def test_resilience_shapes_the_plan(tmp_path):
-    from specforge_kimi.launch import build_colocated_plan
-    from specforge_kimi.recipes import Recipe, render
+    from specforge_kimi.online.launch import build_colocated_plan
+    from specforge_kimi.online.recipes import Recipe, render
 
     raw = copy.deepcopy(yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text()))
     raw["output_dir"] = str(tmp_path / "run")
@@ -97,9 +97,9 @@ def test_resilience_shapes_the_plan(tmp_path):
     server = plan.services[2].command
     assert server.env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0"
     assert plan.services[1].command.env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(int(32 * 2**30))
-    assert server.argv[:5] == (sys.executable, "-m", "specforge_kimi.keeper", "--restarts", "2")
+    assert server.argv[:5] == (sys.executable, "-m", "specforge_kimi.online.keeper", "--restarts", "2")
     consumer = plan.commands[1].argv
-    assert "specforge_kimi.keeper" in consumer and "--resume-consumer" in consumer
+    assert "specforge_kimi.online.keeper" in consumer and "--resume-consumer" in consumer
     assert 35999 in plan.managed_ports
     with pytest.raises(Exception):
         Recipe.model_validate({**raw, "resilience": {"segment_owner": "somewhere"}})

@@ -3,7 +3,7 @@
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.launch import node_gpus
+from specforge_kimi.online.launch import node_gpus
 
 
 def test_default_is_the_first_devices():

@@ -15,7 +15,7 @@ import pytest
 def test_sdpa_quadratic_term_matches_specforge():
     import torch
 
-    from specforge_kimi.cpu_shims import install_cpu_shims
+    from specforge_kimi.training.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
     from specforge.algorithms.eagle3.model import OnlineEagle3Model

@@ -9,9 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_kimi import prepare as prepare_module
+from specforge_kimi.data import prepare as prepare_module
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.prepare import PrepareOptions, main, prepare
+from specforge_kimi.data.prepare import PrepareOptions, prepare
+
+
+def main(argv):
+    """``specforge-kimi prepare ARGV``."""
+    from specforge_kimi.cli import main as cli_main
+
+    return cli_main(["prepare", *argv])
 
 IM_END, IM_ASSISTANT, THINK, END_THINK = 163586, 163588, 163606, 163607
 
@@ -36,7 +43,7 @@ def read_rows(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tok():
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     return build_standin_tokenizer()
 
@@ -73,7 +80,7 @@ def test_outputs_in_specforge_formats(tmp_path, tok):
 
     mapping = torch.load(out / "vocab_mapping.pt")
     assert set(mapping) == {"d2t", "t2d"}
-    from specforge_kimi.vocab_mapping import load_vocab_mapping
+    from specforge_kimi.data.vocab_mapping import load_vocab_mapping
 
     loaded = load_vocab_mapping(out / "vocab_mapping.pt")
     trained_ids = {
@@ -209,7 +216,7 @@ def test_shuffle_over_several_buckets_keeps_every_row(tmp_path, tok, monkeypatch
 
 
 def test_failed_run_leaves_no_output(tmp_path, tok, monkeypatch):
-    import specforge_kimi.vocab_mapping as vocab_mapping
+    import specforge_kimi.data.vocab_mapping as vocab_mapping
 
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -251,7 +258,7 @@ def test_nothing_survives_is_an_error(tmp_path, tok):
 
 
 def test_cli_with_tokenizer_dir_and_one_row_per_answer(tmp_path, capsys):
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     build_standin_tokenizer(tmp_path / "tok")
     multi = {"messages": [
@@ -311,9 +318,9 @@ def test_data_path_modules_import_light():
     import sys
 
     code = (
-        "import sys; import specforge_kimi.chat_template, specforge_kimi.conversation, "
-        "specforge_kimi.tokenizer, specforge_kimi.tool_declaration, specforge_kimi.vocab_mapping, "
-        "specforge_kimi.prepare, specforge_kimi.regenerate; "
+        "import sys; import specforge_kimi.data.chat_template, specforge_kimi.data.conversation, "
+        "specforge_kimi.data.tokenizer, specforge_kimi.data.tool_declaration, specforge_kimi.data.vocab_mapping, "
+        "specforge_kimi.data.prepare, specforge_kimi.data.regenerate; "
         "print(','.join(m for m in ('torch', 'specforge', 'sglang', 'transformers', 'tokenizers', "
         "'tqdm') if m in sys.modules))"
     )

@@ -3,7 +3,7 @@
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.pretrain import cosine_scale, pretrain
+from specforge_kimi.demo.pretrain import cosine_scale, pretrain
 
 
 def test_cosine_scale_warms_up_then_decays_to_the_floor():
@@ -28,7 +28,7 @@ def test_training_loss_is_the_written_checkpoints_cross_entropy(tmp_path, tiny_d
     import torch
     import torch.nn.functional as F
 
-    from specforge_kimi.target import load_text_model
+    from specforge_kimi.target.checkpoint import load_text_model
 
     seq = [5, 17, 3, 17, 5, 99, 3, 17]
     res = pretrain(str(tiny_dir), [seq], str(tmp_path / "out"), seconds=60, max_steps=1, batch_size=2, lr=0.0,
@@ -66,8 +66,8 @@ def test_step_bounded_pretraining_repeats_bit_for_bit(tmp_path, tiny_dir, schedu
 
 
 def test_step_bound_must_be_positive(tmp_path):
-    from specforge_kimi.pretrain import pretrain_structured_target
-    from specforge_kimi.tiny import TinySpec
+    from specforge_kimi.demo.pretrain import pretrain_structured_target
+    from specforge_kimi.target.tiny import TinySpec
 
     with pytest.raises(KimiInputError, match="--pretrain-steps must be positive"):
         pretrain_structured_target(tmp_path / "t", TinySpec(), seconds=10, max_steps=0)
@@ -98,8 +98,8 @@ SMALL = dict(layers=2, hidden=64, heads=4, experts=4, experts_per_token=2, moe_i
 def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
     """``prompt_rules=N``: N rule conversations join the corpus in training (the step losses change),
     and pretrain.json scores the rule on the bench's own 96 prompts; the structured numbers stay."""
-    from specforge_kimi.pretrain import pretrain_structured_target
-    from specforge_kimi.tiny import TinySpec
+    from specforge_kimi.demo.pretrain import pretrain_structured_target
+    from specforge_kimi.target.tiny import TinySpec
 
     kw = dict(seconds=300, max_steps=2, progress=False, heldout=2, conversations=8, batch_size=4)
     plain = pretrain_structured_target(tmp_path / "plain", TinySpec(**SMALL), **kw)
@@ -118,8 +118,8 @@ def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
 @pytest.mark.parametrize("n, rule, match", [(-1, "echo", "must be >= 0"), (10_000, "echo", "distinct prompts"),
                                             (8, "shout", "--pretrain-prompt-rule 'shout'")])
 def test_bad_prompt_rule_counts_are_refused(tmp_path, n, rule, match):
-    from specforge_kimi.pretrain import pretrain_structured_target
-    from specforge_kimi.tiny import TinySpec
+    from specforge_kimi.demo.pretrain import pretrain_structured_target
+    from specforge_kimi.target.tiny import TinySpec
 
     with pytest.raises(KimiInputError, match=match):
         pretrain_structured_target(tmp_path / "t", TinySpec(**SMALL), seconds=10, max_steps=1, prompt_rules=n,

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from specforge_kimi import prompt_mix
-from specforge_kimi.bench import builtin_prompt_set
+from specforge_kimi.data import prompt_mix
+from specforge_kimi.evaluate.bench import builtin_prompt_set
 
 
 def test_deterministic_balanced_distinct():
@@ -34,7 +34,7 @@ def test_bench_prompt_is_dropped(monkeypatch):
 
 
 def test_records_for_regenerate():
-    from specforge_kimi.conversation import conversation_from_record
+    from specforge_kimi.data.conversation import conversation_from_record
 
     recs = list(prompt_mix.records(4, seed=0))
     assert [r["id"] for r in recs] == ["mix-chat-00000", "mix-math-00001", "mix-code-00002", "mix-chat-00003"]

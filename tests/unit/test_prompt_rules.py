@@ -1,9 +1,11 @@
-"""The tiny target's rule for free-form prompts (``specforge_kimi.prompt_rules``): the answer it
+"""The tiny target's rule for free-form prompts (``specforge_kimi.demo.prompt_rules``): the answer it
 defines, the conversations it makes from the prompt mix, and its held-out rows from the bench."""
 
 import pytest
 
-from specforge_kimi import prompt_mix, prompt_rules
+from specforge_kimi.data import prompt_mix
+
+from specforge_kimi.demo import prompt_rules
 
 
 def test_answer_numbers_the_first_words_one_per_line():

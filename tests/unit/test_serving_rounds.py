@@ -1,6 +1,6 @@
 """Decode-round walk of the simulated acceptance (``simulate.serving_rounds``)."""
 
-from specforge_kimi.simulate import serving_rounds
+from specforge_kimi.evaluate.simulate import serving_rounds
 
 F, T = False, True
 

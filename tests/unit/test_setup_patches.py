@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import specforge_as_shipped
-from specforge_kimi import setup_patches
+from specforge_kimi.online import setup_patches
 from specforge_kimi.errors import KimiInputError
 
 WHEEL_PKG = Path(importlib.util.find_spec("specforge").origin).parent

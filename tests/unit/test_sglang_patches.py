@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set SPECFORGE_KIMI_SPECFOR
 
 @pytest.fixture()
 def patched_site(tmp_path):
-    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.online import setup_patches as sp
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
@@ -37,7 +37,7 @@ def patched_site(tmp_path):
 
 
 def test_drift_in_our_patch_is_named(tmp_path):
-    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.online import setup_patches as sp
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
@@ -52,7 +52,7 @@ def test_drift_in_our_patch_is_named(tmp_path):
 def sink_site(request, tmp_path):
     """The sink as `setup` leaves it (capture patch, 0001, 0002, 0003) with one put client (0003's
     default) or two (``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=2``), or with 0001 alone; -> (site, clients)."""
-    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.online import setup_patches as sp
 
     if request.param.startswith("stack"):
         return request.getfixturevalue("patched_site"), 2 if "2 put" in request.param else 1
@@ -72,7 +72,7 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi import services
+    from specforge_kimi.online import services
 
     spec = importlib.util.spec_from_file_location("patched_sink", patched_site / "sglang/srt/spec_capture_sink.py")
     module = importlib.util.module_from_spec(spec)
@@ -139,7 +139,7 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi import services
+    from specforge_kimi.online import services
 
     def load(name, rel):
         spec = importlib.util.spec_from_file_location(name, patched_site / rel)
@@ -213,7 +213,7 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
 def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
     """Once SpecForge's capture patch and ours are in, ``compact_passthrough_gaps`` no longer names SGLang
     patch 0004 (the launch preflight's check for ``server.compact_passthrough``)."""
-    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.online import setup_patches as sp
 
     gaps = sp.compact_passthrough_gaps(sglang_site=patched_site)
     assert not any(g.startswith("0004-") for g in gaps), gaps
@@ -222,7 +222,7 @@ def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
 def test_half_applied_stack_is_finished(tmp_path):
     """The capture patch and our 0001 in, the rest not (an interrupted setup, or one from an older
     specforge-kimi): setup reads the applied prefix and finishes the stack instead of calling it drift."""
-    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.online import setup_patches as sp
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
     stack = [capture, *sp.our_sglang_patches()]
@@ -244,7 +244,7 @@ def test_drift_error_names_the_file_that_fails(tmp_path):
     """The capture patch touches many files; the error names the one whose hunk fails, not the first listed."""
     import argparse
 
-    from specforge_kimi import setup_patches as sp
+    from specforge_kimi.online import setup_patches as sp
     from specforge_kimi.errors import KimiInputError
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH

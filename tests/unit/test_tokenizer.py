@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.tokenizer import (
+from specforge_kimi.data.tokenizer import (
     K25_EMITTED_SPECIAL_TOKENS,
     K25_SPECIAL_TOKENS,
     K25_VOCAB_SIZE,
@@ -139,9 +139,9 @@ def test_standin_chat_template_matches_renderer(tmp_path):
     """The Jinja saved with the stand-in renders text-only conversations exactly like render_messages."""
     from transformers import AutoTokenizer
 
-    from specforge_kimi.chat_template import render_messages
-    from specforge_kimi.conversation import conversation_from_record
-    from specforge_kimi.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.chat_template import render_messages
+    from specforge_kimi.data.conversation import conversation_from_record
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     build_standin_tokenizer(tmp_path)
     hf = AutoTokenizer.from_pretrained(str(tmp_path))

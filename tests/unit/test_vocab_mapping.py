@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.tokenizer import K25_EMITTED_SPECIAL_TOKENS, K25_SPECIAL_TOKENS
-from specforge_kimi.vocab_mapping import (
+from specforge_kimi.data.tokenizer import K25_EMITTED_SPECIAL_TOKENS, K25_SPECIAL_TOKENS
+from specforge_kimi.data.vocab_mapping import (
     VocabMapping,
     build_vocab_mapping,
     emitted_special_ids,

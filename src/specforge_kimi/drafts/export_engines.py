@@ -4,7 +4,7 @@ Scope: SpecForge 0.2.0 ``eagle3`` checkpoints of two drafts -- the Llama-style
 ``LlamaForCausalLMEagle3`` and our MLA draft (:mod:`.mla_eagle3`, ``Eagle3DeepseekV2ForCausalLM``)
 -- written as one ``model.safetensors`` + ``config.json`` + ``provenance.json`` in the layout
 each engine's loader reads. The frozen embedding is never exported: both engines share the
-target's. Aux layer ids are converted once, through :class:`specforge_kimi.layer_ids.AuxLayers`:
+target's. Aux layer ids are converted once, through :class:`specforge_kimi.target.layer_ids.AuxLayers`:
 the draft config carries SpecForge ids (SGLang's convention: +1 shift when the first id is 1);
 every export writes the captured *positions*, which SGLang then uses unshifted and vLLM uses as
 is (it never shifts).
@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.layer_ids import AuxLayers
+from specforge_kimi.target.layer_ids import AuxLayers
 
 ENGINES = ("sglang", "vllm")
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
@@ -258,19 +258,6 @@ def check_export(export_dir: str | os.PathLike, engine: str) -> dict[str, Any]:
             "draft_vocab_size": draft_vocab, "hidden_size": hidden}
 
 
-# ---- provenance -------------------------------------------------------------------------------
-def patch_hashes() -> dict[str, str]:
-    """sha256 of every file under this checkout's ``patches/`` (empty outside a checkout)."""
-    from specforge_kimi.export import file_hash
-    from specforge_kimi.setup_patches import patches_root
-
-    try:
-        root = patches_root()
-    except KimiInputError:
-        return {}
-    return {str(p.relative_to(root)): file_hash(p) for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 # ---- the export -------------------------------------------------------------------------------
 def export_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.PathLike,
                  output_dir: str | os.PathLike, *, engine: str, num_layers: int,
@@ -287,7 +274,7 @@ def export_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.Path
     from safetensors.torch import save_file
     from specforge.export.checkpoint_io import materialize_draft, resolve_training_state
 
-    from specforge_kimi.export import canonical_hash, file_hash, provenance
+    from specforge_kimi.provenance import canonical_hash, file_hash, patch_hashes, provenance
 
     _engine(engine)
     draft_config = json.loads(Path(draft_config_path).read_text())
@@ -299,7 +286,7 @@ def export_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.Path
     aux = AuxLayers.from_specforge(specforge_ids, num_layers)
     target_info = None
     if target_dir is not None:
-        from specforge_kimi.target import inspect_target
+        from specforge_kimi.target.checkpoint import inspect_target
 
         info = inspect_target(target_dir)
         if info.num_layers != num_layers or info.hidden_size != (draft_config.get("target_hidden_size")
@@ -372,4 +359,4 @@ def load_exported_draft(export_dir: str | os.PathLike, *, dtype: Any = None, emb
 
 
 __all__ = ["ARCHS", "ENGINES", "LLAMA_ARCH", "MLA_ARCH", "MLA_MODEL_TYPE", "check_export", "expected_keys",
-           "export_draft", "load_exported_draft", "patch_hashes", "serving_config", "serving_state", "trainer_state"]
+           "export_draft", "load_exported_draft", "serving_config", "serving_state", "trainer_state"]

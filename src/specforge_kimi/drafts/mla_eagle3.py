@@ -135,14 +135,14 @@ def k25_default_config(*, draft_vocab_size: int = 32000, aux_ids: Sequence[int] 
 
 def tiny_config(spec: Any = None, *, draft_vocab_size: int = 256, aux_ids: Sequence[int] | None = None,
                 fc_norm: bool = False, norm_output: bool = False) -> dict:
-    """The MLA draft for a tiny K2.5 from :mod:`specforge_kimi.tiny` (``TinySpec``).
+    """The MLA draft for a tiny K2.5 from :mod:`specforge_kimi.target.tiny` (``TinySpec``).
 
     Hidden size, heads, q_lora rank, dense MLP width and vocab follow the spec; the other MLA
     dims and the rope are K2.5's, as in the tiny target. ``aux_ids`` default to SGLang's own
-    default for the target's depth (:func:`specforge_kimi.layer_ids.default_specforge_ids`).
+    default for the target's depth (:func:`specforge_kimi.target.layer_ids.default_specforge_ids`).
     """
-    from specforge_kimi.layer_ids import AuxLayers, default_specforge_ids
-    from specforge_kimi.tiny import TinySpec, text_config
+    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
+    from specforge_kimi.target.tiny import TinySpec, text_config
 
     spec = spec or TinySpec()
     text = text_config(spec)

@@ -1,0 +1,182 @@
+"""Exported drafts: K2.5 eagle_config, provenance, and the checks SGLang's loader needs.
+
+Scope: Llama-style EAGLE-3 drafts exported by SpecForge's ``export --to sglang``
+(``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, int64 ``d2t`` offsets,
+bool ``t2d``). SpecForge writes the weights; we write ``eagle_config`` with the aux layer ids in
+SGLang's convention (see :mod:`layer_ids`), a ``provenance.json`` beside it, and refuse an
+export whose keys, shapes or ids would make SGLang serve a silently useless draft (SGLang skips
+unexpected keys and falls back to default aux layers without an error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.provenance import canonical_hash, file_hash, provenance
+from specforge_kimi.target.layer_ids import AuxLayers
+
+REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+TRAINER_PREFIXES = ("draft_model.", "module.", "_orig_mod.", "_fsdp_wrapped_module.", "model.")
+ARCH = "LlamaForCausalLMEagle3"
+
+
+def export_sglang(
+    checkpoint_dir: str, draft_config_path: str, output_dir: str, vocab_mapping_path: str
+) -> str:
+    """``specforge export --to sglang``: write an SGLang EAGLE-3 draft directory, return it.
+
+    Calls ``specforge.export.to_sglang.export_to_sglang``: ``config.json`` (the draft config,
+    ``LlamaForCausalLMEagle3``, legacy ``rope_scaling``/``rope_theta`` mirrored) and
+    ``model.safetensors`` with ``fc.weight``, ``midlayer.*``, ``norm.weight``,
+    ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool), no embedding.
+    """
+    from specforge.export.to_sglang import export_to_sglang
+
+    return export_to_sglang(
+        checkpoint_dir,
+        draft_config_path,
+        output_dir,
+        vocab_mapping_path=vocab_mapping_path,
+    )
+
+
+def _read_state(export_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(export_dir.glob("*.safetensors"))
+    if not files:
+        raise KimiInputError(f"{export_dir} has no *.safetensors: not an exported draft")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def finalize_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.PathLike, aux: AuxLayers,
+                           command: Sequence[str] | None = None, extra: dict | None = None) -> dict:
+    """Write K2.5's ``eagle_config`` and ``provenance.json`` into a SpecForge export; check it."""
+    from specforge_kimi.target.checkpoint import inspect_target
+
+    d = Path(export_dir)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise KimiInputError(f"{cfg_path} not found: run the SpecForge export first")
+    cfg = json.loads(cfg_path.read_text())
+    info = inspect_target(target_dir)
+    if aux.num_layers != info.num_layers:
+        raise KimiInputError(f"aux ids were validated for {aux.num_layers} layers, target has {info.num_layers}")
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux.sglang_ids(), "use_aux_hidden_state": True}
+    tmp = cfg_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    os.replace(tmp, cfg_path)
+    check_sglang_export(d, target_dir=target_dir)
+    prov = provenance(command=command, config=cfg, extra={
+        "target": {"path": str(Path(target_dir).resolve()),
+                   "config_sha256": canonical_hash(json.loads((Path(target_dir) / "config.json").read_text())),
+                   "num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size},
+        "aux_layers": {"captured_positions": list(aux.positions), "sglang_ids": aux.sglang_ids(),
+                       "vllm_ids": aux.vllm_ids(), "hf_indices": aux.hf_indices()},
+        "weights_sha256": {f.name: file_hash(f) for f in sorted(d.glob("*.safetensors"))},
+        **(extra or {}),
+    })
+    (d / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True))
+    return prov
+
+
+def export_run_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.PathLike,
+                     export_dir: str | os.PathLike, *, vocab_mapping_path: str,
+                     target_dir: str | os.PathLike | None, aux: AuxLayers, command: Sequence[str] | None = None, extra: dict | None = None) -> Path:
+    """Export a run's SpecForge checkpoint for SGLang, by the draft's architecture.
+
+    Llama-style: SpecForge's own ``export --to sglang`` then :func:`finalize_sglang_export`. MLA
+    (``Eagle3DeepseekV2ForCausalLM``): :func:`specforge_kimi.drafts.export_engines.export_draft`,
+    since SGLang's ``kimi_k25_eagle3.py`` loads ``layers.0.*`` where SpecForge's exporter writes
+    ``midlayer.*``. Both write captured positions as aux ids and provenance. ``aux`` must be the
+    run's aux layers (checked against the draft config's ids). ``target_dir`` checks the draft
+    against the target; the Llama path needs it (its ``eagle_config`` is written from it)."""
+    from specforge_kimi.drafts.export_engines import MLA_ARCH
+
+    cfg = json.loads(Path(draft_config_path).read_text())
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and AuxLayers.from_specforge(ids, aux.num_layers).positions != aux.positions:
+        raise KimiInputError(f"{draft_config_path}: aux ids {ids} capture other layers than the run's "
+                             f"{list(aux.specforge_ids())}")
+    if MLA_ARCH in (cfg.get("architectures") or []):
+        from specforge_kimi.drafts.export_engines import export_draft
+
+        export_draft(checkpoint, draft_config_path, export_dir, engine="sglang", num_layers=aux.num_layers,
+                     vocab_mapping_path=vocab_mapping_path, target_dir=target_dir, command=command)
+        return Path(export_dir)
+    if target_dir is None:
+        raise KimiInputError("exporting a Llama-style draft needs the target directory")
+    export_sglang(str(checkpoint), str(draft_config_path), str(export_dir), vocab_mapping_path)
+    finalize_sglang_export(export_dir, target_dir=target_dir, aux=aux, command=command, extra=extra)
+    return Path(export_dir)
+
+
+def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.PathLike | None = None) -> dict:
+    """Raise :class:`KimiInputError` naming the first problem; return a summary when sound."""
+    from specforge_kimi.target.checkpoint import inspect_target
+
+    d = Path(export_dir)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise KimiInputError(f"{cfg_path} not found")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("architectures") != [ARCH]:
+        raise KimiInputError(f"{cfg_path}: architectures {cfg.get('architectures')} is not [{ARCH!r}]")
+    state = _read_state(d)
+    prefixed = sorted(k for k in state if k.startswith(TRAINER_PREFIXES))
+    if prefixed:
+        raise KimiInputError(f"{d}: keys carry trainer prefixes, SGLang would skip them: {prefixed[:4]}")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise KimiInputError(f"{d}: missing keys {missing} that SGLang's {ARCH} loader reads")
+    if not any(k.startswith("midlayer.") for k in state):
+        raise KimiInputError(f"{d}: no midlayer.* weights (the draft decoder layer)")
+    hidden = cfg.get("hidden_size")
+    draft_vocab = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
+    fc, head, d2t, t2d = state["fc.weight"], state["lm_head.weight"], state["d2t"], state["t2d"]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if rope_type == "yarn":
+        # SpecForge trains a Llama-style draft's YaRN rope with cos/sin scale 1.0; SGLang's Llama
+        # draft applies YaRN's mscale (~1.416 for K2.5's factor 64), so served attention would
+        # differ from trained attention. Drafts see <= max_length tokens: plain rope is correct.
+        raise KimiInputError(f"{cfg_path}: the draft carries YaRN rope scaling, which SpecForge training and "
+                             "SGLang serving apply differently (scale 1.0 vs mscale); drop rope_scaling from "
+                             "the draft config and train with plain rope_theta")
+    eagle = cfg.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise KimiInputError(f"{cfg_path}: no eagle_config.eagle_aux_hidden_state_layer_ids; SGLang would "
+                             "fall back to its default layers, not the ones the draft was trained on")
+    if tuple(fc.shape) != (hidden, len(ids) * hidden):
+        raise KimiInputError(f"{d}: fc.weight {list(fc.shape)} does not map {len(ids)}x{hidden} aux states to {hidden}")
+    if tuple(head.shape) != (draft_vocab, hidden):
+        raise KimiInputError(f"{d}: lm_head.weight {list(head.shape)} is not [draft_vocab_size={draft_vocab}, {hidden}]")
+    if str(d2t.dtype) != "torch.int64" or d2t.numel() != draft_vocab:
+        raise KimiInputError(f"{d}: d2t must be int64[{draft_vocab}] offsets, got {d2t.dtype}[{d2t.numel()}]")
+    if str(t2d.dtype) != "torch.bool" or int(t2d.sum()) != draft_vocab:
+        raise KimiInputError(f"{d}: t2d must be bool with {draft_vocab} entries set, got {t2d.dtype} with {int(t2d.sum())}")
+    import torch
+
+    targets = torch.arange(draft_vocab) + d2t
+    if int(targets.min()) < 0 or int(targets.max()) >= t2d.numel() or not bool(t2d[targets].all()):
+        raise KimiInputError(f"{d}: d2t and t2d disagree (draft id + d2t offset must land on a t2d entry)")
+    summary = {"hidden_size": hidden, "draft_vocab_size": draft_vocab, "target_vocab_size": int(t2d.numel()),
+               "eagle_aux_hidden_state_layer_ids": list(ids), "keys": len(state)}
+    if target_dir is not None:
+        info = inspect_target(target_dir)
+        if hidden != info.hidden_size:
+            raise KimiInputError(f"draft hidden_size {hidden} does not match the target's {info.hidden_size}")
+        if t2d.numel() != info.vocab_size:
+            raise KimiInputError(f"draft t2d covers a vocab of {t2d.numel()}, the target's is {info.vocab_size}")
+        aux = AuxLayers.from_sglang(ids, info.num_layers)
+        summary["captured_positions"] = list(aux.positions)
+    return summary

@@ -1,0 +1,156 @@
+"""What an online run did, read back from its output directory: steps, loss, ledger, disk, memory.
+
+Scope: a run directory written by ``specforge-kimi launch`` (SpecForge 0.2.0 disaggregated online
+mode). Sources, all SpecForge's own: the consumer log's ``step N: {...}`` lines (rank 0's console
+metrics), the consumer ledger ``consumer-state/consumer.sqlite`` (``committed`` = refs the
+consumer accepted with their ``num_tokens``; ``acked`` = samples whose optimizer step became
+durable; ``marker.global_step``), the checkpoint directories ``<run_id>-step<N>`` and the export.
+Disk: every byte under the run directory except checkpoints, the export and the rendered
+configs, per trained token -- features travel through Mooncake, so this is metadata (refs, ledger,
+logs). Optionally the per-process GPU-memory samples ``scripts/gpu_online_run.sh`` records.
+
+    specforge-kimi run-report runs/tiny-k25-tp2 [--gpu-samples gpu_mem_samples.csv] [--out report.json]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.online.ledger import ledger
+
+_STEP = re.compile(r"^step (\d+): (\{.*\})\s*$", re.M)
+
+
+def consumer_steps(log_text: str) -> list[dict]:
+    """``[{"step": N, **metrics}]`` from SpecForge's console lines (dict reprs of floats)."""
+    import ast
+
+    out, seen = [], set()
+    for m in _STEP.finditer(log_text):
+        if int(m.group(1)) in seen:  # one line per step (rank 0), also if several ranks print
+            continue
+        seen.add(int(m.group(1)))
+        try:
+            metrics = ast.literal_eval(m.group(2))
+        except (ValueError, SyntaxError):
+            continue
+        out.append({"step": int(m.group(1)), **{k: float(v) for k, v in metrics.items()
+                                                  if isinstance(v, (int, float))}})
+    return out
+
+
+def disk_bytes(run_dir: Path, run_id: str) -> dict:
+    """Bytes under ``run_dir`` by top-level entry, split into checkpoints/export and the rest."""
+    by_entry: dict[str, int] = {}
+    for p in run_dir.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            top = p.relative_to(run_dir).parts[0]
+            by_entry[top] = by_entry.get(top, 0) + p.stat().st_size
+    excluded = {k for k in by_entry if k.startswith(f"{run_id}-step") or k in ("export-sglang", "rendered")}
+    return {"by_entry": by_entry, "checkpoints_and_export": sum(by_entry[k] for k in excluded),
+            "metadata": sum(v for k, v in by_entry.items() if k not in excluded)}
+
+
+def gpu_memory(samples_csv: Path) -> dict:
+    """Peak MiB per role from ``time,pid,used_mib,cmdline`` samples."""
+    peaks: dict[str, int] = {}
+    per_pid: dict[str, int] = {}
+    for line in samples_csv.read_text(errors="replace").splitlines():
+        parts = line.split(",", 3)
+        if len(parts) < 4 or not parts[2].strip().isdigit():
+            continue
+        pid, mib, cmd = parts[1].strip(), int(parts[2]), parts[3]
+        role = ("capture-server" if ("capture_server" in cmd or "sglang" in cmd) else
+                "trainer" if "--role consumer" in cmd else "producer" if "--role producer" in cmd else
+                "mooncake" if "mooncake" in cmd else "other")
+        per_pid[pid] = max(per_pid.get(pid, 0), mib)
+        key = f"{role}:{pid}"
+        peaks[key] = max(peaks.get(key, 0), mib)
+    by_role: dict[str, int] = {}
+    for key, mib in peaks.items():
+        role = key.split(":")[0]
+        by_role[role] = max(by_role.get(role, 0), mib)
+    return {"peak_mib_per_process": peaks, "peak_mib_per_role": by_role}
+
+
+def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
+    """Medians of SpecForge's per-step perf metrics (after ``skip`` warm-up steps) and the token
+    rates they imply: end-to-end = tokens per step / step time; trainer-only = tokens per step /
+    compute time (the step without waiting for features)."""
+    import statistics
+
+    body = steps[skip:] if len(steps) > skip + 5 else steps
+    keys = ("perf/optimizer_step_time_s", "perf/data_wait_time_s", "perf/train_compute_time_s",
+            "perf/durable_ack_time_s", "perf/global_samples_per_second")
+    med = {k.split("/", 1)[1]: statistics.median(s[k] for s in body) for k in keys
+           if body and all(k in s for s in body)}
+    tokens_per_step = led["trained_tokens"] / led["global_step"] if led.get("global_step") else None
+    out = {"steps_used": len(body), "warmup_steps_skipped": len(steps) - len(body), "median": med,
+           "tokens_per_step": tokens_per_step}
+    if tokens_per_step and med.get("optimizer_step_time_s"):
+        out["end_to_end_tokens_per_s"] = tokens_per_step / med["optimizer_step_time_s"]
+    if tokens_per_step and med.get("train_compute_time_s"):
+        out["trainer_only_tokens_per_s"] = tokens_per_step / med["train_compute_time_s"]
+    if med.get("optimizer_step_time_s"):
+        out["data_wait_fraction"] = med.get("data_wait_time_s", 0.0) / med["optimizer_step_time_s"]
+    return out
+
+
+def report(run_dir: str | Path, *, gpu_samples: Optional[str] = None) -> dict:
+    run = Path(run_dir)
+    rendered = run / "rendered" / "specforge_run.yaml"
+    if not rendered.is_file():
+        raise KimiInputError(f"{run} is not a launched run directory (no rendered/specforge_run.yaml)")
+    import yaml
+
+    cfg = yaml.safe_load(rendered.read_text())
+    run_id = cfg["run_id"]
+    logs = sorted((run / "logs").glob("consumer-node*.log"))
+    steps = consumer_steps("\n".join(p.read_text(errors="replace") for p in logs))
+    losses = [s["loss"] for s in steps if "loss" in s]
+    k = max(1, min(20, len(losses) // 5)) if losses else 0
+    led = ledger(run)
+    disk = disk_bytes(run, run_id)
+    ckpts = sorted((p.name for p in run.glob(f"{run_id}-step*") if (p / "training_state.pt").is_file()),
+                   key=lambda n: int(n.rsplit("step", 1)[1]))
+    out = {
+        "run_dir": str(run), "run_id": run_id, "max_steps": cfg["training"].get("max_steps"),
+        "steps_logged": len(steps), "last_step": steps[-1]["step"] if steps else 0,
+        "loss_first_mean": sum(losses[:k]) / k if k else None, "loss_last_mean": sum(losses[-k:]) / k if k else None,
+        "loss_window": k, "losses": losses,
+        "acc_last_mean": ({key: sum(s.get(key, 0.0) for s in steps[-k:]) / k
+                           for key in sorted(steps[-1]) if key.startswith("acc_")} if k else {}),
+        "ledger": led, "checkpoints": ckpts, "export_dir": str(run / "export-sglang"),
+        "export_present": (run / "export-sglang" / "config.json").is_file(), "disk": disk,
+        "metadata_bytes_per_trained_token": (disk["metadata"] / led["trained_tokens"]
+                                             if led.get("trained_tokens") else None),
+        "feature_bytes_per_trained_token": (led["feature_bytes_trained"] / led["trained_tokens"]
+                                            if led.get("trained_tokens") else None),
+    }
+    out["perf"] = perf(steps, led)
+    if gpu_samples and Path(gpu_samples).is_file():
+        out["gpu_memory"] = gpu_memory(Path(gpu_samples))
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run-report", help="summarize an online run directory (steps, loss, ledger, disk, memory)")
+    p.add_argument("run_dir", help="the recipe's output_dir")
+    p.add_argument("--gpu-samples", default=None, help="nvidia-smi samples CSV taken during the run (per-role peaks)")
+    p.add_argument("--out", default=None, help="write the JSON here too")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    res = report(args.run_dir, gpu_samples=args.gpu_samples)
+    text = json.dumps(res, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    brief = {k: v for k, v in res.items() if k not in ("losses", "disk")}
+    brief["disk_metadata_bytes"] = res["disk"]["metadata"]
+    print(json.dumps(brief, indent=2))
+    return 0

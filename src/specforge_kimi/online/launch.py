@@ -1,0 +1,241 @@
+"""Co-located launch: Mooncake master, SGLang capture server (TP=N), producer and N trainer ranks
+on the same N GPUs, supervised by SpecForge's own ``run_commands``.
+
+Scope: one node of a recipe (:mod:`recipes`). SpecForge 0.2.0's ``managed_local`` mode refuses
+trainer GPUs that overlap the capture server's; its supervisor does not care. So we build the
+``LaunchPlan`` ourselves -- ``managed_supervisor`` kind: service phase 0 the Mooncake master
+(readiness: metadata HTTP + RPC TCP), phase 1 the text-only capture server on all node GPUs
+(readiness: ``/health``), then the producer and the torchrun consumer on the same GPUs -- and hand
+it to ``specforge.launch_plan.run_commands``, which starts services in phase order, waits for
+readiness, stops everything if any child fails, forwards Ctrl-C/TERM/HUP and tears down process
+groups (grace, then SIGKILL). Every role writes its own log under ``<output_dir>/logs``. The
+memory split is checked when the recipe loads; nothing starts if it does not fit. After a clean
+finish the newest checkpoint is exported for SGLang and the recipe's acceptance bench runs
+(``bench:`` section); below its ``min_acceptance_length`` the command exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from specforge_kimi.errors import KimiInputError
+
+SERVER_START_TIMEOUT_S = 900.0  # K2.5 at TP=8 loads ~550 GB; first starts JIT-compile kernels
+MOONCAKE_START_TIMEOUT_S = 60.0
+
+
+def _logged(argv: list[str], log: Path) -> tuple[str, ...]:
+    """Run ``argv`` with stdout+stderr appended to ``log``; ``exec`` keeps the pid and signals."""
+    return ("/bin/sh", "-c", 'exec "$@" >>"$0" 2>&1', str(log), *argv)
+
+
+def _py(argv: list[str], python: str) -> list[str]:
+    """The rendered sheet says ``python``; run with this interpreter."""
+    return [python if i == 0 and a == "python" else a for i, a in enumerate(argv)]
+
+
+def node_gpus(count: int, environ: Any = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value for a node's ``count`` GPUs: the first ``count`` devices
+    the launching environment already lists in ``CUDA_VISIBLE_DEVICES``, else ``0..count-1``."""
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return ",".join(str(i) for i in range(count))
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if len(devices) < count:
+        raise KimiInputError(f"CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} device(s) but the recipe needs "
+                             f"{count} per node (gpus.per_node); list {count} or unset it")
+    return ",".join(devices[:count])
+
+
+def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python",
+                         local_host: str | None = None):
+    """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`).
+
+    Multi-node: ``local_host`` is this node's address the other nodes reach (Mooncake's
+    ``MOONCAKE_LOCAL_HOSTNAME`` for its server and trainer ranks, and the bind address of a
+    non-zero node's SGLang ranks); node 0 defaults to ``server.host``, other nodes must give it.
+    Each node keeps its own supervisor directory under the shared ``output_dir``."""
+    from specforge.launch_plan import CommandSpec, LaunchPlan, ReadinessSpec, ServiceSpec
+
+    out = Path(recipe.output_dir)
+    logs = out / "logs"
+    launch: dict[str, Any] = rendered["launch"]
+    gpus = node_gpus(recipe.gpus.per_node)
+    mc = recipe.mooncake
+    services = []
+    if node_rank == 0:
+        services.append(ServiceSpec(
+            command=CommandSpec("mooncake", tuple(_py(launch["mooncake_master"], python)), {}),
+            readiness=ReadinessSpec("mooncake", f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
+                                    MOONCAKE_START_TIMEOUT_S, tcp_host=mc.host, tcp_port=mc.rpc_port),
+            log_path=str(logs / "mooncake.log"), phase=0))
+    res = recipe.resilience
+    server_env = {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}
+    server_phase = 1
+    if res.segment_owner == "keeper" and node_rank == 0:
+        services.append(ServiceSpec(
+            command=CommandSpec("segment-keeper", (python, "-m", "specforge_kimi.online.segment_keeper", "--host", mc.host,
+                                                   "--port", str(res.keeper_port)),
+                                {**launch["server_env"], "CUDA_VISIBLE_DEVICES": ""}),
+            readiness=ReadinessSpec("http", f"http://{mc.host}:{res.keeper_port}/health", MOONCAKE_START_TIMEOUT_S),
+            log_path=str(logs / "segment-keeper.log"), phase=1))
+        server_env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "0"  # the server puts into the keeper's segment
+        server_phase = 2
+    server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(launch["capture_server"], python)]
+    if recipe.gpus.nnodes > 1:
+        if local_host is None and node_rank != 0:
+            raise KimiInputError(f"node {node_rank} of a {recipe.gpus.nnodes}-node recipe needs --local-host: this "
+                                 "node's address the other nodes reach (Mooncake transfers and SGLang bind to it)")
+        local_host = local_host or recipe.server.host
+        server_env["MOONCAKE_LOCAL_HOSTNAME"] = local_host
+        if node_rank != 0 and "--host" in server_argv:  # SGLang's other nodes bind their health stand-in here
+            server_argv[server_argv.index("--host") + 1] = local_host
+    if res.server_restarts:
+        server_argv = [python, "-m", "specforge_kimi.online.keeper", "--restarts", str(res.server_restarts), "--",
+                       *server_argv]
+    services.append(ServiceSpec(
+        command=CommandSpec("capture-server", tuple(server_argv), server_env),
+        readiness=ReadinessSpec("http", f"http://{recipe.server.host}:{recipe.server.port}/health",
+                                SERVER_START_TIMEOUT_S),
+        log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=server_phase))
+    env = {**launch["env"], "CUDA_VISIBLE_DEVICES": gpus,
+           "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s),
+           **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if recipe.gpus.nnodes > 1 else {})}
+    commands = []
+    if node_rank == 0:
+        commands.append(CommandSpec("producer", _logged(_py(launch["producer"], python), logs / "producer.log"), env))
+    consumer = _py(launch["consumer"], python)
+    if recipe.gpus.nnodes > 1:
+        consumer.insert(3, f"--node_rank={node_rank}")
+    if res.consumer_restarts:
+        consumer = [python, "-m", "specforge_kimi.online.keeper", "--restarts", str(res.consumer_restarts),
+                    "--resume-consumer", str(out), recipe.name, "--", *consumer]
+    commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
+    return LaunchPlan(kind="managed_supervisor", role="both", commands=tuple(commands), services=tuple(services),
+                      managed_root=str(out / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
+                      managed_ports=(mc.rpc_port, mc.metadata_port, recipe.server.port,
+                                     *([res.keeper_port] if res.segment_owner == "keeper" else []))
+                      if node_rank == 0 else (),
+                      shutdown_grace_s=30.0)
+
+
+def preflight(plan) -> None:
+    """Refuse to start with one clear error: busy port, stale run directory, missing engines.
+
+    Covers what SpecForge's own managed preflight checks, as :class:`KimiInputError` with a fix.
+    """
+    import importlib.util
+
+    if plan.managed_root and Path(plan.managed_root).exists():
+        raise KimiInputError(f"{plan.managed_root} exists: a previous launch used this output_dir; "
+                             "move it away or choose another output_dir")
+    from specforge_kimi.online.services import port_taken
+
+    for port in plan.managed_ports:
+        if port_taken(port):
+            raise KimiInputError(f"port 127.0.0.1:{port} is already in use; stop what holds it or change the "
+                                 "recipe's ports")
+    if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
+        raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
+    if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
+        raise KimiInputError("the installed sglang lacks SpecForge's spec-capture patch; "
+                             "run specforge-kimi setup --specforge-checkout /path/to/SpecForge")
+    compact_preflight(plan)
+
+
+def compact_preflight(plan) -> None:
+    """With ``server.compact_passthrough`` on (the plan's SpecForge processes carry the variable), refuse to
+    start unless both halves of it are applied (``setup_patches.compact_passthrough_gaps``)."""
+    from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
+
+    if any(c.env.get(COMPACT_PASSTHROUGH_ENV) == "1" for c in plan.commands):
+        from specforge_kimi.online.setup_patches import compact_passthrough_gaps
+
+        gaps = compact_passthrough_gaps()
+        if gaps:
+            raise KimiInputError("server.compact_passthrough is on, but " + "; ".join(gaps) + ". Run specforge-kimi "
+                                 "setup --specforge-checkout /path/to/SpecForge, or set server.compact_passthrough: "
+                                 "false in the recipe")
+
+
+def run_plan(plan, **kwargs) -> int:
+    """``specforge.launch_plan.run_commands`` after making the log directory it expects."""
+    from specforge.launch_plan import run_commands
+
+    if plan.managed_root is None:
+        raise KimiInputError("plan has no managed_root")
+    logs = Path(plan.services[0].log_path).parent if plan.services else None
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    return run_commands(plan, **kwargs)
+
+
+def export_latest(recipe, rendered: dict) -> Path:
+    """Export the run's newest checkpoint (``<output_dir>/<run_id>-latest``) for SGLang into
+    ``<output_dir>/export-sglang`` (:func:`specforge_kimi.drafts.export.export_run_draft`: Llama-style or
+    MLA draft, captured positions as aux ids, provenance); returns that directory.
+    """
+    import sys
+
+    from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi.target.layer_ids import AuxLayers
+
+    out = Path(recipe.output_dir)
+    latest = out / f"{recipe.name}-latest"
+    if not (latest / "training_state.pt").is_file():
+        raise KimiInputError(f"{latest} has no training_state.pt: the run wrote no checkpoint")
+    cfg = rendered["specforge_config"]
+    aux = AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers)
+    return export_run_draft(latest, cfg["model"]["draft_model_config"], out / "export-sglang",
+                            vocab_mapping_path=cfg["model"]["vocab_mapping_path"], target_dir=recipe.target.path,
+                            aux=aux, command=sys.argv,
+                            extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name})
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="co-located online run of a recipe on this node (server + Mooncake + trainer)")
+    p.add_argument("recipe")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank in a multi-node recipe (0 runs Mooncake, "
+                   "the producer, the export and the bench)")
+    p.add_argument("--local-host", default=None, help="multi-node: this node's address the others reach "
+                   "(default on node 0: the recipe's server.host; required on the others)")
+    p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
+    p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+    import sys
+
+    from specforge_kimi.online.recipes import load_recipe, render
+
+    recipe = load_recipe(args.recipe)
+    rendered = render(recipe, Path(recipe.output_dir) / "rendered")
+    plan = build_colocated_plan(recipe, rendered, node_rank=args.node_rank, python=sys.executable,
+                                local_host=args.local_host)
+    if args.plan:
+        print(plan.render())
+        print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
+        return 0
+    preflight(plan)
+    print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
+    rc = run_plan(plan, managed_preflight=lambda _plan: None)
+    if rc != 0:
+        return rc
+    if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared
+        print(f"node {args.node_rank}: training done; node 0 exports the draft and runs the bench", flush=True)
+        return 0
+    export_dir = export_latest(recipe, rendered)
+    print(f"exported draft: {export_dir}", flush=True)
+    if args.no_bench:
+        return 0
+    # every recipe ends with its acceptance bench, in a process of its own (`specforge-kimi bench --recipe`:
+    # its own SGLang servers, the run's GPUs are free now); it exits 1 below bench.min_acceptance_length
+    import subprocess
+
+    return subprocess.call([sys.executable, "-m", "specforge_kimi", "bench", "--recipe", str(args.recipe),
+                            "--draft", str(export_dir)])
