@@ -63,8 +63,10 @@ from pathlib import Path
 
 AUX_IDS = [1, 3, 4]
 QUEUE = re.compile(r"\[spec-capture-timing\] async_batch_complete samples=(\d+) queue_to_stream_ms=([\d.]+)")
-TIMING = re.compile(r"\[spec-capture-timing\] batch_sink samples=(\d+) objects=(\d+) bytes=(\d+) "
-                    r"materialize_ms=([\d.]+) register_ms=([\d.]+) put_ms=([\d.]+) total_ms=([\d.]+)")
+TIMING = re.compile(
+    r"\[spec-capture-timing\] batch_sink samples=(\d+) objects=(\d+) bytes=(\d+) "
+    r"materialize_ms=([\d.]+) register_ms=([\d.]+) put_ms=([\d.]+) total_ms=([\d.]+)"
+)
 
 
 def _post(url: str, body: dict, timeout: float = 600.0):
@@ -85,9 +87,17 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def _tasks(prompts, run_id: str, tag: str):
     from specforge.runtime.contracts import PromptTask
 
-    return [PromptTask(task_id=f"{tag}-{i}", run_id=run_id, source_id="bench", payload={
-        "input_ids": p, "loss_mask": [1] * len(p)}, max_length=len(p) + 1, metadata={"num_tokens": len(p)})
-        for i, p in enumerate(prompts)]
+    return [
+        PromptTask(
+            task_id=f"{tag}-{i}",
+            run_id=run_id,
+            source_id="bench",
+            payload={"input_ids": p, "loss_mask": [1] * len(p)},
+            max_length=len(p) + 1,
+            metadata={"num_tokens": len(p)},
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _free(store, refs) -> None:
@@ -103,8 +113,14 @@ def _free(store, refs) -> None:
 
 def _plain(url: str, prompts) -> None:
     """One prefill of ``prompts`` without ``spec_capture`` (fresh cache namespace, one new token)."""
-    _post(f"{url}/generate", {"input_ids": prompts, "extra_key": [uuid.uuid4().hex for _ in prompts],
-                              "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
+    _post(
+        f"{url}/generate",
+        {
+            "input_ids": prompts,
+            "extra_key": [uuid.uuid4().hex for _ in prompts],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
+        },
+    )
 
 
 def _capture(adapter, cfg, prompts, tag: str) -> list:
@@ -147,16 +163,30 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
         read_s.append(dt_read)
         fbytes.append(nbytes)
     sink = [tuple(float(x) for x in m.groups()) for m in TIMING.finditer(log.read_text(errors="replace")[log_start:])]
-    sink_tot = {k: sum(s[i] for s in sink) / (reps + 1) for i, k in
-                enumerate(("samples", "objects", "bytes", "materialize_ms", "register_ms", "put_ms", "total_ms"))}
+    sink_tot = {
+        k: sum(s[i] for s in sink) / (reps + 1)
+        for i, k in enumerate(("samples", "objects", "bytes", "materialize_ms", "register_ms", "put_ms", "total_ms"))
+    }
     p, c, r = statistics.median(plain_s), statistics.median(capture_s), statistics.median(read_s)
     fb = statistics.median(fbytes)
-    return {"batch": n, "tokens_per_prompt": length, "tokens": tokens, "reps": reps,
-            "plain_s": plain_s, "capture_s": capture_s, "read_s": read_s,
-            "plain_tokens_per_s": tokens / p, "capture_tokens_per_s": tokens / c,
-            "capture_over_plain": p / c, "feature_bytes_per_token": fb / tokens,
-            "capture_write_gb_per_s": fb / c / 1e9, "read_gb_per_s": fb / r / 1e9,
-            "capture_extra_ms": (c - p) * 1000, "sink_per_request_mean": sink_tot, "sink_batches_seen": len(sink)}
+    return {
+        "batch": n,
+        "tokens_per_prompt": length,
+        "tokens": tokens,
+        "reps": reps,
+        "plain_s": plain_s,
+        "capture_s": capture_s,
+        "read_s": read_s,
+        "plain_tokens_per_s": tokens / p,
+        "capture_tokens_per_s": tokens / c,
+        "capture_over_plain": p / c,
+        "feature_bytes_per_token": fb / tokens,
+        "capture_write_gb_per_s": fb / c / 1e9,
+        "read_gb_per_s": fb / r / 1e9,
+        "capture_extra_ms": (c - p) * 1000,
+        "sink_per_request_mean": sink_tot,
+        "sink_batches_seen": len(sink),
+    }
 
 
 def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]:
@@ -170,15 +200,17 @@ def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]
         return body, []
     payloads = body["spec_capture"]
     if variant == "compact" and any("data" in i for pl in payloads for i in pl["passthrough"]):
-        raise RuntimeError("the installed SpecForge lacks patches/specforge/0.2.0/0002 (its compact body still "
-                           "carries JSON lists)")
+        raise RuntimeError(
+            "the installed SpecForge lacks patches/specforge/0.2.0/0002 (its compact body still carries JSON lists)"
+        )
     for pl in payloads:
         if variant in ("bookkeeping", "features"):
             pl["passthrough"] = []
         if variant == "bookkeeping":
             pl["features"] = {}
-    written = [(pl["sample_id"], [*pl["features"].values(), *(i["name"] for i in pl["passthrough"])])
-               for pl in payloads]
+    written = [
+        (pl["sample_id"], [*pl["features"].values(), *(i["name"] for i in pl["passthrough"])]) for pl in payloads
+    ]
     return body, [w for w in written if w[1]]
 
 
@@ -213,14 +245,18 @@ def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, lo
             t_enc = time.perf_counter() - t
             t = time.perf_counter()
             try:
-                r = requests.post(f"{url}/generate", data=data, headers={"Content-Type": "application/json"},
-                                  timeout=600)
+                r = requests.post(
+                    f"{url}/generate", data=data, headers={"Content-Type": "application/json"}, timeout=600
+                )
                 r.raise_for_status()
                 rows = r.json()
                 rows = rows if isinstance(rows, list) else [rows]
-                bad = [row["meta_info"]["spec_capture"] for row in rows
-                       if isinstance((row.get("meta_info") or {}).get("spec_capture"), dict)
-                       and "error" in row["meta_info"]["spec_capture"]]
+                bad = [
+                    row["meta_info"]["spec_capture"]
+                    for row in rows
+                    if isinstance((row.get("meta_info") or {}).get("spec_capture"), dict)
+                    and "error" in row["meta_info"]["spec_capture"]
+                ]
                 t_post = time.perf_counter() - t
                 if bad:
                     raise RuntimeError(f"capture error: {bad[0]['error']}")
@@ -234,11 +270,23 @@ def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, lo
             if rnd:
                 enc[v].append(t_enc * 1000)
                 post[v].append(t_post * 1000)
-    med = {v: {"encode_ms": statistics.median(enc[v]), "post_ms": statistics.median(post[v]),
-               "body_bytes": body_bytes[v]} for v in BREAKDOWN_VARIANTS if post[v]}
-    out: dict = {"batch": n, "tokens_per_prompt": length, "reps": reps, "variants": med,
-                 "post_ms": post, "encode_ms": enc, "errors": errors}
-    batches = [(int(m.group(1)), float(m.group(2))) for m in QUEUE.finditer(log.read_text(errors="replace")[log_start:])]
+    med = {
+        v: {"encode_ms": statistics.median(enc[v]), "post_ms": statistics.median(post[v]), "body_bytes": body_bytes[v]}
+        for v in BREAKDOWN_VARIANTS
+        if post[v]
+    }
+    out: dict = {
+        "batch": n,
+        "tokens_per_prompt": length,
+        "reps": reps,
+        "variants": med,
+        "post_ms": post,
+        "encode_ms": enc,
+        "errors": errors,
+    }
+    batches = [
+        (int(m.group(1)), float(m.group(2))) for m in QUEUE.finditer(log.read_text(errors="replace")[log_start:])
+    ]
     out["server_queue_to_stream_ms"] = [ms for _, ms in batches]
     out["server_batch_samples"] = [n for n, _ in batches]  # how SGLang split the calls into scheduler batches
     if all(v in med for v in BREAKDOWN_VARIANTS if v != "compact"):
@@ -250,9 +298,11 @@ def bench_breakdown(url: str, adapter, store, n: int, length: int, reps: int, lo
         }
         if "compact" in med:
             out["attribution_ms"]["compact_saves_server (full - compact)"] = (
-                med["full"]["post_ms"] - med["compact"]["post_ms"])
+                med["full"]["post_ms"] - med["compact"]["post_ms"]
+            )
             out["attribution_ms"]["compact_saves_client_encode (full - compact)"] = (
-                med["full"]["encode_ms"] - med["compact"]["encode_ms"])
+                med["full"]["encode_ms"] - med["compact"]["encode_ms"]
+            )
     return out
 
 
@@ -270,8 +320,12 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
             list(pool.map(lambda b: _plain(url, b), batches))
             dt_plain = time.perf_counter() - t
             t = time.perf_counter()
-            got = list(pool.map(lambda jb: _capture(adapter, cfg, jb[1], f"k{k}-r{rnd}-b{jb[0]}-{n}x{length}"),
-                                enumerate(batches)))
+            got = list(
+                pool.map(
+                    lambda jb, rnd=rnd: _capture(adapter, cfg, jb[1], f"k{k}-r{rnd}-b{jb[0]}-{n}x{length}"),
+                    enumerate(batches),
+                )
+            )
             dt_cap = time.perf_counter() - t
             for refs in got:
                 for ref in refs:
@@ -282,50 +336,97 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
                 capture_s.append(dt_cap)
                 captured.append(sum(len(refs) for refs in got))
     p, c = statistics.median(plain_s), statistics.median(capture_s)
-    return {"in_flight": k, "tokens_per_round": tokens, "reps": reps, "plain_s": plain_s, "capture_s": capture_s,
-            "samples_captured_per_round": captured,
-            "plain_tokens_per_s": tokens / p, "capture_tokens_per_s": tokens / c, "capture_over_plain": p / c}
+    return {
+        "in_flight": k,
+        "tokens_per_round": tokens,
+        "reps": reps,
+        "plain_s": plain_s,
+        "capture_s": capture_s,
+        "samples_captured_per_round": captured,
+        "plain_tokens_per_s": tokens / p,
+        "capture_tokens_per_s": tokens / c,
+        "capture_over_plain": p / c,
+    }
 
 
-def run_tp(target: str, tp: int, shapes, reps: int, workdir: Path, info, engine: str = "sglang",
-           in_flight: int = 1, put_clients: int = 1, breakdown: bool = False) -> dict:
+def run_tp(
+    target: str,
+    tp: int,
+    shapes,
+    reps: int,
+    workdir: Path,
+    info,
+    engine: str = "sglang",
+    in_flight: int = 1,
+    put_clients: int = 1,
+    breakdown: bool = False,
+) -> dict:
     from specforge_kimi.online import services
-    from specforge_kimi.online.offline_twin import capture_tools
     from specforge_kimi.online.capture_server import capture_server_argv, capture_server_env
+    from specforge_kimi.online.offline_twin import capture_tools
 
     port = services.free_ports(1)[0]
     longest = max(length for _, length in shapes)
     result: dict = {"tp": tp, "put_clients": put_clients}
     tag = f"tp{tp}" + (f"-put{put_clients}" if put_clients > 1 else "")
     with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30) as mc:
-        argv = capture_server_argv(target, tp=tp, port=port, aux_specforge_ids=AUX_IDS, fusion=False,
-                                   attention_backend="triton", mem_fraction_static=0.5,
-                                   context_length=longest + 256, disable_cuda_graph=True, python=sys.executable)
+        argv = capture_server_argv(
+            target,
+            tp=tp,
+            port=port,
+            aux_specforge_ids=AUX_IDS,
+            fusion=False,
+            attention_backend="triton",
+            mem_fraction_static=0.5,
+            context_length=longest + 256,
+            disable_cuda_graph=True,
+            python=sys.executable,
+        )
         if engine == "reference":  # the CPU stand-in: exercises this script without a GPU
-            argv = [sys.executable, "-m", "specforge_kimi.online.reference_server", "--model-path", target,
-                    "--spec-capture-aux-layer-ids", *map(str, AUX_IDS), "--port", str(port), "--dtype", "bfloat16"]
-        env = {**capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
-               "SGLANG_SPEC_CAPTURE_TIMING": "1"}
+            argv = [
+                sys.executable,
+                "-m",
+                "specforge_kimi.online.reference_server",
+                "--model-path",
+                target,
+                "--spec-capture-aux-layer-ids",
+                *map(str, AUX_IDS),
+                "--port",
+                str(port),
+                "--dtype",
+                "bfloat16",
+            ]
+        env = {
+            **capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
+            "SGLANG_SPEC_CAPTURE_TIMING": "1",
+        }
         log = workdir / f"server-{tag}.log"
         t = time.time()
         with services.server(argv, env, log, port, timeout_s=420):
             result["server_start_s"] = round(time.time() - t, 1)
             result["server_argv"] = argv
-            adapter, cfg, store, _layout = capture_tools(f"http://127.0.0.1:{port}", mc, aux_ids=AUX_IDS,
-                                                         hidden=info.hidden_size, vocab=info.vocab_size,
-                                                         run_id=f"bench-{tag}")
+            adapter, cfg, store, _layout = capture_tools(
+                f"http://127.0.0.1:{port}",
+                mc,
+                aux_ids=AUX_IDS,
+                hidden=info.hidden_size,
+                vocab=info.vocab_size,
+                run_id=f"bench-{tag}",
+            )
             url = f"http://127.0.0.1:{port}"
             result["shapes"] = [bench_shape(url, adapter, cfg, store, n, length, reps, log) for n, length in shapes]
             if in_flight > 1:
-                for shape, (n, length) in zip(result["shapes"], shapes):
+                for shape, (n, length) in zip(result["shapes"], shapes, strict=False):
                     shape["in_flight"] = bench_in_flight(url, adapter, cfg, store, n, length, reps, in_flight)
             if breakdown:
-                for shape, (n, length) in zip(result["shapes"], shapes):
+                for shape, (n, length) in zip(result["shapes"], shapes, strict=False):
                     shape["breakdown"] = bench_breakdown(url, adapter, store, n, length, reps, log)
                     full = shape["breakdown"]["variants"].get("full")  # absent when the server refused it
                     shape["breakdown"]["producer_minus_full_ms"] = (
                         statistics.median(shape["capture_s"]) * 1000 - full["post_ms"] - full["encode_ms"]
-                        if full else None)
+                        if full
+                        else None
+                    )
     return result
 
 
@@ -335,19 +436,38 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--shapes", default="64x1024,16x4096")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--in-flight", type=int, default=1,
-                   help="also time K batches in flight per shape (K > 1), as producer_concurrency: K would send")
-    p.add_argument("--put-clients", type=int, nargs="+", default=[1],
-                   help="capture sink store clients (our SGLang patch 0003); one server run per TP size and value")
-    p.add_argument("--breakdown", action="store_true",
-                   help="also split a capture call's time: capture mode, feature sink, passthrough lists, client")
-    p.add_argument("--compact-passthrough", action="store_true",
-                   help="the producer calls (capture, in-flight) send passthrough compactly, as a recipe with "
-                        "server.compact_passthrough: true does (our SpecForge 0002 + SGLang 0004; refused if missing)")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="also time K batches in flight per shape (K > 1), as producer_concurrency: K would send",
+    )
+    p.add_argument(
+        "--put-clients",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="capture sink store clients (our SGLang patch 0003); one server run per TP size and value",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split a capture call's time: capture mode, feature sink, passthrough lists, client",
+    )
+    p.add_argument(
+        "--compact-passthrough",
+        action="store_true",
+        help="the producer calls (capture, in-flight) send passthrough compactly, as a recipe with "
+        "server.compact_passthrough: true does (our SpecForge 0002 + SGLang 0004; refused if missing)",
+    )
     p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
     p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
-    p.add_argument("--engine", choices=("sglang", "reference"), default="sglang",
-                   help="reference = the CPU stand-in server (a dry run of this script, not a measurement)")
+    p.add_argument(
+        "--engine",
+        choices=("sglang", "reference"),
+        default="sglang",
+        help="reference = the CPU stand-in server (a dry run of this script, not a measurement)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.in_flight < 1:
@@ -374,39 +494,78 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    out = {"command": [sys.executable, *sys.argv], "engine": args.engine, "versions": versions(),
-           "environment": {"platform": platform.platform(), "gpu": [torch.cuda.get_device_name(i)
-                                                                   for i in range(torch.cuda.device_count())],
-                           "cpu_count": os.cpu_count()},
-           "config": {"target": args.target, "layers": info.num_layers, "hidden": info.hidden_size,
-                      "aux_specforge_ids": AUX_IDS, "shapes": args.shapes, "reps": args.reps,
-                      "in_flight": args.in_flight, "put_clients": args.put_clients, "breakdown": args.breakdown,
-                      "compact_passthrough": args.compact_passthrough,
-                      "server_max_pending_capture_batches": int(os.environ.get(
-                          "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
-                      "mooncake_protocol": "tcp (loopback)", "allreduce_fusion": False,
-                      "attention_backend": "triton", "cuda_graph": False},
-           "baseline_capture_over_plain": {"what": "upstream path on the same box (issue 4): capture/plain prefill",
-                                           "tp1": {"64x1024": 0.55, "16x4096": 0.91},
-                                           "tp2": {"64x1024": 0.79, "16x4096": 0.92}},
-           "runs": []}
+    out = {
+        "command": [sys.executable, *sys.argv],
+        "engine": args.engine,
+        "versions": versions(),
+        "environment": {
+            "platform": platform.platform(),
+            "gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "cpu_count": os.cpu_count(),
+        },
+        "config": {
+            "target": args.target,
+            "layers": info.num_layers,
+            "hidden": info.hidden_size,
+            "aux_specforge_ids": AUX_IDS,
+            "shapes": args.shapes,
+            "reps": args.reps,
+            "in_flight": args.in_flight,
+            "put_clients": args.put_clients,
+            "breakdown": args.breakdown,
+            "compact_passthrough": args.compact_passthrough,
+            "server_max_pending_capture_batches": int(os.environ.get("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
+            "mooncake_protocol": "tcp (loopback)",
+            "allreduce_fusion": False,
+            "attention_backend": "triton",
+            "cuda_graph": False,
+        },
+        "baseline_capture_over_plain": {
+            "what": "upstream path on the same box (issue 4): capture/plain prefill",
+            "tp1": {"64x1024": 0.55, "16x4096": 0.91},
+            "tp2": {"64x1024": 0.79, "16x4096": 0.92},
+        },
+        "runs": [],
+    }
     for tp in args.tp:
         for clients in args.put_clients:
             try:
-                out["runs"].append(run_tp(args.target, tp, shapes, args.reps, work, info, args.engine, args.in_flight,
-                                          clients, args.breakdown))
+                out["runs"].append(
+                    run_tp(
+                        args.target,
+                        tp,
+                        shapes,
+                        args.reps,
+                        work,
+                        info,
+                        args.engine,
+                        args.in_flight,
+                        clients,
+                        args.breakdown,
+                    )
+                )
             except Exception as exc:  # record and go on with the next run
                 out["runs"].append({"tp": tp, "put_clients": clients, "error": f"{type(exc).__name__}: {exc}"})
             Path(args.out).write_text(json.dumps(out, indent=2))
     if args.run_report and Path(args.run_report).is_file():
         rep = json.loads(Path(args.run_report).read_text())
         perf = rep.get("perf", {})
-        online = {"source": args.run_report, "perf": perf, "gpu_memory": rep.get("gpu_memory"),
-                  "ledger": rep.get("ledger"),
-                  "metadata_bytes_per_trained_token": rep.get("metadata_bytes_per_trained_token")}
+        online = {
+            "source": args.run_report,
+            "perf": perf,
+            "gpu_memory": rep.get("gpu_memory"),
+            "ledger": rep.get("ledger"),
+            "metadata_bytes_per_trained_token": rep.get("metadata_bytes_per_trained_token"),
+        }
         caps = [s["capture_tokens_per_s"] for r in out["runs"] if r.get("tp") == 2 for s in r.get("shapes", [])]
-        stages = {k: v for k, v in {"trainer_only_tokens_per_s": perf.get("trainer_only_tokens_per_s"),
-                                    "capture_tokens_per_s_tp2_min": min(caps) if caps else None}.items() if v}
+        stages = {
+            k: v
+            for k, v in {
+                "trainer_only_tokens_per_s": perf.get("trainer_only_tokens_per_s"),
+                "capture_tokens_per_s_tp2_min": min(caps) if caps else None,
+            }.items()
+            if v
+        }
         if perf.get("end_to_end_tokens_per_s") and stages:
             online["slowest_stage"] = min(stages, key=stages.get)
             online["end_to_end_over_slowest_stage"] = perf["end_to_end_tokens_per_s"] / min(stages.values())
@@ -414,23 +573,31 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=2))
     for r in out["runs"]:
         for s in r.get("shapes", []):
-            print(f"tp{r['tp']} put clients {r.get('put_clients', 1)} {s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
-                  f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
-                  f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
-                  f"read {s['read_gb_per_s']:.2f} GB/s")
+            print(
+                f"tp{r['tp']} put clients {r.get('put_clients', 1)} {s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
+                f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
+                f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
+                f"read {s['read_gb_per_s']:.2f} GB/s"
+            )
             if "breakdown" in s:
                 b = s["breakdown"]
-                print("  breakdown (median ms): " + ", ".join(
-                    f"{v} encode {m['encode_ms']:.1f} post {m['post_ms']:.1f}" for v, m in b["variants"].items())
-                    + (f"; errors {b['errors']}" if b["errors"] else ""))
+                print(
+                    "  breakdown (median ms): "
+                    + ", ".join(
+                        f"{v} encode {m['encode_ms']:.1f} post {m['post_ms']:.1f}" for v, m in b["variants"].items()
+                    )
+                    + (f"; errors {b['errors']}" if b["errors"] else "")
+                )
                 for k, v in (b.get("attribution_ms") or {}).items():
                     print(f"    {k}: {v:.1f} ms")
                 if b["producer_minus_full_ms"] is not None:
                     print(f"    producer_minus_full: {b['producer_minus_full_ms']:.1f} ms")
             if "in_flight" in s:
                 f = s["in_flight"]
-                print(f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "
-                      f"{f['capture_tokens_per_s']:.0f} tok/s, ratio {f['capture_over_plain']:.2f}")
+                print(
+                    f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "
+                    f"{f['capture_tokens_per_s']:.0f} tok/s, ratio {f['capture_over_plain']:.2f}"
+                )
         if "error" in r:
             print(f"tp{r['tp']}: {r['error']}")
     return 0

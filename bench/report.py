@@ -10,9 +10,9 @@ file is recognised by its content:
 
 - acceptance (``specforge-kimi bench``'s ``bench_result.json``: ``"benchmark": "acceptance"``);
 - capture parity (``"test": "tests/gpu/test_capture_parity.py"``);
-- data preparation memory (``bench/prepare_memory.py``: ``"benchmark": "prepare peak RSS vs input size"``);
+- data preparation memory (``bench/studies/prepare_memory.py``: ``"benchmark": "prepare peak RSS vs input size"``);
 - regenerate against SGLang (``tests/gpu/test_regenerate_sglang.py`` summary: ``regenerate_stdout``);
-- the online teacher's memory on the CPU (``bench/teacher_memory_cpu.py``: ``"benchmark": "online teacher
+- the online teacher's memory on the CPU (``bench/studies/teacher_memory_cpu.py``: ``"benchmark": "online teacher
   memory per token x vocab entry (CPU)"``);
 - one trainer rank's memory and speed at a recipe's sizes (``bench/trainer_memory.py``: ``"benchmark": "one
   trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"``);
@@ -23,17 +23,17 @@ file is recognised by its content:
   run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
   (``"engine": "reference"``) are named but not tabulated: they are not measurements;
 - tiny target pretraining (``specforge-kimi tiny --pretrain``'s ``pretrain.json``: ``corpus`` +
-  ``train`` + ``heldout``), its repeatability (``bench/pretrain_repro.py``: ``modes`` + ``config``) and
+  ``train`` + ``heldout``), its repeatability (``bench/studies/pretrain_repro.py``: ``modes`` + ``config``) and
   the choice between candidate targets (``specforge-kimi target-text``: ``candidates`` + ``chosen``);
 - online run trainer view (``specforge-kimi run-report``: ``ledger`` +
   ``metadata_bytes_per_trained_token``);
 - draft evaluation (``specforge-kimi eval-draft``: ``results`` of checkpoints + ``heldout_conversations``);
-- simulated acceptance on the CPU (``bench/mla_vs_llama.py``, ``bench/greedy_acceptance_cpu.py``);
+- simulated acceptance on the CPU (``bench/studies/mla_vs_llama.py``, ``bench/studies/greedy_acceptance_cpu.py``);
 - fault drills (``"benchmark": "fault drills"``);
-- the capture sink's Mooncake put on the CPU (``bench/mooncake_put_cpu.py``: ``"benchmark": "mooncake
+- the capture sink's Mooncake put on the CPU (``bench/studies/mooncake_put_cpu.py``: ``"benchmark": "mooncake
   same-process put"``);
 - where a capture call's time goes: ``bench/online_pipeline.py --breakdown`` shapes and
-  ``bench/passthrough_cpu.py`` (``"benchmark": "capture passthrough request path"``);
+  ``bench/studies/passthrough_cpu.py`` (``"benchmark": "capture passthrough request path"``);
 - draft logits parity (``tests/gpu/test_draft_logits_parity.py``'s summary: per architecture
   ``tolerance`` + ``sequences``);
 - offline twin (``scripts/gpu_offline_twin.sh``'s ``offline_twin.json``: ``online`` + ``offline``);
@@ -55,22 +55,28 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TRAINER_STEP_BENCH = "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
 PLANNED = {
-    "capture_overhead": ("Capture overhead",
-                         "throughput of the same requests with and without `spec_capture` on one server "
-                         "(`bench/online_pipeline.py`). Issue 4 quotes an earlier ad-hoc measurement "
-                         "(TP=1 64x1024 tokens 0.55x, 16x4096 0.91x; TP=2 0.79x / 0.92x) that has no results file."),
-    "pipeline_efficiency": ("Pipeline efficiency",
-                            "trained tokens/s of the co-located online loop against its slowest stage "
-                            "(capture-only, trainer-only): `bench/online_pipeline.py --run-report` on the "
-                            "`specforge-kimi run-report` of an online run (issue 4b)."),
-    "trainer_memory": ("Trainer memory",
-                       "per-role peak GPU memory of an online run (`run-report --gpu-samples`, carried by "
-                       "`bench/online_pipeline.py --run-report`), against `recipes.memory_plan`'s estimate."),
+    "capture_overhead": (
+        "Capture overhead",
+        "throughput of the same requests with and without `spec_capture` on one server "
+        "(`bench/online_pipeline.py`). Issue 4 quotes an earlier ad-hoc measurement "
+        "(TP=1 64x1024 tokens 0.55x, 16x4096 0.91x; TP=2 0.79x / 0.92x) that has no results file.",
+    ),
+    "pipeline_efficiency": (
+        "Pipeline efficiency",
+        "trained tokens/s of the co-located online loop against its slowest stage "
+        "(capture-only, trainer-only): `bench/online_pipeline.py --run-report` on the "
+        "`specforge-kimi run-report` of an online run (issue 4b).",
+    ),
+    "trainer_memory": (
+        "Trainer memory",
+        "per-role peak GPU memory of an online run (`run-report --gpu-samples`, carried by "
+        "`bench/online_pipeline.py --run-report`), against `recipes.memory_plan`'s estimate.",
+    ),
 }
 
 
@@ -189,8 +195,15 @@ def _describe_draft(res: dict) -> str:
     return f"{name} ({arch}, draft vocab {d.get('draft_vocab_size')})"
 
 
-def _tabled(title: str, intro: Optional[str], files: list[tuple[str, dict]], missing: str, header: list[str],
-            rows_of, tail: Optional[list[str]] = None) -> list[str]:
+def _tabled(
+    title: str,
+    intro: str | None,
+    files: list[tuple[str, dict]],
+    missing: str,
+    header: list[str],
+    rows_of,
+    tail: list[str] | None = None,
+) -> list[str]:
     """The common section: ``## title``, the intro paragraph, then one table of ``rows_of(name, result)`` over
     all ``files`` (each call returns that file's rows) and ``tail`` lines, or "Not measured yet: ``missing``"."""
     out = [f"## {title}", ""] + ([intro, ""] if intro else [])
@@ -203,12 +216,18 @@ def _tabled(title: str, intro: Optional[str], files: list[tuple[str, dict]], mis
 def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
     out = ["## Acceptance length through SGLang EAGLE-3", ""]
     if not files:
-        return out + ["Not measured yet: run `specforge-kimi bench --target DIR --draft DIR` on a GPU host and copy "
-                      "its `bench_result.json` here.", ""]
-    out += ["From `specforge-kimi bench` (engine counters in `/generate` `meta_info`; definitions in each file's "
-            "`metric_definitions`). AL = sum completion_tokens / sum spec_verify_ct (SGLang's spec_accept_length, "
-            "token-weighted); AL decode = tokens per verify step (excludes the prefill token); P(j) = share of "
-            "verify steps that accepted draft position j. Greedy.", ""]
+        return out + [
+            "Not measured yet: run `specforge-kimi bench --target DIR --draft DIR` on a GPU host and copy "
+            "its `bench_result.json` here.",
+            "",
+        ]
+    out += [
+        "From `specforge-kimi bench` (engine counters in `/generate` `meta_info`; definitions in each file's "
+        "`metric_definitions`). AL = sum completion_tokens / sum spec_verify_ct (SGLang's spec_accept_length, "
+        "token-weighted); AL decode = tokens per verify step (excludes the prefill token); P(j) = share of "
+        "verify steps that accepted draft position j. Greedy.",
+        "",
+    ]
     rows, bars, curves = [], [], []
     for name, res in files:
         s = res.get("settings") or {}
@@ -219,25 +238,59 @@ def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
             match = run.get("output_match") or {}
             for set_name, m in run["sets"].items():
                 mm = match.get(set_name)
-                rows.append([name, _describe_target(res), f"{c['steps']}/{c['topk']}/{c['draft_tokens']}", set_name,
-                             m.get("requests"), m.get("acceptance_length"), m.get("acceptance_length_decode"),
-                             m.get("accept_rate"), (m.get("per_position") or {}).get("at_least"),
-                             _num(m.get("output_tok_per_s"), "{:.1f}"),
-                             _num((base.get(set_name) or {}).get("output_tok_per_s"), "{:.1f}"),
-                             _num((run.get("speedup") or {}).get(set_name), "{:.2f}x"),
-                             f"{mm['identical']}/{mm['identical'] + mm['different']}" if mm else None])
+                rows.append(
+                    [
+                        name,
+                        _describe_target(res),
+                        f"{c['steps']}/{c['topk']}/{c['draft_tokens']}",
+                        set_name,
+                        m.get("requests"),
+                        m.get("acceptance_length"),
+                        m.get("acceptance_length_decode"),
+                        m.get("accept_rate"),
+                        (m.get("per_position") or {}).get("at_least"),
+                        _num(m.get("output_tok_per_s"), "{:.1f}"),
+                        _num((base.get(set_name) or {}).get("output_tok_per_s"), "{:.1f}"),
+                        _num((run.get("speedup") or {}).get(set_name), "{:.2f}x"),
+                        f"{mm['identical']}/{mm['identical'] + mm['different']}" if mm else None,
+                    ]
+                )
             bars.append((label, {k: v.get("acceptance_length") for k, v in run["sets"].items()}))
             curves.append((label, (run["overall"].get("per_position") or {}).get("at_least") or []))
         th = res.get("threshold")
         if th:
-            out.append(f"- `{name}`: threshold {th['min_acceptance_length']} on {', '.join(th['sets'])} -> "
-                       f"{_fmt(th['acceptance_length'])}, **{'passed' if th['passed'] else 'FAILED'}**")
-        out.append(f"- `{name}`: target {_describe_target(res)}; draft {_describe_draft(res)}; "
-                   f"max_new_tokens {s.get('max_new_tokens')}, concurrency {s.get('concurrency')}, "
-                   f"TP {s.get('tp')}, attention {s.get('attention_backend')}, devices "
-                   f"{((res.get('environment') or {}).get('devices')) or '-'}; {res.get('date_utc')}")
-    out += ["", *_table(["file", "target", "config", "set", "prompts", "AL", "AL decode", "accept rate",
-                         "P(j) j=1..", "tok/s", "tok/s no spec", "speedup", "same output"], rows), ""]
+            out.append(
+                f"- `{name}`: threshold {th['min_acceptance_length']} on {', '.join(th['sets'])} -> "
+                f"{_fmt(th['acceptance_length'])}, **{'passed' if th['passed'] else 'FAILED'}**"
+            )
+        out.append(
+            f"- `{name}`: target {_describe_target(res)}; draft {_describe_draft(res)}; "
+            f"max_new_tokens {s.get('max_new_tokens')}, concurrency {s.get('concurrency')}, "
+            f"TP {s.get('tp')}, attention {s.get('attention_backend')}, devices "
+            f"{((res.get('environment') or {}).get('devices')) or '-'}; {res.get('date_utc')}"
+        )
+    out += [
+        "",
+        *_table(
+            [
+                "file",
+                "target",
+                "config",
+                "set",
+                "prompts",
+                "AL",
+                "AL decode",
+                "accept rate",
+                "P(j) j=1..",
+                "tok/s",
+                "tok/s no spec",
+                "speedup",
+                "same output",
+            ],
+            rows,
+        ),
+        "",
+    ]
     plt = _plt()
     sets = sorted({k for _, b in bars for k in b})
     fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
@@ -250,8 +303,12 @@ def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
     ax[0].legend(fontsize=6)
     for label, c in curves:
         ax[1].plot(range(1, len(c) + 1), c, marker="o", label=label)
-    ax[1].set(xlabel="draft position j", ylabel="P(position j accepted)", ylim=(0, 1.05),
-              title="per-position acceptance (all sets)")
+    ax[1].set(
+        xlabel="draft position j",
+        ylabel="P(position j accepted)",
+        ylim=(0, 1.05),
+        title="per-position acceptance (all sets)",
+    )
     ax[1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(plots / "acceptance.png", dpi=110)
@@ -270,44 +327,86 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
         base = res.get("baseline_capture_over_plain") or {}
         for run in res.get("runs") or []:
             # --put-clients N (> 1): the sink split its puts over N store clients (SGLang patch 0003)
-            tpl = f"tp{run.get('tp')}" + (f", {run['put_clients']} put clients" if run.get("put_clients", 1) > 1 else "")
+            tpl = f"tp{run.get('tp')}" + (
+                f", {run['put_clients']} put clients" if run.get("put_clients", 1) > 1 else ""
+            )
             if run.get("error"):
                 rows.append([tpl, "-", "error: " + run["error"][:80], "-", "-", "-", "-", "-", "-"])
             for sh in run.get("shapes") or []:
                 shape = f"{sh.get('batch')}x{sh.get('tokens_per_prompt')}"
-                rows.append([tpl, shape, _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
-                             _num(sh.get("capture_tokens_per_s"), "{:.0f}"),
-                             _num(sh.get("capture_over_plain"), "{:.2f}x"),
-                             _num((base.get(f"tp{run.get('tp')}") or {}).get(shape), "{:.2f}x"),
-                             _num(sh.get("feature_bytes_per_token"), "{:.0f}"),
-                             _num(sh.get("capture_write_gb_per_s"), "{:.2f}"), _num(sh.get("read_gb_per_s"), "{:.2f}")])
+                rows.append(
+                    [
+                        tpl,
+                        shape,
+                        _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
+                        _num(sh.get("capture_tokens_per_s"), "{:.0f}"),
+                        _num(sh.get("capture_over_plain"), "{:.2f}x"),
+                        _num((base.get(f"tp{run.get('tp')}") or {}).get(shape), "{:.2f}x"),
+                        _num(sh.get("feature_bytes_per_token"), "{:.0f}"),
+                        _num(sh.get("capture_write_gb_per_s"), "{:.2f}"),
+                        _num(sh.get("read_gb_per_s"), "{:.2f}"),
+                    ]
+                )
                 fl = sh.get("in_flight")
                 if fl:  # --in-flight K: aggregate rates with K batches in flight (no baseline for this mode)
-                    rows.append([tpl, f"{shape}, {fl.get('in_flight')} in flight",
-                                 _num(fl.get("plain_tokens_per_s"), "{:.0f}"),
-                                 _num(fl.get("capture_tokens_per_s"), "{:.0f}"),
-                                 _num(fl.get("capture_over_plain"), "{:.2f}x"), "-", "-", "-", "-"])
-        return [f"`{name}` (`{cmd}`):", "",
-                *_table(["TP", "batch x tokens", "plain prefill tok/s", "capture tok/s", "capture / plain",
-                         "earlier baseline", "feature B/token", "write GB/s", "read GB/s"], rows), ""]
+                    rows.append(
+                        [
+                            tpl,
+                            f"{shape}, {fl.get('in_flight')} in flight",
+                            _num(fl.get("plain_tokens_per_s"), "{:.0f}"),
+                            _num(fl.get("capture_tokens_per_s"), "{:.0f}"),
+                            _num(fl.get("capture_over_plain"), "{:.2f}x"),
+                            "-",
+                            "-",
+                            "-",
+                            "-",
+                        ]
+                    )
+        return [
+            f"`{name}` (`{cmd}`):",
+            "",
+            *_table(
+                [
+                    "TP",
+                    "batch x tokens",
+                    "plain prefill tok/s",
+                    "capture tok/s",
+                    "capture / plain",
+                    "earlier baseline",
+                    "feature B/token",
+                    "write GB/s",
+                    "read GB/s",
+                ],
+                rows,
+            ),
+            "",
+        ]
     if not online:
         return [f"`{name}`: no `online_run` part (run it with `--run-report`).", ""]
     if kind == "pipeline_efficiency":
         perf = online.get("perf") or {}
-        rows = [[k, v] for k, v in (("end-to-end trained tok/s", perf.get("end_to_end_tokens_per_s")),
-                                    ("trainer-only tok/s", perf.get("trainer_only_tokens_per_s")),
-                                    ("data-wait fraction of a step", perf.get("data_wait_fraction")),
-                                    ("slowest stage", online.get("slowest_stage")),
-                                    ("end-to-end / slowest stage", online.get("end_to_end_over_slowest_stage")),
-                                    ("metadata bytes per trained token",
-                                     online.get("metadata_bytes_per_trained_token")),
-                                    ("steps used (after warm-up)", perf.get("steps_used")))]
+        rows = [
+            [k, v]
+            for k, v in (
+                ("end-to-end trained tok/s", perf.get("end_to_end_tokens_per_s")),
+                ("trainer-only tok/s", perf.get("trainer_only_tokens_per_s")),
+                ("data-wait fraction of a step", perf.get("data_wait_fraction")),
+                ("slowest stage", online.get("slowest_stage")),
+                ("end-to-end / slowest stage", online.get("end_to_end_over_slowest_stage")),
+                ("metadata bytes per trained token", online.get("metadata_bytes_per_trained_token")),
+                ("steps used (after warm-up)", perf.get("steps_used")),
+            )
+        ]
         return [f"`{name}` (online run `{online.get('source')}`):", "", *_table(["quantity", "value"], rows), ""]
     peaks = (online.get("gpu_memory") or {}).get("peak_mib_per_role") or {}
     if not peaks:
         return [f"`{name}`: no GPU memory samples in its `online_run`.", ""]
-    return [f"`{name}` (online run `{online.get('source')}`, per-process samples):", "",
-            *_table(["role", "peak MiB (max over its processes)"], [[k, v] for k, v in peaks.items()]), ""]
+    return [
+        f"`{name}` (online run `{online.get('source')}`, per-process samples):",
+        "",
+        *_table(["role", "peak MiB (max over its processes)"], [[k, v] for k, v in peaks.items()]),
+        "",
+    ]
 
 
 def section_planned(kind: str, files: list[tuple[str, dict]], online: list[tuple[str, dict]] = ()) -> list[str]:
@@ -320,8 +419,12 @@ def section_planned(kind: str, files: list[tuple[str, dict]], online: list[tuple
     for name, res in files:
         rows = res.get("rows") or []
         keys = list(dict.fromkeys(k for r in rows for k in r))
-        out += [f"`{name}` ({res.get('command', 'command not recorded')}):", "",
-                *_table(keys, [[r.get(k) for k in keys] for r in rows]), ""]
+        out += [
+            f"`{name}` ({res.get('command', 'command not recorded')}):",
+            "",
+            *_table(keys, [[r.get(k) for k in keys] for r in rows]),
+            "",
+        ]
     return out
 
 
@@ -337,27 +440,63 @@ def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[s
             last = w.get("last") or {}
             cos_aux = min((a["cos_min"] for a in aux), default=None)
             rel_aux = max((a["rel_max"] for a in aux), default=None)
-            margin = min([a["margin_min"] for a in aux] + ([last["margin_min"]] if "margin_min" in last else []),
-                         default=None)
-            rows.append([name, label, run.get("status"), _num(run.get("startup_s"), "{:.0f}"),
-                         _num(cos_aux, "{:.5f}"), _num(last.get("cos_min"), "{:.5f}"),
-                         _num(rel_aux, "{:.2%}"), _num(last.get("rel_max"), "{:.2%}"), _num(margin, "{:.0f}x")])
+            margin = min(
+                [a["margin_min"] for a in aux] + ([last["margin_min"]] if "margin_min" in last else []), default=None
+            )
+            rows.append(
+                [
+                    name,
+                    label,
+                    run.get("status"),
+                    _num(run.get("startup_s"), "{:.0f}"),
+                    _num(cos_aux, "{:.5f}"),
+                    _num(last.get("cos_min"), "{:.5f}"),
+                    _num(rel_aux, "{:.2%}"),
+                    _num(last.get("rel_max"), "{:.2%}"),
+                    _num(margin, "{:.0f}x"),
+                ]
+            )
             if run.get("by_length"):
-                series.append((f"{label} ({Path(name).stem[-12:]})",
-                               [b["tokens"] for b in run["by_length"]],
-                               [max(v["rel_max"] for k, v in b.items() if isinstance(v, dict) and "rel_max" in v)
-                                for b in run["by_length"]]))
-    out += [f"Files: {', '.join('`' + n + '`' for n, _ in files)}; GPUs: "
-            f"{', '.join(sorted({str(g) for _, r in files for g in (r.get('gpus') or [])})) or '-'}.", "",
-            *_table(["file", "run", "status", "startup s", "per-token cos min aux", "cos min last",
-                     "rel. Frobenius max aux", "rel max last", "layer-identity margin min"], rows), ""]
+                series.append(
+                    (
+                        f"{label} ({Path(name).stem[-12:]})",
+                        [b["tokens"] for b in run["by_length"]],
+                        [
+                            max(v["rel_max"] for k, v in b.items() if isinstance(v, dict) and "rel_max" in v)
+                            for b in run["by_length"]
+                        ],
+                    )
+                )
+    out += [
+        f"Files: {', '.join('`' + n + '`' for n, _ in files)}; GPUs: "
+        f"{', '.join(sorted({str(g) for _, r in files for g in (r.get('gpus') or [])})) or '-'}.",
+        "",
+        *_table(
+            [
+                "file",
+                "run",
+                "status",
+                "startup s",
+                "per-token cos min aux",
+                "cos min last",
+                "rel. Frobenius max aux",
+                "rel max last",
+                "layer-identity margin min",
+            ],
+            rows,
+        ),
+        "",
+    ]
     if series:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for label, xs, ys in series:
             ax.plot(xs, ys, marker="o", label=label)
-        ax.set(xlabel="prompt length bucket", ylabel="max relative Frobenius error",
-               title="captured features vs fp32 reference, by length")
+        ax.set(
+            xlabel="prompt length bucket",
+            ylabel="max relative Frobenius error",
+            title="captured features vs fp32 reference, by length",
+        )
         ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(plots / "capture_parity.png", dpi=110)
@@ -369,23 +508,46 @@ def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[s
 def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[str]:
     out = ["## Data preparation memory (`specforge-kimi prepare`)", ""]
     if not files:
-        return out + ["Not measured yet: `python bench/prepare_memory.py`.", ""]
+        return out + ["Not measured yet: `python bench/studies/prepare_memory.py`.", ""]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     for name, res in files:
         runs = res.get("runs") or []
-        out += [f"`{name}`: `{res.get('script')}`, {res.get('measured_at')}, "
-                f"{(res.get('environment') or {}).get('cpu_count')} CPUs.", "",
-                *_table(["rows", "input MiB", "shuffle", "peak RSS MiB", "streaming peak MiB", "wall s"],
-                        [[r["rows_in"], _num(r["input_bytes"] / 2**20, "{:.1f}"), r["shuffle"],
-                          _num(r["peak_rss_mib"], "{:.1f}"), _num(r.get("peak_rss_mib_before_vocab_mapping"), "{:.1f}"),
-                          _num(r["wall_s"], "{:.1f}")] for r in runs]), ""]
+        out += [
+            f"`{name}`: `{res.get('script')}`, {res.get('measured_at')}, "
+            f"{(res.get('environment') or {}).get('cpu_count')} CPUs.",
+            "",
+            *_table(
+                ["rows", "input MiB", "shuffle", "peak RSS MiB", "streaming peak MiB", "wall s"],
+                [
+                    [
+                        r["rows_in"],
+                        _num(r["input_bytes"] / 2**20, "{:.1f}"),
+                        r["shuffle"],
+                        _num(r["peak_rss_mib"], "{:.1f}"),
+                        _num(r.get("peak_rss_mib_before_vocab_mapping"), "{:.1f}"),
+                        _num(r["wall_s"], "{:.1f}"),
+                    ]
+                    for r in runs
+                ],
+            ),
+            "",
+        ]
         for shuffle in (True, False):
             rs = [r for r in runs if r["shuffle"] == shuffle]
-            ax.plot([r["rows_in"] for r in rs], [r["peak_rss_mib"] for r in rs], marker="o",
-                    label=f"peak RSS, shuffle={shuffle}")
-            ax.plot([r["rows_in"] for r in rs], [r.get("peak_rss_mib_before_vocab_mapping") for r in rs],
-                    marker=".", ls="--", label=f"streaming peak, shuffle={shuffle}")
+            ax.plot(
+                [r["rows_in"] for r in rs],
+                [r["peak_rss_mib"] for r in rs],
+                marker="o",
+                label=f"peak RSS, shuffle={shuffle}",
+            )
+            ax.plot(
+                [r["rows_in"] for r in rs],
+                [r.get("peak_rss_mib_before_vocab_mapping") for r in rs],
+                marker=".",
+                ls="--",
+                label=f"streaming peak, shuffle={shuffle}",
+            )
     ax.set(xscale="log", xlabel="rows", ylabel="MiB", title="prepare peak memory vs input size")
     ax.legend(fontsize=6)
     fig.tight_layout()
@@ -397,12 +559,25 @@ def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[s
 def section_regenerate(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         pre = r.get("pretrain") or {}
-        return [[n, r.get("rows"), _num(r.get("wall_s"), "{:.1f}"), pre.get("steps"), pre.get("loss_first"),
-                 pre.get("loss_last")]]
+        return [
+            [
+                n,
+                r.get("rows"),
+                _num(r.get("wall_s"), "{:.1f}"),
+                pre.get("steps"),
+                pre.get("loss_first"),
+                pre.get("loss_last"),
+            ]
+        ]
 
-    return _tabled("Regenerate against SGLang", None, files, "`tests/gpu/test_regenerate_sglang.py --run-gpu`.",
-                   ["file", "rows written", "wall s", "target pretrain steps", "target loss first", "target loss last"],
-                   rows)
+    return _tabled(
+        "Regenerate against SGLang",
+        None,
+        files,
+        "`tests/gpu/test_regenerate_sglang.py --run-gpu`.",
+        ["file", "rows written", "wall s", "target pretrain steps", "target loss first", "target loss last"],
+        rows,
+    )
 
 
 def section_bench_test(files: list[tuple[str, dict]]) -> list[str]:
@@ -411,76 +586,161 @@ def section_bench_test(files: list[tuple[str, dict]]) -> list[str]:
         for name, st in (r.get("sets") or {}).items():
             match = (r.get("output_match") or {}).get(name) or {}
             same = f"{match['identical']}/{match['identical'] + match['different']}" if match else "-"
-            out.append([n, "untrained" if r.get("untrained_draft") else "given", name,
-                        _num(st.get("acceptance_length"), "{:.3f}"), _num(st.get("output_tok_per_s"), "{:.1f}"),
-                        _num((r.get("baseline_tok_per_s") or {}).get(name), "{:.1f}"),
-                        _num((r.get("speedup") or {}).get(name), "{:.2f}x"), same])
+            out.append(
+                [
+                    n,
+                    "untrained" if r.get("untrained_draft") else "given",
+                    name,
+                    _num(st.get("acceptance_length"), "{:.3f}"),
+                    _num(st.get("output_tok_per_s"), "{:.1f}"),
+                    _num((r.get("baseline_tok_per_s") or {}).get(name), "{:.1f}"),
+                    _num((r.get("speedup") or {}).get(name), "{:.2f}x"),
+                    same,
+                ]
+            )
         return out
 
-    return _tabled("The bench's GPU test",
-                   "`tests/gpu/test_bench_sglang.py`: `specforge-kimi bench` through SGLang EAGLE-3 at 3/1/4 with the "
-                   "baseline, on a target pretrained in the test; an untrained draft sits near 1 by design (the test "
-                   "checks the result's fields and the engine's counters, not a draft).",
-                   files, "`tests/gpu/test_bench_sglang.py --run-gpu`.",
-                   ["file", "draft", "set", "acceptance length", "tok/s", "baseline tok/s", "speedup",
-                    "identical outputs"], rows)
+    return _tabled(
+        "The bench's GPU test",
+        "`tests/gpu/test_bench_sglang.py`: `specforge-kimi bench` through SGLang EAGLE-3 at 3/1/4 with the "
+        "baseline, on a target pretrained in the test; an untrained draft sits near 1 by design (the test "
+        "checks the result's fields and the engine's counters, not a draft).",
+        files,
+        "`tests/gpu/test_bench_sglang.py --run-gpu`.",
+        ["file", "draft", "set", "acceptance length", "tok/s", "baseline tok/s", "speedup", "identical outputs"],
+        rows,
+    )
 
 
 def section_teacher_memory(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
-        return [[n, (r.get("config") or {}).get("vocab"), row.get("L"),
-                 _num(row.get("peak_above_baseline_bytes", 0) / 2**30, "{:.3f}"),
-                 _num(row.get("bytes_per_token_vocab"), "{:.2f}"),
-                 _num(r.get("slope_bytes_per_token_vocab"), "{:.2f}"), r.get("plan_bytes_per_token_vocab")]
-                for row in r.get("rows") or []]
+        return [
+            [
+                n,
+                (r.get("config") or {}).get("vocab"),
+                row.get("L"),
+                _num(row.get("peak_above_baseline_bytes", 0) / 2**30, "{:.3f}"),
+                _num(row.get("bytes_per_token_vocab"), "{:.2f}"),
+                _num(r.get("slope_bytes_per_token_vocab"), "{:.2f}"),
+                r.get("plan_bytes_per_token_vocab"),
+            ]
+            for row in r.get("rows") or []
+        ]
 
-    return _tabled("Online teacher memory (CPU)",
-                   "`bench/teacher_memory_cpu.py`: peak resident memory of SpecForge's online teacher (full bf16 "
-                   "logits, then `_compute_target_p_padded`) above the inputs, per sample length; the slope over L x V "
-                   "is what `recipes.memory_plan` charges per token and vocab entry.",
-                   files, "`python bench/teacher_memory_cpu.py`.",
-                   ["file", "vocab", "L", "peak above inputs GiB", "B per L x V", "fitted slope B", "plan B"], rows)
+    return _tabled(
+        "Online teacher memory (CPU)",
+        "`bench/studies/teacher_memory_cpu.py`: peak resident memory of SpecForge's online teacher (full bf16 "
+        "logits, then `_compute_target_p_padded`) above the inputs, per sample length; the slope over L x V "
+        "is what `recipes.memory_plan` charges per token and vocab entry.",
+        files,
+        "`python bench/studies/teacher_memory_cpu.py`.",
+        ["file", "vocab", "L", "peak above inputs GiB", "B per L x V", "fitted slope B", "plan B"],
+        rows,
+    )
 
 
 def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         gpu = (r.get("environment") or {}).get("gpu") or "cpu"
         ranks = (r.get("config") or {}).get("world_size")
-        return [[n, gpu, ranks, row.get("backend"), row.get("length"), "error: " + row["error"][:60], "-", "-", "-",
-                 "-", "-"]
-                if "error" in row else
-                [n, gpu, ranks, row.get("backend"), row.get("length"),
-                 _num(row.get("peak_allocated_gib"), "{:.2f}"), _num(row.get("peak_reserved_gib"), "{:.2f}"),
-                 _num(row.get("plan_gib"), "{:.2f}"), _num(row.get("measured_over_plan"), "{:.2f}x"),
-                 _num(row.get("median_step_s_after_first"), "{:.3f}"), _num(row.get("tokens_per_s"), "{:.0f}")]
-                for row in r.get("rows") or []]
+        return [
+            [
+                n,
+                gpu,
+                ranks,
+                row.get("backend"),
+                row.get("length"),
+                "error: " + row["error"][:60],
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+            ]
+            if "error" in row
+            else [
+                n,
+                gpu,
+                ranks,
+                row.get("backend"),
+                row.get("length"),
+                _num(row.get("peak_allocated_gib"), "{:.2f}"),
+                _num(row.get("peak_reserved_gib"), "{:.2f}"),
+                _num(row.get("plan_gib"), "{:.2f}"),
+                _num(row.get("measured_over_plan"), "{:.2f}x"),
+                _num(row.get("median_step_s_after_first"), "{:.3f}"),
+                _num(row.get("tokens_per_s"), "{:.0f}"),
+            ]
+            for row in r.get("rows") or []
+        ]
 
-    return _tabled("One trainer rank at a recipe's sizes",
-                   "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
-                   "optimizer, eagle3 strategy) at a recipe's draft and target sizes, on 1 or N ranks of one host, "
-                   "capture-shaped batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
-                   "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first "
-                   "(tok/s: all ranks' tokens over the slowest rank's step).",
-                   files, "`python bench/trainer_memory.py` on a GPU.",
-                   ["file", "device", "ranks", "attention", "tokens", "peak allocated GiB (max over ranks)", "peak reserved GiB", "plan GiB",
-                    "allocated / plan", "step s", "tok/s"], rows)
+    return _tabled(
+        "One trainer rank at a recipe's sizes",
+        "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
+        "optimizer, eagle3 strategy) at a recipe's draft and target sizes, on 1 or N ranks of one host, "
+        "capture-shaped batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
+        "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first "
+        "(tok/s: all ranks' tokens over the slowest rank's step).",
+        files,
+        "`python bench/trainer_memory.py` on a GPU.",
+        [
+            "file",
+            "device",
+            "ranks",
+            "attention",
+            "tokens",
+            "peak allocated GiB (max over ranks)",
+            "peak reserved GiB",
+            "plan GiB",
+            "allocated / plan",
+            "step s",
+            "tok/s",
+        ],
+        rows,
+    )
 
 
 def section_tiny_targets(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         tr, h, sp = r["train"], r["heldout"], r["spec"]
-        return [[n, f"{sp.get('layers')}L/{sp.get('hidden')}h", r.get("device"), tr.get("steps"),
-                 _num(tr.get("seconds"), "{:.0f}"), tr.get("batch_size"), tr.get("loss", "corpus"),
-                 f"{_fmt(tr.get('loss_first'))} -> {_fmt(tr.get('loss_last'))}", h.get("loss"),
-                 h.get("loss_corpus_tokens"), h.get("greedy_accuracy")]]
+        return [
+            [
+                n,
+                f"{sp.get('layers')}L/{sp.get('hidden')}h",
+                r.get("device"),
+                tr.get("steps"),
+                _num(tr.get("seconds"), "{:.0f}"),
+                tr.get("batch_size"),
+                tr.get("loss", "corpus"),
+                f"{_fmt(tr.get('loss_first'))} -> {_fmt(tr.get('loss_last'))}",
+                h.get("loss"),
+                h.get("loss_corpus_tokens"),
+                h.get("greedy_accuracy"),
+            ]
+        ]
 
-    return _tabled("Tiny targets",
-                   "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer "
-                   "tokens of the `structured` prompt set's conversations; greedy accuracy is the full-vocabulary "
-                   "argmax (what SGLang decodes).",
-                   files, "`specforge-kimi tiny OUT --pretrain SECONDS`.",
-                   ["file", "target", "device", "steps", "s", "batch", "training loss", "loss first -> last",
-                    "held-out loss (full vocab)", "held-out loss (corpus tokens)", "greedy acc"], rows)
+    return _tabled(
+        "Tiny targets",
+        "`specforge-kimi tiny --pretrain` on the structured corpus. Held-out numbers are on the answer "
+        "tokens of the `structured` prompt set's conversations; greedy accuracy is the full-vocabulary "
+        "argmax (what SGLang decodes).",
+        files,
+        "`specforge-kimi tiny OUT --pretrain SECONDS`.",
+        [
+            "file",
+            "target",
+            "device",
+            "steps",
+            "s",
+            "batch",
+            "training loss",
+            "loss first -> last",
+            "held-out loss (full vocab)",
+            "held-out loss (corpus tokens)",
+            "greedy acc",
+        ],
+        rows,
+    )
 
 
 def section_target_select(files: list[tuple[str, dict]]) -> list[str]:
@@ -488,17 +748,30 @@ def section_target_select(files: list[tuple[str, dict]]) -> list[str]:
         out = []
         for c in r["candidates"]:
             pre, g = c.get("pretrain") or {}, c.get("groups") or {}
-            out.append([n, pre.get("seed"), pre.get("steps"), pre.get("heldout_greedy_accuracy"), c.get("mean_entropy"),
-                        (g.get("corpus") or {}).get("mean_entropy"), (g.get("prompt_mix") or {}).get("mean_entropy"),
-                        c.get("mean_top1_probability"), "yes" if c.get("target") == r.get("chosen") else ""])
+            out.append(
+                [
+                    n,
+                    pre.get("seed"),
+                    pre.get("steps"),
+                    pre.get("heldout_greedy_accuracy"),
+                    c.get("mean_entropy"),
+                    (g.get("corpus") or {}).get("mean_entropy"),
+                    (g.get("prompt_mix") or {}).get("mean_entropy"),
+                    c.get("mean_top1_probability"),
+                    "yes" if c.get("target") == r.get("chosen") else "",
+                ]
+            )
         return out
 
-    return _tabled("Choosing the tiny target",
-                   "`specforge-kimi target-text`: entropy of each candidate's next-token distribution along its own "
-                   "greedy text on selection prompts (no bench prompt); the lowest is kept.",
-                   files, "`TARGET_SEEDS=\"0 1\" STAGE=target bash scripts/gpu_online_run.sh`.",
-                   ["file", "seed", "steps", "held-out greedy acc", "entropy (all)", "corpus", "prompt mix", "top-1 p",
-                    "kept"], rows)
+    return _tabled(
+        "Choosing the tiny target",
+        "`specforge-kimi target-text`: entropy of each candidate's next-token distribution along its own "
+        "greedy text on selection prompts (no bench prompt); the lowest is kept.",
+        files,
+        '`TARGET_SEEDS="0 1" STAGE=target bash scripts/gpu_online_run.sh`.',
+        ["file", "seed", "steps", "held-out greedy acc", "entropy (all)", "corpus", "prompt mix", "top-1 p", "kept"],
+        rows,
+    )
 
 
 def section_pretrain_repro(files: list[tuple[str, dict]]) -> list[str]:
@@ -506,129 +779,305 @@ def section_pretrain_repro(files: list[tuple[str, dict]]) -> list[str]:
         out = []
         for mode, m in r["modes"].items():
             runs = m.get("runs") or []
-            out.append([n, r.get("git_commit") or "-", (r.get("environment") or {}).get("device"), mode,
-                        " / ".join(str(x.get("steps")) for x in runs),
-                        " / ".join(_fmt(x.get("heldout_loss")) for x in runs),
-                        " / ".join(_fmt(x.get("heldout_greedy_accuracy")) for x in runs),
-                        m.get("first_differing_step"), m.get("max_abs_weight_diff")])
+            out.append(
+                [
+                    n,
+                    r.get("git_commit") or "-",
+                    (r.get("environment") or {}).get("device"),
+                    mode,
+                    " / ".join(str(x.get("steps")) for x in runs),
+                    " / ".join(_fmt(x.get("heldout_loss")) for x in runs),
+                    " / ".join(_fmt(x.get("heldout_greedy_accuracy")) for x in runs),
+                    m.get("first_differing_step"),
+                    m.get("max_abs_weight_diff"),
+                ]
+            )
         return out
 
-    return _tabled("Tiny target repeatability",
-                   "`bench/pretrain_repro.py`: the same step-bounded pretraining twice per mode on one device.",
-                   files, "`python bench/pretrain_repro.py --steps 300 --device cuda --out ...`.",
-                   ["file", "commit", "device", "mode", "steps", "held-out loss", "held-out greedy acc",
-                    "first differing step", "max weight difference"], rows,
-                   tail=[f"`{n}`: {r['note']}" for n, r in files if r.get("note")] + [""])
+    return _tabled(
+        "Tiny target repeatability",
+        "`bench/studies/pretrain_repro.py`: the same step-bounded pretraining twice per mode on one device.",
+        files,
+        "`python bench/studies/pretrain_repro.py --steps 300 --device cuda --out ...`.",
+        [
+            "file",
+            "commit",
+            "device",
+            "mode",
+            "steps",
+            "held-out loss",
+            "held-out greedy acc",
+            "first differing step",
+            "max weight difference",
+        ],
+        rows,
+        tail=[f"`{n}`: {r['note']}" for n, r in files if r.get("note")] + [""],
+    )
 
 
 def section_online_runs(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         led, perf, acc = r.get("ledger") or {}, r.get("perf") or {}, r.get("acc_last_mean") or {}
-        return [[n, r.get("last_step"), led.get("acked_unique"), led.get("duplicates"), led.get("trained_tokens"),
-                 f"{_fmt(r.get('loss_first_mean'))} -> {_fmt(r.get('loss_last_mean'))}",
-                 " / ".join(f"{acc[k]:.2f}" for k in sorted(acc)),
-                 _num(r.get("metadata_bytes_per_trained_token"), "{:.1f}"),
-                 _num(perf.get("end_to_end_tokens_per_s"), "{:.0f}"), _num(perf.get("trainer_only_tokens_per_s"), "{:.0f}")]]
+        return [
+            [
+                n,
+                r.get("last_step"),
+                led.get("acked_unique"),
+                led.get("duplicates"),
+                led.get("trained_tokens"),
+                f"{_fmt(r.get('loss_first_mean'))} -> {_fmt(r.get('loss_last_mean'))}",
+                " / ".join(f"{acc[k]:.2f}" for k in sorted(acc)),
+                _num(r.get("metadata_bytes_per_trained_token"), "{:.1f}"),
+                _num(perf.get("end_to_end_tokens_per_s"), "{:.0f}"),
+                _num(perf.get("trainer_only_tokens_per_s"), "{:.0f}"),
+            ]
+        ]
 
-    return _tabled("Online runs (trainer view)",
-                   "`specforge-kimi run-report` of a co-located run: SpecForge's ledger, disk bytes besides "
-                   "checkpoints, median step performance after warm-up.",
-                   files, "`scripts/gpu_online_run.sh` on the GPU box.",
-                   ["file", "steps", "samples (unique)", "duplicates", "trained tokens", "train loss",
-                    "train acc per TTT position", "metadata B/token", "end-to-end tok/s", "trainer-only tok/s"], rows)
+    return _tabled(
+        "Online runs (trainer view)",
+        "`specforge-kimi run-report` of a co-located run: SpecForge's ledger, disk bytes besides "
+        "checkpoints, median step performance after warm-up.",
+        files,
+        "`scripts/gpu_online_run.sh` on the GPU box.",
+        [
+            "file",
+            "steps",
+            "samples (unique)",
+            "duplicates",
+            "trained tokens",
+            "train loss",
+            "train acc per TTT position",
+            "metadata B/token",
+            "end-to-end tok/s",
+            "trainer-only tok/s",
+        ],
+        rows,
+    )
 
 
 def section_eval_draft(files: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Draft evaluation (simulated acceptance)", "",
-           "`specforge-kimi eval-draft`: chain drafting, top-1, greedy verification on held-out captured "
-           "features; every-position average and, where recorded, over decode rounds as the engine takes them. "
-           "Estimates; the engine's number is in the acceptance section.", ""]
+    out = [
+        "## Draft evaluation (simulated acceptance)",
+        "",
+        "`specforge-kimi eval-draft`: chain drafting, top-1, greedy verification on held-out captured "
+        "features; every-position average and, where recorded, over decode rounds as the engine takes them. "
+        "Estimates; the engine's number is in the acceptance section.",
+        "",
+    ]
     if not files:
         return out + ["Not measured yet.", ""]
     rows = []
     for n, r in files:
         held = r.get("heldout_file") or f"corpus seed {r.get('heldout_seed')}"
         for c in r["results"]:
-            rows.append([n, Path(str(c.get("checkpoint"))).name, held, c.get("mean_acceptance_length"),
-                         c.get("serving_acceptance_length"), c.get("heldout_loss"), c.get("teacher_entropy")])
-    out += _table(["file", "checkpoint", "held-out set", "AL every position", "AL decode rounds",
-                   "held-out loss", "teacher entropy"], rows) + [""]
-    groups = [[n, Path(str(c.get("checkpoint"))).name, g, v.get("samples"), v.get("serving_acceptance_length"),
-               v.get("heldout_loss"), v.get("teacher_entropy")]
-              for n, r in files for c in r["results"] for g, v in (c.get("by_group") or {}).items()]
+            rows.append(
+                [
+                    n,
+                    Path(str(c.get("checkpoint"))).name,
+                    held,
+                    c.get("mean_acceptance_length"),
+                    c.get("serving_acceptance_length"),
+                    c.get("heldout_loss"),
+                    c.get("teacher_entropy"),
+                ]
+            )
+    out += _table(
+        [
+            "file",
+            "checkpoint",
+            "held-out set",
+            "AL every position",
+            "AL decode rounds",
+            "held-out loss",
+            "teacher entropy",
+        ],
+        rows,
+    ) + [""]
+    groups = [
+        [
+            n,
+            Path(str(c.get("checkpoint"))).name,
+            g,
+            v.get("samples"),
+            v.get("serving_acceptance_length"),
+            v.get("heldout_loss"),
+            v.get("teacher_entropy"),
+        ]
+        for n, r in files
+        for c in r["results"]
+        for g, v in (c.get("by_group") or {}).items()
+    ]
     if groups:
-        out += ["Per held-out group (the bench's sets: `corpus` = structured, `prompt_mix/*` = chat, math, code):", "",
-                *_table(["file", "checkpoint", "group", "samples", "AL decode rounds", "held-out loss",
-                         "teacher entropy"], groups), ""]
+        out += [
+            "Per held-out group (the bench's sets: `corpus` = structured, `prompt_mix/*` = chat, math, code):",
+            "",
+            *_table(
+                ["file", "checkpoint", "group", "samples", "AL decode rounds", "held-out loss", "teacher entropy"],
+                groups,
+            ),
+            "",
+        ]
     return out
 
 
 def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Simulated acceptance on the CPU", "",
-           "Demo-sized tiny target, fp32, SpecForge's own trainer in process. They rank settings; they are no "
-           "engine measurement.", ""]
+    out = [
+        "## Simulated acceptance on the CPU",
+        "",
+        "Demo-sized tiny target, fp32, SpecForge's own trainer in process. They rank settings; they are no "
+        "engine measurement.",
+        "",
+    ]
     if not mla and not greedy:
-        return out + ["Not measured yet: `python bench/greedy_acceptance_cpu.py`, `python bench/mla_vs_llama.py`.", ""]
+        return out + [
+            "Not measured yet: `python bench/studies/greedy_acceptance_cpu.py`, `python bench/studies/mla_vs_llama.py`.",
+            "",
+        ]
     for n, r in greedy:
         st = r.get("settings", {})
-        out += [f"`{n}` (`bench/greedy_acceptance_cpu.py`): held-out answers regenerated greedily by the target; "
-                f"target pretrained {st.get('pretrain_steps')} steps.", ""]
+        out += [
+            f"`{n}` (`bench/studies/greedy_acceptance_cpu.py`): held-out answers regenerated greedily by the target; "
+            f"target pretrained {st.get('pretrain_steps')} steps.",
+            "",
+        ]
         per_set = any(c.get("per_set") for c in r["configs"])
-        out += _table(["target loss", "draft", "draft vocab", "draft steps", "AL decode rounds", "at least 1 / 2 / 3", "AL every position",
-                       "teacher entropy", "held-out loss", "train acc per TTT position"]
-                      + (["prompt-mix rows", "decode-round AL per set"] if per_set else []),
-                      [[c["target_loss"], c.get("draft", "llama"), c["draft_vocab_size"], c.get("steps", st.get("steps")),
-                        c["decode_round_acceptance_length"],
-                        " / ".join(f"{x:.2f}" for x in c["decode_round_at_least"]),
-                        c["every_position_acceptance_length"], c["teacher_entropy"], c["heldout_loss"],
-                        " / ".join(f"{x:.2f}" for x in c["train_acc_per_position_last"])]
-                       + ([c.get("mix", 0), ", ".join(f"{k} {v['decode_round_acceptance_length']:.2f}"
-                                                      for k, v in (c.get("per_set") or {}).items())] if per_set else [])
-                       for c in r["configs"]])
+        out += _table(
+            [
+                "target loss",
+                "draft",
+                "draft vocab",
+                "draft steps",
+                "AL decode rounds",
+                "at least 1 / 2 / 3",
+                "AL every position",
+                "teacher entropy",
+                "held-out loss",
+                "train acc per TTT position",
+            ]
+            + (["prompt-mix rows", "decode-round AL per set"] if per_set else []),
+            [
+                [
+                    c["target_loss"],
+                    c.get("draft", "llama"),
+                    c["draft_vocab_size"],
+                    c.get("steps", st.get("steps")),
+                    c["decode_round_acceptance_length"],
+                    " / ".join(f"{x:.2f}" for x in c["decode_round_at_least"]),
+                    c["every_position_acceptance_length"],
+                    c["teacher_entropy"],
+                    c["heldout_loss"],
+                    " / ".join(f"{x:.2f}" for x in c["train_acc_per_position_last"]),
+                ]
+                + (
+                    [
+                        c.get("mix", 0),
+                        ", ".join(
+                            f"{k} {v['decode_round_acceptance_length']:.2f}"
+                            for k, v in (c.get("per_set") or {}).items()
+                        ),
+                    ]
+                    if per_set
+                    else []
+                )
+                for c in r["configs"]
+            ],
+        )
         out.append("")
     for n, r in mla:
-        out += [f"`{n}` (`bench/mla_vs_llama.py`): same features, steps and seed for both drafts.", ""]
-        out += _table(["draft", "trainable params", "AL before", "AL after", "held-out loss after", "KL after"],
-                      [[d, v["parameters"]["trainable"], v["before"]["mean_acceptance_length"],
-                        v["after"]["mean_acceptance_length"], v["after"]["heldout_loss"], v["after"].get("kl")]
-                       for d, v in r["drafts"].items()])
+        out += [f"`{n}` (`bench/studies/mla_vs_llama.py`): same features, steps and seed for both drafts.", ""]
+        out += _table(
+            ["draft", "trainable params", "AL before", "AL after", "held-out loss after", "KL after"],
+            [
+                [
+                    d,
+                    v["parameters"]["trainable"],
+                    v["before"]["mean_acceptance_length"],
+                    v["after"]["mean_acceptance_length"],
+                    v["after"]["heldout_loss"],
+                    v["after"].get("kl"),
+                ]
+                for d, v in r["drafts"].items()
+            ],
+        )
         out.append("")
     return out
 
 
 def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
-        return [[n, d.get("drill"), f"{d.get('tp')} / {d.get('trainer_ranks')}", d.get("rc"),
-                 _num(d.get("stop_s"), "{:.0f}"), d.get("prompts"), d.get("acked"), d.get("duplicates"),
-                 d.get("processes_left")] for d in r.get("drills", [])]
+        return [
+            [
+                n,
+                d.get("drill"),
+                f"{d.get('tp')} / {d.get('trainer_ranks')}",
+                d.get("rc"),
+                _num(d.get("stop_s"), "{:.0f}"),
+                d.get("prompts"),
+                d.get("acked"),
+                d.get("duplicates"),
+                d.get("processes_left"),
+            ]
+            for d in r.get("drills", [])
+        ]
 
-    return _tabled("Fault drills", "`tests/gpu/test_faults_gpu.py`; lost and duplicated samples from SpecForge's ledger.",
-                   files, "`tests/gpu/test_faults_gpu.py --run-gpu`.",
-                   ["file", "drill", "TP / trainer ranks", "rc", "s to run end", "prompts", "acked", "duplicates",
-                    "processes left"], rows)
+    return _tabled(
+        "Fault drills",
+        "`tests/gpu/test_faults_gpu.py`; lost and duplicated samples from SpecForge's ledger.",
+        files,
+        "`tests/gpu/test_faults_gpu.py --run-gpu`.",
+        [
+            "file",
+            "drill",
+            "TP / trainer ranks",
+            "rc",
+            "s to run end",
+            "prompts",
+            "acked",
+            "duplicates",
+            "processes left",
+        ],
+        rows,
+    )
 
 
 def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         cfg, gil = r.get("config") or {}, [g.get("main_thread_progress") for g in r.get("gil") or []]
-        return [[n, (r.get("environment") or {}).get("cpu_count"), _num((cfg.get("batch_bytes") or 0) / 1e6, "{:.0f}"),
-                 t, v.get("median_ms"), v.get("GB_per_s"), " / ".join(f"{g:.2f}" for g in gil if g is not None)]
-                for t, v in (r.get("threads") or {}).items()]
+        return [
+            [
+                n,
+                (r.get("environment") or {}).get("cpu_count"),
+                _num((cfg.get("batch_bytes") or 0) / 1e6, "{:.0f}"),
+                t,
+                v.get("median_ms"),
+                v.get("GB_per_s"),
+                " / ".join(f"{g:.2f}" for g in gil if g is not None),
+            ]
+            for t, v in (r.get("threads") or {}).items()
+        ]
 
-    return _tabled("The capture sink's Mooncake put, segment in the putting process (CPU)",
-                   "`bench/mooncake_put_cpu.py`: one batch's `batch_put_from` (median over repetitions after the "
-                   "first) issued from T threads, and how far a Python loop in another thread gets during the put "
-                   "(1: the GIL is released).",
-                   files, "`python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json`.",
-                   ["file", "CPUs", "batch MB", "threads", "median ms", "GB/s", "other thread's progress"], rows)
+    return _tabled(
+        "The capture sink's Mooncake put, segment in the putting process (CPU)",
+        "`bench/studies/mooncake_put_cpu.py`: one batch's `batch_put_from` (median over repetitions after the "
+        "first) issued from T threads, and how far a Python loop in another thread gets during the put "
+        "(1: the GIL is released).",
+        files,
+        "`python bench/studies/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json`.",
+        ["file", "CPUs", "batch MB", "threads", "median ms", "GB/s", "other thread's progress"],
+        rows,
+    )
 
 
 def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Where a capture call's time goes", "",
-           "`bench/online_pipeline.py --breakdown`: the producer's `/generate` body in variants posted in turn "
-           "(median post ms; `plain` no capture, `bookkeeping` capture naming nothing, `features` aux + last hidden, "
-           "`full` also the passthrough JSON lists, `compact` those sent compactly by our patches), and the "
-           "client's JSON encode of `full`.", ""]
+    out = [
+        "## Where a capture call's time goes",
+        "",
+        "`bench/online_pipeline.py --breakdown`: the producer's `/generate` body in variants posted in turn "
+        "(median post ms; `plain` no capture, `bookkeeping` capture naming nothing, `features` aux + last hidden, "
+        "`full` also the passthrough JSON lists, `compact` those sent compactly by our patches), and the "
+        "client's JSON encode of `full`.",
+        "",
+    ]
     rows = []
     for n, r in pipelines:
         for run in r.get("runs") or []:
@@ -637,73 +1086,171 @@ def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str,
                 if not b:
                     continue
                 v = b.get("variants") or {}
-                rows.append([n, f"tp{run.get('tp')}, {run.get('put_clients', 1)} put client(s)",
-                             f"{sh['batch']}x{sh['tokens_per_prompt']}",
-                             *[(v.get(k) or {}).get("post_ms") for k in ("plain", "bookkeeping", "features", "full",
-                                                                         "compact")],
-                             (v.get("full") or {}).get("encode_ms"), (v.get("plain") or {}).get("encode_ms")])
+                rows.append(
+                    [
+                        n,
+                        f"tp{run.get('tp')}, {run.get('put_clients', 1)} put client(s)",
+                        f"{sh['batch']}x{sh['tokens_per_prompt']}",
+                        *[
+                            (v.get(k) or {}).get("post_ms")
+                            for k in ("plain", "bookkeeping", "features", "full", "compact")
+                        ],
+                        (v.get("full") or {}).get("encode_ms"),
+                        (v.get("plain") or {}).get("encode_ms"),
+                    ]
+                )
     if rows:
-        out += _table(["file", "server", "batch", "plain", "bookkeeping", "features", "full", "compact",
-                       "encode full", "encode plain"], rows) + [""]
+        out += _table(
+            [
+                "file",
+                "server",
+                "batch",
+                "plain",
+                "bookkeeping",
+                "features",
+                "full",
+                "compact",
+                "encode full",
+                "encode plain",
+            ],
+            rows,
+        ) + [""]
     else:
         out += ["No breakdown measured yet (`bench/online_pipeline.py ... --breakdown`).", ""]
-    out += ["`bench/passthrough_cpu.py` (CPU): the passthrough lists' cost per batch on the request path "
-            "(encode, decode, pickle to the scheduler, the sink's tensors), SpecForge's JSON lists vs the compact "
-            "forms.", ""]
+    out += [
+        "`bench/studies/passthrough_cpu.py` (CPU): the passthrough lists' cost per batch on the request path "
+        "(encode, decode, pickle to the scheduler, the sink's tensors), SpecForge's JSON lists vs the compact "
+        "forms.",
+        "",
+    ]
     rows = []
     for n, r in cpu:
         for sh in r.get("shapes") or []:
             for form in ("lists", "compact"):
                 f = sh.get(form) or {}
-                rows.append([n, (r.get("environment") or {}).get("cpu_count"),
-                             f"{sh['batch']}x{sh['tokens_per_prompt']}", form,
-                             _num((f.get("body_bytes") or 0) / 1e6, "{:.2f}"), f.get("encode_ms"), f.get("decode_ms"),
-                             f.get("ipc_ms"), f.get("build_ms"), f.get("total_ms"), sh.get("identical_tensors")])
+                rows.append(
+                    [
+                        n,
+                        (r.get("environment") or {}).get("cpu_count"),
+                        f"{sh['batch']}x{sh['tokens_per_prompt']}",
+                        form,
+                        _num((f.get("body_bytes") or 0) / 1e6, "{:.2f}"),
+                        f.get("encode_ms"),
+                        f.get("decode_ms"),
+                        f.get("ipc_ms"),
+                        f.get("build_ms"),
+                        f.get("total_ms"),
+                        sh.get("identical_tensors"),
+                    ]
+                )
     if rows:
-        out += _table(["file", "CPUs", "batch", "form", "body MB", "encode", "decode", "ipc", "build", "total ms",
-                       "same tensors"], rows) + [""]
+        out += _table(
+            [
+                "file",
+                "CPUs",
+                "batch",
+                "form",
+                "body MB",
+                "encode",
+                "decode",
+                "ipc",
+                "build",
+                "total ms",
+                "same tensors",
+            ],
+            rows,
+        ) + [""]
     else:
-        out += ["Not measured yet: `python bench/passthrough_cpu.py --out bench/results/passthrough_cpu.json`.", ""]
+        out += [
+            "Not measured yet: `python bench/studies/passthrough_cpu.py --out bench/results/passthrough_cpu.json`.",
+            "",
+        ]
     return out
 
 
 def section_draft_parity(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
-        return [[n, arch, res.get("backend"), s.get("T"), _num(s.get("cos_min"), "{:.5f}"), _num(s.get("rel"), "{:.2%}"),
-                 s.get("top1_agreement"), _num(s.get("margin_min"), "{:.1f}"), res.get("passed"), res.get("returncode")]
-                for arch, res in r.items() for s in res.get("sequences") or [{}]]
+        return [
+            [
+                n,
+                arch,
+                res.get("backend"),
+                s.get("T"),
+                _num(s.get("cos_min"), "{:.5f}"),
+                _num(s.get("rel"), "{:.2%}"),
+                s.get("top1_agreement"),
+                _num(s.get("margin_min"), "{:.1f}"),
+                res.get("passed"),
+                res.get("returncode"),
+            ]
+            for arch, res in r.items()
+            for s in res.get("sequences") or [{}]
+        ]
 
-    return _tabled("Draft logits parity: SGLang vs the training-side forward",
-                   "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by "
-                   "its own loader, one extend batch with aux states, against the training-side module (fp32). Margin "
-                   "= the closest rope/scale mutant's error over SGLang's error (parity needs >= the file's "
-                   "`margin_min`).",
-                   files, "`tests/gpu/test_draft_logits_parity.py --run-gpu`.",
-                   ["file", "draft", "backend", "tokens", "cos min", "rel. error", "top-1 agreement", "mutant margin",
-                    "passed", "rc"], rows)
+    return _tabled(
+        "Draft logits parity: SGLang vs the training-side forward",
+        "`tests/gpu/test_draft_logits_parity.py`: random-weight drafts exported for SGLang and loaded by "
+        "its own loader, one extend batch with aux states, against the training-side module (fp32). Margin "
+        "= the closest rope/scale mutant's error over SGLang's error (parity needs >= the file's "
+        "`margin_min`).",
+        files,
+        "`tests/gpu/test_draft_logits_parity.py --run-gpu`.",
+        [
+            "file",
+            "draft",
+            "backend",
+            "tokens",
+            "cos min",
+            "rel. error",
+            "top-1 agreement",
+            "mutant margin",
+            "passed",
+            "rc",
+        ],
+        rows,
+    )
 
 
 def section_engine_pairs(twins: list[tuple[str, dict]], engines: list[tuple[str, dict]]) -> list[str]:
-    out = ["## Same data, two drafts, through SGLang (3/1/4)", "",
-           "`scripts/gpu_offline_twin.sh`: the online-trained draft and its offline twin (SpecForge's offline "
-           "trainer, same prompts captured by the same server, same recipe). `scripts/gpu_mla_vs_llama.sh`: the "
-           "MLA and the Llama-style draft trained offline on the same features.", ""]
+    out = [
+        "## Same data, two drafts, through SGLang (3/1/4)",
+        "",
+        "`scripts/gpu_offline_twin.sh`: the online-trained draft and its offline twin (SpecForge's offline "
+        "trainer, same prompts captured by the same server, same recipe). `scripts/gpu_mla_vs_llama.sh`: the "
+        "MLA and the Llama-style draft trained offline on the same features.",
+        "",
+    ]
     if not twins and not engines:
         return out + ["Not measured yet.", ""]
     rows = []
     for n, r in twins:
         rel = r.get("offline_vs_online_relative")
-        rows.append([n, "online", "offline twin", (r.get("online") or {}).get("acceptance_length"),
-                     (r.get("offline") or {}).get("acceptance_length"), _num(rel, "{:+.1%}"),
-                     r.get("within_3_percent")])
+        rows.append(
+            [
+                n,
+                "online",
+                "offline twin",
+                (r.get("online") or {}).get("acceptance_length"),
+                (r.get("offline") or {}).get("acceptance_length"),
+                _num(rel, "{:+.1%}"),
+                r.get("within_3_percent"),
+            ]
+        )
     for n, r in engines:
         a, b = (r.get("llama") or {}).get("acceptance_length"), (r.get("mla") or {}).get("acceptance_length")
         rows.append([n, "Llama-style", "MLA", a, b, _num((b - a) / a if a and b else None, "{:+.1%}"), None])
-    notes = [f"- `{n}`: the online side is `{r['online_bench_from']}`, an earlier device call's bench; the twin's "
-             "target and data were rebuilt for it (tests/gpu/RUNS.md says how closely)"
-             for n, r in twins if r.get("online_bench_from")]
-    return (out + _table(["file", "A", "B", "AL A", "AL B", "B vs A", "within 3%"], rows) + [""]
-            + (notes + [""] if notes else []))
+    notes = [
+        f"- `{n}`: the online side is `{r['online_bench_from']}`, an earlier device call's bench; the twin's "
+        "target and data were rebuilt for it (tests/gpu/RUNS.md says how closely)"
+        for n, r in twins
+        if r.get("online_bench_from")
+    ]
+    return (
+        out
+        + _table(["file", "A", "B", "AL A", "AL B", "B vs A", "within 3%"], rows)
+        + [""]
+        + (notes + [""] if notes else [])
+    )
 
 
 def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
@@ -714,9 +1261,13 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
         shown = out_md.parent.resolve().relative_to(Path.cwd().resolve()) / results_dir.name
     except ValueError:
         shown = results_dir
-    lines = ["# specforge-kimi benchmark report", "",
-             f"Generated by `python bench/report.py` from `{shown}/*.json` "
-             f"({sum(len(v) for v in kinds.values())} files). Do not edit by hand; rerun the command.", ""]
+    lines = [
+        "# specforge-kimi benchmark report",
+        "",
+        f"Generated by `python bench/report.py` from `{shown}/*.json` "
+        f"({sum(len(v) for v in kinds.values())} files). Do not edit by hand; rerun the command.",
+        "",
+    ]
     lines += section_acceptance(kinds.get("acceptance", []), plots)
     for kind in ("capture_overhead", "pipeline_efficiency", "trainer_memory"):
         lines += section_planned(kind, kinds.get(kind, []), kinds.get("online_pipeline", []))
@@ -745,7 +1296,7 @@ def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
     return text
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default=str(HERE / "results"))
     p.add_argument("--out", default=str(HERE / "REPORT.md"))

@@ -53,8 +53,8 @@ def write_standin_target(recipe, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from specforge_kimi.target.tiny import TinySpec, config
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
+    from specforge_kimi.target.tiny import TinySpec, config
 
     t = recipe.target
     if (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
@@ -64,12 +64,19 @@ def write_standin_target(recipe, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     spec = TinySpec(layers=t.num_layers, hidden=t.hidden_size, heads=t.num_attention_heads, vocab=t.vocab_size)
     gen = torch.Generator().manual_seed(0)
-    tensors = {key: (torch.randn(t.vocab_size, t.hidden_size, generator=gen) * 0.02).to(torch.bfloat16)
-               for key in (t.embedding_key, t.lm_head_key)}
+    tensors = {
+        key: (torch.randn(t.vocab_size, t.hidden_size, generator=gen) * 0.02).to(torch.bfloat16)
+        for key in (t.embedding_key, t.lm_head_key)
+    }
     save_file(tensors, str(out / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(x.numel() * 2 for x in tensors.values())},
-         "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": sum(x.numel() * 2 for x in tensors.values())},
+                "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors},
+            }
+        )
+    )
     build_standin_tokenizer(out)
     (out / "config.json").write_text(json.dumps(config(spec), indent=2))  # last: a complete stand-in has it
     return out
@@ -81,8 +88,12 @@ def write_vocab_mapping(recipe, path: Path) -> Path:
 
     if not path.is_file():
         n = recipe.trainer.draft["draft_vocab_size"]
-        save_vocab_mapping(build_vocab_mapping({i: 1 for i in range(n)}, draft_vocab_size=n,
-                                               target_vocab_size=recipe.target.vocab_size), path)
+        save_vocab_mapping(
+            build_vocab_mapping(
+                {i: 1 for i in range(n)}, draft_vocab_size=n, target_vocab_size=recipe.target.vocab_size
+            ),
+            path,
+        )
     return path
 
 
@@ -104,7 +115,6 @@ def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int,
 
 def _batch(length: int, hidden: int, vocab: int, seed: int):
     import torch
-
     from specforge.runtime.contracts import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -115,8 +125,9 @@ def _batch(length: int, hidden: int, vocab: int, seed: int):
         "hidden_state": torch.randn(1, length, 3 * hidden, generator=g).to(torch.bfloat16),
         "target": torch.randn(1, length, hidden, generator=g).to(torch.bfloat16),
     }
-    return TrainBatch(sample_ids=[f"bench-{seed}"], strategy="eagle3", tensors=tensors,
-                      metadata={"target_repr": "hidden_state"})
+    return TrainBatch(
+        sample_ids=[f"bench-{seed}"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"}
+    )
 
 
 def child(args) -> int:
@@ -142,8 +153,15 @@ def child(args) -> int:
     workdir = Path(args.workdir)
     base = load_recipe(args.recipe)
     if "WORLD_SIZE" not in os.environ:  # started directly, not by torchrun: one rank
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(args.port)})
+        os.environ.update(
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(args.port),
+            }
+        )
     init_distributed(timeout=10)
     import torch.distributed as dist
 
@@ -151,8 +169,14 @@ def child(args) -> int:
     try:
         # one model per backend, as one run sees samples of many lengths: max_length shapes no tensor of
         # the model, only the samples; the peak counters are reset per length
-        r = row_recipe(base, target=Path(args.target), vocab=Path(args.vocab), workdir=workdir,
-                       length=max(args.lengths), backend=args.backend)
+        r = row_recipe(
+            base,
+            target=Path(args.target),
+            vocab=Path(args.vocab),
+            workdir=workdir,
+            length=max(args.lengths),
+            backend=args.backend,
+        )
         cfg_dict = render(r, workdir / f"render-{args.backend}")["specforge_config"]
         cfg_dict["training"]["role"] = "consumer"
         # SpecForge's FSDP needs an accelerator; on the CPU its DDP path (NO_SHARD) runs instead
@@ -164,8 +188,9 @@ def child(args) -> int:
         bundle = build_model_bundle(cfg, algorithm=algorithm)
         backend = FSDPTrainingBackend(ParallelConfig.from_distributed(), optimizer_factory=_optimizer_factory(cfg))
         wrapped = backend.prepare_model(bundle.model, optimizer_target=bundle.model.draft_model)
-        strategy = algorithm.providers.step.build(wrapped, target_head=bundle.target_head,
-                                                  **dict(bundle.strategy_kwargs))
+        strategy = algorithm.providers.step.build(
+            wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs)
+        )
         core = TrainerCore(strategy, backend)
         build_s = time.perf_counter() - t0
         built = None
@@ -174,15 +199,24 @@ def child(args) -> int:
             built = torch.cuda.memory_allocated() / GIB
         hidden, vocab = r.target.hidden_size, r.target.vocab_size
     except Exception as exc:
-        print(json.dumps({"backend": args.backend, "rank": rank, "error": f"build: {type(exc).__name__}: {exc}"}),
-              flush=True)
+        print(
+            json.dumps({"backend": args.backend, "rank": rank, "error": f"build: {type(exc).__name__}: {exc}"}),
+            flush=True,
+        )
         destroy_distributed()
         return 0
     try:
         for length in args.lengths:
             terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
-            row = {"backend": args.backend, "length": length, "fsdp_sharding": sharding, "build_s": build_s,
-                   "built_allocated_gib": built, "plan_bytes": terms, "plan_gib": sum(terms.values()) / GIB}
+            row = {
+                "backend": args.backend,
+                "length": length,
+                "fsdp_sharding": sharding,
+                "build_s": build_s,
+                "built_allocated_gib": built,
+                "plan_bytes": terms,
+                "plan_gib": sum(terms.values()) / GIB,
+            }
             try:
                 if cuda:
                     torch.cuda.empty_cache()
@@ -258,13 +292,20 @@ def _free_port() -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="recipes/kimi-k25-8xb200-lowered.yaml", help="recipe whose trainer is built")
-    ap.add_argument("--backends", default="flex_attention,sdpa",
-                    help="comma-separated SpecForge attention backends (flex_attention needs CUDA)")
+    ap.add_argument(
+        "--backends",
+        default="flex_attention,sdpa",
+        help="comma-separated SpecForge attention backends (flex_attention needs CUDA)",
+    )
     ap.add_argument("--lengths", default="2048,4096", help="comma-separated sample lengths (ascending per backend)")
     ap.add_argument("--sdpa-lengths", default=None, help="lengths for sdpa if different from --lengths")
-    ap.add_argument("--nproc", type=int, default=1,
-                    help="trainer ranks (torchrun on this host, one per GPU); SpecForge's FSDP shards the optimizer "
-                         "state over them (SHARD_GRAD_OP) as in a co-located run")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="trainer ranks (torchrun on this host, one per GPU); SpecForge's FSDP shards the optimizer "
+        "state over them (SHARD_GRAD_OP) as in a co-located run",
+    )
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per length (the first compiles)")
     ap.add_argument("--workdir", default="runs/trainer-memory", help="stand-in target, renders, logs")
     ap.add_argument("--out", default=None, help="JSON result path")
@@ -295,8 +336,7 @@ def main(argv=None) -> int:
         if not lengths or min(lengths) <= 0 or lengths != sorted(lengths):
             raise KimiInputError(f"{flag}: {value!r} must be positive token counts in ascending order")
     if args.nproc < 1 or (torch.cuda.is_available() and args.nproc > torch.cuda.device_count()):
-        raise KimiInputError(f"--nproc {args.nproc}: need 1..{torch.cuda.device_count() or 'N'} ranks "
-                             "(one per GPU)")
+        raise KimiInputError(f"--nproc {args.nproc}: need 1..{torch.cuda.device_count() or 'N'} ranks (one per GPU)")
     if args.steps < 2:
         raise KimiInputError("--steps must be at least 2 (the first step compiles and is not timed)")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -311,8 +351,9 @@ def main(argv=None) -> int:
     # named by what shapes them, so a workdir reused with another recipe never reads a stale stand-in
     t = recipe.target
     target = write_standin_target(recipe, workdir / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v")
-    vocab = write_vocab_mapping(recipe, workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}"
-                                                  f"-of-{t.vocab_size}.pt")
+    vocab = write_vocab_mapping(
+        recipe, workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}-of-{t.vocab_size}.pt"
+    )
     setup_s = time.perf_counter() - t0
     import importlib.metadata
 
@@ -321,24 +362,60 @@ def main(argv=None) -> int:
     except importlib.metadata.PackageNotFoundError:
         sf_version = "unknown"
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "specforge": sf_version, "cuda": torch.version.cuda,
-           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-           "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None,
-           "cpus": os.cpu_count(), "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
-    doc = {"benchmark": "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan",
-           "command": [sys.executable, *sys.argv], "environment": env,
-           "config": {"recipe": args.recipe, "draft": recipe.trainer.draft, "ttt_length": recipe.trainer.ttt_length,
-                      "target_hidden": recipe.target.hidden_size, "target_vocab": recipe.target.vocab_size,
-                      "steps": args.steps, "world_size": args.nproc, "standin_setup_s": setup_s},
-           "rows": []}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "specforge": sf_version,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None,
+        "cpus": os.cpu_count(),
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+    doc = {
+        "benchmark": "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan",
+        "command": [sys.executable, *sys.argv],
+        "environment": env,
+        "config": {
+            "recipe": args.recipe,
+            "draft": recipe.trainer.draft,
+            "ttt_length": recipe.trainer.ttt_length,
+            "target_hidden": recipe.target.hidden_size,
+            "target_vocab": recipe.target.vocab_size,
+            "steps": args.steps,
+            "world_size": args.nproc,
+            "standin_setup_s": setup_s,
+        },
+        "rows": [],
+    }
     for b in backends:
         lengths = args.sdpa_lengths if (b == "sdpa" and args.sdpa_lengths) else args.lengths
-        launcher = [sys.executable] if args.nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-        cmd = [*launcher, str(Path(__file__).resolve()), "--child", "--recipe", args.recipe, "--backend", b,
-               "--lengths", lengths, "--steps", str(args.steps), "--workdir", str(workdir), "--target", str(target),
-               "--vocab", str(vocab), "--port", str(_free_port())]
+        launcher = (
+            [sys.executable]
+            if args.nproc == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+        )
+        cmd = [
+            *launcher,
+            str(Path(__file__).resolve()),
+            "--child",
+            "--recipe",
+            args.recipe,
+            "--backend",
+            b,
+            "--lengths",
+            lengths,
+            "--steps",
+            str(args.steps),
+            "--workdir",
+            str(workdir),
+            "--target",
+            str(target),
+            "--vocab",
+            str(vocab),
+            "--port",
+            str(_free_port()),
+        ]
         log = workdir / f"child-{b}.log"
         rows = []
         with open(log, "w") as fh:
@@ -357,11 +434,17 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"{b} L={r.get('length')}: {r['error']}", flush=True)
                 continue
-            mem = (f"peak {r['peak_allocated_gib']:.2f} GiB allocated / {r['peak_reserved_gib']:.2f} reserved, "
-                   f"plan {r['plan_gib']:.2f} ({r['measured_over_plan']:.2f}x), "
-                   if "peak_allocated_gib" in r else "")
-            print(f"{b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
-                  f"losses {[round(x, 3) for x in r['losses']]}", flush=True)
+            mem = (
+                f"peak {r['peak_allocated_gib']:.2f} GiB allocated / {r['peak_reserved_gib']:.2f} reserved, "
+                f"plan {r['plan_gib']:.2f} ({r['measured_over_plan']:.2f}x), "
+                if "peak_allocated_gib" in r
+                else ""
+            )
+            print(
+                f"{b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
+                f"losses {[round(x, 3) for x in r['losses']]}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

@@ -19,8 +19,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 #: Small enough for CPU tests, K2.5's nesting/names/MLA dims; heads and experts divide by 8.
-TEST_SPEC = dict(layers=6, hidden=64, heads=8, experts=8, experts_per_token=2, moe_intermediate=32,
-                 dense_intermediate=128, q_lora_rank=64, vision_hidden=32, vision_heads=8)
+TEST_SPEC = dict(
+    layers=6,
+    hidden=64,
+    heads=8,
+    experts=8,
+    experts_per_token=2,
+    moe_intermediate=32,
+    dense_intermediate=128,
+    q_lora_rank=64,
+    vision_hidden=32,
+    vision_heads=8,
+)
 
 
 def prepare_corpus(root, conversations: int, *tokenizer_args: str):
@@ -36,9 +46,23 @@ def prepare_corpus(root, conversations: int, *tokenizer_args: str):
     with open(root / "corpus.jsonl", "w") as f:
         for row in corpus.conversations(conversations, seed=0):
             f.write(json.dumps(row) + "\n")
-    subprocess.run([sys.executable, "-m", "specforge_kimi", "prepare", str(root / "corpus.jsonl"), "--out",
-                    str(root / "data"), *tokenizer_args, "--draft-vocab-size", "256", "--no-progress"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specforge_kimi",
+            "prepare",
+            str(root / "corpus.jsonl"),
+            "--out",
+            str(root / "data"),
+            *tokenizer_args,
+            "--draft-vocab-size",
+            "256",
+            "--no-progress",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return root / "data"
 
 
@@ -57,10 +81,11 @@ def specforge_as_shipped(root):
 
     from specforge_kimi.online import setup_patches
 
-    for patch in reversed(sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
-                                 .glob("*.patch"))):
+    for patch in reversed(
+        sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN).glob("*.patch"))
+    ):
         if setup_patches.classify(patch, root, 1).state == "applied":
-            subprocess.run(["patch", "-R", "-p1", "-d", str(root), "--batch", "-i", str(patch)], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["patch", "-R", "-p1", "-d", str(root), "--batch", "-i", str(patch)], check=True, capture_output=True
+            )
     return root
-

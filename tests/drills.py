@@ -28,14 +28,17 @@ def cmdline(pid: int) -> str:
 
 
 def pids_matching(text: str) -> list[int]:
-    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and text in cmdline(int(d.name))
-            and int(d.name) != os.getpid()]
+    return [
+        int(d.name)
+        for d in Path("/proc").iterdir()
+        if d.name.isdigit() and text in cmdline(int(d.name)) and int(d.name) != os.getpid()
+    ]
 
 
 def drill(tmp_path: Path, victim, build, *, edit_plan=None, wait_s: float = 240) -> dict:
     """``build()`` -> ``(plan, recipe, prompts_path)``; kill with ``victim(spawned)``; the outcome."""
-    from specforge_kimi.online.launch import run_plan
     from specforge_kimi.evaluate.run_report import report
+    from specforge_kimi.online.launch import run_plan
 
     plan, recipe, prompts_path = build()
     if edit_plan is not None:
@@ -66,9 +69,16 @@ def drill(tmp_path: Path, victim, build, *, edit_plan=None, wait_s: float = 240)
     thread.join(timeout=5)
     time.sleep(0.5)
     prompts = len(Path(prompts_path).read_text().splitlines())
-    return {"rc": rc, "prompts": prompts, "stop_s": returned - state["killed_at"] if "killed_at" in state else None,
-            "victims": state.get("victims"), "left": pids_matching(str(out)) + pids_matching(str(recipe.target.path)),
-            "spawned_alive": [p.pid for p in spawned if p.poll() is None], "report": report(out), "out": out}
+    return {
+        "rc": rc,
+        "prompts": prompts,
+        "stop_s": returned - state["killed_at"] if "killed_at" in state else None,
+        "victims": state.get("victims"),
+        "left": pids_matching(str(out)) + pids_matching(str(recipe.target.path)),
+        "spawned_alive": [p.pid for p in spawned if p.poll() is None],
+        "report": report(out),
+        "out": out,
+    }
 
 
 def kill_service(label: str):
@@ -77,12 +87,16 @@ def kill_service(label: str):
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         return victims
+
     return kill
 
 
 def kill_trainer_rank(_spawned):
-    ranks = [pid for pid in pids_matching("--role consumer") if "torch.distributed.run" not in cmdline(pid)
-             and "/bin/sh" not in cmdline(pid)]
+    ranks = [
+        pid
+        for pid in pids_matching("--role consumer")
+        if "torch.distributed.run" not in cmdline(pid) and "/bin/sh" not in cmdline(pid)
+    ]
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)
     return ranks
@@ -96,11 +110,23 @@ def record(name: str, res: dict) -> None:
 
         led = res["report"]["ledger"]
         with open(target, "a") as f:
-            f.write(json.dumps({"drill": name, "rc": res["rc"], "stop_s": res["stop_s"], "victims": res["victims"],
-                                "processes_left": len(res["left"]) + len(res["spawned_alive"]),
-                                "acked": led["acked"], "duplicates": led["duplicates"],
-                                "global_step": led["global_step"], "committed": led["committed"],
-                                "checkpoints": res["report"]["checkpoints"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "drill": name,
+                        "rc": res["rc"],
+                        "stop_s": res["stop_s"],
+                        "victims": res["victims"],
+                        "processes_left": len(res["left"]) + len(res["spawned_alive"]),
+                        "acked": led["acked"],
+                        "duplicates": led["duplicates"],
+                        "global_step": led["global_step"],
+                        "committed": led["committed"],
+                        "checkpoints": res["report"]["checkpoints"],
+                    }
+                )
+                + "\n"
+            )
 
 
 def check_stopped(res: dict, dp: int = 1) -> None:
@@ -120,7 +146,7 @@ def descendants(pid: int) -> list[int]:
         if d.name.isdigit():
             try:
                 stat = (d / "stat").read_text()
-                parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+                parents.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(d.name))
             except (OSError, ValueError, IndexError):
                 continue
     out, todo = [], [pid]
@@ -133,6 +159,7 @@ def descendants(pid: int) -> list[int]:
 
 def kill_server_child(module: str = "specforge_kimi.online.reference_server"):
     """SIGKILL the capture server a keeper runs (and its workers: SGLang's schedulers), not the keeper."""
+
     def kill(_spawned):
         roots = [pid for pid in pids_matching(module) if "specforge_kimi.online.keeper" not in cmdline(pid)]
         victims = [p for root in roots for p in (root, *descendants(root))]
@@ -142,6 +169,7 @@ def kill_server_child(module: str = "specforge_kimi.online.reference_server"):
             except ProcessLookupError:
                 pass
         return victims
+
     return kill
 
 
@@ -169,8 +197,10 @@ def inject_consumer_crash(plan, tmp_path: Path):
     i = argv.index("torch.distributed.run")
     j = argv.index("specforge_kimi", i)
     argv[j] = "fault_consumer"
-    env = {**consumer.env, "FAULT_AFTER_SAVE_STEP": str(KILL_AFTER_STEP), "FAULT_MARKER": str(tmp_path / "crashed"),
-           "PYTHONPATH": os.pathsep.join([str(INTEGRATION), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **consumer.env,
+        "FAULT_AFTER_SAVE_STEP": str(KILL_AFTER_STEP),
+        "FAULT_MARKER": str(tmp_path / "crashed"),
+        "PYTHONPATH": os.pathsep.join([str(INTEGRATION), os.environ.get("PYTHONPATH", "")]),
+    }
     return dataclasses.replace(plan, commands=(producer, dataclasses.replace(consumer, argv=tuple(argv), env=env)))
-
-

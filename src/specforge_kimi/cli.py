@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from specforge_kimi.errors import KimiInputError, validation_summary
 
@@ -16,37 +16,62 @@ from specforge_kimi.errors import KimiInputError, validation_summary
 def _cmd_tiny(args: argparse.Namespace) -> int:
     from specforge_kimi.target.tiny import TinySpec, write_tiny
 
-    spec = TinySpec(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
-                    experts_per_token=args.experts_per_token, moe_intermediate=args.moe_intermediate,
-                    dense_intermediate=args.dense_intermediate, q_lora_rank=args.q_lora_rank,
-                    vocab=args.vocab, seed=args.seed, int4_experts=args.int4_experts)
+    spec = TinySpec(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        experts=args.experts,
+        experts_per_token=args.experts_per_token,
+        moe_intermediate=args.moe_intermediate,
+        dense_intermediate=args.dense_intermediate,
+        q_lora_rank=args.q_lora_rank,
+        vocab=args.vocab,
+        seed=args.seed,
+        int4_experts=args.int4_experts,
+    )
     if args.pretrain:
         from specforge_kimi.demo.pretrain import pretrain_structured_target
-
         from specforge_kimi.target.checkpoint import resolve_device
 
-        res = pretrain_structured_target(args.out_dir, spec, seconds=args.pretrain, device=resolve_device(args.device),
-                                         lr=args.pretrain_lr, schedule=args.pretrain_schedule,
-                                         loss=args.pretrain_loss, max_steps=args.pretrain_steps,
-                                         deterministic=args.pretrain_deterministic,
-                                         batch_size=args.pretrain_batch_size, precision=args.pretrain_precision,
-                                         prompt_rules=args.pretrain_prompt_rules,
-                                         prompt_rule=args.pretrain_prompt_rule)
+        res = pretrain_structured_target(
+            args.out_dir,
+            spec,
+            seconds=args.pretrain,
+            device=resolve_device(args.device),
+            lr=args.pretrain_lr,
+            schedule=args.pretrain_schedule,
+            loss=args.pretrain_loss,
+            max_steps=args.pretrain_steps,
+            deterministic=args.pretrain_deterministic,
+            batch_size=args.pretrain_batch_size,
+            precision=args.pretrain_precision,
+            prompt_rules=args.pretrain_prompt_rules,
+            prompt_rule=args.pretrain_prompt_rule,
+        )
         tr, held = res["train"], res["heldout"]
-        print(f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
-              f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
-              f"answer loss {held['loss']:.3f} full vocab / {held['loss_corpus_tokens']:.3f} corpus tokens "
-              f"(greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json")
+        print(
+            f"wrote tiny Kimi-K2.5 checkpoint pretrained on the structured corpus to {args.out_dir}: "
+            f"{tr['steps']} steps, {tr['loss']} loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}, held-out "
+            f"answer loss {held['loss']:.3f} full vocab / {held['loss_corpus_tokens']:.3f} corpus tokens "
+            f"(greedy acc {held['greedy_accuracy']:.2f}); see pretrain.json"
+        )
         if "prompt_rules" in res:
             rh = res["prompt_rules"]["heldout"]
-            print(f"prompt rules ({res['prompt_rules']['rule']}): {res['prompt_rules']['conversations']} conversations trained on; on the bench's own "
-                  f"chat/math/code prompts answer loss {rh['loss']:.3f}, greedy acc {rh['greedy_accuracy']:.2f}")
+            print(
+                f"prompt rules ({res['prompt_rules']['rule']}): {res['prompt_rules']['conversations']} conversations trained on; on the bench's own "
+                f"chat/math/code prompts answer loss {rh['loss']:.3f}, greedy acc {rh['greedy_accuracy']:.2f}"
+            )
         if tr["lr_schedule"] == "cosine" and tr["schedule_fraction"] < 1:
-            print(f"note: the time budget ended the cosine schedule at {tr['schedule_fraction']:.0%} of its steps "
-                  "(deterministic runs decay over --pretrain-steps)")
+            print(
+                f"note: the time budget ended the cosine schedule at {tr['schedule_fraction']:.0%} of its steps "
+                "(deterministic runs decay over --pretrain-steps)"
+            )
         return 0
     out = write_tiny(args.out_dir, spec, device=args.init_device)
-    print(f"wrote tiny Kimi-K2.5 checkpoint to {out}" + (" (routed experts INT4, K2.5's format)" if spec.int4_experts else ""))
+    print(
+        f"wrote tiny Kimi-K2.5 checkpoint to {out}"
+        + (" (routed experts INT4, K2.5's format)" if spec.int4_experts else "")
+    )
     return 0
 
 
@@ -123,9 +148,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from specforge_kimi.demo.pipeline import DemoSettings, run_demo
 
-    settings = DemoSettings(out_dir=args.out, steps=args.steps, pretrain_seconds=args.pretrain_seconds,
-                            pretrain_steps=args.pretrain_steps,
-                            seed=args.seed, progress=not args.no_progress)
+    settings = DemoSettings(
+        out_dir=args.out,
+        steps=args.steps,
+        pretrain_seconds=args.pretrain_seconds,
+        pretrain_steps=args.pretrain_steps,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     result = run_demo(settings)
     return 0 if result["ok"] else 1
 
@@ -148,36 +178,77 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--q-lora-rank", type=int, default=1536)
     t.add_argument("--vocab", type=int, default=163840)
     t.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    t.add_argument("--int4-experts", action="store_true",
-                   help="routed experts as K2.5 ships them: compressed-tensors pack-quantized int4, symmetric, "
-                        "group 32 (weight_packed/weight_scale/weight_shape), K2.5's quantization_config; with "
-                        "--pretrain they are quantized after training and the held-out numbers are the quantized model's")
-    t.add_argument("--init-device", default="cpu",
-                   help="device that generates (and quantizes) the random weights: cpu (default; the same bytes "
-                        "for a seed everywhere) or cuda (a K2.5-width checkpoint in seconds; other bytes than cpu's)")
-    t.add_argument("--pretrain", type=float, default=0, metavar="SECONDS",
-                   help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)")
-    t.add_argument("--pretrain-steps", type=int, default=10_000, metavar="N",
-                   help="also stop pretraining after N optimizer steps (whichever of SECONDS / N ends first)")
-    t.add_argument("--no-pretrain-deterministic", dest="pretrain_deterministic", action="store_false",
-                   help="allow non-deterministic kernels (faster on CUDA; two runs of N steps then differ)")
+    t.add_argument(
+        "--int4-experts",
+        action="store_true",
+        help="routed experts as K2.5 ships them: compressed-tensors pack-quantized int4, symmetric, "
+        "group 32 (weight_packed/weight_scale/weight_shape), K2.5's quantization_config; with "
+        "--pretrain they are quantized after training and the held-out numbers are the quantized model's",
+    )
+    t.add_argument(
+        "--init-device",
+        default="cpu",
+        help="device that generates (and quantizes) the random weights: cpu (default; the same bytes "
+        "for a seed everywhere) or cuda (a K2.5-width checkpoint in seconds; other bytes than cpu's)",
+    )
+    t.add_argument(
+        "--pretrain",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)",
+    )
+    t.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="also stop pretraining after N optimizer steps (whichever of SECONDS / N ends first)",
+    )
+    t.add_argument(
+        "--no-pretrain-deterministic",
+        dest="pretrain_deterministic",
+        action="store_false",
+        help="allow non-deterministic kernels (faster on CUDA; two runs of N steps then differ)",
+    )
     t.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
     t.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     t.add_argument("--pretrain-batch-size", type=int, default=32, metavar="B", help="sequences per optimizer step")
-    t.add_argument("--pretrain-precision", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32, or bf16 autocast for the decoder's forward (weights, optimizer and loss in fp32)")
-    t.add_argument("--pretrain-schedule", choices=("constant", "cosine"), default="constant",
-                   help="constant, or warm-up + cosine decay over --pretrain-steps (with "
-                        "--no-pretrain-deterministic: over the time budget if that ends first)")
-    t.add_argument("--pretrain-loss", choices=("full", "corpus"), default="full",
-                   help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
-                        "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)")
-    t.add_argument("--pretrain-prompt-rules", type=int, default=0, metavar="N",
-                   help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.demo.prompt_rules), "
-                        "so the target answers the bench's natural-language prompts by that rule, not at random")
-    t.add_argument("--pretrain-prompt-rule", choices=sorted(prompt_rules.RULES), default=prompt_rules.DEFAULT_RULE,
-                   help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
-                        "one per numbered line); specforge_kimi.demo.prompt_rules describes both")
+    t.add_argument(
+        "--pretrain-precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32, or bf16 autocast for the decoder's forward (weights, optimizer and loss in fp32)",
+    )
+    t.add_argument(
+        "--pretrain-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="constant, or warm-up + cosine decay over --pretrain-steps (with "
+        "--no-pretrain-deterministic: over the time budget if that ends first)",
+    )
+    t.add_argument(
+        "--pretrain-loss",
+        choices=("full", "corpus"),
+        default="full",
+        help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
+        "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)",
+    )
+    t.add_argument(
+        "--pretrain-prompt-rules",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.demo.prompt_rules), "
+        "so the target answers the bench's natural-language prompts by that rule, not at random",
+    )
+    t.add_argument(
+        "--pretrain-prompt-rule",
+        choices=sorted(prompt_rules.RULES),
+        default=prompt_rules.DEFAULT_RULE,
+        help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
+        "one per numbered line); specforge_kimi.demo.prompt_rules describes both",
+    )
     t.set_defaults(func=_cmd_tiny)
 
     i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")
@@ -186,8 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     lid = sub.add_parser("layer-ids", help="convert aux layer ids between SpecForge/SGLang, vLLM and HF")
     lid.add_argument("ids", help="comma-separated, e.g. 1,29,57")
-    lid.add_argument("--engine", default="specforge", choices=("specforge", "sglang", "vllm", "hf"),
-                     help="whose convention the ids are in")
+    lid.add_argument(
+        "--engine",
+        default="specforge",
+        choices=("specforge", "sglang", "vllm", "hf"),
+        help="whose convention the ids are in",
+    )
     lid.add_argument("--num-layers", type=int, default=61, help="target decoder layers (K2.5: 61)")
     lid.set_defaults(func=_cmd_layer_ids)
 
@@ -196,10 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
     e.set_defaults(func=_cmd_export_check)
 
-    tr = sub.add_parser("train", help="`specforge train ...` with the K2.5 adapter registered (torchrun-able)",
-                        description="Passes its arguments to `specforge train`, e.g. "
-                                    "torchrun --nproc_per_node 8 -m specforge_kimi train -c run.yaml --role consumer")
-    tr.add_argument("specforge_args", nargs=argparse.REMAINDER, help="passed on: see `specforge train --help` (-c CONFIG, --role ...)")
+    tr = sub.add_parser(
+        "train",
+        help="`specforge train ...` with the K2.5 adapter registered (torchrun-able)",
+        description="Passes its arguments to `specforge train`, e.g. "
+        "torchrun --nproc_per_node 8 -m specforge_kimi train -c run.yaml --role consumer",
+    )
+    tr.add_argument(
+        "specforge_args",
+        nargs=argparse.REMAINDER,
+        help="passed on: see `specforge train --help` (-c CONFIG, --role ...)",
+    )
     tr.set_defaults(func=_cmd_train)
 
     rc = sub.add_parser("recipe", help="validate a recipe or render it to SpecForge config + launch commands")
@@ -212,14 +294,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     d.add_argument("--steps", type=int, default=300, help="SpecForge optimizer steps")
     d.add_argument("--pretrain-seconds", type=float, default=60.0, help="tiny-target pretraining budget")
-    d.add_argument("--pretrain-steps", type=int, default=0,
-                   help="also stop tiny-target pretraining after this many steps (0: the time budget only)")
+    d.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=0,
+        help="also stop tiny-target pretraining after this many steps (0: the time budget only)",
+    )
     d.add_argument("--seed", type=int, default=0, help="seed of the tiny target and the training")
     d.add_argument("--no-progress", action="store_true", help="no progress bars (SpecForge still logs its steps)")
     d.set_defaults(func=_cmd_demo)
 
-    for name in ("data.prepare", "data.regenerate", "online.setup_patches", "online.launch", "online.doctor",
-                 "evaluate.bench", "demo.draft_eval", "evaluate.run_report", "online.offline_twin", "demo.target_text"):
+    for name in (
+        "data.prepare",
+        "data.regenerate",
+        "online.setup_patches",
+        "online.launch",
+        "online.doctor",
+        "evaluate.bench",
+        "demo.draft_eval",
+        "evaluate.run_report",
+        "online.offline_twin",
+        "demo.target_text",
+    ):
         try:
             module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
         except ModuleNotFoundError:

@@ -11,8 +11,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 
@@ -46,8 +47,17 @@ def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for pkg in ("specforge-kimi", "specforge", "sglang", "torch", "transformers", "flashinfer-python",
-                "mooncake-transfer-engine", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-non-cuda"):
+    for pkg in (
+        "specforge-kimi",
+        "specforge",
+        "sglang",
+        "torch",
+        "transformers",
+        "flashinfer-python",
+        "mooncake-transfer-engine",
+        "mooncake-transfer-engine-cuda13",
+        "mooncake-transfer-engine-non-cuda",
+    ):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -59,10 +69,15 @@ def git_commit() -> str | None:
     """Commit of the specforge-kimi checkout this code runs from, if it is one."""
     here = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (sha + ("-dirty" if dirty else "")) or None

@@ -162,13 +162,20 @@ def _install_outage_wait() -> None:
                 raise
             limit = float(os.environ.get("SPECFORGE_KIMI_SERVER_OUTAGE_S", "900"))
             log = logging.getLogger("specforge_kimi")
-            log.warning("capture server %s unreachable (%s); waiting up to %.0f s for it", self.base_url,
-                        type(exc).__name__, limit)
+            log.warning(
+                "capture server %s unreachable (%s); waiting up to %.0f s for it",
+                self.base_url,
+                type(exc).__name__,
+                limit,
+            )
             deadline = time.monotonic() + limit
             while time.monotonic() < deadline and not _server_healthy(self.base_url):
                 time.sleep(2.0)
-            log.warning("capture server %s is %s", self.base_url,
-                        "back" if _server_healthy(self.base_url) else f"still down after {limit:.0f} s")
+            log.warning(
+                "capture server %s is %s",
+                self.base_url,
+                "back" if _server_healthy(self.base_url) else f"still down after {limit:.0f} s",
+            )
             raise  # SpecForge requeues the prompts (retryable) and its next call finds the server up
 
     setattr(produce_refs, _WRAPPED_FLAG, True)
@@ -178,8 +185,11 @@ def _install_outage_wait() -> None:
 RESTARTABLE_ENV = "SPECFORGE_KIMI_CONSUMER_RESTARTABLE"
 # a surviving rank's collective failing because a sibling died (the sibling's own failure, if it could
 # publish one, is not suppressed); torch's gloo and NCCL wordings
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer",
-             "remote process exited or there was a network error")
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+)
 
 
 def _peer_stop(reason: str) -> bool:
@@ -201,7 +211,9 @@ def _install_restartable_consumer_failure() -> None:
 
             logging.getLogger("specforge_kimi").warning(
                 "consumer stopped by a signal or a lost peer rank (%s) with a keeper restart left: not publishing "
-                "consumer_failed, the producer waits for the resumed consumer", reason)
+                "consumer_failed, the producer waits for the resumed consumer",
+                reason,
+            )
             return
         return original(self, reason)
 

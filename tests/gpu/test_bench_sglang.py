@@ -33,14 +33,13 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
 
     import specforge_kimi
     from specforge_kimi.data import corpus
-    from specforge_kimi.demo.pipeline import _draft_config, _rows
-    from specforge_kimi.drafts.export import finalize_sglang_export
-    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
-    from specforge_kimi.drafts.export import export_sglang
     from specforge_kimi.data.corpus import TRAIN_SEED
-    from specforge_kimi.target.checkpoint import inspect_target
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
     from specforge_kimi.data.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
+    from specforge_kimi.demo.pipeline import _draft_config, _rows
+    from specforge_kimi.drafts.export import export_sglang, finalize_sglang_export
+    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
 
     specforge_kimi.register()
     work.mkdir(parents=True, exist_ok=True)
@@ -48,8 +47,9 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
     rows = _rows(list(corpus.conversations(2000, seed=TRAIN_SEED)), build_standin_tokenizer())
     counts = Counter(t for ids, mask in rows for t, m in zip(ids, mask, strict=True) if m)
     draft_vocab = len(set(counts) | set(emitted_special_ids()))
-    mapping = build_vocab_mapping(counts, draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size,
-                                  source={"test": "untrained draft"})
+    mapping = build_vocab_mapping(
+        counts, draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size, source={"test": "untrained draft"}
+    )
     vm = save_vocab_mapping(mapping, work / "vocab_mapping.pt")
     aux = AuxLayers.from_specforge(default_specforge_ids(info.num_layers), info.num_layers)
     cfg_path = work / "draft_config.json"
@@ -64,8 +64,8 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
 
 
 def test_bench_against_sglang(tmp_path):
-    from specforge_kimi.evaluate.bench import BenchSettings, SpecConfig, run_bench
     from specforge_kimi.demo.pretrain import pretrain_structured_target
+    from specforge_kimi.evaluate.bench import BenchSettings, SpecConfig, run_bench
     from specforge_kimi.target.tiny import TinySpec
 
     given_target = os.environ.get("SPECFORGE_KIMI_BENCH_TARGET")
@@ -78,10 +78,22 @@ def test_bench_against_sglang(tmp_path):
         pre = pretrain_structured_target(target, TinySpec(), seconds=40, device="cuda", progress=False)
         draft = untrained_draft(target, tmp_path / "draft", tmp_path / "draft-work")
     settings = BenchSettings(
-        target=str(target), draft=str(draft), configs=[SpecConfig(3, 1, 4)], sets=["structured", "chat"],
-        num_prompts=8, max_new_tokens=64, concurrency=2, warmup=1, mem_fraction_static=0.3,
-        disable_cuda_graph=True, start_timeout_s=START_TIMEOUT, standin_tokenizer=True,
-        min_acceptance_length=1.0, threshold_sets=["structured"], out_dir=str(tmp_path / "bench"))
+        target=str(target),
+        draft=str(draft),
+        configs=[SpecConfig(3, 1, 4)],
+        sets=["structured", "chat"],
+        num_prompts=8,
+        max_new_tokens=64,
+        concurrency=2,
+        warmup=1,
+        mem_fraction_static=0.3,
+        disable_cuda_graph=True,
+        start_timeout_s=START_TIMEOUT,
+        standin_tokenizer=True,
+        min_acceptance_length=1.0,
+        threshold_sets=["structured"],
+        out_dir=str(tmp_path / "bench"),
+    )
     try:
         result = run_bench(settings)
     finally:
@@ -107,15 +119,35 @@ def test_bench_against_sglang(tmp_path):
     assert run["speedup"]["overall"] is not None
     assert result["threshold"]["passed"], result["threshold"]
     summary = {
-        "target": str(target), "draft": str(draft), "untrained_draft": pre is not None,
-        "pretrain": None if pre is None else {"steps": pre["train"]["steps"], "loss_first": pre["train"]["loss_first"],
-                                              "loss_last": pre["train"]["loss_last"], "heldout": pre["heldout"]},
+        "target": str(target),
+        "draft": str(draft),
+        "untrained_draft": pre is not None,
+        "pretrain": None
+        if pre is None
+        else {
+            "steps": pre["train"]["steps"],
+            "loss_first": pre["train"]["loss_first"],
+            "loss_last": pre["train"]["loss_last"],
+            "heldout": pre["heldout"],
+        },
         "startup_s": {"baseline": result["baseline"]["startup_s"], "eagle3": run["startup_s"]},
-        "sets": {n: {k: s.get(k) for k in ("acceptance_length", "acceptance_length_decode", "accept_rate",
-                                            "output_tok_per_s", "per_position", "correct_drafts_histogram")}
-                 for n, s in run["sets"].items()},
+        "sets": {
+            n: {
+                k: s.get(k)
+                for k in (
+                    "acceptance_length",
+                    "acceptance_length_decode",
+                    "accept_rate",
+                    "output_tok_per_s",
+                    "per_position",
+                    "correct_drafts_histogram",
+                )
+            }
+            for n, s in run["sets"].items()
+        },
         "baseline_tok_per_s": {n: s["output_tok_per_s"] for n, s in result["baseline"]["sets"].items()},
-        "speedup": run["speedup"], "output_match": run["output_match"],
+        "speedup": run["speedup"],
+        "output_match": run["output_match"],
         "server_info_avg_spec_accept_length": run["server_info_avg_spec_accept_length"],
         "wall_s": result["wall_s"],
     }

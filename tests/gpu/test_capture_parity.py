@@ -50,12 +50,60 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC = dict(layers=8, hidden=512, heads=8, experts=8, experts_per_token=8, moe_intermediate=256,
-            dense_intermediate=1024, q_lora_rank=1536, seed=0)
+SPEC = dict(
+    layers=8,
+    hidden=512,
+    heads=8,
+    experts=8,
+    experts_per_token=8,
+    moe_intermediate=256,
+    dense_intermediate=1024,
+    q_lora_rank=1536,
+    seed=0,
+)
 #: 40 prompts, 16..1024 tokens; each capture request carries <= MAX_BATCH_TOKENS tokens.
-LENGTHS = (16, 17, 23, 31, 32, 48, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300, 384, 450,
-           500, 511, 512, 513, 600, 640, 700, 767, 768, 800, 850, 900, 950, 1000, 1001, 1023, 1024,
-           37, 333, 777, 999)
+LENGTHS = (
+    16,
+    17,
+    23,
+    31,
+    32,
+    48,
+    64,
+    65,
+    100,
+    127,
+    128,
+    129,
+    200,
+    255,
+    256,
+    257,
+    300,
+    384,
+    450,
+    500,
+    511,
+    512,
+    513,
+    600,
+    640,
+    700,
+    767,
+    768,
+    800,
+    850,
+    900,
+    950,
+    1000,
+    1001,
+    1023,
+    1024,
+    37,
+    333,
+    777,
+    999,
+)
 #: SGLang fuses all-reduce + residual + RMSNorm only for batches of <= 2048 tokens
 #: (communicator.FUSE_ALLREDUCE_MAX_BATCH_SIZE); larger batches take the unfused path.
 MAX_BATCH_TOKENS = 2048
@@ -71,8 +119,16 @@ DEADLINE = float(os.environ.get("SPECFORGE_KIMI_GPU_DEADLINE", "0")) or None
 #: attention data parallel 8 (--enable-dp-attention --dp-size 8: each rank attends over its own requests,
 #: tokens are gathered for the MoE and scattered back, and every rank is its group's capture writer).
 #: ``-k "tp1_fusion-off or tp8"`` runs the TP=8 set with the TP=1 base it is compared against.
-CONFIGS = [(1, False, 1, 1), (1, True, 1, 1), (2, False, 1, 1), (2, True, 1, 1),
-           (8, False, 1, 1), (8, True, 1, 1), (8, False, 8, 1), (8, False, 1, 8)]
+CONFIGS = [
+    (1, False, 1, 1),
+    (1, True, 1, 1),
+    (2, False, 1, 1),
+    (2, True, 1, 1),
+    (8, False, 1, 1),
+    (8, True, 1, 1),
+    (8, False, 8, 1),
+    (8, False, 1, 8),
+]
 
 #: Server-log lines that say whether FlashInfer all-reduce fusion really ran.
 LOG_EVIDENCE = {
@@ -88,8 +144,14 @@ LOG_EVIDENCE = {
     "fusion_comm_unavailable": "FlashInfer comm not available",
     "spec_capture_sink_connected": "spec-capture mooncake sink connected",
 }
-FUSION_FALLBACK_KEYS = ("fusion_api_unavailable", "no_cuda_tile", "fusion_workspace_failed",
-                        "fusion_preflight_failed", "fusion_disabled_globally", "fusion_comm_unavailable")
+FUSION_FALLBACK_KEYS = (
+    "fusion_api_unavailable",
+    "no_cuda_tile",
+    "fusion_workspace_failed",
+    "fusion_preflight_failed",
+    "fusion_disabled_globally",
+    "fusion_comm_unavailable",
+)
 
 
 def rel_bound(tokens: int) -> float:
@@ -97,7 +159,9 @@ def rel_bound(tokens: int) -> float:
 
 
 def run_name(tp: int, fusion: bool, ep: int = 1, dp: int = 1) -> str:
-    return f"tp{tp}_fusion-{'on' if fusion else 'off'}" + (f"_ep{ep}" if ep > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
+    return (
+        f"tp{tp}_fusion-{'on' if fusion else 'off'}" + (f"_ep{ep}" if ep > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,15 +187,25 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "transformers", "sglang", "sglang-kernel", "specforge", "flashinfer-python",
-                 "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-non-cuda", "cuda-tile"):
+    for name in (
+        "torch",
+        "transformers",
+        "sglang",
+        "sglang-kernel",
+        "specforge",
+        "flashinfer-python",
+        "mooncake-transfer-engine-cuda13",
+        "mooncake-transfer-engine-non-cuda",
+        "cuda-tile",
+    ):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = None
     spec = importlib.util.find_spec("sglang.srt.spec_capture_sink")
     out["spec_capture_sink_sha256"] = (
-        hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else None)
+        hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else None
+    )
     return out
 
 
@@ -201,18 +275,23 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
             out = decoder(input_ids=torch.tensor([ids], device=dev), use_cache=False, output_hidden_states=True)
             hs = out.hidden_states
             assert len(hs) == layers + 1
-            for chunk, p in zip(cap["aux"].chunk(len(aux.positions), dim=-1), aux.positions):
+            for chunk, p in zip(cap["aux"].chunk(len(aux.positions), dim=-1), aux.positions, strict=False):
                 assert torch.equal(chunk, hs[p]), "reference hooks disagree with output_hidden_states"
             assert torch.equal(cap["last"], hs[-1])
-            refs.append({"aux": cap["aux"][0].cpu(), "last": cap["last"][0].cpu(),
-                         "hs": {q: hs[q][0].cpu() for q in needed}})
+            refs.append(
+                {"aux": cap["aux"][0].cpu(), "last": cap["last"][0].cpu(), "hs": {q: hs[q][0].cpu() for q in needed}}
+            )
     del model, decoder
     if dev == "cuda":
         torch.cuda.empty_cache()
     _SUMMARY.setdefault("reference", {}).update(
-        {"impl": "transformers DeepseekV3Model fp32 (no TF32, eager attention and experts) + "
-                 "specforge_kimi.target.capture hooks",
-         "device": dev, "seconds": round(time.time() - t0, 2)})
+        {
+            "impl": "transformers DeepseekV3Model fp32 (no TF32, eager attention and experts) + "
+            "specforge_kimi.target.capture hooks",
+            "device": dev,
+            "seconds": round(time.time() - t0, 2),
+        }
+    )
     return refs
 
 
@@ -239,7 +318,7 @@ def _group_processes(pgid: int) -> list[dict]:
             continue
         try:
             stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[2]) != pgid:
                 continue
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -280,16 +359,24 @@ def mooncake_master(workdir: Path):
     from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
 
     rpc, meta, metrics = _free_ports(3)
-    mc = mooncake_config(rpc_port=rpc, metadata_port=meta, metrics_port=metrics,
-                         global_segment_size_bytes=4 << 30, local_buffer_size_bytes=512 << 20)
+    mc = mooncake_config(
+        rpc_port=rpc,
+        metadata_port=meta,
+        metrics_port=metrics,
+        global_segment_size_bytes=4 << 30,
+        local_buffer_size_bytes=512 << 20,
+    )
     log = open(workdir / "mooncake_master.log", "wb")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(mooncake_master_argv(mc), env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        mooncake_master_argv(mc), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         ok = _wait_tcp(rpc, 30) and _wait_tcp(meta, 30)
         if not ok or proc.poll() is not None:
-            raise RuntimeError(f"mooncake master did not come up: {(workdir / 'mooncake_master.log').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"mooncake master did not come up: {(workdir / 'mooncake_master.log').read_text()[-2000:]}"
+            )
         yield mc
     finally:
         _stop_group(proc, grace_s=5)
@@ -305,9 +392,18 @@ class ServerStartError(RuntimeError):
 def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep: int = 1, dp: int = 1) -> list[str]:
     from specforge_kimi.online.capture_server import capture_server_argv
 
-    return capture_server_argv(ckpt, tp=tp, port=port, aux_specforge_ids=aux_ids, fusion=fusion,
-                               attention_backend="triton", mem_fraction_static=0.4,
-                               context_length=MAX_BATCH_TOKENS + 7, ep_size=ep, dp_attention_size=dp)
+    return capture_server_argv(
+        ckpt,
+        tp=tp,
+        port=port,
+        aux_specforge_ids=aux_ids,
+        fusion=fusion,
+        attention_backend="triton",
+        mem_fraction_static=0.4,
+        context_length=MAX_BATCH_TOKENS + 7,
+        ep_size=ep,
+        dp_attention_size=dp,
+    )
 
 
 def _health(port: int) -> bool:
@@ -327,8 +423,9 @@ def _compiling(procs: list[dict]) -> list[str]:
 
 
 @contextmanager
-def capture_server(argv: list[str], env: dict, log_path: Path, port: int, timeout_s: float,
-                   hard_limit_s: float | None = None):
+def capture_server(
+    argv: list[str], env: dict, log_path: Path, port: int, timeout_s: float, hard_limit_s: float | None = None
+):
     """Start, wait for /health, yield. Past ``timeout_s`` it keeps waiting up to ``hard_limit_s``
     only while a compiler (a JIT build) runs in the server's process group. On a stall it dumps
     every Python stack into the log (PYTHONFAULTHANDLER + SIGABRT) and raises
@@ -337,16 +434,16 @@ def capture_server(argv: list[str], env: dict, log_path: Path, port: int, timeou
     env = {**env, "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
     hard_limit_s = max(timeout_s, hard_limit_s or timeout_s)
     t0 = time.time()
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=str(REPO))
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
     samples, next_sample = [], 30.0
     try:
         while not _health(port):
             elapsed = time.time() - t0
             if proc.poll() is not None:
-                raise ServerStartError(f"server exited with {proc.returncode} before /health",
-                                       {"exit_code": proc.returncode, "after_s": round(elapsed, 1),
-                                        "samples": samples})
+                raise ServerStartError(
+                    f"server exited with {proc.returncode} before /health",
+                    {"exit_code": proc.returncode, "after_s": round(elapsed, 1), "samples": samples},
+                )
             if elapsed >= next_sample:
                 procs = _group_processes(proc.pid)
                 samples.append({"t_s": round(elapsed), "processes": len(procs), "compilers": _compiling(procs)})
@@ -362,9 +459,10 @@ def capture_server(argv: list[str], env: dict, log_path: Path, port: int, timeou
                             pass
                         time.sleep(1.0)  # one dump at a time: they share the log
                 time.sleep(3)
-                raise ServerStartError(f"server not healthy after {elapsed:.0f} s",
-                                       {"stalled_after_s": round(elapsed, 1), "processes": procs,
-                                        "samples": samples})
+                raise ServerStartError(
+                    f"server not healthy after {elapsed:.0f} s",
+                    {"stalled_after_s": round(elapsed, 1), "processes": procs, "samples": samples},
+                )
             time.sleep(1.0)
         startup_s = time.time() - t0
         yield startup_s
@@ -410,7 +508,10 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
     back with SpecForge's Mooncake store. Returns ``{index: (aux [T,3H], last [T,H])}`` (bf16)."""
     from specforge.algorithms.eagle3.providers import create_registration
     from specforge.inference.adapters.server_capture import (
-        ServerCaptureFailure, ServerCaptureSchema, SGLangServerCaptureAdapter)
+        ServerCaptureFailure,
+        ServerCaptureSchema,
+        SGLangServerCaptureAdapter,
+    )
     from specforge.inference.capture import CaptureConfig
     from specforge.runtime.contracts import PromptTask, SampleRef
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
@@ -420,30 +521,58 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
     algorithm = create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
     layout = streaming.layout
-    schema = ServerCaptureSchema(aux_feature=layout.aux_feature, last_hidden_feature=layout.last_hidden_feature,
-                                 passthrough=layout.passthrough,
-                                 attention_mask_feature=layout.attention_mask_feature)
+    schema = ServerCaptureSchema(
+        aux_feature=layout.aux_feature,
+        last_hidden_feature=layout.last_hidden_feature,
+        passthrough=layout.passthrough,
+        attention_mask_feature=layout.attention_mask_feature,
+    )
     contract = algorithm.spec.feature_contract("streaming", "text")
     capture_cfg = CaptureConfig.from_strategy(
-        required_features=contract.required_tensors, aux_hidden_state_layer_ids=tuple(aux_ids),
-        target_repr=streaming.target_representation, target_hidden_size=SPEC["hidden"],
-        target_vocab_size=163840)
+        required_features=contract.required_tensors,
+        aux_hidden_state_layer_ids=tuple(aux_ids),
+        target_repr=streaming.target_representation,
+        target_hidden_size=SPEC["hidden"],
+        target_vocab_size=163840,
+    )
     store = MooncakeFeatureStore(store_id="kimi-parity", setup_kwargs=mooncake_reader_setup_kwargs(mc))
-    adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=algorithm.name, schema=schema,
-                                         timeout_s=300.0, target_model_version="tiny-k25")
+    adapter = SGLangServerCaptureAdapter(
+        url,
+        store,
+        run_id=run_id,
+        algorithm=algorithm.name,
+        schema=schema,
+        timeout_s=300.0,
+        target_model_version="tiny-k25",
+    )
     out: dict[int, tuple] = {}
-    stats = {"requests": [], "layout": {"aux": layout.aux_feature, "last": layout.last_hidden_feature},
-             "capture_method": streaming.capture_method}
+    stats = {
+        "requests": [],
+        "layout": {"aux": layout.aux_feature, "last": layout.last_hidden_feature},
+        "capture_method": streaming.capture_method,
+    }
     for group in _batches(prompts):
-        tasks = [PromptTask(task_id=f"p{i:03d}", run_id=run_id, source_id="capture-parity",
-                            payload={"input_ids": prompts[i], "loss_mask": [1] * len(prompts[i])},
-                            max_length=MAX_BATCH_TOKENS, metadata={"num_tokens": len(prompts[i])})
-                 for i in group]
+        tasks = [
+            PromptTask(
+                task_id=f"p{i:03d}",
+                run_id=run_id,
+                source_id="capture-parity",
+                payload={"input_ids": prompts[i], "loss_mask": [1] * len(prompts[i])},
+                max_length=MAX_BATCH_TOKENS,
+                metadata={"num_tokens": len(prompts[i])},
+            )
+            for i in group
+        ]
         t0 = time.time()
         results = adapter.produce_refs(tasks, capture=capture_cfg)
-        stats["requests"].append({"prompts": len(group), "tokens": sum(len(prompts[i]) for i in group),
-                                  "seconds": round(time.time() - t0, 3)})
-        for i, res in zip(group, results):
+        stats["requests"].append(
+            {
+                "prompts": len(group),
+                "tokens": sum(len(prompts[i]) for i in group),
+                "seconds": round(time.time() - t0, 3),
+            }
+        )
+        for i, res in zip(group, results, strict=False):
             if isinstance(res, ServerCaptureFailure):
                 raise AssertionError(f"prompt {i} ({len(prompts[i])} tokens): {res.reason}")
             assert isinstance(res, SampleRef)
@@ -478,19 +607,34 @@ def compare_to_reference(captures: dict, reference: list, aux) -> list[dict]:
         assert tuple(aux_sg.shape) == (tokens, n * SPEC["hidden"]), f"prompt {i}: aux shape {tuple(aux_sg.shape)}"
         assert tuple(last_sg.shape) == (tokens, SPEC["hidden"]), f"prompt {i}: last shape {tuple(last_sg.shape)}"
         slots = []
-        for k, (chunk, p) in enumerate(zip(aux_sg.chunk(n, dim=-1), aux.positions)):
+        for k, (chunk, p) in enumerate(zip(aux_sg.chunk(n, dim=-1), aux.positions, strict=False)):
             right = ref["hs"][p]
             cos = _cos(chunk, right)
             rel = _rel(chunk, right)
             rel_prev, rel_next = _rel(chunk, ref["hs"][p - 1]), _rel(chunk, ref["hs"][p + 1])
-            slots.append({"slot": k, "hf_index": p, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
-                          "rel": rel, "rel_vs_prev": rel_prev, "rel_vs_next": rel_next,
-                          "margin": min(rel_prev, rel_next) / max(rel, 1e-12)})
+            slots.append(
+                {
+                    "slot": k,
+                    "hf_index": p,
+                    "cos_min": float(cos.min()),
+                    "cos_mean": float(cos.mean()),
+                    "rel": rel,
+                    "rel_vs_prev": rel_prev,
+                    "rel_vs_next": rel_next,
+                    "margin": min(rel_prev, rel_next) / max(rel, 1e-12),
+                }
+            )
         cos = _cos(last_sg, ref["last"])
         rel = _rel(last_sg, ref["last"])
         pre_norm = _rel(last_sg, ref["hs"][SPEC["layers"] - 1])
-        last = {"hf_index": -1, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()), "rel": rel,
-                "rel_vs_residual_before_last_layer": pre_norm, "margin": pre_norm / max(rel, 1e-12)}
+        last = {
+            "hf_index": -1,
+            "cos_min": float(cos.min()),
+            "cos_mean": float(cos.mean()),
+            "rel": rel,
+            "rel_vs_residual_before_last_layer": pre_norm,
+            "margin": pre_norm / max(rel, 1e-12),
+        }
         rows.append({"prompt": i, "tokens": tokens, "rel_bound": rel_bound(tokens), "aux": slots, "last": last})
     return rows
 
@@ -501,8 +645,12 @@ def compare_runs(a: dict, b: dict, lengths) -> list[dict]:
         row = {"prompt": i, "tokens": tokens, "rel_bound": rel_bound(tokens)}
         for name, x, y in (("aux", a[i][0], b[i][0]), ("last", a[i][1], b[i][1])):
             cos = _cos(x, y)
-            row[name] = {"cos_min": float(cos.min()), "cos_mean": float(cos.mean()), "rel": _rel(x, y),
-                         "bitwise_equal": bool((x == y).all())}
+            row[name] = {
+                "cos_min": float(cos.min()),
+                "cos_mean": float(cos.mean()),
+                "rel": _rel(x, y),
+                "bitwise_equal": bool((x == y).all()),
+            }
         rows.append(row)
     return rows
 
@@ -518,8 +666,12 @@ def _buckets(rows: list[dict], cols) -> list[dict]:
         b = {"tokens": f"{lo}-{hi}", "prompts": len(sel)}
         for label, get in cols:
             vals = [get(r) for r in sel]
-            b[label] = {"cos_min": min(v["cos_min"] for v in vals), "cos_mean": sum(v["cos_mean"] for v in vals) / len(vals),
-                        "rel_max": max(v["rel"] for v in vals), "rel_mean": sum(v["rel"] for v in vals) / len(vals)}
+            b[label] = {
+                "cos_min": min(v["cos_min"] for v in vals),
+                "cos_mean": sum(v["cos_mean"] for v in vals) / len(vals),
+                "rel_max": max(v["rel"] for v in vals),
+                "rel_mean": sum(v["rel"] for v in vals) / len(vals),
+            }
             if "margin" in vals[0]:
                 b[label]["margin_min"] = min(v["margin"] for v in vals)
         out.append(b)
@@ -532,12 +684,16 @@ def _worst(rows: list[dict]) -> dict:
     out = {}
     labels = ["aux"] if not isinstance(rows[0]["aux"], list) else [f"aux_slot{k}" for k in range(len(rows[0]["aux"]))]
     for label in labels + ["last"]:
-        get = (lambda r, lb=label: r["aux"][int(lb[8:])]) if label.startswith("aux_slot") else (lambda r, lb=label: r[lb])
+        get = (
+            (lambda r, lb=label: r["aux"][int(lb[8:])]) if label.startswith("aux_slot") else (lambda r, lb=label: r[lb])
+        )
         vals = [(r, get(r)) for r in rows]
-        w = {"cos_min": min(v["cos_min"] for _, v in vals),
-             "cos_mean": sum(v["cos_mean"] for _, v in vals) / len(vals),
-             "rel_max": max(v["rel"] for _, v in vals),
-             "rel_over_bound_max": max(v["rel"] / r["rel_bound"] for r, v in vals)}
+        w = {
+            "cos_min": min(v["cos_min"] for _, v in vals),
+            "cos_mean": sum(v["cos_mean"] for _, v in vals) / len(vals),
+            "rel_max": max(v["rel"] for _, v in vals),
+            "rel_over_bound_max": max(v["rel"] / r["rel_bound"] for r, v in vals),
+        }
         if "margin" in vals[0][1]:
             w["margin_min"] = min(v["margin"] for _, v in vals)
         if "hf_index" in vals[0][1]:
@@ -549,8 +705,11 @@ def _worst(rows: list[dict]) -> dict:
 def _failures(rows: list[dict], *, with_identity: bool) -> list[str]:
     bad = []
     for r in rows:
-        entries = [(f"aux slot {s['slot']} (hf {s['hf_index']})", s) for s in r["aux"]] if isinstance(r["aux"], list) \
+        entries = (
+            [(f"aux slot {s['slot']} (hf {s['hf_index']})", s) for s in r["aux"]]
+            if isinstance(r["aux"], list)
             else [("aux", r["aux"])]
+        )
         entries.append(("last", r["last"]))
         for label, m in entries:
             where = f"prompt {r['prompt']} ({r['tokens']} tok) {label}"
@@ -580,9 +739,15 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
     _SUMMARY.setdefault("aux_specforge_ids", list(aux_ids))
     _SUMMARY.setdefault("aux_hf_positions", list(aux.positions))
     _SUMMARY.setdefault("prompt_lengths", [len(p) for p in prompts])
-    _SUMMARY.setdefault("tolerances", {"per_token_cos_min": COS_MIN, "rel_frobenius_bound": "0.02 + 0.04*T/1024",
-                                       "layer_identity_margin_min": MARGIN_MIN,
-                                       "max_tokens_per_request": MAX_BATCH_TOKENS})
+    _SUMMARY.setdefault(
+        "tolerances",
+        {
+            "per_token_cos_min": COS_MIN,
+            "rel_frobenius_bound": "0.02 + 0.04*T/1024",
+            "layer_identity_margin_min": MARGIN_MIN,
+            "max_tokens_per_request": MAX_BATCH_TOKENS,
+        },
+    )
     runs = _SUMMARY.setdefault("runs", {})
     if fusion and tp == 1:
         runs[name] = {"status": "skipped", "reason": "all-reduce fusion needs TP > 1"}
@@ -601,8 +766,11 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
             runs[name] = {"status": "skipped", "reason": f"only {timeout_s:.0f} s left before the deadline"}
             _write_summary(out_dir)
             pytest.skip("not enough time left before SPECFORGE_KIMI_GPU_DEADLINE")
-    run = runs[name] = {"status": "starting", "start_timeout_s": round(timeout_s),
-                        "start_hard_limit_if_compiling_s": round(hard_limit_s)}
+    run = runs[name] = {
+        "status": "starting",
+        "start_timeout_s": round(timeout_s),
+        "start_hard_limit_if_compiling_s": round(hard_limit_s),
+    }
     port = _free_ports(1)[0]
     server_log = tmp_path / f"server_{name}.log"
     try:
@@ -610,13 +778,15 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
             argv = server_command(tiny_k25, tp=tp, fusion=fusion, port=port, aux_ids=aux_ids, ep=ep, dp=dp)
             extra_env = capture_server_env(mc, cuda_visible_devices=list(range(tp)))
             run.update({"server_argv": argv[1:], "server_env": extra_env})
-            env = {**os.environ, **extra_env,
-                   "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+            env = {
+                **os.environ,
+                **extra_env,
+                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+            }
             with capture_server(argv, env, server_log, port, timeout_s, hard_limit_s) as startup_s:
                 run["startup_s"] = round(startup_s, 1)
                 t0 = time.time()
-                captures, stats = capture_via_specforge(f"http://127.0.0.1:{port}", mc, prompts, aux_ids,
-                                                        run_id=name)
+                captures, stats = capture_via_specforge(f"http://127.0.0.1:{port}", mc, prompts, aux_ids, run_id=name)
                 run["capture_s"] = round(time.time() - t0, 2)
                 run["requests"] = stats
     except ServerStartError as exc:
@@ -635,26 +805,38 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
 
     ev = run["log_evidence"]
     run["fusion_active"] = bool(ev["fusion_workspace_initialized"]["count"]) and not any(
-        ev[k]["count"] for k in FUSION_FALLBACK_KEYS)
+        ev[k]["count"] for k in FUSION_FALLBACK_KEYS
+    )
     rows = compare_to_reference(captures, reference, aux)
     run["per_prompt"] = rows
-    run["by_length"] = _buckets(rows, [(f"aux_slot{k}_hf{p}", (lambda r, k=k: r["aux"][k]))
-                                       for k, p in enumerate(aux.positions)] + [("last", lambda r: r["last"])])
+    run["by_length"] = _buckets(
+        rows,
+        [(f"aux_slot{k}_hf{p}", (lambda r, k=k: r["aux"][k])) for k, p in enumerate(aux.positions)]
+        + [("last", lambda r: r["last"])],
+    )
     run["worst"] = _worst(rows)
     failures = _failures(rows, with_identity=True)
     _CAPTURES[name] = captures
     base = run_name(1, False)
     if tp > 1 and base in _CAPTURES:
         cross = compare_runs(captures, _CAPTURES[base], [len(p) for p in prompts])
-        run["vs_tp1"] = {"worst": _worst(cross), "per_prompt": cross,
-                         "by_length": _buckets(cross, [("aux", lambda r: r["aux"]), ("last", lambda r: r["last"])])}
+        run["vs_tp1"] = {
+            "worst": _worst(cross),
+            "per_prompt": cross,
+            "by_length": _buckets(cross, [("aux", lambda r: r["aux"]), ("last", lambda r: r["last"])]),
+        }
         failures += [f"vs {base}: {f}" for f in _failures(cross, with_identity=False)]
     run["failures"] = failures
     fusion_problem = None
     if fusion and not run["fusion_active"]:
         fusion_problem = "fusion requested but the server log shows it did not run: " + json.dumps(
-            {k: v["first"] for k, v in ev.items() if v["count"] and k.startswith("fusion")})
-    if not fusion and tp > 1 and (not ev["fusion_forcibly_disabled"]["count"] or ev["fusion_workspace_initialized"]["count"]):
+            {k: v["first"] for k, v in ev.items() if v["count"] and k.startswith("fusion")}
+        )
+    if (
+        not fusion
+        and tp > 1
+        and (not ev["fusion_forcibly_disabled"]["count"] or ev["fusion_workspace_initialized"]["count"])
+    ):
         fusion_problem = "fusion should be off but the log does not show it forcibly disabled"
     run["status"] = "passed" if not failures and not fusion_problem else "failed"
     _write_summary(out_dir)
@@ -669,4 +851,3 @@ def _gpu_names() -> list[str]:
     if not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-

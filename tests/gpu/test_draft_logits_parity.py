@@ -60,29 +60,45 @@ def sglang_forward(export_dir: str, inputs_path: str, out_path: str, backend: st
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints.engine import _set_envs_and_config
     from sglang.srt.layers.communicator import get_attn_tp_context
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import PortArgs, ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    server_args = ServerArgs(model_path=export_dir, skip_tokenizer_init=True, attention_backend=backend,
-                             disable_cuda_graph=True, disable_radix_cache=True, mem_fraction_static=0.3,
-                             dtype="bfloat16", tp_size=1)
+    server_args = ServerArgs(
+        model_path=export_dir,
+        skip_tokenizer_init=True,
+        attention_backend=backend,
+        disable_cuda_graph=True,
+        disable_radix_cache=True,
+        mem_fraction_static=0.3,
+        dtype="bfloat16",
+        tp_size=1,
+    )
     _set_envs_and_config(server_args)
     port_args = PortArgs.init_new(server_args)
     initialize_moe_config(server_args)
     initialize_fp8_gemm_config(server_args)
     initialize_fp4_gemm_config(server_args)
-    runner = ModelRunner(model_config=ModelConfig.from_server_args(server_args),
-                         mem_fraction_static=server_args.mem_fraction_static, gpu_id=0, tp_rank=0, tp_size=1,
-                         moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1, nccl_port=port_args.nccl_port,
-                         server_args=server_args)
+    runner = ModelRunner(
+        model_config=ModelConfig.from_server_args(server_args),
+        mem_fraction_static=server_args.mem_fraction_static,
+        gpu_id=0,
+        tp_rank=0,
+        tp_size=1,
+        moe_ep_rank=0,
+        moe_ep_size=1,
+        pp_rank=0,
+        pp_size=1,
+        nccl_port=port_args.nccl_port,
+        server_args=server_args,
+    )
     runner.alloc_memory_pool()
     runner.init_attention_backends()
     inputs = torch.load(inputs_path)
@@ -91,19 +107,31 @@ def sglang_forward(export_dir: str, inputs_path: str, out_path: str, backend: st
 
     reqs = []
     for i, ids in enumerate(inputs["input_ids"]):
-        req = Req(rid=i, origin_input_text="", origin_input_ids=array("q", ids.tolist()),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        req = Req(
+            rid=i,
+            origin_input_text="",
+            origin_input_ids=array("q", ids.tolist()),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+        )
         req.full_untruncated_fill_ids = req.origin_input_ids
         req.fill_len = len(req.full_untruncated_fill_ids)
         req.logprob_start_len = -1
         req.set_extend_input_len(req.fill_len - len(req.prefix_indices))
         reqs.append(req)
-    tree_cache = TreeCacheNamespace(page_size=server_args.page_size, device=runner.device,
-                                    token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
-    batch = ScheduleBatch.init_new(reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-                                   token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
-                                   tree_cache=tree_cache, model_config=runner.model_config, enable_overlap=False,
-                                   spec_algorithm=SpeculativeAlgorithm.NONE)
+    tree_cache = TreeCacheNamespace(
+        page_size=server_args.page_size,
+        device=runner.device,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+    )
+    batch = ScheduleBatch.init_new(
+        reqs=reqs,
+        req_to_token_pool=runner.req_to_token_pool,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        tree_cache=tree_cache,
+        model_config=runner.model_config,
+        enable_overlap=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+    )
     batch.prepare_for_extend()
     if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
         batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
@@ -115,12 +143,21 @@ def sglang_forward(export_dir: str, inputs_path: str, out_path: str, backend: st
         runner.attn_backend.init_forward_metadata(forward_batch)
         # ModelRunner._forward_raw publishes this context around every forward; model code reads the
         # attention backend (and through it the KV pools) from it
-        with forward_context(ForwardContext(attn_backend=runner.attn_backend)), \
-                get_attn_tp_context().maybe_input_scattered(forward_batch):
+        with (
+            forward_context(ForwardContext(attn_backend=runner.attn_backend)),
+            get_attn_tp_context().maybe_input_scattered(forward_batch),
+        ):
             to_logits, aux_out = model.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         logits = to_logits.float() @ model.lm_head.weight.float().T
-    torch.save({"logits": logits.cpu(), "aux": aux_out[0].float().cpu(), "positions": forward_batch.positions.cpu(),
-                "input_ids": forward_batch.input_ids.cpu()}, out_path)
+    torch.save(
+        {
+            "logits": logits.cpu(),
+            "aux": aux_out[0].float().cpu(),
+            "positions": forward_batch.positions.cpu(),
+            "input_ids": forward_batch.input_ids.cpu(),
+        },
+        out_path,
+    )
 
 
 # ---- the training side and the comparison ---------------------------------------------------
@@ -129,17 +166,45 @@ def _draft_config(arch: str) -> dict:
         from specforge_kimi.drafts.mla_eagle3 import _base_config, _k25_rope
 
         # K2.5's MLA head dims and rope (SGLang's MLA kernels are built for them), small width.
-        return _base_config(hidden=HIDDEN, heads=16, intermediate=2048, q_lora_rank=1536, kv_lora_rank=512,
-                            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=VOCAB,
-                            draft_vocab_size=DRAFT_VOCAB, aux_ids=[1, 29, 57], rope_scaling=_k25_rope(),
-                            rope_theta=50000.0, max_position_embeddings=262144, rms_norm_eps=1e-5,
-                            pad_token_id=0, fc_norm=True, norm_output=False)
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-            "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
-            "intermediate_size": 2048, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 4096, "rope_theta": 50000.0, "vocab_size": VOCAB,
-            "draft_vocab_size": DRAFT_VOCAB, "pad_token_id": 0, "tie_word_embeddings": False,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+        return _base_config(
+            hidden=HIDDEN,
+            heads=16,
+            intermediate=2048,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            vocab_size=VOCAB,
+            draft_vocab_size=DRAFT_VOCAB,
+            aux_ids=[1, 29, 57],
+            rope_scaling=_k25_rope(),
+            rope_theta=50000.0,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-5,
+            pad_token_id=0,
+            fc_norm=True,
+            norm_output=False,
+        )
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 2048,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "rope_theta": 50000.0,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
+    }
 
 
 def _export(arch: str, work: Path) -> Path:
@@ -174,12 +239,15 @@ def _export(arch: str, work: Path) -> Path:
     model.load_vocab_mapping(str(work / "vm.pt"))
     step = work / "run" / "x-step1"
     step.mkdir(parents=True)
-    torch.save({"strategy": "eagle3", "draft_state_dict": {k: v for k, v in model.state_dict().items()
-                                                           if "embed" not in k}}, step / "training_state.pt")
+    torch.save(
+        {"strategy": "eagle3", "draft_state_dict": {k: v for k, v in model.state_dict().items() if "embed" not in k}},
+        step / "training_state.pt",
+    )
     torch.save(model.embed_tokens.weight.detach().clone(), work / "embed.pt")
     out = work / "export"
-    export_draft(step, work / "draft.json", out, engine="sglang", num_layers=NUM_LAYERS,
-                 vocab_mapping_path=str(work / "vm.pt"))
+    export_draft(
+        step, work / "draft.json", out, engine="sglang", num_layers=NUM_LAYERS, vocab_mapping_path=str(work / "vm.pt")
+    )
     return out
 
 
@@ -191,8 +259,9 @@ def _reference(model, arch: str, ids, aux, mutate=None):
     pos = torch.arange(ids.shape[0], device=ids.device).unsqueeze(0)
     with torch.no_grad():
         hidden = model.project_hidden_states(aux[None])
-        state = model.backbone(model.embed_input_ids(ids[None]), hidden, cache_hidden=None, attention_mask=None,
-                               position_ids=pos)
+        state = model.backbone(
+            model.embed_input_ids(ids[None]), hidden, cache_hidden=None, attention_mask=None, position_ids=pos
+        )
         return model.compute_logits(state)[0].float()
 
 
@@ -203,7 +272,7 @@ def _mutated(model, arch: str, what: str):
     attn = m.midlayer.self_attn
     if arch == "Eagle3DeepseekV2ForCausalLM":
         if what == "no_mscale_softmax":
-            attn.scaling = attn.rope.qk_head_dim ** -0.5
+            attn.scaling = attn.rope.qk_head_dim**-0.5
         elif what == "neox_rope":
             attn.rope = dataclasses.replace(attn.rope, interleaved=False)
     else:
@@ -211,16 +280,20 @@ def _mutated(model, arch: str, what: str):
 
         if what == "theta_div8":
             theta = _draft_config(arch)["rope_theta"]
-            attn.rotary_emb = LlamaRotaryEmbedding(attn.head_dim, max_position_embeddings=4096,
-                                                   base=theta / 8).to(next(m.parameters()).device)
+            attn.rotary_emb = LlamaRotaryEmbedding(attn.head_dim, max_position_embeddings=4096, base=theta / 8).to(
+                next(m.parameters()).device
+            )
         elif what == "theta_1e30":
-            attn.rotary_emb = LlamaRotaryEmbedding(attn.head_dim, max_position_embeddings=4096,
-                                                   base=1e30).to(next(m.parameters()).device)
+            attn.rotary_emb = LlamaRotaryEmbedding(attn.head_dim, max_position_embeddings=4096, base=1e30).to(
+                next(m.parameters()).device
+            )
     return m
 
 
-MUTANTS = {"Eagle3DeepseekV2ForCausalLM": ("no_mscale_softmax", "neox_rope"),
-           "LlamaForCausalLMEagle3": ("theta_div8", "theta_1e30")}
+MUTANTS = {
+    "Eagle3DeepseekV2ForCausalLM": ("no_mscale_softmax", "neox_rope"),
+    "LlamaForCausalLMEagle3": ("theta_div8", "theta_1e30"),
+}
 
 
 def _summary_path() -> Path:
@@ -250,11 +323,19 @@ def test_sglang_logits_equal_training_forward(arch, tmp_path):
     embed = torch.load(tmp_path / "embed.pt")
     torch.save({"input_ids": input_ids, "aux": aux, "embed": embed}, tmp_path / "inputs.pt")
 
-    proc = subprocess.run([sys.executable, __file__, str(export_dir), str(tmp_path / "inputs.pt"),
-                           str(tmp_path / "sglang.pt"), BACKEND], capture_output=True, text=True, timeout=900,
-                          check=False)
-    result = {"backend": BACKEND, "lengths": list(LENGTHS), "returncode": proc.returncode,
-              "tolerance": {"cos_min": COS_MIN, "rel_max": REL_MAX, "margin_min": MARGIN_MIN}}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(export_dir), str(tmp_path / "inputs.pt"), str(tmp_path / "sglang.pt"), BACKEND],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    result = {
+        "backend": BACKEND,
+        "lengths": list(LENGTHS),
+        "returncode": proc.returncode,
+        "tolerance": {"cos_min": COS_MIN, "rel_max": REL_MAX, "margin_min": MARGIN_MIN},
+    }
     if proc.returncode != 0:
         result["stderr_tail"] = proc.stderr[-6000:]
         _record(arch, result)
@@ -263,10 +344,10 @@ def test_sglang_logits_equal_training_forward(arch, tmp_path):
 
     model = load_exported_draft(export_dir, embedding=embed.float()).float().cuda().eval()
     per_seq, offset = [], 0
-    for ids, a in zip(input_ids, aux):
+    for ids, a in zip(input_ids, aux, strict=False):
         t = ids.shape[0]
-        got = sg["logits"][offset: offset + t].cuda()
-        assert torch.equal(sg["positions"][offset: offset + t], torch.arange(t))
+        got = sg["logits"][offset : offset + t].cuda()
+        assert torch.equal(sg["positions"][offset : offset + t], torch.arange(t))
         offset += t
         ids, a = ids.cuda(), a.float().cuda()
         ref = _reference(model, arch, ids, a)
@@ -274,11 +355,20 @@ def test_sglang_logits_equal_training_forward(arch, tmp_path):
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
         top1 = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
         mutant_rel = {w: float((got - _reference(model, arch, ids, a, w)).norm() / ref.norm()) for w in MUTANTS[arch]}
-        per_seq.append({"T": t, "rel": rel, "cos_min": float(cos.min()), "top1_agreement": top1,
-                        "mutant_rel": mutant_rel, "margin_min": min(v / max(rel, 1e-12) for v in mutant_rel.values())})
+        per_seq.append(
+            {
+                "T": t,
+                "rel": rel,
+                "cos_min": float(cos.min()),
+                "top1_agreement": top1,
+                "mutant_rel": mutant_rel,
+                "margin_min": min(v / max(rel, 1e-12) for v in mutant_rel.values()),
+            }
+        )
     result["sequences"] = per_seq
-    result["passed"] = all(s["cos_min"] >= COS_MIN and s["rel"] <= REL_MAX and s["margin_min"] >= MARGIN_MIN
-                           for s in per_seq)
+    result["passed"] = all(
+        s["cos_min"] >= COS_MIN and s["rel"] <= REL_MAX and s["margin_min"] >= MARGIN_MIN for s in per_seq
+    )
     _record(arch, result)
     for s in per_seq:
         assert s["cos_min"] >= COS_MIN, s

@@ -23,10 +23,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import prepare_corpus
-from drills import (check_recovered, check_stopped, drill, inject_consumer_crash, kill_server_child, kill_service,
-                    producer_just_ahead)
+from drills import (
+    check_recovered,
+    check_stopped,
+    drill,
+    inject_consumer_crash,
+    kill_server_child,
+    kill_service,
+    producer_just_ahead,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -59,8 +65,10 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
         raw["server"]["port"] = port
         raw["trainer"].update(max_steps=1000, save_interval=save_interval)
         raw["gpus"]["per_node"] = TP
-        raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
-                       "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
+        raw["data"] = {
+            "prompts_path": str(root / "data" / "prompts.jsonl"),
+            "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt"),
+        }
         if resilience:
             raw["resilience"] = {"keeper_port": keeper, **resilience}
         recipe = Recipe.model_validate(raw)
@@ -70,6 +78,7 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
         cfg["training"]["log_interval"] = 1  # the drills key on "step N:" lines
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return build_colocated_plan(recipe, rendered, python=sys.executable), recipe, root / "data" / "prompts.jsonl"
+
     return build
 
 
@@ -77,33 +86,60 @@ def _record(name: str, res: dict) -> None:
     out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
     led = res["report"]["ledger"]
     with open(out / "fault_drills.jsonl", "a") as f:
-        f.write(json.dumps({"drill": name, "tp": TP, "trainer_ranks": TP, "rc": res["rc"], "stop_s": res["stop_s"],
-                            "victims": len(res["victims"] or []),
-                            "processes_left": len(res["left"]) + len(res["spawned_alive"]), "prompts": res["prompts"],
-                            "acked": led.get("acked"), "duplicates": led.get("duplicates"),
-                            "committed": led.get("committed"), "global_step": led.get("global_step")}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "drill": name,
+                    "tp": TP,
+                    "trainer_ranks": TP,
+                    "rc": res["rc"],
+                    "stop_s": res["stop_s"],
+                    "victims": len(res["victims"] or []),
+                    "processes_left": len(res["left"]) + len(res["spawned_alive"]),
+                    "prompts": res["prompts"],
+                    "acked": led.get("acked"),
+                    "duplicates": led.get("duplicates"),
+                    "committed": led.get("committed"),
+                    "global_step": led.get("global_step"),
+                }
+            )
+            + "\n"
+        )
 
 
 def test_server_lost_and_restarted(tmp_path, inputs):
-    res = drill(tmp_path, kill_server_child("specforge_kimi.capture_server"),
-                _build(tmp_path / "run", inputs, save_interval=50,
-                       resilience={"segment_owner": "keeper", "server_restarts": 2}),
-                edit_plan=producer_just_ahead, wait_s=600)
+    res = drill(
+        tmp_path,
+        kill_server_child("specforge_kimi.capture_server"),
+        _build(
+            tmp_path / "run", inputs, save_interval=50, resilience={"segment_owner": "keeper", "server_restarts": 2}
+        ),
+        edit_plan=producer_just_ahead,
+        wait_s=600,
+    )
     _record("capture server SIGKILL, segment keeper + server keeper", res)
     check_recovered(res, dp=TP)
 
 
 def test_trainer_crash_resumed(tmp_path, inputs):
-    res = drill(tmp_path, lambda _spawned: ["fault_consumer"],
-                _build(tmp_path / "run", inputs, save_interval=1, resilience={"consumer_restarts": 1}),
-                edit_plan=inject_consumer_crash, wait_s=600)
+    res = drill(
+        tmp_path,
+        lambda _spawned: ["fault_consumer"],
+        _build(tmp_path / "run", inputs, save_interval=1, resilience={"consumer_restarts": 1}),
+        edit_plan=inject_consumer_crash,
+        wait_s=600,
+    )
     _record("trainer rank crash at a checkpoint, consumer keeper", res)
     assert (tmp_path / "crashed").is_file()
     check_recovered(res, dp=TP)
 
 
 def test_mooncake_master_killed(tmp_path, inputs):
-    res = drill(tmp_path, kill_service("mooncake.cli"), _build(tmp_path / "run", inputs, save_interval=50,
-                                                                resilience=None), wait_s=600)
+    res = drill(
+        tmp_path,
+        kill_service("mooncake.cli"),
+        _build(tmp_path / "run", inputs, save_interval=50, resilience=None),
+        wait_s=600,
+    )
     _record("mooncake master SIGKILL", res)
     check_stopped(res, dp=TP)

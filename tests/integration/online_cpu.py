@@ -9,14 +9,21 @@ import sys
 from pathlib import Path
 
 import yaml
-
 from conftest import TEST_SPEC, prepare_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int = 40,
-             resilience: dict | None = None, dp: int = 1, compact_specforge: Path | None = None):
+def cpu_plan(
+    root: Path,
+    *,
+    steps: int,
+    save_interval: int,
+    conversations: int = 40,
+    resilience: dict | None = None,
+    dp: int = 1,
+    compact_specforge: Path | None = None,
+):
     """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``.
 
     ``compact_specforge``: a directory holding a SpecForge package patched by ``specforge-kimi
@@ -32,20 +39,28 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
 
     raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
     raw["output_dir"] = str(root / "run")
-    raw["target"].update(path=str(target), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
-                         num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 3, 4])
+    raw["target"].update(
+        path=str(target),
+        num_layers=TEST_SPEC["layers"],
+        hidden_size=TEST_SPEC["hidden"],
+        num_attention_heads=TEST_SPEC["heads"],
+        aux_layer_ids=[1, 3, 4],
+    )
     raw["gpus"]["per_node"] = dp
     rpc, meta, metrics, keeper, port = free_ports(5)
     raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta, "metrics_port": metrics, "global_segment_gib": 0.25}
     if resilience:
         raw["resilience"] = {"keeper_port": keeper, **resilience}
     raw["server"]["port"] = port
-    raw["trainer"]["draft"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=4, draft_vocab_size=256)
+    raw["trainer"]["draft"].update(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, draft_vocab_size=256
+    )
     raw["trainer"].update(max_steps=steps, save_interval=save_interval, max_length=256)
     raw["server"]["compact_passthrough"] = compact_specforge is not None  # off: SpecForge's JSON lists
-    raw["data"] = {"prompts_path": str(root / "data" / "prompts.jsonl"),
-                   "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt")}
+    raw["data"] = {
+        "prompts_path": str(root / "data" / "prompts.jsonl"),
+        "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt"),
+    }
     recipe = Recipe.model_validate(raw)
     rendered = render(recipe, Path(recipe.output_dir) / "rendered")  # where `launch` renders it
     # CPU trainer: fp32 features and weights, DDP on gloo instead of FSDP (cpu_shims.py says why)
@@ -59,12 +74,25 @@ def cpu_plan(root: Path, *, steps: int, save_interval: int, conversations: int =
     plan = build_colocated_plan(recipe, rendered, python=sys.executable)
     *others, server = plan.services
     old = list(server.command.argv)
-    server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1:][:3]
+    server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1 :][:3]
     assert [int(i) for i in server_ids] == cfg["model"]["aux_hidden_state_layer_ids"]
     keeper = old[: old.index("--") + 1] if "specforge_kimi.online.keeper" in old else []
-    argv = (*keeper, sys.executable, "-m", "specforge_kimi.online.reference_server", "--model-path", str(target),
-            "--spec-capture-aux-layer-ids", *server_ids, "--host", "127.0.0.1", "--port", str(recipe.server.port),
-            "--dtype", "float32")
+    argv = (
+        *keeper,
+        sys.executable,
+        "-m",
+        "specforge_kimi.online.reference_server",
+        "--model-path",
+        str(target),
+        "--spec-capture-aux-layer-ids",
+        *server_ids,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(recipe.server.port),
+        "--dtype",
+        "float32",
+    )
     env = {**server.command.env, "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
     server = dataclasses.replace(server, command=dataclasses.replace(server.command, argv=argv, env=env))
     commands = plan.commands

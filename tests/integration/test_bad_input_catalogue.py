@@ -26,7 +26,7 @@ def _recipe(tmp, mutate):
 
 def _jsonl(tmp, name, lines):
     p = tmp / name
-    p.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
     return str(p)
 
 
@@ -56,67 +56,202 @@ def _busy_port_recipe(tmp):
 
 CASES = {
     # name: (argv builder(tmp, tiny_dir) -> list[str], expected text in the error line, path that must not exist)
-    "prepare: malformed JSONL": (lambda t, d: ["prepare", _jsonl(t, "in.jsonl", [GOOD_ROW, "{not json"]), "--out",
-                                               str(t / "o"), "--standin-tokenizer", "--on-error", "fail"],
-                                 "in.jsonl:2: invalid JSON", "o"),
-    "prepare: empty file": (lambda t, d: ["prepare", _jsonl(t, "in.jsonl", []), "--out", str(t / "o"),
-                                          "--standin-tokenizer"], "is empty (no JSONL lines)", "o"),
-    "prepare: empty conversation": (lambda t, d: ["prepare", _jsonl(t, "in.jsonl", [{"messages": []}]), "--out",
-                                                  str(t / "o"), "--standin-tokenizer", "--on-error", "fail"],
-                                    "must be a non-empty list", "o"),
-    "prepare: no assistant turn": (lambda t, d: ["prepare", _jsonl(t, "in.jsonl", [{"messages": [
-        {"role": "user", "content": "hi"}]}]), "--out", str(t / "o"), "--standin-tokenizer"],
-                                   "no_assistant_turn", "o"),
-    "prepare: over-length rows": (lambda t, d: ["prepare", _jsonl(t, "in.jsonl", [GOOD_ROW]), "--out", str(t / "o"),
-                                                "--standin-tokenizer", "--max-length", "8"],
-                                  "no training rows survived", "o"),
-    "prepare: missing input": (lambda t, d: ["prepare", str(t / "nope.jsonl"), "--out", str(t / "o"),
-                                             "--standin-tokenizer"], "nope.jsonl", "o"),
-    "prepare: tokenizer dir missing": (lambda t, d: ["prepare", _jsonl(t, "in.jsonl", [GOOD_ROW]), "--out", str(t / "o"),
-                                                     "--tokenizer", str(t / "no-tok")], "no-tok", "o"),
-    "regenerate: unreachable server": (lambda t, d: ["regenerate", _jsonl(t, "in.jsonl", [GOOD_ROW]), "--server",
-                                                     "http://127.0.0.1:9", "--out", str(t / "o.jsonl"),
-                                                     "--max-retries", "0"], "127.0.0.1:9", None),
+    "prepare: malformed JSONL": (
+        lambda t, d: [
+            "prepare",
+            _jsonl(t, "in.jsonl", [GOOD_ROW, "{not json"]),
+            "--out",
+            str(t / "o"),
+            "--standin-tokenizer",
+            "--on-error",
+            "fail",
+        ],
+        "in.jsonl:2: invalid JSON",
+        "o",
+    ),
+    "prepare: empty file": (
+        lambda t, d: ["prepare", _jsonl(t, "in.jsonl", []), "--out", str(t / "o"), "--standin-tokenizer"],
+        "is empty (no JSONL lines)",
+        "o",
+    ),
+    "prepare: empty conversation": (
+        lambda t, d: [
+            "prepare",
+            _jsonl(t, "in.jsonl", [{"messages": []}]),
+            "--out",
+            str(t / "o"),
+            "--standin-tokenizer",
+            "--on-error",
+            "fail",
+        ],
+        "must be a non-empty list",
+        "o",
+    ),
+    "prepare: no assistant turn": (
+        lambda t, d: [
+            "prepare",
+            _jsonl(t, "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]),
+            "--out",
+            str(t / "o"),
+            "--standin-tokenizer",
+        ],
+        "no_assistant_turn",
+        "o",
+    ),
+    "prepare: over-length rows": (
+        lambda t, d: [
+            "prepare",
+            _jsonl(t, "in.jsonl", [GOOD_ROW]),
+            "--out",
+            str(t / "o"),
+            "--standin-tokenizer",
+            "--max-length",
+            "8",
+        ],
+        "no training rows survived",
+        "o",
+    ),
+    "prepare: missing input": (
+        lambda t, d: ["prepare", str(t / "nope.jsonl"), "--out", str(t / "o"), "--standin-tokenizer"],
+        "nope.jsonl",
+        "o",
+    ),
+    "prepare: tokenizer dir missing": (
+        lambda t, d: [
+            "prepare",
+            _jsonl(t, "in.jsonl", [GOOD_ROW]),
+            "--out",
+            str(t / "o"),
+            "--tokenizer",
+            str(t / "no-tok"),
+        ],
+        "no-tok",
+        "o",
+    ),
+    "regenerate: unreachable server": (
+        lambda t, d: [
+            "regenerate",
+            _jsonl(t, "in.jsonl", [GOOD_ROW]),
+            "--server",
+            "http://127.0.0.1:9",
+            "--out",
+            str(t / "o.jsonl"),
+            "--max-retries",
+            "0",
+        ],
+        "127.0.0.1:9",
+        None,
+    ),
     "tiny: vocab too small": (lambda t, d: ["tiny", str(t / "o"), "--vocab", "1000"], "special ids", "o"),
     "tiny: zero layers": (lambda t, d: ["tiny", str(t / "o"), "--layers", "1"], "--layers must be >= 2", "o"),
     "inspect: missing checkpoint": (lambda t, d: ["inspect", str(t / "nope")], "is not a directory", None),
-    "inspect: no safetensors": (lambda t, d: ["inspect", _copy_tiny(d, t, drop_weights=True)],
-                                "no *.safetensors", None),
-    "inspect: non-DeepSeek config": (lambda t, d: ["inspect", _copy_tiny(d, t, edit=lambda c: c.update(
-        model_type="llama", architectures=["LlamaForCausalLM"]) or c.pop("text_config") or c.update(
-        hidden_size=64, vocab_size=163840, num_hidden_layers=6))], "not a Kimi-K2.5 / DeepSeek-V3 target", None),
-    "inspect: wrapper without text_config": (lambda t, d: ["inspect", _copy_tiny(d, t, edit=lambda c: c.pop(
-        "text_config"))], "must carry a text_config", None),
-    "inspect: shapes contradict config": (lambda t, d: ["inspect", _copy_tiny(d, t, edit=lambda c: c[
-        "text_config"].update(hidden_size=128))], "but the config says", None),
+    "inspect: no safetensors": (
+        lambda t, d: ["inspect", _copy_tiny(d, t, drop_weights=True)],
+        "no *.safetensors",
+        None,
+    ),
+    "inspect: non-DeepSeek config": (
+        lambda t, d: [
+            "inspect",
+            _copy_tiny(
+                d,
+                t,
+                edit=lambda c: (
+                    c.update(model_type="llama", architectures=["LlamaForCausalLM"])
+                    or c.pop("text_config")
+                    or c.update(hidden_size=64, vocab_size=163840, num_hidden_layers=6)
+                ),
+            ),
+        ],
+        "not a Kimi-K2.5 / DeepSeek-V3 target",
+        None,
+    ),
+    "inspect: wrapper without text_config": (
+        lambda t, d: ["inspect", _copy_tiny(d, t, edit=lambda c: c.pop("text_config"))],
+        "must carry a text_config",
+        None,
+    ),
+    "inspect: shapes contradict config": (
+        lambda t, d: ["inspect", _copy_tiny(d, t, edit=lambda c: c["text_config"].update(hidden_size=128))],
+        "but the config says",
+        None,
+    ),
     "layer-ids: out of range": (lambda t, d: ["layer-ids", "1,29,60"], "has residual positions 1..60", None),
     "layer-ids: duplicated": (lambda t, d: ["layer-ids", "2,30,30", "--engine", "vllm"], "duplicated", None),
-    "layer-ids: embedding output": (lambda t, d: ["layer-ids", "0,30,58", "--engine", "vllm"], "embedding output", None),
+    "layer-ids: embedding output": (
+        lambda t, d: ["layer-ids", "0,30,58", "--engine", "vllm"],
+        "embedding output",
+        None,
+    ),
     "layer-ids: not a number": (lambda t, d: ["layer-ids", "1,x"], "must be integers, got 'x'", None),
-    "train: SpecForge config fails its schema": (lambda t, d: ["train", "-c", _jsonl(t, "run.yaml", ["run_id: x",
-                                                                                              "surprise: 1"])],
-                                                 "SpecForge run config: model: Field required", None),
-    "recipe: misspelt required key": (lambda t, d: ["recipe", "validate", _recipe(
-        t, lambda r: r["trainer"].update(learning_rat=r["trainer"].pop("learning_rate")))],
-        "trainer.learning_rate: Field required; trainer.learning_rat: Extra inputs", None),
-    "eval-draft: aux ids not numbers": (lambda t, d: ["eval-draft", "--target", str(d), "--draft-config", str(t / "c.json"),
-                                                      "--vocab-mapping", str(t / "v.pt"), "--aux-ids", "1,x"],
-                                        "must be integers, got 'x'", None),
-    "train-offline: no feature files": (lambda t, d: ["train-offline", str(TINY_RECIPE), "--features",
-                                                      str((t / "feats").mkdir() or t / "feats"), "--out", str(t / "o")],
-                                        "holds no .ckpt", "o"),
-    "recipe: unknown field": (lambda t, d: ["recipe", "validate", _recipe(t, lambda r: r.update(surprise=1))],
-                              "Extra inputs are not permitted", None),
-    "recipe: TP does not divide heads": (lambda t, d: ["recipe", "validate", _recipe(
-        t, lambda r: r["target"].update(num_attention_heads=7))], "does not divide num_attention_heads", None),
-    "recipe: aux ids invalid": (lambda t, d: ["recipe", "validate", _recipe(
-        t, lambda r: r["target"].update(aux_layer_ids=[3, 2, 1]))], "not ascending", None),
-    "recipe: memory split does not fit": (lambda t, d: ["recipe", "validate", _recipe(
-        t, lambda r: r["server"].update(mem_fraction_static=0.99))], "memory split does not fit", None),
+    "train: SpecForge config fails its schema": (
+        lambda t, d: ["train", "-c", _jsonl(t, "run.yaml", ["run_id: x", "surprise: 1"])],
+        "SpecForge run config: model: Field required",
+        None,
+    ),
+    "recipe: misspelt required key": (
+        lambda t, d: [
+            "recipe",
+            "validate",
+            _recipe(t, lambda r: r["trainer"].update(learning_rat=r["trainer"].pop("learning_rate"))),
+        ],
+        "trainer.learning_rate: Field required; trainer.learning_rat: Extra inputs",
+        None,
+    ),
+    "eval-draft: aux ids not numbers": (
+        lambda t, d: [
+            "eval-draft",
+            "--target",
+            str(d),
+            "--draft-config",
+            str(t / "c.json"),
+            "--vocab-mapping",
+            str(t / "v.pt"),
+            "--aux-ids",
+            "1,x",
+        ],
+        "must be integers, got 'x'",
+        None,
+    ),
+    "train-offline: no feature files": (
+        lambda t, d: [
+            "train-offline",
+            str(TINY_RECIPE),
+            "--features",
+            str((t / "feats").mkdir() or t / "feats"),
+            "--out",
+            str(t / "o"),
+        ],
+        "holds no .ckpt",
+        "o",
+    ),
+    "recipe: unknown field": (
+        lambda t, d: ["recipe", "validate", _recipe(t, lambda r: r.update(surprise=1))],
+        "Extra inputs are not permitted",
+        None,
+    ),
+    "recipe: TP does not divide heads": (
+        lambda t, d: ["recipe", "validate", _recipe(t, lambda r: r["target"].update(num_attention_heads=7))],
+        "does not divide num_attention_heads",
+        None,
+    ),
+    "recipe: aux ids invalid": (
+        lambda t, d: ["recipe", "validate", _recipe(t, lambda r: r["target"].update(aux_layer_ids=[3, 2, 1]))],
+        "not ascending",
+        None,
+    ),
+    "recipe: memory split does not fit": (
+        lambda t, d: ["recipe", "validate", _recipe(t, lambda r: r["server"].update(mem_fraction_static=0.99))],
+        "memory split does not fit",
+        None,
+    ),
     "export-check: not a draft": (lambda t, d: ["export-check", str(d)], "LlamaForCausalLMEagle3", None),
     "launch: port already taken": (lambda t, d: ["launch", _busy_port_recipe(t)], "is already in use", "run/logs"),
-    "setup: not a SpecForge checkout": (lambda t, d: ["setup", "--specforge-checkout", str(t)],
-                                        "is not a SpecForge checkout", None),
+    "setup: not a SpecForge checkout": (
+        lambda t, d: ["setup", "--specforge-checkout", str(t)],
+        "is not a SpecForge checkout",
+        None,
+    ),
 }
 
 
@@ -128,10 +263,11 @@ def test_catalogue_size():
 def test_bad_input(name, tmp_path, tiny_dir):
     build, needle, must_not_exist = CASES[name]
     argv = build(tmp_path, tiny_dir)
-    res = subprocess.run([sys.executable, "-m", "specforge_kimi", *argv], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "specforge_kimi", *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert res.returncode != 0, (name, res.stdout[-500:])
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert lines and lines[-1].startswith("error: "), (name, res.stderr[-1500:])
     assert needle in lines[-1], (name, lines[-1])
     assert "Traceback" not in res.stderr, res.stderr[-2000:]

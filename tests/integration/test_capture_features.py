@@ -9,21 +9,33 @@ import sys
 
 import pytest
 import torch
-
 from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
 
 
 def test_capture_features_round_trip(tmp_path, capsys):
-    from specforge_kimi.target.capture import capture
     from specforge_kimi.online.offline_twin import run_recipe
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.target.capture import capture
     from specforge_kimi.target.checkpoint import load_text_model
+    from specforge_kimi.target.layer_ids import AuxLayers
 
     _plan, recipe, rendered, target = cpu_plan(tmp_path, steps=4, save_interval=0)
-    argv = [sys.executable, "-m", "specforge_kimi.online.reference_server", "--model-path", str(target),
-            "--spec-capture-aux-layer-ids", "1", "3", "4", "--port", "0", "--dtype", "float32"]
+    argv = [
+        sys.executable,
+        "-m",
+        "specforge_kimi.online.reference_server",
+        "--model-path",
+        str(target),
+        "--spec-capture-aux-layer-ids",
+        "1",
+        "3",
+        "4",
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+    ]
     summary = run_recipe(recipe, tmp_path / "features", limit=5, server_argv=argv, start_timeout_s=120)
     assert summary["written"] == 5
     files = sorted((tmp_path / "features").glob("sample-*.ckpt"))
@@ -32,7 +44,7 @@ def test_capture_features_round_trip(tmp_path, capsys):
     rows = [json.loads(line) for line in open(recipe.data.prompts_path)][:5]
     model = load_text_model(target)
     aux = AuxLayers.from_specforge([1, 3, 4], recipe.target.num_layers)
-    for row, f in zip(rows, files):
+    for row, f in zip(rows, files, strict=False):
         sample = torch.load(f)
         assert sample["input_ids"].tolist() == row["input_ids"] and sample["loss_mask"].tolist() == row["loss_mask"]
         ref = capture(model, torch.tensor([row["input_ids"]]), aux)
@@ -47,8 +59,25 @@ def test_capture_features_round_trip(tmp_path, capsys):
     raw["trainer"]["draft"] = json.loads(open(rendered["specforge_config"]["model"]["draft_model_config"]).read())
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(__import__("yaml").safe_dump(raw))
-    assert main(["train-offline", str(recipe_path), "--features", str(tmp_path / "features"), "--out",
-                 str(tmp_path / "offline"), "--steps", "3"]) == 0
+    assert (
+        main(
+            [
+                "train-offline",
+                str(recipe_path),
+                "--features",
+                str(tmp_path / "features"),
+                "--out",
+                str(tmp_path / "offline"),
+                "--steps",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert json.loads(out[out.rindex("\n{\n") + 1:])["steps"] == 3
-    assert check_sglang_export(tmp_path / "offline" / "export-sglang", target_dir=target)["captured_positions"] == [2, 4, 5]
+    assert json.loads(out[out.rindex("\n{\n") + 1 :])["steps"] == 3
+    assert check_sglang_export(tmp_path / "offline" / "export-sglang", target_dir=target)["captured_positions"] == [
+        2,
+        4,
+        5,
+    ]

@@ -8,13 +8,14 @@ import pytest
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "specforge_kimi", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "specforge_kimi", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def _one_error_line(res, needle):
     assert res.returncode == 2, (res.returncode, res.stderr[-1500:])
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and needle in lines[-1], lines[-3:]
     assert "Traceback" not in res.stderr
 
@@ -36,8 +37,9 @@ def test_inspect_missing_dir(tmp_path):
 
 
 def test_inspect_non_deepseek(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8, "vocab_size": 8,
-                                                      "num_hidden_layers": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "hidden_size": 8, "vocab_size": 8, "num_hidden_layers": 2})
+    )
     _one_error_line(_cli("inspect", str(tmp_path)), "is not a Kimi-K2.5 / DeepSeek-V3 target")
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from specforge_kimi.demo.pipeline import DemoSettings, run_demo
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.drafts.export import check_sglang_export
+from specforge_kimi.errors import KimiInputError
 
 
 @pytest.mark.slow
@@ -14,8 +14,15 @@ def test_demo_small(tmp_path):
     out = tmp_path / "demo"
     # a step-bounded target: a 25 s budget gave 38 or 39 steps by machine load, and the draft's gain was
     # +0.09 on one such target, +0.68 on another (60 steps: +0.24); 100 steps gave +0.47 and +0.52
-    s = DemoSettings(out_dir=str(out), steps=120, pretrain_seconds=600, pretrain_steps=100, train_conversations=240,
-                     heldout_conversations=24, progress=False)
+    s = DemoSettings(
+        out_dir=str(out),
+        steps=120,
+        pretrain_seconds=600,
+        pretrain_steps=100,
+        train_conversations=240,
+        heldout_conversations=24,
+        progress=False,
+    )
     result = run_demo(s)
     on_disk = json.loads((out / "demo_result.json").read_text())
     assert on_disk["train"]["steps"] == 120 == len(on_disk["train"]["losses"])

@@ -24,9 +24,14 @@ def test_untrained_draft_on_corpus_and_on_a_file(setup):
     from specforge_kimi.demo.draft_eval import evaluate
 
     target, root = setup
-    kw = dict(target_dir=str(target), draft_config=str(root / "draft.json"),
-              vocab_mapping=str(root / "data" / "vocab_mapping.pt"), aux_specforge_ids=[1, 2, 3], checkpoints=[],
-              heldout=3)
+    kw = dict(
+        target_dir=str(target),
+        draft_config=str(root / "draft.json"),
+        vocab_mapping=str(root / "data" / "vocab_mapping.pt"),
+        aux_specforge_ids=[1, 2, 3],
+        checkpoints=[],
+        heldout=3,
+    )
     on_corpus = evaluate(**kw)
     # the same conversations from a file give the same numbers
     with open(root / "heldout.jsonl", "w") as f:
@@ -41,7 +46,7 @@ def test_untrained_draft_on_corpus_and_on_a_file(setup):
     # decode rounds: one or more per conversation; per-position shares fall with the position
     assert a["serving_rounds"] >= 3 and 1.0 <= a["serving_acceptance_length"] <= 4.0
     assert a["serving_acceptance_length"] == pytest.approx(1 + sum(a["serving_at_least"]))
-    assert all(x >= y for x, y in zip(a["serving_at_least"], a["serving_at_least"][1:]))
+    assert all(x >= y for x, y in zip(a["serving_at_least"], a["serving_at_least"][1:], strict=False))
 
 
 def test_heldout_file_errors(setup, tmp_path):
@@ -64,12 +69,23 @@ def test_groups_by_source(setup):
     from specforge_kimi.demo.draft_eval import evaluate
 
     target, root = setup
-    kw = dict(target_dir=str(target), draft_config=str(root / "draft.json"),
-              vocab_mapping=str(root / "data" / "vocab_mapping.pt"), aux_specforge_ids=[1, 2, 3], checkpoints=[])
-    chat = [{"source": "prompt_mix/chat", "messages": [{"role": "user", "content": f"Tell me about {w}."},
-                                                        {"role": "assistant", "content": f"{w} is a word.",
-                                                         "reasoning_content": "short"}]}
-            for w in ("rain", "maple")]
+    kw = dict(
+        target_dir=str(target),
+        draft_config=str(root / "draft.json"),
+        vocab_mapping=str(root / "data" / "vocab_mapping.pt"),
+        aux_specforge_ids=[1, 2, 3],
+        checkpoints=[],
+    )
+    chat = [
+        {
+            "source": "prompt_mix/chat",
+            "messages": [
+                {"role": "user", "content": f"Tell me about {w}."},
+                {"role": "assistant", "content": f"{w} is a word.", "reasoning_content": "short"},
+            ],
+        }
+        for w in ("rain", "maple")
+    ]
     conv = list(corpus.conversations(2, seed=20000))
     (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conv + chat))
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
@@ -80,5 +96,6 @@ def test_groups_by_source(setup):
     assert "by_group" not in alone
     assert res["by_group"]["prompt_mix/chat"]["heldout_loss"] == pytest.approx(alone["heldout_loss"], rel=1e-5)
     assert res["by_group"]["prompt_mix/chat"]["serving_acceptance_length"] == pytest.approx(
-        alone["serving_acceptance_length"])
+        alone["serving_acceptance_length"]
+    )
     assert res["by_group"]["prompt_mix/chat"]["teacher_entropy"] == pytest.approx(alone["teacher_entropy"], rel=1e-5)

@@ -21,9 +21,18 @@ import re
 from pathlib import Path
 
 import pytest
-
-from drills import (KILL_AFTER_STEP, check_recovered, check_stopped, drill, inject_consumer_crash, kill_server_child,
-                    kill_service, kill_trainer_rank, producer_just_ahead, record)
+from drills import (
+    KILL_AFTER_STEP,
+    check_recovered,
+    check_stopped,
+    drill,
+    inject_consumer_crash,
+    kill_server_child,
+    kill_service,
+    kill_trainer_rank,
+    producer_just_ahead,
+    record,
+)
 from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
@@ -31,9 +40,11 @@ pytestmark = pytest.mark.slow
 
 def _build(tmp_path: Path, save_interval: int = 2, resilience: dict | None = None, dp: int = 1):
     def build():
-        plan, recipe, _rendered, _target = cpu_plan(tmp_path, steps=200, save_interval=save_interval,
-                                                    resilience=resilience, dp=dp)
+        plan, recipe, _rendered, _target = cpu_plan(
+            tmp_path, steps=200, save_interval=save_interval, resilience=resilience, dp=dp
+        )
         return plan, recipe, tmp_path / "data" / "prompts.jsonl"
+
     return build
 
 
@@ -63,9 +74,12 @@ def test_mooncake_master_killed(tmp_path):
 
 
 def test_capture_server_lost_and_restarted(tmp_path):
-    res = drill(tmp_path, kill_server_child(),
-                _build(tmp_path, resilience={"segment_owner": "keeper", "server_restarts": 2}),
-                edit_plan=producer_just_ahead)
+    res = drill(
+        tmp_path,
+        kill_server_child(),
+        _build(tmp_path, resilience={"segment_owner": "keeper", "server_restarts": 2}),
+        edit_plan=producer_just_ahead,
+    )
     record("capture server SIGKILL, segment keeper + server keeper", res)
     check_recovered(res)
     logs = res["out"] / "logs"
@@ -76,9 +90,12 @@ def test_capture_server_lost_and_restarted(tmp_path):
 @pytest.mark.parametrize("dp", [1, 2])
 def test_trainer_crash_resumed_from_checkpoint(tmp_path, dp):
     """With 2 ranks one crashes and torchrun stops the other: neither may end the producer."""
-    res = drill(tmp_path, lambda _spawned: ["fault_consumer"],
-                _build(tmp_path, save_interval=1, resilience={"consumer_restarts": 1}, dp=dp),
-                edit_plan=inject_consumer_crash)
+    res = drill(
+        tmp_path,
+        lambda _spawned: ["fault_consumer"],
+        _build(tmp_path, save_interval=1, resilience={"consumer_restarts": 1}, dp=dp),
+        edit_plan=inject_consumer_crash,
+    )
     record(f"trainer rank crash at a checkpoint, consumer keeper, {dp} rank(s)", res)
     assert (tmp_path / "crashed").is_file(), "the injected crash did not happen"
     check_recovered(res, dp=dp)

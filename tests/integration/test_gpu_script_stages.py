@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SHIM = r'''#!{python}
+SHIM = r"""#!{python}
 import json, os, sys
 from pathlib import Path
 args = sys.argv[1:]
@@ -56,7 +56,7 @@ elif cmd == "train-offline":
     out = Path(opt("--out"))
     (out / "export-sglang").mkdir(parents=True)
     (out / "twin-step10").mkdir()
-'''
+"""
 
 
 def _sandbox(tmp_path: Path) -> tuple[Path, dict]:
@@ -68,12 +68,18 @@ def _sandbox(tmp_path: Path) -> tuple[Path, dict]:
     (box / "src").symlink_to(ROOT / "src")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    shims = {"python3": SHIM.format(python=sys.executable),
-             "nvidia-smi": "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n"}
+    shims = {
+        "python3": SHIM.format(python=sys.executable),
+        "nvidia-smi": "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n",
+    }
     for name, text in shims.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SHIM_LOG": str(tmp_path / "calls.jsonl")}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SHIM_LOG": str(tmp_path / "calls.jsonl"),
+    }
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return box, env
 
@@ -84,19 +90,37 @@ def _calls(tmp_path: Path) -> list[dict]:
 
 def test_target_stage_puts_one_candidate_per_gpu_and_keeps_the_chosen(tmp_path):
     box, env = _sandbox(tmp_path)
-    env.update(STAGE="target", TARGET_SEEDS="0 1", PRETRAIN_STEPS="1200", PRETRAIN_S="600", PRETRAIN_BATCH="128",
-               PRETRAIN_PRECISION="bf16", PRETRAIN_SCHEDULE="cosine", PRETRAIN_PROMPT_RULES="2000",
-               OUT=str(tmp_path / "out"), RECIPE="recipes/tiny-k25-tp2-h200x2.yaml")
-    res = subprocess.run(["bash", "scripts/gpu_online_run.sh"], cwd=box, env=env, capture_output=True, text=True,
-                         timeout=120)
+    env.update(
+        STAGE="target",
+        TARGET_SEEDS="0 1",
+        PRETRAIN_STEPS="1200",
+        PRETRAIN_S="600",
+        PRETRAIN_BATCH="128",
+        PRETRAIN_PRECISION="bf16",
+        PRETRAIN_SCHEDULE="cosine",
+        PRETRAIN_PROMPT_RULES="2000",
+        OUT=str(tmp_path / "out"),
+        RECIPE="recipes/tiny-k25-tp2-h200x2.yaml",
+    )
+    res = subprocess.run(
+        ["bash", "scripts/gpu_online_run.sh"], cwd=box, env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     tiny = sorted((c for c in _calls(tmp_path) if c["cmd"] == "tiny"), key=lambda c: c["args"][0])
     assert [(c["args"][0], c["cuda"]) for c in tiny] == [("runs/tiny-k25-seed0", "0"), ("runs/tiny-k25-seed1", "1")]
     for c in tiny:
         a = c["args"]
-        assert [a[a.index(k) + 1] for k in ("--pretrain-steps", "--pretrain-batch-size", "--pretrain-precision",
-                                            "--pretrain-schedule", "--pretrain-prompt-rules", "--pretrain-prompt-rule")] \
-            == ["1200", "128", "bf16", "cosine", "2000", "echo"]
+        assert [
+            a[a.index(k) + 1]
+            for k in (
+                "--pretrain-steps",
+                "--pretrain-batch-size",
+                "--pretrain-precision",
+                "--pretrain-schedule",
+                "--pretrain-prompt-rules",
+                "--pretrain-prompt-rule",
+            )
+        ] == ["1200", "128", "bf16", "cosine", "2000", "echo"]
     assert (box / "runs" / "tiny-k25" / "pretrain.json").is_file()
     assert not list((box / "runs").glob("tiny-k25-seed*"))
 
@@ -110,8 +134,14 @@ def test_twin_in_two_calls_equals_one(tmp_path):
     env["RECIPE"] = "recipes/tiny-k25-tp1-h200.yaml"
 
     def twin(stage: str, out: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "scripts/gpu_offline_twin.sh"], cwd=box, env={**env, "TWIN_STAGE": stage,
-                              "OUT": str(tmp_path / out)}, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            ["bash", "scripts/gpu_offline_twin.sh"],
+            cwd=box,
+            env={**env, "TWIN_STAGE": stage, "OUT": str(tmp_path / out)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     res = twin("rest", "early")
     assert res.returncode == 2 and "needs a features stage" in res.stderr
@@ -123,6 +153,7 @@ def test_twin_in_two_calls_equals_one(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert [c["cmd"] for c in _calls(tmp_path)][2:] == ["train-offline", "bench", "eval-draft"]
     from specforge_kimi.online.recipes import load_recipe
+
     ev = _calls(tmp_path)[-1]["args"]  # eval-draft reads the features' layers from the recipe
     aux = load_recipe(ROOT / env["RECIPE"]).target.aux_layer_ids
     assert ev[ev.index("--aux-ids") + 1] == ",".join(map(str, aux)) and aux != [1, 3, 4]  # (1,3,4: once hard-coded)
@@ -138,14 +169,22 @@ def test_twin_against_an_earlier_online_bench(tmp_path):
     box, env = _sandbox(tmp_path)
     env["RECIPE"] = "recipes/tiny-k25-tp1-h200.yaml"
     earlier = tmp_path / "earlier.json"
-    run = {"config": {"steps": 3, "topk": 1, "draft_tokens": 4}, "overall": {"acceptance_length": 2.45},
-           "sets": {"chat": {"acceptance_length": 2.45}}}
+    run = {
+        "config": {"steps": 3, "topk": 1, "draft_tokens": 4},
+        "overall": {"acceptance_length": 2.45},
+        "sets": {"chat": {"acceptance_length": 2.45}},
+    }
     earlier.write_text(json.dumps({"speculative": [run]}))
 
     def twin(stage: str, online: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "scripts/gpu_offline_twin.sh"], cwd=box, capture_output=True, text=True,
-                              env={**env, "TWIN_STAGE": stage, "OUT": str(tmp_path / "o"), "ONLINE_BENCH_JSON": online},
-                              timeout=120)
+        return subprocess.run(
+            ["bash", "scripts/gpu_offline_twin.sh"],
+            cwd=box,
+            capture_output=True,
+            text=True,
+            env={**env, "TWIN_STAGE": stage, "OUT": str(tmp_path / "o"), "ONLINE_BENCH_JSON": online},
+            timeout=120,
+        )
 
     res = twin("features", str(tmp_path / "missing.json"))
     assert res.returncode == 2 and "no such file" in res.stderr
@@ -157,8 +196,10 @@ def test_twin_against_an_earlier_online_bench(tmp_path):
     assert [c["cmd"] for c in _calls(tmp_path)][1:] == ["train-offline", "bench", "eval-draft"]
     ev = _calls(tmp_path)[-1]["args"]
     assert ev[ev.index("--draft-config") + 1] == "runs/offline-twin/rendered/draft_config.json"
-    assert ev[ev.index("--checkpoints") + 1:ev.index("--checkpoints") + 3] == ["runs/offline-twin/twin-step10",
-                                                                              "--heldout"]
+    assert ev[ev.index("--checkpoints") + 1 : ev.index("--checkpoints") + 3] == [
+        "runs/offline-twin/twin-step10",
+        "--heldout",
+    ]
     summary = json.loads((tmp_path / "o" / "offline_twin.json").read_text())
     assert summary["online_bench_from"] == str(earlier) and summary["online"]["acceptance_length"] == 2.45
     assert summary["offline"]["acceptance_length"] == 2.5 and summary["within_3_percent"] is True

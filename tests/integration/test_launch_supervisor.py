@@ -15,7 +15,7 @@ import yaml
 from specforge_kimi.online.launch import build_colocated_plan, run_plan
 from specforge_kimi.online.recipes import Recipe, render
 
-STUB = r'''
+STUB = r"""
 import http.server, socketserver, sys, threading
 http_port, tcp_port = int(sys.argv[1]), int(sys.argv[2])
 class H(http.server.BaseHTTPRequestHandler):
@@ -27,7 +27,7 @@ if tcp_port:
 print("stub up", flush=True)
 socketserver.TCPServer.allow_reuse_address = True
 socketserver.TCPServer(("127.0.0.1", http_port), H).serve_forever()
-'''
+"""
 
 
 def _plan(tmp_path, consumer_code: str):
@@ -49,10 +49,13 @@ def _plan(tmp_path, consumer_code: str):
     producer, consumer = plan.commands
     assert consumer.env["CUDA_VISIBLE_DEVICES"] == "0,1" and "--nproc_per_node=2" in consumer.argv
     services = (
-        dataclasses.replace(mooncake, command=dataclasses.replace(
-            mooncake.command, argv=(sys.executable, str(stub), str(meta), str(rpc)))),
-        dataclasses.replace(server, command=dataclasses.replace(
-            server.command, argv=(sys.executable, str(stub), str(srv), "0"))),
+        dataclasses.replace(
+            mooncake,
+            command=dataclasses.replace(mooncake.command, argv=(sys.executable, str(stub), str(meta), str(rpc))),
+        ),
+        dataclasses.replace(
+            server, command=dataclasses.replace(server.command, argv=(sys.executable, str(stub), str(srv), "0"))
+        ),
     )
     commands = (
         dataclasses.replace(producer, argv=producer.argv[:4] + (sys.executable, "-c", "import time; time.sleep(1)")),
@@ -88,7 +91,9 @@ def test_clean_run_logs_and_teardown(tmp_path):
     rc, spawned = _run_recording(plan)
     assert rc == 0
     logs = Path(plan.services[0].log_path).parent
-    assert {"mooncake.log", "capture-server-node0.log", "producer.log", "consumer-node0.log"} <= {p.name for p in logs.iterdir()}
+    assert {"mooncake.log", "capture-server-node0.log", "producer.log", "consumer-node0.log"} <= {
+        p.name for p in logs.iterdir()
+    }
     assert "trained" in (logs / "consumer-node0.log").read_text()
     time.sleep(0.2)
     assert not any(_alive(p.pid) for p in spawned), "a process outlived the run"

@@ -34,12 +34,30 @@ def build_fixture(root: str) -> dict:
     target = os.path.join(root, "target")
     os.makedirs(target)
     with open(os.path.join(target, "config.json"), "w") as f:
-        json.dump({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": HIDDEN,
-                   "vocab_size": VOCAB, "num_hidden_layers": TARGET_LAYERS, "intermediate_size": 128,
-                   "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
-                   "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 32,
-                   "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "rms_norm_eps": 1e-6,
-                   "tie_word_embeddings": False, "torch_dtype": "bfloat16"}, f)
+        json.dump(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "hidden_size": HIDDEN,
+                "vocab_size": VOCAB,
+                "num_hidden_layers": TARGET_LAYERS,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "kv_lora_rank": 16,
+                "q_lora_rank": 32,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+            },
+            f,
+        )
     embed = torch.randn(VOCAB, HIDDEN, generator=g).to(torch.bfloat16)
     head = torch.randn(VOCAB, HIDDEN, generator=g).to(torch.bfloat16)
     shard = "model-00001-of-00001.safetensors"
@@ -63,22 +81,58 @@ def build_fixture(root: str) -> dict:
         mask = torch.ones(SEQ_LEN, dtype=torch.long)
         mask[:4] = 0
         # fp32 features: offline_train's CPU runs train in fp32 (features carry the dtype)
-        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": last.to(torch.bfloat16).unsqueeze(0),
-                    "aux_hidden_state": aux.to(torch.bfloat16).unsqueeze(0)},
-                   os.path.join(features, f"data_{index:03d}.ckpt"))
+        torch.save(
+            {
+                "input_ids": ids,
+                "loss_mask": mask,
+                "hidden_state": last.to(torch.bfloat16).unsqueeze(0),
+                "aux_hidden_state": aux.to(torch.bfloat16).unsqueeze(0),
+            },
+            os.path.join(features, f"data_{index:03d}.ckpt"),
+        )
 
-    draft = _base_config(hidden=HIDDEN, heads=4, intermediate=128, q_lora_rank=32, kv_lora_rank=16,
-                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=VOCAB,
-                         draft_vocab_size=DRAFT_VOCAB, aux_ids=[1, 2, 3],
-                         rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-                         rope_theta=50000.0, max_position_embeddings=262144, rms_norm_eps=1e-6, pad_token_id=0,
-                         fc_norm=True, norm_output=True)
+    draft = _base_config(
+        hidden=HIDDEN,
+        heads=4,
+        intermediate=128,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        aux_ids=[1, 2, 3],
+        rope_scaling={
+            "type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rope_theta=50000.0,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        fc_norm=True,
+        norm_output=True,
+    )
     draft_path = write_config(draft, os.path.join(root, "draft_config.json"))
-    vm = build_specforge_vocab_mapping(features, os.path.join(root, "vocab_mapping.pt"),
-                                       draft_vocab_size=DRAFT_VOCAB, target_vocab_size=VOCAB, max_length=SEQ_LEN)
-    return {"target_dir": target, "hidden_states_path": features, "draft_config_path": draft_path,
-            "vocab_mapping_path": vm}
+    vm = build_specforge_vocab_mapping(
+        features,
+        os.path.join(root, "vocab_mapping.pt"),
+        draft_vocab_size=DRAFT_VOCAB,
+        target_vocab_size=VOCAB,
+        max_length=SEQ_LEN,
+    )
+    return {
+        "target_dir": target,
+        "hidden_states_path": features,
+        "draft_config_path": draft_path,
+        "vocab_mapping_path": vm,
+    }
 
 
 def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
@@ -89,9 +143,17 @@ def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
 
     register()
     fixture = build_fixture(str(tmp_path / "fixture"))
-    result = train_offline(**fixture, output_dir=str(tmp_path / "run"), max_steps=MAX_STEPS, ttt_length=TTT,
-                           learning_rate=2e-3, max_length=SEQ_LEN, seed=0, embedding_key=EMBED_KEY,
-                           lm_head_key=HEAD_KEY)
+    result = train_offline(
+        **fixture,
+        output_dir=str(tmp_path / "run"),
+        max_steps=MAX_STEPS,
+        ttt_length=TTT,
+        learning_rate=2e-3,
+        max_length=SEQ_LEN,
+        seed=0,
+        embedding_key=EMBED_KEY,
+        lm_head_key=HEAD_KEY,
+    )
     losses = result["losses"]
     assert result["final_step"] == MAX_STEPS and len(losses) == MAX_STEPS
     assert all(math.isfinite(x) for x in losses)
@@ -107,15 +169,25 @@ def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
 
     for engine in ("sglang", "vllm"):
         out = tmp_path / f"export-{engine}"
-        prov = ex.export_draft(result["checkpoint_dir"], fixture["draft_config_path"], out, engine=engine,
-                               num_layers=TARGET_LAYERS, vocab_mapping_path=fixture["vocab_mapping_path"])
+        prov = ex.export_draft(
+            result["checkpoint_dir"],
+            fixture["draft_config_path"],
+            out,
+            engine=engine,
+            num_layers=TARGET_LAYERS,
+            vocab_mapping_path=fixture["vocab_mapping_path"],
+        )
         assert prov["aux_layers"]["engine_ids"] == [2, 3, 4]
         model = ex.load_exported_draft(out)
         assert model.norm_output and model.fc_norm is not None
 
     # SpecForge's own exporter handles the architecture too (identity names, midlayer.*)
-    sf_out = export_sglang(result["checkpoint_dir"], fixture["draft_config_path"], str(tmp_path / "sf-export"),
-                           fixture["vocab_mapping_path"])
+    sf_out = export_sglang(
+        result["checkpoint_dir"],
+        fixture["draft_config_path"],
+        str(tmp_path / "sf-export"),
+        fixture["vocab_mapping_path"],
+    )
     with open(os.path.join(sf_out, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "kimi_k2"
@@ -124,20 +196,30 @@ def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
     # positions as ids; aux ids other than the draft was trained on are refused
     from safetensors import safe_open
 
-    from specforge_kimi.errors import KimiInputError
     from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi.errors import KimiInputError
     from specforge_kimi.target.layer_ids import AuxLayers
 
     # (the fixture's target is an embedding/head stub, which the target check would refuse)
-    run_out = export_run_draft(result["checkpoint_dir"], fixture["draft_config_path"], tmp_path / "run-export",
-                               vocab_mapping_path=fixture["vocab_mapping_path"], target_dir=None,
-                               aux=AuxLayers.from_specforge([1, 2, 3], TARGET_LAYERS))
+    run_out = export_run_draft(
+        result["checkpoint_dir"],
+        fixture["draft_config_path"],
+        tmp_path / "run-export",
+        vocab_mapping_path=fixture["vocab_mapping_path"],
+        target_dir=None,
+        aux=AuxLayers.from_specforge([1, 2, 3], TARGET_LAYERS),
+    )
     with safe_open(str(run_out / ex.WEIGHTS_FILE), framework="pt") as f:
         names = set(f.keys())
     assert "layers.0.self_attn.kv_a_proj_with_mqa.weight" in names and not any(n.startswith("midlayer.") for n in names)
     with open(run_out / "config.json") as f:
         assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
     with pytest.raises(KimiInputError, match="other layers"):
-        export_run_draft(result["checkpoint_dir"], fixture["draft_config_path"], tmp_path / "bad-export",
-                         vocab_mapping_path=fixture["vocab_mapping_path"], target_dir=None,
-                         aux=AuxLayers.from_specforge([1, 2, 4], TARGET_LAYERS))
+        export_run_draft(
+            result["checkpoint_dir"],
+            fixture["draft_config_path"],
+            tmp_path / "bad-export",
+            vocab_mapping_path=fixture["vocab_mapping_path"],
+            target_dir=None,
+            aux=AuxLayers.from_specforge([1, 2, 4], TARGET_LAYERS),
+        )

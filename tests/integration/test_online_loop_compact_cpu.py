@@ -19,7 +19,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
@@ -34,8 +33,11 @@ def compact_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("compact")
     patched = root / "specforge-patched"
-    shutil.copytree(Path(importlib.util.find_spec("specforge").origin).parent, patched / "specforge",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(importlib.util.find_spec("specforge").origin).parent,
+        patched / "specforge",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     assert setup_patches.run(argparse.Namespace(specforge_checkout=str(patched), check=False, no_sglang=True)) == 0
     plan, recipe, rendered, _ = cpu_plan(root, steps=STEPS, save_interval=STEPS, compact_specforge=patched)
     rc = run_plan(plan, managed_preflight=lambda _p: None, popen=subprocess.Popen)

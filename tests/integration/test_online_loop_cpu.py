@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
@@ -51,8 +50,15 @@ def online_run(tmp_path_factory):
     rc = run_plan(plan, managed_preflight=lambda _p: None, popen=popen)
     elapsed = time.monotonic() - t0
     export_dir = export_latest(recipe, rendered) if rc == 0 else None
-    return {"rc": rc, "recipe": recipe, "out": Path(recipe.output_dir), "spawned": spawned, "export": export_dir,
-            "elapsed": elapsed, "target": target}
+    return {
+        "rc": rc,
+        "recipe": recipe,
+        "out": Path(recipe.output_dir),
+        "spawned": spawned,
+        "export": export_dir,
+        "elapsed": elapsed,
+        "target": target,
+    }
 
 
 def _log(run, name: str) -> str:
@@ -63,8 +69,10 @@ def test_run_succeeds_and_trains_every_step(online_run):
     assert online_run["rc"] == 0, _log(online_run, "consumer-node0.log")[-3000:]
     producer = _log(online_run, "producer.log")
     assert re.search(r"drive_producer returning produced=\d+ prompts_failed=0", producer), producer[-2000:]
-    losses = [float(m) for m in re.findall(r"^step \d+: \{.*?'loss': ([0-9.e-]+)", _log(online_run, "consumer-node0.log"),
-                                             re.M)]
+    losses = [
+        float(m)
+        for m in re.findall(r"^step \d+: \{.*?'loss': ([0-9.e-]+)", _log(online_run, "consumer-node0.log"), re.M)
+    ]
     assert len(losses) == STEPS and all(x == x and x > 0 for x in losses)
 
 

@@ -47,8 +47,29 @@ def test_in_flight_rounds_capture_every_batch(tmp_path, monkeypatch, pipeline):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mod, "bench_in_flight", spy)
-    assert mod.main(["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32",
-                     "--reps", "1", "--in-flight", "3", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert (
+        mod.main(
+            [
+                "--target",
+                str(target),
+                "--tp",
+                "1",
+                "--engine",
+                "reference",
+                "--shapes",
+                "2x32",
+                "--reps",
+                "1",
+                "--in-flight",
+                "3",
+                "--workdir",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["config"]["in_flight"] == 3 and "error" not in res["runs"][0], res["runs"][0]
     shape = res["runs"][0]["shapes"][0]
@@ -83,8 +104,30 @@ def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
         return env
 
     monkeypatch.setattr(capture_server, "capture_server_env", spy)
-    assert mod.main(["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "1",
-                     "--put-clients", "1", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert (
+        mod.main(
+            [
+                "--target",
+                str(target),
+                "--tp",
+                "1",
+                "--engine",
+                "reference",
+                "--shapes",
+                "2x32",
+                "--reps",
+                "1",
+                "--put-clients",
+                "1",
+                "2",
+                "--workdir",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert [(r["tp"], r["put_clients"], "error" in r) for r in res["runs"]] == [(1, 1, False), (1, 2, False)]
     assert seen == [None, "2"] and res["config"]["put_clients"] == [1, 2]
@@ -109,26 +152,45 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
         bodies.append((variant, body, written))
         real_discard = adapter.store.discard_external_attempts
         if not getattr(real_discard, "_spy", False):
+
             def discard(**kw):
                 n = real_discard(**kw)
                 discards.append(n)
                 return n
+
             discard._spy = True
             monkeypatch.setattr(adapter.store, "discard_external_attempts", discard)
         return body, written
 
     monkeypatch.setattr(mod, "_variant_body", spy_body)
-    args = ["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "2",
-            "--breakdown", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    args = [
+        "--target",
+        str(target),
+        "--tp",
+        "1",
+        "--engine",
+        "reference",
+        "--shapes",
+        "2x32",
+        "--reps",
+        "2",
+        "--breakdown",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     # the installed SpecForge is the unpatched wheel: the compact variant is refused, the others run
     assert mod.main(args) == 0
     b = json.loads(out.read_text())["runs"][0]["shapes"][0]["breakdown"]
     assert list(b["errors"]) == ["compact"] and "lacks patches/specforge/0.2.0/0002" in b["errors"]["compact"]
     assert set(b["variants"]) == set(mod.BREAKDOWN_VARIANTS) - {"compact"} and b["attribution_ms"]
     # with the payload builder as `specforge-kimi setup` patches it, every variant runs
-    monkeypatch.setattr(SGLangServerCaptureAdapter, "_spec_capture_payload",
-                        load_patched_specforge_module(SERVER_CAPTURE, tmp_path / "sf")
-                        .SGLangServerCaptureAdapter._spec_capture_payload)
+    monkeypatch.setattr(
+        SGLangServerCaptureAdapter,
+        "_spec_capture_payload",
+        load_patched_specforge_module(SERVER_CAPTURE, tmp_path / "sf").SGLangServerCaptureAdapter._spec_capture_payload,
+    )
     bodies.clear()
     discards.clear()
     assert mod.main(args) == 0
@@ -152,4 +214,3 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     # one discard per post; the three writing variants each removed one attempt per sample
     k = len(mod.BREAKDOWN_VARIANTS)
     assert len(discards) == k * 3 and all(discards[i::k] == [2] * 3 for i in (2, 3, 4))
-

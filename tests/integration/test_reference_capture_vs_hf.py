@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from specforge_kimi.target.capture import capture, text_decoder
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.target.capture import capture, text_decoder
 from specforge_kimi.target.checkpoint import load_text_model
+from specforge_kimi.target.layer_ids import AuxLayers
 
 
 class K25Wrapper(nn.Module):
@@ -37,7 +37,7 @@ def test_hooks_equal_hf_hidden_states(wrapped, specforge_ids):
     with torch.no_grad():
         hs = wrapped.language_model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
     assert len(hs) == 7  # embedding + one per layer; the last is post-norm
-    for chunk, p in zip(cap.aux.chunk(3, dim=-1), aux.hf_indices()):
+    for chunk, p in zip(cap.aux.chunk(3, dim=-1), aux.hf_indices(), strict=False):
         torch.testing.assert_close(chunk, hs[p], rtol=0, atol=0)
     torch.testing.assert_close(cap.last, hs[-1], rtol=0, atol=0)
     assert cap.aux.shape == (2, 23, 3 * 64)

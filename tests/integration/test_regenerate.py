@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.data.regenerate import RegenerateOptions, regenerate
+from specforge_kimi.errors import KimiInputError
 
 
 def main(argv):
@@ -25,6 +25,7 @@ def main(argv):
     from specforge_kimi.cli import main as cli_main
 
     return cli_main(["regenerate", *argv])
+
 
 TOOLS = [
     {
@@ -98,9 +99,7 @@ class FakeServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def close(self) -> None:
@@ -233,25 +232,19 @@ def test_regenerates_assistant_turns_with_reasoning(tmp_path, server):
     assert second_request["model"] == "kimi-k2.5-test"
     assert all(r["chat_template_kwargs"] == {"thinking": True} for r in server.requests)  # the default
 
-    assert by_line[2]["messages"][1] == assistant(
-        "echo sharegpt", reasoning_content="think sharegpt"
-    )
+    assert by_line[2]["messages"][1] == assistant("echo sharegpt", reasoning_content="think sharegpt")
 
     tool = by_line[3]
     assert tool["regenerate"] == {"source_line": 3, "regenerated_turns": 2, "truncated": False}
     assert tool["tools"] == TOOLS
     call = tool["messages"][1]["tool_calls"][0]
-    assert call["id"] == "functions.get_weather:0" and json.loads(
-        call["function"]["arguments"]
-    ) == {"city": "Paris"}
+    assert call["id"] == "functions.get_weather:0" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert tool["messages"][2] == {
         "role": "tool",
         "content": "18C",
         "tool_call_id": "functions.get_weather:0",
     }
-    assert tool["messages"][3] == assistant(
-        "It is 18C.", reasoning_content="Report the tool result."
-    )
+    assert tool["messages"][3] == assistant("It is 18C.", reasoning_content="Report the tool result.")
 
     diverged = by_line[4]  # target calls Rome, source called Milan: its result cannot be reused
     assert diverged["regenerate"]["truncated"] is True
@@ -260,16 +253,10 @@ def test_regenerates_assistant_turns_with_reasoning(tmp_path, server):
         and diverged["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
     )
 
-    assert by_line[7]["messages"][1] == assistant(
-        "visible answer", reasoning_content="thought inline"
-    )
+    assert by_line[7]["messages"][1] == assistant("visible answer", reasoning_content="thought inline")
     errors = {e["line"]: e["error"] for e in read(tmp_path / "out.jsonl.errors.jsonl")}
     assert sorted(errors) == [5, 6, 8]
-    assert (
-        "image/video" in errors[5]
-        and "invalid JSON" in errors[6]
-        and "finish_reason=length" in errors[8]
-    )
+    assert "image/video" in errors[5] and "invalid JSON" in errors[6] and "finish_reason=length" in errors[8]
 
 
 def test_output_feeds_prepare(tmp_path, server):
@@ -278,20 +265,14 @@ def test_output_feeds_prepare(tmp_path, server):
 
     source = rows_input(tmp_path)
     regenerate(options(source, tmp_path / "out.jsonl", server))
-    summary = prepare(
-        PrepareOptions(tmp_path / "out.jsonl", tmp_path / "prepared"), build_standin_tokenizer()
-    )
+    summary = prepare(PrepareOptions(tmp_path / "out.jsonl", tmp_path / "prepared"), build_standin_tokenizer())
     assert summary["rows"] == 17 and summary["errors"]["count"] == 0
 
 
 def test_retries_with_backoff(tmp_path, server):
     server.fail_first_attempts = 2
     source = tmp_path / "in.jsonl"
-    source.write_text(
-        "".join(
-            json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(5)
-        )
-    )
+    source.write_text("".join(json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(5)))
     counts = regenerate(options(source, tmp_path / "out.jsonl", server, max_retries=2))
     assert counts["written"] == 5 and counts["failed"] == 0
     assert sorted(server.attempts.values()) == [3] * 5  # two 503s, then success, per request
@@ -300,11 +281,7 @@ def test_retries_with_backoff(tmp_path, server):
 def test_concurrency_limit(tmp_path, server):
     server.latency_s = 0.3  # long enough that 3 requests overlap even on a loaded 2-core machine
     source = tmp_path / "in.jsonl"
-    source.write_text(
-        "".join(
-            json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(24)
-        )
-    )
+    source.write_text("".join(json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(24)))
     regenerate(options(source, tmp_path / "out.jsonl", server, concurrency=3))
     assert server.max_in_flight == 3
 
@@ -352,9 +329,7 @@ def test_resume_after_interruption(tmp_path, server):
         asked = {json.dumps(r["messages"][0]) for r in resumed.requests}
         for row in done_first:  # nothing already written was requested again
             assert json.dumps(row["messages"][0]) not in asked
-        assert len(resumed.requests) == full_requests - sum(
-            r["regenerate"]["regenerated_turns"] for r in done_first
-        )
+        assert len(resumed.requests) == full_requests - sum(r["regenerate"]["regenerated_turns"] for r in done_first)
         assert done_lines
     finally:
         resumed.close()
@@ -363,17 +338,9 @@ def test_resume_after_interruption(tmp_path, server):
 def test_dead_server_stops_the_run(tmp_path, server):
     server.fail_after = 0
     source = tmp_path / "in.jsonl"
-    source.write_text(
-        "".join(
-            json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(50)
-        )
-    )
+    source.write_text("".join(json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(50)))
     with pytest.raises(KimiInputError, match="rows in a row failed"):
-        regenerate(
-            options(
-                source, tmp_path / "out.jsonl", server, max_retries=0, max_consecutive_failures=5
-            )
-        )
+        regenerate(options(source, tmp_path / "out.jsonl", server, max_retries=0, max_consecutive_failures=5))
     assert read(tmp_path / "out.jsonl") == []
 
 
@@ -393,9 +360,7 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
     fake = FakeServer()
     url = fake.url
     fake.close()  # nothing listens on this port any more
-    code = main(
-        [str(source), "--server", url, "--out", str(tmp_path / "o.jsonl"), "--max-retries", "0"]
-    )
+    code = main([str(source), "--server", url, "--out", str(tmp_path / "o.jsonl"), "--max-retries", "0"])
     assert code == 2
     assert not (tmp_path / "o.jsonl").exists()  # so the retry with the right --server needs no --resume
 
@@ -414,11 +379,30 @@ def test_keep_unfinished_keeps_cut_generations(tmp_path, server):
 def test_thinking_mode(tmp_path, server, mode, expected):
     """``--thinking auto`` keeps each turn's mode (a draft serves both); ``off`` asks for none."""
     source = tmp_path / "in.jsonl"
-    source.write_text(json.dumps({"messages": [user("r"), assistant("old", reasoning_content="why")]}) + "\n"
-                      + json.dumps({"messages": [user("p"), assistant("old")]}) + "\n")
+    source.write_text(
+        json.dumps({"messages": [user("r"), assistant("old", reasoning_content="why")]})
+        + "\n"
+        + json.dumps({"messages": [user("p"), assistant("old")]})
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
-    assert main([str(source), "--server", server.url, "--out", str(out), "--thinking", mode, "--no-progress",
-                 "--concurrency", "1"]) == 0
+    assert (
+        main(
+            [
+                str(source),
+                "--server",
+                server.url,
+                "--out",
+                str(out),
+                "--thinking",
+                mode,
+                "--no-progress",
+                "--concurrency",
+                "1",
+            ]
+        )
+        == 0
+    )
     asked = {r["messages"][-1]["content"]: r["chat_template_kwargs"]["thinking"] for r in server.requests}
     assert [asked["r"], asked["p"]] == expected
     rows = read(out)
@@ -444,6 +428,6 @@ def test_prompt_mix_records_regenerate_with_thinking_on(tmp_path, server):
     counts = regenerate(options(source, out, server, thinking="on"))
     rows = read(out)
     assert counts["written"] == 6 and counts["skipped"] == 0 and counts["failed"] == 0
-    for row, (_, text) in zip(rows, prompt_mix.prompts(6, seed=0)):
+    for row, (_, text) in zip(rows, prompt_mix.prompts(6, seed=0), strict=False):
         assert row["messages"] == [user(text), assistant(f"echo {text}", reasoning_content=f"think {text}")]
     assert all(r["chat_template_kwargs"] == {"thinking": True} for r in server.requests)

@@ -12,8 +12,18 @@ import sys
 
 import pytest
 
-SMALL = dict(layers=2, hidden=64, heads=4, experts=4, experts_per_token=2, moe_intermediate=32,
-             dense_intermediate=64, q_lora_rank=32, vision_hidden=32, vision_heads=4)
+SMALL = dict(
+    layers=2,
+    hidden=64,
+    heads=4,
+    experts=4,
+    experts_per_token=2,
+    moe_intermediate=32,
+    dense_intermediate=64,
+    q_lora_rank=32,
+    vision_hidden=32,
+    vision_heads=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +32,9 @@ def target(tmp_path_factory):
     from specforge_kimi.target.tiny import TinySpec
 
     out = tmp_path_factory.mktemp("target-text") / "t"
-    pretrain_structured_target(out, TinySpec(**SMALL), seconds=300, max_steps=30, progress=False, heldout=4,
-                               conversations=200)
+    pretrain_structured_target(
+        out, TinySpec(**SMALL), seconds=300, max_steps=30, progress=False, heldout=4, conversations=200
+    )
     return out
 
 
@@ -48,7 +59,7 @@ def test_greedy_continue_and_entropy_match_direct_computation(target):
     cont = greedy_continue(model, prompts, max_new_tokens=6, eos_id=eos, batch=3)
     ent, n = 0.0, 0
     with torch.no_grad():
-        for p, c in zip(prompts, cont):
+        for p, c in zip(prompts, cont, strict=False):
             seq = list(p)
             for _ in range(6):  # plain greedy loop, no cache, no padding
                 logits = model(input_ids=torch.tensor([seq])).logits[0, -1].float()
@@ -58,7 +69,7 @@ def test_greedy_continue_and_entropy_match_direct_computation(target):
                 seq.append(int(logits.argmax()))
                 if seq[-1] == eos:
                     break
-            assert c == seq[len(p):]
+            assert c == seq[len(p) :]
     st = text_stats(model, prompts, cont, eos_id=eos)
     assert st["generated_tokens"] == n and st["mean_entropy"] == pytest.approx(ent / n, rel=1e-4)
 
@@ -80,9 +91,28 @@ def test_sharper_copy_is_chosen(target, tmp_path):
         if keys:
             save_file(state, f, metadata={"format": "pt"})
     out = tmp_path / "select.json"
-    res = subprocess.run([sys.executable, "-m", "specforge_kimi", "target-text", str(target), str(sharp), "--device",
-                          "cpu", "--corpus-prompts", "3", "--mix-prompts", "3", "--max-new-tokens", "8", "--out",
-                          str(out)], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specforge_kimi",
+            "target-text",
+            str(target),
+            str(sharp),
+            "--device",
+            "cpu",
+            "--corpus-prompts",
+            "3",
+            "--mix-prompts",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(out.read_text())
     a, b = summary["candidates"]
@@ -95,10 +125,10 @@ def test_selection_prompts_are_distinct_and_not_bench_prompts(target):
     """Distinct, and none is a prompt the bench sends (its structured set is the corpus's seed-20000
     conversations, asked as their prompt part; chat/math/code with thinking on)."""
     from specforge_kimi.data import corpus
-    from specforge_kimi.evaluate.bench import builtin_prompt_set, encode_prompt
     from specforge_kimi.data.chat_template import encode_records as _rows
     from specforge_kimi.data.corpus import HELDOUT_SEED
     from specforge_kimi.demo.target_text import selection_prompts
+    from specforge_kimi.evaluate.bench import builtin_prompt_set, encode_prompt
 
     _, tok = _model_and_tok(target)
     sel = selection_prompts(tok, corpus_prompts=48, mix_prompts=48)
@@ -112,8 +142,9 @@ def test_selection_prompts_are_distinct_and_not_bench_prompts(target):
 
 def test_bad_input(tmp_path, tiny_dir):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "specforge_kimi", "target-text", *args], capture_output=True,
-                              text=True)
+        return subprocess.run(
+            [sys.executable, "-m", "specforge_kimi", "target-text", *args], capture_output=True, text=True
+        )
 
     import shutil
 

@@ -20,9 +20,28 @@ RECIPE = "recipes/tiny-k25-tp1-h200.yaml"
 @pytest.mark.slow
 def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     out = tmp_path / "tm.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", "--lengths", "32,48",
-                          "--steps", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--recipe",
+            RECIPE,
+            "--backends",
+            "sdpa",
+            "--lengths",
+            "32,48",
+            "--steps",
+            "2",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
@@ -34,8 +53,9 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
         assert "error" not in r, r
         assert r["fsdp_sharding"] == "NO_SHARD"  # SpecForge's FSDP needs an accelerator; its DDP path runs
         assert len(r["losses"]) == 2 and all(x == x and x > 0 for x in r["losses"])
-        assert r["plan_bytes"] == trainer_terms(load_recipe(REPO / RECIPE), max_length=r["length"],
-                                                attention_backend="sdpa")
+        assert r["plan_bytes"] == trainer_terms(
+            load_recipe(REPO / RECIPE), max_length=r["length"], attention_backend="sdpa"
+        )
     # the stand-in target holds only what the consumer reads
     recipe = load_recipe(REPO / RECIPE)
     t = recipe.target
@@ -48,9 +68,30 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
     out = tmp_path / "tm.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", "--lengths", "32",
-                          "--steps", "2", "--nproc", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--recipe",
+            RECIPE,
+            "--backends",
+            "sdpa",
+            "--lengths",
+            "32",
+            "--steps",
+            "2",
+            "--nproc",
+            "2",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["config"]["world_size"] == 2
@@ -64,14 +105,32 @@ def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
 def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
     import torch
 
-    cases = [(["--backends", "eager"], "is not flex_attention or sdpa"),
-             (["--lengths", "64,x"], "not a comma-separated list"),
-             (["--lengths", "128,64"], "ascending"), (["--steps", "1"], "at least 2"),
-             (["--nproc", "0"], "--nproc 0")]
+    cases = [
+        (["--backends", "eager"], "is not flex_attention or sdpa"),
+        (["--lengths", "64,x"], "not a comma-separated list"),
+        (["--lengths", "128,64"], "ascending"),
+        (["--steps", "1"], "at least 2"),
+        (["--nproc", "0"], "--nproc 0"),
+    ]
     if not torch.cuda.is_available():  # flex_attention has no CPU backward
         cases.append((["--backends", "flex_attention"], "needs CUDA"))
     for extra, msg in cases:
-        res = subprocess.run([sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa", *extra,
-                              "--workdir", str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--recipe",
+                RECIPE,
+                "--backends",
+                "sdpa",
+                *extra,
+                "--workdir",
+                str(tmp_path / "w"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert not (tmp_path / "w").exists()  # checked before anything is written

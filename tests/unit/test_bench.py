@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from specforge_kimi.errors import KimiInputError
 from specforge_kimi.evaluate import bench
 from specforge_kimi.evaluate.bench import BenchSettings, SpecConfig
-from specforge_kimi.errors import KimiInputError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,13 +37,26 @@ def _meta(hist: list[int], *, draft_tokens: int = 4, prompt_tokens: int = 20) ->
     correct = sum(k * c for k, c in enumerate(hist))
     completion = 1 + correct + verify
     proposed = verify * (draft_tokens - 1)
-    return {"id": "x", "finish_reason": {"type": "length", "length": completion}, "prompt_tokens": prompt_tokens,
-            "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
-            "completion_tokens": completion, "cached_tokens": 0, "e2e_latency": completion / 100,
-            "spec_accept_rate": correct / proposed, "spec_accept_length": completion / verify,
-            "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed, "spec_verify_ct": verify,
-            "spec_accepted_drafts": correct, "spec_proposed_drafts": proposed,
-            "spec_correct_drafts_histogram": hist, "spec_accept_histogram": hist}
+    return {
+        "id": "x",
+        "finish_reason": {"type": "length", "length": completion},
+        "prompt_tokens": prompt_tokens,
+        "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": completion,
+        "cached_tokens": 0,
+        "e2e_latency": completion / 100,
+        "spec_accept_rate": correct / proposed,
+        "spec_accept_length": completion / verify,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+        "spec_verify_ct": verify,
+        "spec_accepted_drafts": correct,
+        "spec_proposed_drafts": proposed,
+        "spec_correct_drafts_histogram": hist,
+        "spec_accept_histogram": hist,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,22 +77,41 @@ def _dirs(tmp_path: Path, *, target_ctx: int = 262144, draft_ctx: int = 4096) ->
     target, draft = tmp_path / "target", tmp_path / "draft"
     target.mkdir()
     draft.mkdir()
-    (target / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-        "text_config": {"max_position_embeddings": target_ctx}, "specforge_kimi_tiny": {"layers": 8, "hidden": 64}}))
-    (draft / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "max_position_embeddings": draft_ctx, "draft_vocab_size": 49,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "model_type": "kimi_k25",
+                "text_config": {"max_position_embeddings": target_ctx},
+                "specforge_kimi_tiny": {"layers": 8, "hidden": 64},
+            }
+        )
+    )
+    (draft / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "max_position_embeddings": draft_ctx,
+                "draft_vocab_size": 49,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},
+            }
+        )
+    )
     return target, draft
 
 
 def test_settings_validation(tmp_path):
     target, draft = _dirs(tmp_path)
     BenchSettings(target=str(target), draft=str(draft)).validate()
-    cases = [({"target": str(tmp_path / "nope")}, "no config.json"), ({"concurrency": 0}, "--concurrency"),
-             ({"tp": 0}, "--tp"), ({"min_acceptance_length": 0.5}, "can never fail"),
-             ({"mem_fraction_static": 1.5}, "mem-fraction"), ({"configs": []}, "no speculative config"),
-             ({"num_prompts": 0}, "--num-prompts")]
+    cases = [
+        ({"target": str(tmp_path / "nope")}, "no config.json"),
+        ({"concurrency": 0}, "--concurrency"),
+        ({"tp": 0}, "--tp"),
+        ({"min_acceptance_length": 0.5}, "can never fail"),
+        ({"mem_fraction_static": 1.5}, "mem-fraction"),
+        ({"configs": []}, "no speculative config"),
+        ({"num_prompts": 0}, "--num-prompts"),
+    ]
     for kw, msg in cases:
         s = BenchSettings(**{"target": str(target), "draft": str(draft), **kw})
         with pytest.raises(KimiInputError, match=msg):
@@ -109,8 +141,9 @@ def test_context_length_defaults_to_what_the_draft_allows(tmp_path):
 
 def test_server_argv_is_text_only_launcher_without_capture(tmp_path):
     target, draft = _dirs(tmp_path)
-    s = BenchSettings(target=str(target), draft=str(draft), tp=2, disable_cuda_graph=True,
-                      extra_server_args=["--log-level", "info"])
+    s = BenchSettings(
+        target=str(target), draft=str(draft), tp=2, disable_cuda_graph=True, extra_server_args=["--log-level", "info"]
+    )
     base = bench.server_argv(s, None, port=31000, context=4096, python="python")
     spec = bench.server_argv(s, SpecConfig(7, 1, 8), port=31000, context=4096, python="python")
     assert base[:3] == ["python", "-m", "specforge_kimi.capture_server"]
@@ -123,8 +156,10 @@ def test_server_argv_is_text_only_launcher_without_capture(tmp_path):
     assert not any(a.startswith("--speculative") for a in base)
     assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
     assert spec[spec.index("--speculative-draft-model-path") + 1] == str(draft)
-    assert [spec[spec.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
-                                              "--speculative-num-draft-tokens")] == ["7", "1", "8"]
+    assert [
+        spec[spec.index(f) + 1]
+        for f in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+    ] == ["7", "1", "8"]
     # identical apart from speculation, so the speedup compares like with like
     k = len(base) - 2
     assert spec[:k] + spec[-2:] == base
@@ -139,11 +174,21 @@ def test_server_argv_parses_with_sglangs_own_parser_through_our_launcher(tmp_pat
     from specforge_kimi.online.capture_server import parse_text_only_args
 
     target, draft = _dirs(tmp_path)
-    s = BenchSettings(target=str(target), draft=str(draft), mem_fraction_static=0.3, disable_cuda_graph=True,
-                      disable_allreduce_fusion=True)
+    s = BenchSettings(
+        target=str(target),
+        draft=str(draft),
+        mem_fraction_static=0.3,
+        disable_cuda_graph=True,
+        disable_allreduce_fusion=True,
+    )
     ns = parse_text_only_args(bench.server_argv(s, SpecConfig(3, 1, 4), port=30001, context=4096)[3:])
-    assert (ns.speculative_algorithm, ns.speculative_draft_model_path, ns.speculative_num_steps,
-            ns.speculative_eagle_topk, ns.speculative_num_draft_tokens) == ("EAGLE3", str(draft), 3, 1, 4)
+    assert (
+        ns.speculative_algorithm,
+        ns.speculative_draft_model_path,
+        ns.speculative_num_steps,
+        ns.speculative_eagle_topk,
+        ns.speculative_num_draft_tokens,
+    ) == ("EAGLE3", str(draft), 3, 1, 4)
     assert ns.skip_tokenizer_init and ns.enable_multimodal is False and ns.context_length == 4096
     assert (ns.attention_backend, ns.mem_fraction_static, ns.host, ns.port) == ("triton", 0.3, "127.0.0.1", 30001)
     assert ns.enforce_disable_flashinfer_allreduce_fusion and not getattr(ns, "enable_spec_capture", False)
@@ -164,8 +209,9 @@ def test_builtin_sets_are_package_data_and_encode_to_k25_generation_prompts():
         assert all(p.messages[-1].role == "user" for p in ps.prompts)
     ids = bench.encode_prompt(bench.builtin_prompt_set("math").prompts[0], tok, thinking=True)
     assert tok.decode(ids).endswith("<|im_assistant|>assistant<|im_middle|><think>")
-    assert tok.decode(bench.encode_prompt(bench.builtin_prompt_set("math").prompts[0], tok, thinking=False)) \
-        .endswith("<think></think>")
+    assert tok.decode(bench.encode_prompt(bench.builtin_prompt_set("math").prompts[0], tok, thinking=False)).endswith(
+        "<think></think>"
+    )
     structured = bench.builtin_prompt_set("structured")
     assert len(structured.prompts) == bench.STRUCTURED_PROMPTS
     assert {p.thinking for p in structured.prompts} == {True, False}  # each keeps its conversation's mode
@@ -176,13 +222,25 @@ def test_builtin_sets_are_package_data_and_encode_to_k25_generation_prompts():
 
 def test_user_jsonl_prompt_file(tmp_path):
     f = tmp_path / "mine.jsonl"
-    f.write_text("\n".join([
-        json.dumps({"id": "a", "messages": [{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "Hi"},
-                                            {"role": "assistant", "content": "reference, dropped"}]}),
-        "",
-        json.dumps({"prompt": "Count to 3.", "thinking": False}),
-    ]) + "\n")
+    f.write_text(
+        "\n".join(
+            [
+                json.dumps(
+                    {
+                        "id": "a",
+                        "messages": [
+                            {"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "reference, dropped"},
+                        ],
+                    }
+                ),
+                "",
+                json.dumps({"prompt": "Count to 3.", "thinking": False}),
+            ]
+        )
+        + "\n"
+    )
     ps = bench.load_prompt_file(f)
     assert ps.name == "mine" and [p.id for p in ps.prompts] == ["a", "mine-3"]
     assert [m.role for m in ps.prompts[0].messages] == ["system", "user"]
@@ -191,14 +249,17 @@ def test_user_jsonl_prompt_file(tmp_path):
     assert [s.name for s in sets] == ["code", "mine"] and all(len(s.prompts) == 1 for s in sets)
 
 
-@pytest.mark.parametrize("lines, msg", [
-    (['{"prompt": "ok"}', '{"prompt": "unterminated'], ":2: not valid JSON"),
-    (['{"text": "hi"}'], ":1: record has neither"),
-    (['{"messages": [{"role": "assistant", "content": "only an answer"}]}'], ":1: the prompt must end with a user"),
-    (['{"prompt": ""}'], ":1: 'prompt' must be a non-empty string"),
-    (['{"prompt": "x", "thinking": "yes"}'], ":1: 'thinking' must be true or false"),
-    (["", "  "], "holds no prompts"),
-])
+@pytest.mark.parametrize(
+    "lines, msg",
+    [
+        (['{"prompt": "ok"}', '{"prompt": "unterminated'], ":2: not valid JSON"),
+        (['{"text": "hi"}'], ":1: record has neither"),
+        (['{"messages": [{"role": "assistant", "content": "only an answer"}]}'], ":1: the prompt must end with a user"),
+        (['{"prompt": ""}'], ":1: 'prompt' must be a non-empty string"),
+        (['{"prompt": "x", "thinking": "yes"}'], ":1: 'thinking' must be true or false"),
+        (["", "  "], "holds no prompts"),
+    ],
+)
 def test_bad_jsonl_names_file_and_line(tmp_path, lines, msg):
     f = tmp_path / "bad.jsonl"
     f.write_text("\n".join(lines) + "\n")
@@ -221,10 +282,17 @@ def test_prompt_set_names_must_be_unique(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_metrics_from_sglang_meta_info():
     a, b = _meta([1, 2, 0, 1]), _meta([0, 0, 1, 2])  # 10 tokens / 4 verifies; 12 tokens / 3 verifies
-    short = {"id": "s", "finish_reason": {"type": "stop", "matched": 163586}, "prompt_tokens": 9,
-             "completion_tokens": 1, "cached_tokens": 0, "e2e_latency": 0.01}  # no verify step: no spec keys
-    m = bench.summarize([{"meta_info": a}, {"meta_info": b}, {"meta_info": short}], wall_s=2.0,
-                        spec=SpecConfig(3, 1, 4))
+    short = {
+        "id": "s",
+        "finish_reason": {"type": "stop", "matched": 163586},
+        "prompt_tokens": 9,
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+        "e2e_latency": 0.01,
+    }  # no verify step: no spec keys
+    m = bench.summarize(
+        [{"meta_info": a}, {"meta_info": b}, {"meta_info": short}], wall_s=2.0, spec=SpecConfig(3, 1, 4)
+    )
     assert (m["completion_tokens"], m["spec_verify_ct"], m["spec_num_correct_drafts"]) == (23, 7, 13)
     assert m["acceptance_length"] == pytest.approx(23 / 7)
     assert m["acceptance_length_decode"] == pytest.approx(20 / 7)
@@ -313,21 +381,51 @@ def fake_server(tmp_path, monkeypatch):
 def test_run_bench_end_to_end_against_a_stand_in_server(tmp_path, fake_server):
     target, draft = _dirs(tmp_path)
     out = tmp_path / "out"
-    s = BenchSettings(target=str(target), draft=str(draft), sets=["math", "structured"], num_prompts=4,
-                      max_new_tokens=64, concurrency=2, warmup=1, standin_tokenizer=True, check_draft=False,
-                      min_acceptance_length=2.0, threshold_sets=["structured"], start_timeout_s=60, out_dir=str(out))
+    s = BenchSettings(
+        target=str(target),
+        draft=str(draft),
+        sets=["math", "structured"],
+        num_prompts=4,
+        max_new_tokens=64,
+        concurrency=2,
+        warmup=1,
+        standin_tokenizer=True,
+        check_draft=False,
+        min_acceptance_length=2.0,
+        threshold_sets=["structured"],
+        start_timeout_s=60,
+        out_dir=str(out),
+    )
     result = bench.run_bench(s, launcher=fake_server)
     on_disk = json.loads((out / "bench_result.json").read_text())
     assert on_disk == json.loads(json.dumps(result))
     assert (out / "acceptance.png").stat().st_size > 10_000
-    for key in ("benchmark", "schema_version", "date_utc", "command", "environment", "target", "draft", "tokenizer",
-                "settings", "context_length", "prompt_sets", "baseline", "speculative", "threshold", "png",
-                "metric_definitions", "wall_s"):
+    for key in (
+        "benchmark",
+        "schema_version",
+        "date_utc",
+        "command",
+        "environment",
+        "target",
+        "draft",
+        "tokenizer",
+        "settings",
+        "context_length",
+        "prompt_sets",
+        "baseline",
+        "speculative",
+        "threshold",
+        "png",
+        "metric_definitions",
+        "wall_s",
+    ):
         assert key in result, key
     assert result["benchmark"] == "acceptance" and result["context_length"] == 4096
     assert result["prompt_sets"]["math"]["prompts"] == 4 and result["prompt_sets"]["structured"]["prompts"] == 4
-    assert [r["config"] for r in result["speculative"]] == [{"steps": 3, "topk": 1, "draft_tokens": 4},
-                                                            {"steps": 7, "topk": 1, "draft_tokens": 8}]
+    assert [r["config"] for r in result["speculative"]] == [
+        {"steps": 3, "topk": 1, "draft_tokens": 4},
+        {"steps": 7, "topk": 1, "draft_tokens": 8},
+    ]
     assert not any(a.startswith("--speculative") for a in result["baseline"]["server_argv"])
     for run in result["speculative"]:
         for name, m in run["sets"].items():
@@ -353,8 +451,16 @@ def test_run_bench_end_to_end_against_a_stand_in_server(tmp_path, fake_server):
 def test_server_that_dies_at_start_fails_with_its_log(tmp_path, fake_server, monkeypatch):
     target, draft = _dirs(tmp_path)
     monkeypatch.setenv("FAKE_EXIT", "3")
-    s = BenchSettings(target=str(target), draft=str(draft), sets=["math"], num_prompts=1, standin_tokenizer=True,
-                      check_draft=False, start_timeout_s=30, out_dir=str(tmp_path / "out"))
+    s = BenchSettings(
+        target=str(target),
+        draft=str(draft),
+        sets=["math"],
+        num_prompts=1,
+        standin_tokenizer=True,
+        check_draft=False,
+        start_timeout_s=30,
+        out_dir=str(tmp_path / "out"),
+    )
     with pytest.raises(RuntimeError, match="(?s)exited.*failing at start"):
         bench.run_bench(s, launcher=fake_server)
 
@@ -396,28 +502,46 @@ def test_report_from_sample_results(tmp_path):
     for name in ("prepare_memory.json", "capture_parity_h200x2.json"):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     hist_a, hist_b = [1, 2, 0, 1], [0, 0, 1, 2]
-    run = {"label": "eagle3-3-1-4", "config": {"steps": 3, "topk": 1, "draft_tokens": 4}, "server_argv": [],
-           "startup_s": 60.0, "server_info_avg_spec_accept_length": 2.8,
-           "sets": {"structured": bench.summarize([{"meta_info": _meta(hist_a)}, {"meta_info": _meta(hist_b)}],
-                                                  wall_s=1.0, spec=SpecConfig(3, 1, 4))},
-           "speedup": {"structured": 1.7, "overall": 1.7},
-           "output_match": {"structured": {"identical": 2, "different": 0, "first_different": []}}}
+    run = {
+        "label": "eagle3-3-1-4",
+        "config": {"steps": 3, "topk": 1, "draft_tokens": 4},
+        "server_argv": [],
+        "startup_s": 60.0,
+        "server_info_avg_spec_accept_length": 2.8,
+        "sets": {
+            "structured": bench.summarize(
+                [{"meta_info": _meta(hist_a)}, {"meta_info": _meta(hist_b)}], wall_s=1.0, spec=SpecConfig(3, 1, 4)
+            )
+        },
+        "speedup": {"structured": 1.7, "overall": 1.7},
+        "output_match": {"structured": {"identical": 2, "different": 0, "first_different": []}},
+    }
     run["overall"] = run["sets"]["structured"]
-    sample = {"benchmark": "acceptance", "schema_version": 1, "date_utc": "2026-12-01T00:00:00Z",
-              "target": {"path": "/x/tiny", "tiny_spec": {"layers": 8, "hidden": 512},
-                         "pretrain": {"train": {"steps": 600}}},
-              "draft": {"path": "/x/export-sglang", "architectures": ["LlamaForCausalLMEagle3"],
-                        "draft_vocab_size": 49},
-              "settings": {"max_new_tokens": 64, "concurrency": 1, "tp": 1, "attention_backend": "triton"},
-              "baseline": {"sets": {"structured": {"output_tok_per_s": 100.0}}}, "speculative": [run],
-              "threshold": {"min_acceptance_length": 3.0, "sets": ["structured"], "acceptance_length": 23 / 7,
-                            "passed": True, "config": run["config"]}}
+    sample = {
+        "benchmark": "acceptance",
+        "schema_version": 1,
+        "date_utc": "2026-12-01T00:00:00Z",
+        "target": {"path": "/x/tiny", "tiny_spec": {"layers": 8, "hidden": 512}, "pretrain": {"train": {"steps": 600}}},
+        "draft": {"path": "/x/export-sglang", "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 49},
+        "settings": {"max_new_tokens": 64, "concurrency": 1, "tp": 1, "attention_backend": "triton"},
+        "baseline": {"sets": {"structured": {"output_tok_per_s": 100.0}}},
+        "speculative": [run],
+        "threshold": {
+            "min_acceptance_length": 3.0,
+            "sets": ["structured"],
+            "acceptance_length": 23 / 7,
+            "passed": True,
+            "config": run["config"],
+        },
+    }
     (results / "acceptance_tiny.json").write_text(json.dumps(sample))
     (results / "notes.json").write_text('{"something": "else"}')
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert md == (tmp_path / "REPORT.md").read_text()
-    assert ("| acceptance_tiny.json | tiny 8L/512h, pretrained 600 steps | 3/1/4 | structured | 2 | 3.143 | 2.857 "
-            "| 0.619 | 0.86 / 0.57 / 0.43 | 22.0 | 100.0 | 1.70x | 2/2 |") in md
+    assert (
+        "| acceptance_tiny.json | tiny 8L/512h, pretrained 600 steps | 3/1/4 | structured | 2 | 3.143 | 2.857 "
+        "| 0.619 | 0.86 / 0.57 / 0.43 | 22.0 | 100.0 | 1.70x | 2/2 |"
+    ) in md
     assert "**passed**" in md
     for title in ("## Capture overhead", "## Pipeline efficiency", "## Trainer memory"):
         section = md.split(title, 1)[1].split("\n## ", 1)[0]
@@ -426,28 +550,60 @@ def test_report_from_sample_results(tmp_path):
     assert "| 60000 | 100.8 | yes | 699.3 | 142.6 | 91.3 |" in md
     assert "tp1_fusion-off | passed | 111 | 0.99996" in md
     assert "`notes.json`" in md.split("## Unrecognised results files", 1)[1]
-    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"acceptance.png", "capture_parity.png",
-                                                                "prepare_memory.png"}
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+        "acceptance.png",
+        "capture_parity.png",
+        "prepare_memory.png",
+    }
     # bench/online_pipeline.py output fills capture overhead, pipeline efficiency and trainer memory
-    online = {"command": ["python", "bench/online_pipeline.py"], "engine": "sglang",
-              "baseline_capture_over_plain": {"tp1": {"64x1024": 0.55}},
-              "runs": [{"tp": 1, "shapes": [{"batch": 64, "tokens_per_prompt": 1024, "plain_tokens_per_s": 400000.0,
-                                             "capture_tokens_per_s": 300000.0, "capture_over_plain": 0.75,
-                                             "feature_bytes_per_token": 8192.0, "capture_write_gb_per_s": 2.5,
-                                             "read_gb_per_s": 4.0, "in_flight": {
-                                                 "in_flight": 2, "plain_tokens_per_s": 500000.0,
-                                                 "capture_tokens_per_s": 450000.0, "capture_over_plain": 0.9}}]},
-                       {"tp": 2, "error": "RuntimeError: boom"}],
-              "online_run": {"source": "/r/online_run.json",
-                             "perf": {"end_to_end_tokens_per_s": 900.0, "trainer_only_tokens_per_s": 1200.0,
-                                      "data_wait_fraction": 0.25, "steps_used": 190},
-                             "slowest_stage": "trainer_only_tokens_per_s", "end_to_end_over_slowest_stage": 0.75,
-                             "gpu_memory": {"peak_mib_per_role": {"capture-server": 40000, "trainer": 9000}}}}
+    online = {
+        "command": ["python", "bench/online_pipeline.py"],
+        "engine": "sglang",
+        "baseline_capture_over_plain": {"tp1": {"64x1024": 0.55}},
+        "runs": [
+            {
+                "tp": 1,
+                "shapes": [
+                    {
+                        "batch": 64,
+                        "tokens_per_prompt": 1024,
+                        "plain_tokens_per_s": 400000.0,
+                        "capture_tokens_per_s": 300000.0,
+                        "capture_over_plain": 0.75,
+                        "feature_bytes_per_token": 8192.0,
+                        "capture_write_gb_per_s": 2.5,
+                        "read_gb_per_s": 4.0,
+                        "in_flight": {
+                            "in_flight": 2,
+                            "plain_tokens_per_s": 500000.0,
+                            "capture_tokens_per_s": 450000.0,
+                            "capture_over_plain": 0.9,
+                        },
+                    }
+                ],
+            },
+            {"tp": 2, "error": "RuntimeError: boom"},
+        ],
+        "online_run": {
+            "source": "/r/online_run.json",
+            "perf": {
+                "end_to_end_tokens_per_s": 900.0,
+                "trainer_only_tokens_per_s": 1200.0,
+                "data_wait_fraction": 0.25,
+                "steps_used": 190,
+            },
+            "slowest_stage": "trainer_only_tokens_per_s",
+            "end_to_end_over_slowest_stage": 0.75,
+            "gpu_memory": {"peak_mib_per_role": {"capture-server": 40000, "trainer": 9000}},
+        },
+    }
     (results / "online_pipeline_h200x2.json").write_text(json.dumps(online))
     (results / "online_pipeline_dry.json").write_text(json.dumps({**online, "engine": "reference"}))
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
-    sec = {t: md.split(f"## {t}", 1)[1].split("\n## ", 1)[0]
-           for t in ("Capture overhead", "Pipeline efficiency", "Trainer memory")}
+    sec = {
+        t: md.split(f"## {t}", 1)[1].split("\n## ", 1)[0]
+        for t in ("Capture overhead", "Pipeline efficiency", "Trainer memory")
+    }
     assert "| tp1 | 64x1024 | 400000 | 300000 | 0.75x | 0.55x | 8192 | 2.50 | 4.00 |" in sec["Capture overhead"]
     assert "| tp1 | 64x1024, 2 in flight | 500000 | 450000 | 0.90x | - | - | - | - |" in sec["Capture overhead"]
     assert "error: RuntimeError: boom" in sec["Capture overhead"]
@@ -455,8 +611,9 @@ def test_report_from_sample_results(tmp_path):
     assert "| trainer | 9000 |" in sec["Trainer memory"]
     assert all("`online_pipeline_dry.json` is a CPU dry run" in v for v in sec.values())
     # a planned kind shows its rows once a file exists
-    (results / "trainer_memory.json").write_text(json.dumps(
-        {"benchmark": "trainer_memory", "command": "x", "rows": [{"rank": 0, "peak_gib": 7.5}]}))
+    (results / "trainer_memory.json").write_text(
+        json.dumps({"benchmark": "trainer_memory", "command": "x", "rows": [{"rank": 0, "peak_gib": 7.5}]})
+    )
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "| rank | peak_gib |" in md.split("## Trainer memory", 1)[1].split("\n## ", 1)[0]
 
@@ -466,25 +623,64 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     report = _report_module()
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("tiny_target_pretrain_120s_h200x2.json", "online_run_regen_h200x2.json",
-                 "online_run_regen_h200x2_eval_draft.json", "fault_drills_h200x2.json", "mla_vs_llama_cpu.json",
-                 "draft_logits_parity_h200.json", "offline_twin_tp1_h200.json", "mla_vs_llama_engine_tp1_h200.json",
-                 "pretrain_repro_h200.json", "online_run_mix_tp1_h200_eval_draft.json", "mooncake_put_cpu.json",
-                 "passthrough_cpu.json", "online_pipeline_tp1_h200_breakdown.json", "offline_twin_echo_tp1_h200.json",
-                 "bench_sglang_test_untrained_tp1_h200.json", "teacher_memory_cpu.json",
-                 "trainer_memory_k25_b200_h200.json"):
+    for name in (
+        "tiny_target_pretrain_120s_h200x2.json",
+        "online_run_regen_h200x2.json",
+        "online_run_regen_h200x2_eval_draft.json",
+        "fault_drills_h200x2.json",
+        "mla_vs_llama_cpu.json",
+        "draft_logits_parity_h200.json",
+        "offline_twin_tp1_h200.json",
+        "mla_vs_llama_engine_tp1_h200.json",
+        "pretrain_repro_h200.json",
+        "online_run_mix_tp1_h200_eval_draft.json",
+        "mooncake_put_cpu.json",
+        "passthrough_cpu.json",
+        "online_pipeline_tp1_h200_breakdown.json",
+        "offline_twin_echo_tp1_h200.json",
+        "bench_sglang_test_untrained_tp1_h200.json",
+        "teacher_memory_cpu.json",
+        "trainer_memory_k25_b200_h200.json",
+    ):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
-    greedy = {"benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
-                           "draft-vocab padding (CPU)", "settings": {"steps": 300, "pretrain_steps": 150},
-              "configs": [{"target_loss": "full", "draft_vocab_size": 49, "decode_round_acceptance_length": 3.1,
-                           "decode_round_at_least": [0.9, 0.7, 0.5], "every_position_acceptance_length": 3.2,
-                           "teacher_entropy": 1.0, "heldout_loss": 1.2, "train_acc_per_position_last": [0.9, 0.8]}]}
+    greedy = {
+        "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
+        "draft-vocab padding (CPU)",
+        "settings": {"steps": 300, "pretrain_steps": 150},
+        "configs": [
+            {
+                "target_loss": "full",
+                "draft_vocab_size": 49,
+                "decode_round_acceptance_length": 3.1,
+                "decode_round_at_least": [0.9, 0.7, 0.5],
+                "every_position_acceptance_length": 3.2,
+                "teacher_entropy": 1.0,
+                "heldout_loss": 1.2,
+                "train_acc_per_position_last": [0.9, 0.8],
+            }
+        ],
+    }
     (results / "greedy.json").write_text(json.dumps(greedy))
-    select = {"command": ["specforge-kimi", "target-text"], "chosen": "b", "candidates": [
-        {"target": "a", "mean_entropy": 2.1, "mean_top1_probability": 0.5, "pretrain": {"seed": 0, "steps": 2000},
-         "groups": {"corpus": {"mean_entropy": 1.9}, "prompt_mix": {"mean_entropy": 2.3}}},
-        {"target": "b", "mean_entropy": 1.7, "mean_top1_probability": 0.6, "pretrain": {"seed": 1, "steps": 2000},
-         "groups": {"corpus": {"mean_entropy": 1.5}, "prompt_mix": {"mean_entropy": 1.9}}}]}
+    select = {
+        "command": ["specforge-kimi", "target-text"],
+        "chosen": "b",
+        "candidates": [
+            {
+                "target": "a",
+                "mean_entropy": 2.1,
+                "mean_top1_probability": 0.5,
+                "pretrain": {"seed": 0, "steps": 2000},
+                "groups": {"corpus": {"mean_entropy": 1.9}, "prompt_mix": {"mean_entropy": 2.3}},
+            },
+            {
+                "target": "b",
+                "mean_entropy": 1.7,
+                "mean_top1_probability": 0.6,
+                "pretrain": {"seed": 1, "steps": 2000},
+                "groups": {"corpus": {"mean_entropy": 1.5}, "prompt_mix": {"mean_entropy": 1.9}},
+            },
+        ],
+    }
     (results / "target_select.json").write_text(json.dumps(select))
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "## Unrecognised results files" not in md
@@ -495,25 +691,36 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     assert "| full | llama | 49 | 300 | 3.100 | 0.90 / 0.70 / 0.50 | 3.200 |" in md
     assert "| llama | 1455360 | 1.006 | 2.847 |" in md
     assert "| mooncake master SIGKILL | 1 / 1 | 137 | 37 | 200 | 4 | 0 | 0 |" in md
-    assert "| draft_logits_parity_h200.json | LlamaForCausalLMEagle3 | triton | 768 | 0.99999 | 0.38% | 0.993 | 28.7 | yes | 0 |" in md
+    assert (
+        "| draft_logits_parity_h200.json | LlamaForCausalLMEagle3 | triton | 768 | 0.99999 | 0.38% | 0.993 | 28.7 | yes | 0 |"
+        in md
+    )
     assert "| offline_twin_tp1_h200.json | online | offline twin | 2.714 | 2.770 | +2.1% | yes |" in md
     assert "| mla_vs_llama_engine_tp1_h200.json | Llama-style | MLA | 2.770 | 2.681 | -3.2% | - |" in md
     # a twin against an earlier call's online bench says so; one that benched both sides does not
     pairs = md.split("## Same data, two drafts", 1)[1].split("\n## ", 1)[0]
-    assert ("- `offline_twin_echo_tp1_h200.json`: the online side is "
-            "`bench/results/acceptance_online_draft_echo_tp1_h200.json`") in pairs
+    assert (
+        "- `offline_twin_echo_tp1_h200.json`: the online side is "
+        "`bench/results/acceptance_online_draft_echo_tp1_h200.json`"
+    ) in pairs
     assert "- `offline_twin_tp1_h200.json`" not in pairs
     assert "| teacher_memory_cpu.json | 163840 | 2048 | 2.647 | 8.47 | 8.12 | 10 |" in md
-    assert ("| trainer_memory_k25_b200_h200.json | NVIDIA H200 | 1 | flex_attention | 16384 | 69.15 | 95.23 | 133.75 | "
-            "0.52x | 1.687 | 9715 |") in md
-    assert ("| bench_sglang_test_untrained_tp1_h200.json | untrained | structured | 1.025 | 36.6 | 52.2 | 0.70x | 8/8 |"
-            in md)
+    assert (
+        "| trainer_memory_k25_b200_h200.json | NVIDIA H200 | 1 | flex_attention | 16384 | 69.15 | 95.23 | 133.75 | "
+        "0.52x | 1.687 | 9715 |"
+    ) in md
+    assert (
+        "| bench_sglang_test_untrained_tp1_h200.json | untrained | structured | 1.025 | 36.6 | 52.2 | 0.70x | 8/8 |"
+        in md
+    )
     assert "| pretrain_repro_h200.json | 1b6c33f | NVIDIA H200 | default | 300 / 300 | 2.739 / 2.495 |" in md
     assert "| online_run_mix_tp1_h200_eval_draft.json | tiny-k25-tp1-step2400 | prompt_mix/chat | 16 | 2.342 |" in md
     assert "| mooncake_put_cpu.json | 2 | 268 | 1 | 50.100 | 5.360 |" in md
     timing = md.split("## Where a capture call's time goes", 1)[1]
-    assert ("| online_pipeline_tp1_h200_breakdown.json | tp1, 1 put client(s) | 64x1024 | 170.290 | 171.724 | "
-            "179.953 | 228.803 | - | 26.977 | 4.277 |") in timing
+    assert (
+        "| online_pipeline_tp1_h200_breakdown.json | tp1, 1 put client(s) | 64x1024 | 170.290 | 171.724 | "
+        "179.953 | 228.803 | - | 26.977 | 4.277 |"
+    ) in timing
     assert "| passthrough_cpu.json | 2 | 64x1024 | lists | 1.37 |" in timing
     assert "| passthrough_cpu.json | 2 | 16x4096 | compact | 0.57 |" in timing
     # a file of neither shape stays unrecognised rather than landing in these sections
@@ -535,11 +742,11 @@ def test_structured_requests_are_prefixes_of_the_training_rows():
     records = list(corpus.conversations(12, seed=HELDOUT_SEED))
     prompts = bench.structured_prompt_set(12).prompts
     modes = set()
-    for rec, prompt in zip(records, prompts):
+    for rec, prompt in zip(records, prompts, strict=False):
         request = bench.encode_prompt(prompt, tok, thinking=True)
         (spans,) = training_rows(conversation_from_record(rec))
         ids, mask = encode_spans(spans, tok)
-        assert ids[:len(request)] == request and not any(mask[:len(request)]), rec["id"]
+        assert ids[: len(request)] == request and not any(mask[: len(request)]), rec["id"]
         assert mask[len(request)] == 1, rec["id"]  # the first token the target generates is trained
         modes.add(prompt.thinking)
     assert modes == {True, False}

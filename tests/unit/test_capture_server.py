@@ -10,8 +10,10 @@ from specforge_kimi.online import capture_server as cs
 
 
 def test_import_does_not_pull_sglang_or_specforge():
-    code = ("import sys, specforge_kimi.capture_server;"
-            "print(','.join(m for m in ('sglang','specforge','torch','mooncake','transformers') if m in sys.modules))")
+    code = (
+        "import sys, specforge_kimi.capture_server;"
+        "print(','.join(m for m in ('sglang','specforge','torch','mooncake','transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
@@ -23,22 +25,47 @@ def _specforge_managed_local(monkeypatch, tmp_path, *, tp, port, ids, mem=0.4, b
     from specforge.config import Config
 
     # The contract normally comes from the target + draft configs; only its method/ids matter here.
-    monkeypatch.setattr(capture_contract, "resolve_server_capture_contract",
-                        lambda cfg, algorithm: capture_contract.ServerCaptureContract(
-                            method="eagle3", aux_layer_ids=tuple(ids), target_hidden_size=64,
-                            target_vocab_size=163840, draft_vocab_size=32000))
-    cfg = Config.model_validate({
-        "model": {"target_model_path": "/ckpt/k25", "sglang_attention_backend": backend,
-                  "sglang_mem_fraction_static": mem},
-        "data": {"prompts_path": str(tmp_path / "p.jsonl"), "max_length": max_length},
-        "deployment": {"mode": "disaggregated", "trainer": {"nproc_per_node": 1}, "disaggregated": {
-            "control_dir": str(tmp_path / "ctl"), "backend": "mooncake",
-            "managed_local": {"trainer_cuda_visible_devices": [str(tp)],
-                              "mooncake": {"rpc_port": 41001, "metadata_port": 41002, "metrics_port": 41003,
-                                           "global_segment_size_bytes": 4 << 30},
-                              "capture_servers": [{"port": port, "tp_size": tp,
-                                                   "cuda_visible_devices": [str(i) for i in range(tp)]}]}}},
-    })
+    monkeypatch.setattr(
+        capture_contract,
+        "resolve_server_capture_contract",
+        lambda cfg, algorithm: capture_contract.ServerCaptureContract(
+            method="eagle3",
+            aux_layer_ids=tuple(ids),
+            target_hidden_size=64,
+            target_vocab_size=163840,
+            draft_vocab_size=32000,
+        ),
+    )
+    cfg = Config.model_validate(
+        {
+            "model": {
+                "target_model_path": "/ckpt/k25",
+                "sglang_attention_backend": backend,
+                "sglang_mem_fraction_static": mem,
+            },
+            "data": {"prompts_path": str(tmp_path / "p.jsonl"), "max_length": max_length},
+            "deployment": {
+                "mode": "disaggregated",
+                "trainer": {"nproc_per_node": 1},
+                "disaggregated": {
+                    "control_dir": str(tmp_path / "ctl"),
+                    "backend": "mooncake",
+                    "managed_local": {
+                        "trainer_cuda_visible_devices": [str(tp)],
+                        "mooncake": {
+                            "rpc_port": 41001,
+                            "metadata_port": 41002,
+                            "metrics_port": 41003,
+                            "global_segment_size_bytes": 4 << 30,
+                        },
+                        "capture_servers": [
+                            {"port": port, "tp_size": tp, "cuda_visible_devices": [str(i) for i in range(tp)]}
+                        ],
+                    },
+                },
+            },
+        }
+    )
     mooncake_svc, server_svc = launch_plan._managed_local_services(cfg, algorithm=None)
     return cfg, mooncake_svc.command, server_svc.command
 
@@ -46,18 +73,19 @@ def _specforge_managed_local(monkeypatch, tmp_path, *, tp, port, ids, mem=0.4, b
 @pytest.mark.parametrize("tp", [1, 2])
 def test_argv_is_specforge_managed_local_argv(monkeypatch, tmp_path, tp):
     cfg, _, theirs = _specforge_managed_local(monkeypatch, tmp_path, tp=tp, port=30123, ids=[1, 3, 4])
-    ours = cs.capture_server_argv("/ckpt/k25", tp=tp, port=30123, aux_specforge_ids=[1, 3, 4], fusion=False,
-                                  context_length=2048 + 7)
+    ours = cs.capture_server_argv(
+        "/ckpt/k25", tp=tp, port=30123, aux_specforge_ids=[1, 3, 4], fusion=False, context_length=2048 + 7
+    )
     theirs = list(theirs.argv)
     assert theirs[1:3] == ["-m", "sglang.launch_server"]
     assert ours[1:3] == ["-m", "specforge_kimi.capture_server"]
     # same flags in the same order; ours only appends
-    assert ours[3:len(theirs)] == theirs[3:]
-    assert ours[len(theirs):] == ["--disable-cuda-graph", "--enforce-disable-flashinfer-allreduce-fusion"]
+    assert ours[3 : len(theirs)] == theirs[3:]
+    assert ours[len(theirs) :] == ["--disable-cuda-graph", "--enforce-disable-flashinfer-allreduce-fusion"]
     for needed in ("--enable-spec-capture", "--skip-tokenizer-init", "--disable-radix-cache"):
         assert needed in ours
     i = ours.index("--spec-capture-aux-layer-ids")
-    assert ours[i + 1:i + 4] == ["1", "3", "4"] and ours[i - 1] == "eagle3"
+    assert ours[i + 1 : i + 4] == ["1", "3", "4"] and ours[i - 1] == "eagle3"
     assert ours[ours.index("--chunked-prefill-size") + 1] == "-1"
 
 
@@ -101,9 +129,18 @@ def test_fusion_switch():
 
 
 def test_knobs_and_validation():
-    argv = cs.capture_server_argv("/m", tp=1, port=9, aux_specforge_ids=[2, 30, 58], fusion=False,
-                                  attention_backend="flashinfer", mem_fraction_static=0.7,
-                                  disable_cuda_graph=False, extra=["--log-level", "debug"], python="/py")
+    argv = cs.capture_server_argv(
+        "/m",
+        tp=1,
+        port=9,
+        aux_specforge_ids=[2, 30, 58],
+        fusion=False,
+        attention_backend="flashinfer",
+        mem_fraction_static=0.7,
+        disable_cuda_graph=False,
+        extra=["--log-level", "debug"],
+        python="/py",
+    )
     assert argv[0] == "/py" and "--disable-cuda-graph" not in argv and "--context-length" not in argv
     assert argv[argv.index("--attention-backend") + 1] == "flashinfer"
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
@@ -120,13 +157,11 @@ def test_expert_and_attention_data_parallel_go_through_specforges_fields():
     assert "--enable-dp-attention" not in plain and "--dp-size" not in plain
     ep = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False, ep_size=8)
     assert ep[ep.index("--ep-size") + 1] == "8" and ep.count("--ep-size") == 1
-    dp = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False,
-                                dp_attention_size=8)
+    dp = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False, dp_attention_size=8)
     assert "--enable-dp-attention" in dp and dp[dp.index("--dp-size") + 1] == "8"
     i = dp.index("--dp-size")
-    assert [a for a in dp[:i] + dp[i + 2:] if a != "--enable-dp-attention"] == plain  # adds only those flags
-    one = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False,
-                                 dp_attention_size=1)
+    assert [a for a in dp[:i] + dp[i + 2 :] if a != "--enable-dp-attention"] == plain  # adds only those flags
+    one = cs.capture_server_argv("/m", tp=8, port=9, aux_specforge_ids=[1, 3, 4], fusion=False, dp_attention_size=1)
     assert one == plain  # one DP group is no DP attention
     for bad in ({"ep_size": 3}, {"ep_size": 0}, {"dp_attention_size": 16}):
         with pytest.raises(ValueError, match="divisor of tp=8"):
@@ -137,8 +172,9 @@ def test_detects_k25_checkpoints(tiny_dir, tmp_path):
     assert cs.is_kimi_k25_checkpoint(tiny_dir)
     plain = tmp_path / "dsv3"
     plain.mkdir()
-    (plain / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
-                                                   "architectures": ["DeepseekV3ForCausalLM"]}))
+    (plain / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+    )
     assert not cs.is_kimi_k25_checkpoint(plain)
     assert not cs.is_kimi_k25_checkpoint("moonshotai/Kimi-K2.5")  # hub ids: not a local dir
     assert not cs.is_kimi_k25_checkpoint(None)
@@ -150,7 +186,7 @@ def _sglang_argv_without_spec_flags(model_dir, **kw):
     argv = cs.capture_server_argv(model_dir, port=30000, aux_specforge_ids=[1, 3, 4], fusion=False, **kw)[3:]
     if not cs.spec_capture_supported():
         i = argv.index("--enable-spec-capture")
-        argv = argv[:i] + argv[i + 7:]
+        argv = argv[:i] + argv[i + 7 :]
     return argv
 
 
@@ -195,7 +231,8 @@ def test_deterministic_inference_is_accepted_for_the_tiny_target(tiny_dir):
     """``REGEN_DETERMINISTIC=1`` (scripts/gpu_online_run.sh's default) adds ``--enable-deterministic-inference`` to a server
     of this checkpoint with triton attention; SGLang 0.5.14's own argument handling takes it (and switches
     sampling to pytorch) rather than refusing the backend."""
-    args = cs.prepare_text_only_server_args(_sglang_argv_without_spec_flags(tiny_dir)
-                                            + ["--device", "cpu", "--enable-deterministic-inference"])
+    args = cs.prepare_text_only_server_args(
+        _sglang_argv_without_spec_flags(tiny_dir) + ["--device", "cpu", "--enable-deterministic-inference"]
+    )
     assert args.enable_deterministic_inference is True
     assert args.attention_backend == "triton" and args.sampling_backend == "pytorch"

@@ -91,14 +91,9 @@ def test_single_turn_thinking_training_text_ids_and_mask(tok):
 
 def test_generation_prompts():
     assert generation_prompt() == "<|im_assistant|>assistant<|im_middle|><think>"
-    assert (
-        generation_prompt(thinking=False) == "<|im_assistant|>assistant<|im_middle|><think></think>"
-    )
+    assert generation_prompt(thinking=False) == "<|im_assistant|>assistant<|im_middle|><think></think>"
     prompt = render_messages(conv(SINGLE_THINKING).messages[:1], add_generation_prompt=True)
-    assert (
-        prompt
-        == "<|im_user|>user<|im_middle|>What is 2+2?<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
-    )
+    assert prompt == "<|im_user|>user<|im_middle|>What is 2+2?<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
 
 
 # ---------------------------------------------------------------- single turn, instant
@@ -112,8 +107,7 @@ SINGLE_INSTANT = [
 def test_single_turn_instant_text_ids_and_mask(tok):
     row = only_row(conv(SINGLE_INSTANT))
     assert text_of(row) == (
-        "<|im_user|>user<|im_middle|>hi<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think></think>hello<|im_end|>"
+        "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>hello<|im_end|>"
     )
     # instant mode: <think></think> is part of the prompt, the target generates the rest
     assert trained_text(row) == ["hello<|im_end|>"]
@@ -383,9 +377,7 @@ def test_no_default_system_prompt_is_injected(tok):
     ids, _ = encode_spans(row, tok)
     assert ids[0] == IM_USER
     assert IM_SYSTEM not in ids
-    assert render_messages(conv(SINGLE_INSTANT).messages).startswith(
-        "<|im_user|>user<|im_middle|>hi"
-    )
+    assert render_messages(conv(SINGLE_INSTANT).messages).startswith("<|im_user|>user<|im_middle|>hi")
 
 
 def test_present_system_prompt(tok):
@@ -448,9 +440,7 @@ def test_span_encoding_equals_whole_text_encoding(tok, case):
         assert ids == tok.encode(text_of(row))
         assert len(mask) == len(ids)
         # the mask is exactly the tokens of the trained spans
-        assert [i for i, m in zip(ids, mask, strict=True) if m] == tok.encode(
-            "".join(trained_text(row))
-        )
+        assert [i for i, m in zip(ids, mask, strict=True) if m] == tok.encode("".join(trained_text(row)))
 
 
 def test_training_spans_rejects_non_assistant_end():
@@ -482,6 +472,4 @@ def test_specforge_raw_path_refuses_the_template_loudly():
 
     register_template()
     with pytest.raises(ValueError, match="Invalid parser type"):
-        preprocess_conversations(
-            None, [SINGLE_INSTANT], TEMPLATE_REGISTRY.get("kimi-k2.5"), tools=[[]]
-        )
+        preprocess_conversations(None, [SINGLE_INSTANT], TEMPLATE_REGISTRY.get("kimi-k2.5"), tools=[[]])

@@ -30,11 +30,14 @@ def patched(tmp_path_factory):
 def _adapter(module, input_adapter=None):
     """Just what ``_spec_capture_payload`` reads of an adapter: SpecForge's eagle3 passthrough."""
     schema = module.ServerCaptureSchema(
-        aux_feature="hidden_state", last_hidden_feature="target",
+        aux_feature="hidden_state",
+        last_hidden_feature="target",
         passthrough=(("input_ids", "input_ids", ()), ("loss_mask", "loss_mask", ()), ("pos", "pos", ())),
-        attention_mask_feature="attention_mask")
-    this = types.SimpleNamespace(schema=schema, store=types.SimpleNamespace(store_id="s"), run_id="r",
-                                 request_input_adapter=input_adapter)
+        attention_mask_feature="attention_mask",
+    )
+    this = types.SimpleNamespace(
+        schema=schema, store=types.SimpleNamespace(store_id="s"), run_id="r", request_input_adapter=input_adapter
+    )
     this._sample_id = lambda task: f"r:{task.task_id}"
     return this
 
@@ -43,8 +46,11 @@ def _task(payload):
     return types.SimpleNamespace(task_id="t0", attempt=0, payload=payload)
 
 
-@pytest.mark.parametrize("pos", [list(range(7)), [5] * 7, [70_000 + i for i in range(7)],
-                                 [-3, 2**40, 0, 1, 2, 3, 4]], ids=["uint8", "fill", "int32", "int64"])
+@pytest.mark.parametrize(
+    "pos",
+    [list(range(7)), [5] * 7, [70_000 + i for i in range(7)], [-3, 2**40, 0, 1, 2, 3, 4]],
+    ids=["uint8", "fill", "int32", "int64"],
+)
 def test_compact_payload_rebuilds_the_same_tensors(patched, monkeypatch, pos):
     ids = [163_000, 5, 17, 99_999, 0, 1, 2]
     payload = {"input_ids": ids, "loss_mask": [0, 0, 1, 1, 1, 0, 1], "pos": pos}
@@ -53,18 +59,22 @@ def test_compact_payload_rebuilds_the_same_tensors(patched, monkeypatch, pos):
     lists = patched.SGLangServerCaptureAdapter._spec_capture_payload(adapter, _task(payload))
     monkeypatch.setenv("SPECFORGE_SPEC_CAPTURE_COMPACT", "1")
     compact = patched.SGLangServerCaptureAdapter._spec_capture_payload(adapter, _task(payload))
-    assert {k: v for k, v in lists.items() if k != "passthrough"} == \
-        {k: v for k, v in compact.items() if k != "passthrough"}
+    assert {k: v for k, v in lists.items() if k != "passthrough"} == {
+        k: v for k, v in compact.items() if k != "passthrough"
+    }
     assert all("data" in i for i in lists["passthrough"])  # the variable off: SpecForge's payload
     assert all("data" not in i for i in compact["passthrough"])
     by = {i["name"]: i for i in compact["passthrough"]}
     assert by["input_ids"]["source"] == "input_ids" and by["attention_mask"]["fill"] == 1
     assert by["loss_mask"]["data_dtype"] == "uint8"
     want_pos = {"uint8": "uint8", "fill": None, "int32": "int32", "int64": "int64"}
-    kind = "fill" if len(set(pos)) == 1 else ("uint8" if max(pos) < 256 and min(pos) >= 0
-                                              else "int32" if max(pos) < 2**31 else "int64")
+    kind = (
+        "fill"
+        if len(set(pos)) == 1
+        else ("uint8" if max(pos) < 256 and min(pos) >= 0 else "int32" if max(pos) < 2**31 else "int64")
+    )
     assert by["pos"].get("data_dtype") == want_pos[kind] and (kind != "fill" or by["pos"]["fill"] == 5)
-    for full, small in zip(lists["passthrough"], compact["passthrough"]):
+    for full, small in zip(lists["passthrough"], compact["passthrough"], strict=False):
         assert full["name"] == small["name"] and full["shape"] == small["shape"]
         assert torch.equal(passthrough_tensor(small, ids), passthrough_tensor(full, ids)), full["name"]
 
@@ -75,7 +85,8 @@ def test_input_adapter_keeps_input_ids_in_the_payload(patched, monkeypatch):
     ids = [1, 2, 300]
     monkeypatch.setenv("SPECFORGE_SPEC_CAPTURE_COMPACT", "1")
     payload = patched.SGLangServerCaptureAdapter._spec_capture_payload(
-        _adapter(patched, input_adapter=object()), _task({"input_ids": ids, "loss_mask": [1, 1, 1], "pos": [0, 1, 2]}))
+        _adapter(patched, input_adapter=object()), _task({"input_ids": ids, "loss_mask": [1, 1, 1], "pos": [0, 1, 2]})
+    )
     item = payload["passthrough"][0]
     assert "source" not in item and item["data_dtype"] == "int32"
     assert passthrough_tensor(item, [9, 9, 9]).tolist() == [ids]
@@ -91,13 +102,13 @@ def test_reference_server_refuses_unknown_forms():
 
 
 def test_passthrough_cpu_bench_compares_equal_tensors(tmp_path):
-    """``bench/passthrough_cpu.py`` builds both bodies through the patched producer and checks the
+    """``bench/studies/passthrough_cpu.py`` builds both bodies through the patched producer and checks the
     sink gets identical tensors from them (its timings are not asserted)."""
     import importlib.util as iu
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "passthrough_cpu.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "studies" / "passthrough_cpu.py"
     spec = iu.spec_from_file_location("bench_passthrough_cpu", path)
     mod = iu.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -140,7 +151,9 @@ def _unpatched_specforge(dest):
     from conftest import specforge_as_shipped
 
     specforge_as_shipped(setup_patches._scratch_copy(setup_patches.specforge_root(None), [FILE], dest))
-    patch = setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN / setup_patches.COMPACT_SPECFORGE_PATCH
+    patch = (
+        setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN / setup_patches.COMPACT_SPECFORGE_PATCH
+    )
     assert setup_patches.classify(patch, dest, 1).state == "applicable"
     return dest
 

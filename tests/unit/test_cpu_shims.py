@@ -10,9 +10,7 @@ import torch
 from specforge_kimi.training import cpu_shims
 from specforge_kimi.training.cpu_shims import TorchLogSoftmaxLoss
 
-needs_no_cuda = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="install_cpu_shims is a no-op with CUDA"
-)
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="install_cpu_shims is a no-op with CUDA")
 
 
 def reference_loss(logits, target_p, position_mask):
@@ -68,9 +66,7 @@ def test_loss_gradient_with_unnormalized_target_and_upstream_scale():
 def test_loss_passes_gradcheck():
     logits, target_p, mask = random_inputs(4, B=1, T=3, V=5)
     logits.requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda x: TorchLogSoftmaxLoss.apply(x, target_p, mask), (logits,)
-    )
+    assert torch.autograd.gradcheck(lambda x: TorchLogSoftmaxLoss.apply(x, target_p, mask), (logits,))
 
 
 def test_loss_matches_specforge_reference_and_keeps_bf16_grad_dtype():

@@ -16,8 +16,13 @@ def _recipe_for(tiny_dir, tmp_path, **target):
     from conftest import TEST_SPEC
 
     raw = copy.deepcopy(yaml.safe_load(RECIPE.read_text()))
-    raw["target"].update(path=str(tiny_dir), num_layers=TEST_SPEC["layers"], hidden_size=TEST_SPEC["hidden"],
-                         num_attention_heads=TEST_SPEC["heads"], aux_layer_ids=[1, 2, 3])
+    raw["target"].update(
+        path=str(tiny_dir),
+        num_layers=TEST_SPEC["layers"],
+        hidden_size=TEST_SPEC["hidden"],
+        num_attention_heads=TEST_SPEC["heads"],
+        aux_layer_ids=[1, 2, 3],
+    )
     raw["target"].update(target)
     raw["trainer"]["draft"].update(hidden_size=TEST_SPEC["hidden"], num_attention_heads=8)
     with socket.socket() as s:
@@ -49,8 +54,14 @@ def test_versions_match_pins_here():
 def test_every_non_ok_check_has_a_fix(tiny_dir, tmp_path):
     checks = doctor.run_checks(str(_recipe_for(tiny_dir, tmp_path)))
     names = [c.name for c in checks]
-    for expected in ("cuda", "sglang spec-capture patch", "target vs recipe", "target tensors", "mooncake master",
-                     "gpu budget"):
+    for expected in (
+        "cuda",
+        "sglang spec-capture patch",
+        "target vs recipe",
+        "target tensors",
+        "mooncake master",
+        "gpu budget",
+    ):
         assert expected in names
     for c in checks:
         assert c.status in ("ok", "warn", "fail")

@@ -23,16 +23,51 @@ from specforge_kimi.errors import KimiInputError
 from specforge_kimi.target.layer_ids import AuxLayers
 
 NUM_LAYERS = 61
-MLA_SMALL = dict(hidden=64, heads=4, intermediate=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                 qk_rope_head_dim=8, v_head_dim=16, vocab_size=300, draft_vocab_size=40, aux_ids=[1, 29, 57],
-                 rope_theta=50000.0, max_position_embeddings=262144, rms_norm_eps=1e-5, pad_token_id=0)
-ROPE = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-LLAMA = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
-         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "intermediate_size": 96, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-         "rope_theta": 50000.0, "vocab_size": 300, "draft_vocab_size": 40, "pad_token_id": 0,
-         "tie_word_embeddings": False, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+MLA_SMALL = dict(
+    hidden=64,
+    heads=4,
+    intermediate=96,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=300,
+    draft_vocab_size=40,
+    aux_ids=[1, 29, 57],
+    rope_theta=50000.0,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+)
+ROPE = {
+    "type": "yarn",
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+LLAMA = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "rope_theta": 50000.0,
+    "vocab_size": 300,
+    "draft_vocab_size": 40,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,18 +111,32 @@ def _checkpoint(tmp_path, config: dict, *, fc_norm=False):
 
 
 def _mla_config(**kw):
-    return m._base_config(**{**MLA_SMALL, **kw.pop("small", {})}, rope_scaling=ROPE,
-                          fc_norm=kw.get("fc_norm", False), norm_output=kw.get("norm_output", False))
+    return m._base_config(
+        **{**MLA_SMALL, **kw.pop("small", {})},
+        rope_scaling=ROPE,
+        fc_norm=kw.get("fc_norm", False),
+        norm_output=kw.get("norm_output", False),
+    )
 
 
 # ---- what each engine's loader does with the names (mirrored from the source) ---------------
 def sglang_mla_params(cfg) -> set[str]:
     """Eagle3DeepseekV2ForCausalLM.named_parameters() (kimi_k25_eagle3.py)."""
     a = "model.midlayer.self_attn."
-    names = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
-             a + "fused_qkv_a_proj_with_mqa.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight",
-             a + "kv_a_layernorm.weight", a + "kv_b_proj.weight", a + "o_proj.weight",
-             "model.midlayer.mlp.gate_up_proj.weight", "model.midlayer.mlp.down_proj.weight"}
+    names = {
+        "model.embed_tokens.weight",
+        "model.fc.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        a + "fused_qkv_a_proj_with_mqa.weight",
+        a + "q_a_layernorm.weight",
+        a + "q_b_proj.weight",
+        a + "kv_a_layernorm.weight",
+        a + "kv_b_proj.weight",
+        a + "o_proj.weight",
+        "model.midlayer.mlp.gate_up_proj.weight",
+        "model.midlayer.mlp.down_proj.weight",
+    }
     names |= {f"model.midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
     if cfg["fc_norm"]:
         names |= {f"model.fc_norm.{i}.weight" for i in range(3)}
@@ -127,8 +176,12 @@ def vllm_mla_load(names) -> set[str]:
         if "lm_head" not in name:
             name = "model." + name
         name = name.replace("midlayer.", "layers.0.")
-        for old, new in ((".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"),
-                         (".q_a_proj", ".fused_qkv_a_proj"), (".kv_a_proj_with_mqa", ".fused_qkv_a_proj")):
+        for old, new in (
+            (".gate_proj", ".gate_up_proj"),
+            (".up_proj", ".gate_up_proj"),
+            (".q_a_proj", ".fused_qkv_a_proj"),
+            (".kv_a_proj_with_mqa", ".fused_qkv_a_proj"),
+        ):
             name = name.replace(old, new)
         out.add(name)
     return out
@@ -136,10 +189,20 @@ def vllm_mla_load(names) -> set[str]:
 
 def vllm_mla_params(cfg) -> set[str]:
     a = "model.layers.0.self_attn."
-    names = {"model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id",
-             a + "fused_qkv_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight",
-             a + "kv_a_layernorm.weight", a + "kv_b_proj.weight", a + "o_proj.weight",
-             "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+    names = {
+        "model.fc.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "draft_id_to_target_id",
+        a + "fused_qkv_a_proj.weight",
+        a + "q_a_layernorm.weight",
+        a + "q_b_proj.weight",
+        a + "kv_a_layernorm.weight",
+        a + "kv_b_proj.weight",
+        a + "o_proj.weight",
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    }
     names |= {f"model.layers.0.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
     if cfg["fc_norm"]:
         names |= {f"model.fc_norm.{i}.weight" for i in range(3)}
@@ -153,8 +216,13 @@ def llama_load(names, engine) -> set[str]:
         if "t2d" in name or "d2t" in name:
             continue
         name = name.replace("midlayer.", "layers.0.")
-        for old, new in ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
-                         (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj")):
+        for old, new in (
+            (".q_proj", ".qkv_proj"),
+            (".k_proj", ".qkv_proj"),
+            (".v_proj", ".qkv_proj"),
+            (".gate_proj", ".gate_up_proj"),
+            (".up_proj", ".gate_up_proj"),
+        ):
             name = name.replace(old, new)
         out.add(name if name.startswith("lm_head") else "model." + name)
     return out
@@ -162,9 +230,18 @@ def llama_load(names, engine) -> set[str]:
 
 def llama_params() -> set[str]:
     p = "model.layers.0."
-    return {"model.fc.weight", "model.norm.weight", "lm_head.weight", p + "self_attn.qkv_proj.weight",
-            p + "self_attn.o_proj.weight", p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight",
-            p + "input_layernorm.weight", p + "hidden_norm.weight", p + "post_attention_layernorm.weight"}
+    return {
+        "model.fc.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        p + "self_attn.qkv_proj.weight",
+        p + "self_attn.o_proj.weight",
+        p + "mlp.gate_up_proj.weight",
+        p + "mlp.down_proj.weight",
+        p + "input_layernorm.weight",
+        p + "hidden_norm.weight",
+        p + "post_attention_layernorm.weight",
+    }
 
 
 # ---- tests ----------------------------------------------------------------------------------
@@ -191,7 +268,8 @@ def test_layer_id_conversion_table():
     with pytest.raises(KimiInputError, match="position 1"):
         ex.serving_config(cfg, "sglang", AuxLayers.from_vllm([1, 30, 58], NUM_LAYERS))
     assert ex.serving_config(cfg, "vllm", AuxLayers.from_vllm([1, 30, 58], NUM_LAYERS))[
-        "eagle_aux_hidden_state_layer_ids"] == [1, 30, 58]
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [1, 30, 58]
     with pytest.raises(KimiInputError, match="2 aux layers"):
         ex.serving_config(cfg, "sglang", AuxLayers.from_specforge([2, 30], NUM_LAYERS))
 
@@ -269,14 +347,20 @@ def test_llama_norm_output_is_refused():
     "hand the normed state to the next step" (default False): only an absent key agrees."""
     for value in (True, False):
         with pytest.raises(KimiInputError, match="norm_output"):
-            ex.serving_config({**LLAMA, "norm_output": value}, "sglang",
-                              AuxLayers.from_specforge([1, 29, 57], NUM_LAYERS))
+            ex.serving_config(
+                {**LLAMA, "norm_output": value}, "sglang", AuxLayers.from_specforge([1, 29, 57], NUM_LAYERS)
+            )
 
 
 def test_provenance(tmp_path):
     paths, _ = _checkpoint(tmp_path, _mla_config())
-    prov = ex.export_draft(**paths, output_dir=tmp_path / "out", engine="sglang", num_layers=NUM_LAYERS,
-                           command=["specforge-kimi", "export"])
+    prov = ex.export_draft(
+        **paths,
+        output_dir=tmp_path / "out",
+        engine="sglang",
+        num_layers=NUM_LAYERS,
+        command=["specforge-kimi", "export"],
+    )
     on_disk = json.loads((tmp_path / "out" / "provenance.json").read_text())
     assert on_disk == prov
     assert prov["command"] == ["specforge-kimi", "export"]
@@ -287,8 +371,12 @@ def test_provenance(tmp_path):
     assert prov["config_sha256"] == canonical_hash(json.loads((tmp_path / "out" / "config.json").read_text()))
     assert prov["weights_sha256"]["model.safetensors"] == file_hash(tmp_path / "out" / "model.safetensors")
     assert prov["patches_sha256"] and all(len(h) == 64 for h in prov["patches_sha256"].values())
-    assert prov["aux_layers"] == {"specforge_ids": [1, 29, 57], "captured_positions": [2, 30, 58],
-                                  "engine_ids": [2, 30, 58], "num_layers": NUM_LAYERS}
+    assert prov["aux_layers"] == {
+        "specforge_ids": [1, 29, 57],
+        "captured_positions": [2, 30, 58],
+        "engine_ids": [2, 30, 58],
+        "num_layers": NUM_LAYERS,
+    }
 
 
 def test_check_export_catches_a_stray_key(tmp_path):
@@ -308,5 +396,6 @@ def test_unknown_engine_and_architecture():
     with pytest.raises(KimiInputError, match="engine"):
         ex.serving_config(_mla_config(), "trtllm", AuxLayers.from_specforge([1, 29, 57], NUM_LAYERS))
     with pytest.raises(KimiInputError, match="architectures"):
-        ex.serving_config({**LLAMA, "architectures": ["Foo"]}, "sglang",
-                          AuxLayers.from_specforge([1, 29, 57], NUM_LAYERS))
+        ex.serving_config(
+            {**LLAMA, "architectures": ["Foo"]}, "sglang", AuxLayers.from_specforge([1, 29, 57], NUM_LAYERS)
+        )

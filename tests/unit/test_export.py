@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.drafts.export import check_sglang_export, finalize_sglang_export
+from specforge_kimi.errors import KimiInputError
 from specforge_kimi.target.layer_ids import AuxLayers
 
 H, DRAFT_VOCAB, VOCAB = 64, 16, 163840
@@ -33,8 +33,14 @@ def _export(tmp_path, state=None, cfg_edit=None, hidden=H):
     d = tmp_path / "export"
     d.mkdir()
     save_file(state if state is not None else _state(), str(d / "model.safetensors"))
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-           "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},
+    }
     if cfg_edit:
         cfg_edit(cfg)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -59,19 +65,22 @@ def test_finalize_writes_sglang_ids_and_provenance(tiny_dir, tmp_path):
     assert summary["captured_positions"] == [2, 3, 4]
 
 
-@pytest.mark.parametrize("case,msg", [
-    ("prefix", "trainer prefixes"),
-    ("no_d2t", "missing keys \\['d2t'\\]"),
-    ("no_midlayer", "no midlayer"),
-    ("arch", "is not \\['LlamaForCausalLMEagle3'\\]"),
-    ("no_eagle_config", "fall back to its default layers"),
-    ("hidden_vs_target", "does not match the target's 64"),
-    ("aux_out_of_range", "has residual positions 1..5"),
-    ("d2t_t2d_disagree", "disagree"),
-    ("head_shape", "lm_head.weight"),
-    ("vocab_vs_target", "the target's is 163840"),
-    ("yarn_rope", "YaRN rope scaling"),
-])
+@pytest.mark.parametrize(
+    "case,msg",
+    [
+        ("prefix", "trainer prefixes"),
+        ("no_d2t", "missing keys \\['d2t'\\]"),
+        ("no_midlayer", "no midlayer"),
+        ("arch", "is not \\['LlamaForCausalLMEagle3'\\]"),
+        ("no_eagle_config", "fall back to its default layers"),
+        ("hidden_vs_target", "does not match the target's 64"),
+        ("aux_out_of_range", "has residual positions 1..5"),
+        ("d2t_t2d_disagree", "disagree"),
+        ("head_shape", "lm_head.weight"),
+        ("vocab_vs_target", "the target's is 163840"),
+        ("yarn_rope", "YaRN rope scaling"),
+    ],
+)
 def test_bad_exports(tiny_dir, tmp_path, case, msg):
     state = _state()
     edit = None
@@ -98,8 +107,10 @@ def test_bad_exports(tiny_dir, tmp_path, case, msg):
     elif case == "vocab_vs_target":
         state = _state(vocab=1000)
     elif case == "yarn_rope":
-        edit = lambda c: c.update(rope_scaling={"type": "yarn", "factor": 64.0,  # noqa: E731
-                                                "original_max_position_embeddings": 4096})
+
+        def edit(c):
+            c.update(rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096})
+
     d = _export(tmp_path, state, edit, hidden)
     with pytest.raises(KimiInputError, match=msg):
         check_sglang_export(d, target_dir=tiny_dir)

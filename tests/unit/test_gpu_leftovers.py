@@ -21,8 +21,9 @@ def test_clean_eight_gpu_box():
 
 
 def test_memory_held_on_a_high_index_and_a_process_left():
-    text = ("pid, used_memory [MiB]\n4242, 1200 MiB\nindex, memory.used [MiB]\n"
-            + "".join(f"{i}, {'1200' if i == 6 else '0'} MiB\n" for i in range(8)))
+    text = "pid, used_memory [MiB]\n4242, 1200 MiB\nindex, memory.used [MiB]\n" + "".join(
+        f"{i}, {'1200' if i == 6 else '0'} MiB\n" for i in range(8)
+    )
     apps, held, gpus = _leftovers()(text)
     assert apps == ["4242, 1200 MiB"] and held == ["6, 1200 MiB"] and gpus == 8
 

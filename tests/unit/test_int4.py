@@ -17,8 +17,16 @@ from specforge_kimi.target import int4
 from specforge_kimi.target.checkpoint import check_int4_shapes, inspect_target, load_text_model, weight_index
 from specforge_kimi.target.tiny import TinySpec, disk_tensor_shapes, write_tiny
 
-SPEC = dict(layers=3, hidden=64, heads=4, experts=4, experts_per_token=2, moe_intermediate=96,
-            dense_intermediate=128, q_lora_rank=64)
+SPEC = dict(
+    layers=3,
+    hidden=64,
+    heads=4,
+    experts=4,
+    experts_per_token=2,
+    moe_intermediate=96,
+    dense_intermediate=128,
+    q_lora_rank=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,10 @@ def test_names_shapes_and_config_are_k25s(pair):
     assert cfg["text_config"]["quantization_config"] == int4.K25_QUANTIZATION_CONFIG
     assert "quantization_config" not in cfg  # K2.5 carries it under text_config only
     e = "language_model.model.layers.1.mlp.experts.3.down_proj."
-    assert tensors[e + "weight_packed"].dtype == torch.int32 and tuple(tensors[e + "weight_packed"].shape) == (64, 96 // 8)
+    assert tensors[e + "weight_packed"].dtype == torch.int32 and tuple(tensors[e + "weight_packed"].shape) == (
+        64,
+        96 // 8,
+    )
     assert tensors[e + "weight_scale"].dtype == torch.bfloat16 and tuple(tensors[e + "weight_scale"].shape) == (64, 3)
     assert tensors[e + "weight_shape"].tolist() == [64, 96]
     assert not any(k.endswith("weight_zero_point") for k in tensors)  # symmetric
@@ -63,12 +74,16 @@ def test_the_ignore_list_keeps_exactly_the_unquantized_linears(pair):
     projection (attention, shared experts, dense MLP, lm_head, vision tower, projector) kept."""
     _, q = pair
     modules = {k.rsplit(".", 1)[0] for k in weight_index(q)}
-    linears = {m for m in modules if m.endswith(("_proj", "_mqa", "lm_head", "wqkv", "wo", "fc0", "fc1"))
-               or m.startswith("mm_projector.proj.")}
+    linears = {
+        m
+        for m in modules
+        if m.endswith(("_proj", "_mqa", "lm_head", "wqkv", "wo", "fc0", "fc1")) or m.startswith("mm_projector.proj.")
+    }
     experts = {m for m in linears if int4.EXPERT_MODULE.match(m.removeprefix("language_model."))}
     assert experts and all(not int4.is_ignored(m) for m in experts)
-    assert all(int4.is_ignored(m) for m in linears - experts), sorted(m for m in linears - experts
-                                                                       if not int4.is_ignored(m))
+    assert all(int4.is_ignored(m) for m in linears - experts), sorted(
+        m for m in linears - experts if not int4.is_ignored(m)
+    )
 
 
 def test_dequantized_values_are_the_librarys_quantization_of_the_bf16_weights(pair):
@@ -133,15 +148,22 @@ def _edit_tensors(d: Path, fn) -> None:
     idx.write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda b: b["config_groups"]["group_0"]["weights"].update(group_size=128), "weights.group_size is 128"),
-    (lambda b: b["config_groups"]["group_0"]["weights"].update(num_bits=8), "weights.num_bits is 8"),
-    (lambda b: b["config_groups"]["group_0"]["weights"].update(symmetric=False), "weights.symmetric is False"),
-    (lambda b: b.update(format="marlin-24"), "format is 'marlin-24'"),
-    (lambda b: b.update(quant_method="fp8"), "quant_method is 'fp8'"),
-    (lambda b: b["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "float", "strategy": "tensor"}), "quantizes activations"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda b: b["config_groups"]["group_0"]["weights"].update(group_size=128), "weights.group_size is 128"),
+        (lambda b: b["config_groups"]["group_0"]["weights"].update(num_bits=8), "weights.num_bits is 8"),
+        (lambda b: b["config_groups"]["group_0"]["weights"].update(symmetric=False), "weights.symmetric is False"),
+        (lambda b: b.update(format="marlin-24"), "format is 'marlin-24'"),
+        (lambda b: b.update(quant_method="fp8"), "quant_method is 'fp8'"),
+        (
+            lambda b: b["config_groups"]["group_0"].update(
+                input_activations={"num_bits": 8, "type": "float", "strategy": "tensor"}
+            ),
+            "quantizes activations",
+        ),
+    ],
+)
 def test_a_scheme_k25_does_not_ship_is_refused(pair, tmp_path, edit, match):
     d = _copy(pair[1], tmp_path / "bad")
     _edit_config(d, edit)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from specforge_kimi.online import keeper
 
@@ -22,8 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_service_restarts_then_gives_up(tmp_path):
     count = tmp_path / "count"
-    cmd = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(count)!r}); "
-                                 "p.write_text(str(int(p.read_text() or 0) + 1) if p.exists() else '1'); raise SystemExit(3)"]
+    cmd = [
+        sys.executable,
+        "-c",
+        f"import pathlib; p = pathlib.Path({str(count)!r}); "
+        "p.write_text(str(int(p.read_text() or 0) + 1) if p.exists() else '1'); raise SystemExit(3)",
+    ]
     rc = keeper.run(cmd, restarts=2, backoff=0.0)
     assert rc == 3 and count.read_text() == "3"  # first run + 2 restarts
 
@@ -52,8 +57,11 @@ def test_consumer_resumes_only_at_a_checkpointed_step(tmp_path, capsys):
     _ledger(run, 5)
     _checkpoint(run, "r", 4)
     argv_log = tmp_path / "argv"
-    cmd = [sys.executable, "-c", f"import sys, pathlib; pathlib.Path({str(argv_log)!r}).write_text(' '.join(sys.argv)); "
-                                 "raise SystemExit(1)"]
+    cmd = [
+        sys.executable,
+        "-c",
+        f"import sys, pathlib; pathlib.Path({str(argv_log)!r}).write_text(' '.join(sys.argv)); raise SystemExit(1)",
+    ]
     assert keeper.run(cmd, restarts=3, backoff=0.0, consumer=(run, "r")) == 1
     assert "durable step 5 != checkpoint step 4" in capsys.readouterr().err
     assert "resume_from" not in argv_log.read_text()  # not relaunched
@@ -66,9 +74,13 @@ def test_consumer_relaunched_with_resume_from(tmp_path, capsys):
     marker = tmp_path / "second"
     # fails the first time, succeeds when it carries the resume override
     envs = tmp_path / "envs"
-    cmd = [sys.executable, "-c", "import os, sys, pathlib; ok = any(a.startswith('training.resume_from=') for a in sys.argv); "
-                                 f"open({str(envs)!r}, 'a').write(os.environ['SPECFORGE_KIMI_CONSUMER_RESTARTABLE']); "
-                                 f"ok and pathlib.Path({str(marker)!r}).write_text(sys.argv[-1]); raise SystemExit(0 if ok else 9)"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import os, sys, pathlib; ok = any(a.startswith('training.resume_from=') for a in sys.argv); "
+        f"open({str(envs)!r}, 'a').write(os.environ['SPECFORGE_KIMI_CONSUMER_RESTARTABLE']); "
+        f"ok and pathlib.Path({str(marker)!r}).write_text(sys.argv[-1]); raise SystemExit(0 if ok else 9)",
+    ]
     assert keeper.run(cmd, restarts=1, backoff=0.0, consumer=(run, "r")) == 0
     assert marker.read_text() == f"training.resume_from={run / 'r-latest'}"
     assert envs.read_text() == "10"  # restartable on the first run, not on the last allowed one
@@ -76,8 +88,20 @@ def test_consumer_relaunched_with_resume_from(tmp_path, capsys):
 
 
 def test_sigterm_stops_the_child_and_does_not_restart(tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "specforge_kimi.online.keeper", "--restarts", "5", "--", sys.executable, "-c",
-                          "import time; time.sleep(60)"], start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specforge_kimi.online.keeper",
+            "--restarts",
+            "5",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+        ],
+        start_new_session=True,
+    )
     time.sleep(1.5)
     os.killpg(p.pid, signal.SIGTERM)  # what SpecForge's supervisor does
     assert p.wait(timeout=20) == 128 + signal.SIGTERM
@@ -101,5 +125,5 @@ def test_resilience_shapes_the_plan(tmp_path):
     consumer = plan.commands[1].argv
     assert "specforge_kimi.online.keeper" in consumer and "--resume-consumer" in consumer
     assert 35999 in plan.managed_ports
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="segment_owner"):
         Recipe.model_validate({**raw, "resilience": {"segment_owner": "somewhere"}})

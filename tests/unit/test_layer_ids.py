@@ -7,12 +7,12 @@ from specforge_kimi.target.layer_ids import K25_DEFAULT_SPECFORGE_IDS, AuxLayers
 
 # (engine, ids, num_layers) -> captured positions (== HF hidden_states indices)
 TABLE = [
-    ("specforge", [1, 29, 57], 61, [2, 30, 58]),   # K2.5 default: SGLang shifts when first id is 1
-    ("specforge", [2, 30, 58], 61, [2, 30, 58]),   # already-shifted ids are used as given
+    ("specforge", [1, 29, 57], 61, [2, 30, 58]),  # K2.5 default: SGLang shifts when first id is 1
+    ("specforge", [2, 30, 58], 61, [2, 30, 58]),  # already-shifted ids are used as given
     ("sglang", [1, 29, 57], 61, [2, 30, 58]),
     ("sglang", [3, 30, 58], 61, [3, 30, 58]),
     ("specforge", [1, 2, 3], 6, [2, 3, 4]),
-    ("vllm", [2, 30, 58], 61, [2, 30, 58]),        # vLLM: no shift
+    ("vllm", [2, 30, 58], 61, [2, 30, 58]),  # vLLM: no shift
     ("vllm", [1, 29, 57], 61, [1, 29, 57]),
     ("hf", [2, 30, 58], 61, [2, 30, 58]),
 ]
@@ -49,17 +49,20 @@ def test_no_default_where_sglangs_formula_repeats_a_layer():
             default_specforge_ids(n)
 
 
-@pytest.mark.parametrize("engine,ids,n,msg", [
-    ("specforge", [1, 29, 60], 61, "has residual positions 1..60"),  # 60 -> 61 after the shift
-    ("vllm", [0, 3, 4], 8, "embedding output"),
-    ("vllm", [2, 2, 4], 8, "duplicated"),
-    ("vllm", [4, 2, 6], 8, "not ascending"),
-    ("vllm", [], 8, "empty"),
-    ("vllm", [2, 3, 8], 8, "has residual positions 1..7"),
-    ("vllm", [2, "x", 4], 8, "must be integers"),
-    ("vllm", [2, 3.5, 4], 8, "must be integers"),
-    ("nope", [2, 3, 4], 8, "unknown engine"),
-])
+@pytest.mark.parametrize(
+    "engine,ids,n,msg",
+    [
+        ("specforge", [1, 29, 60], 61, "has residual positions 1..60"),  # 60 -> 61 after the shift
+        ("vllm", [0, 3, 4], 8, "embedding output"),
+        ("vllm", [2, 2, 4], 8, "duplicated"),
+        ("vllm", [4, 2, 6], 8, "not ascending"),
+        ("vllm", [], 8, "empty"),
+        ("vllm", [2, 3, 8], 8, "has residual positions 1..7"),
+        ("vllm", [2, "x", 4], 8, "must be integers"),
+        ("vllm", [2, 3.5, 4], 8, "must be integers"),
+        ("nope", [2, 3, 4], 8, "unknown engine"),
+    ],
+)
 def test_invalid_ids(engine, ids, n, msg):
     with pytest.raises(KimiInputError, match=msg):
         AuxLayers.from_engine(engine, ids, n)

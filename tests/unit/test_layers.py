@@ -67,7 +67,7 @@ def _imports(module: str, path: Path) -> set[str]:
             names = [target] + [f"{target}.{a.name}" for a in node.names]
         for name in names:
             if name == "specforge_kimi" or name.startswith("specforge_kimi."):
-                rel = name[len("specforge_kimi."):] if name != "specforge_kimi" else ""
+                rel = name[len("specforge_kimi.") :] if name != "specforge_kimi" else ""
                 if rel in MODULES and rel != module:
                     found.add(rel)
     return found
@@ -96,7 +96,7 @@ def test_no_import_cycle():
         stack.append(m)
         for d in sorted(GRAPH[m]):
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
+                cycle = stack[stack.index(d) :] + [d]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if d not in state:
                 visit(d)

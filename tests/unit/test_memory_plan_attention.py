@@ -24,9 +24,19 @@ def test_sdpa_quadratic_term_matches_specforge():
 
     heads, ttt, hidden, vocab, draft_vocab = 8, 3, 64, 512, 128
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=128, num_attention_heads=heads, num_key_value_heads=2,
-                      head_dim=16, num_hidden_layers=1, rms_norm_eps=1e-5, max_position_embeddings=4096,
-                      rope_theta=10000.0, vocab_size=vocab, pad_token_id=vocab - 1)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        vocab_size=vocab,
+        pad_token_id=vocab - 1,
+    )
     cfg.draft_vocab_size = draft_vocab
     draft = LlamaForCausalLMEagle3(cfg, attention_backend="sdpa").to(torch.bfloat16)
     draft.t2d.zero_()
@@ -42,10 +52,13 @@ def test_sdpa_quadratic_term_matches_specforge():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=torch.randint(0, vocab, (1, length)), attention_mask=torch.ones(1, length, dtype=torch.long),
-                  target=torch.randn(1, length, vocab, dtype=torch.bfloat16),
-                  loss_mask=torch.ones(1, length, 1, dtype=torch.long),
-                  hidden_states=torch.randn(1, length, 3 * hidden, dtype=torch.bfloat16))
+            model(
+                input_ids=torch.randint(0, vocab, (1, length)),
+                attention_mask=torch.ones(1, length, dtype=torch.long),
+                target=torch.randn(1, length, vocab, dtype=torch.bfloat16),
+                loss_mask=torch.ones(1, length, 1, dtype=torch.long),
+                hidden_states=torch.randn(1, length, 3 * hidden, dtype=torch.bfloat16),
+            )
         return sum(storages.values())
 
     lengths = (128, 256, 384)

@@ -37,8 +37,9 @@ def test_plan_is_an_upper_bound_of_the_measured_allocation(i):
 
     doc, rows = _rows()
     row = rows[i]
-    terms = trainer_terms(load_recipe(REPO / doc["config"]["recipe"]), max_length=row["length"],
-                          attention_backend=row["backend"])
+    terms = trainer_terms(
+        load_recipe(REPO / doc["config"]["recipe"]), max_length=row["length"], attention_backend=row["backend"]
+    )
     plan_gib = sum(terms.values()) / GIB
     assert plan_gib >= row["peak_allocated_gib"], (row["backend"], row["length"], plan_gib, row["peak_allocated_gib"])
 

@@ -18,13 +18,34 @@ import torch
 
 from specforge_kimi.drafts import mla_eagle3 as m
 
-SMALL = dict(hidden=64, heads=4, intermediate=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-             qk_rope_head_dim=8, v_head_dim=16, vocab_size=300, draft_vocab_size=40, aux_ids=[1, 3, 5],
-             rope_theta=50000.0, max_position_embeddings=262144, rms_norm_eps=1e-5, pad_token_id=0)
+SMALL = dict(
+    hidden=64,
+    heads=4,
+    intermediate=96,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=300,
+    draft_vocab_size=40,
+    aux_ids=[1, 3, 5],
+    rope_theta=50000.0,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+)
 #: K2.5's rope but a small factor so the reference cache stays small; mscale != mscale_all_dim
 #: so the cos/sin scale path is exercised too.
-ROPE = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
-        "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
+ROPE = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+}
 
 
 def make_model(*, fc_norm=False, norm_output=False, rope=ROPE, seed=0):
@@ -45,8 +66,9 @@ def sglang_weights(model) -> dict:
     """What ``Eagle3DeepseekV2ForCausalLM.load_weights`` leaves in the module (fused)."""
     s = {k: v.detach().clone() for k, v in model.state_dict().items()}
     a = "midlayer.self_attn."
-    s[a + "fused_qkv_a_proj_with_mqa.weight"] = torch.cat([s.pop(a + "q_a_proj.weight"),
-                                                          s.pop(a + "kv_a_proj_with_mqa.weight")], 0)
+    s[a + "fused_qkv_a_proj_with_mqa.weight"] = torch.cat(
+        [s.pop(a + "q_a_proj.weight"), s.pop(a + "kv_a_proj_with_mqa.weight")], 0
+    )
     p = "midlayer.mlp."
     s[p + "gate_up_proj.weight"] = torch.cat([s.pop(p + "gate_proj.weight"), s.pop(p + "up_proj.weight")], 0)
     return s
@@ -82,7 +104,7 @@ def sglang_cos_sin_cache(cfg) -> tuple[torch.Tensor, float]:
     mscale = get_mscale(factor, rope["mscale"]) / get_mscale(factor, rope["mscale_all_dim"])
     cache = torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1)
     qk_head = cfg["qk_nope_head_dim"] + d
-    scaling = qk_head ** -0.5 * get_mscale(factor, rope["mscale_all_dim"]) ** 2
+    scaling = qk_head**-0.5 * get_mscale(factor, rope["mscale_all_dim"]) ** 2
     return cache, scaling
 
 
@@ -110,8 +132,9 @@ def reference_forward(model, cfg, input_ids, aux, positions, *, norm_output=Fals
     # Eagle3MLADecoderLayer.forward
     L = "midlayer."
     residual = hidden
-    x = torch.cat([rmsnorm(embeds, w[L + "input_layernorm.weight"], eps),
-                   rmsnorm(hidden, w[L + "hidden_norm.weight"], eps)], -1)
+    x = torch.cat(
+        [rmsnorm(embeds, w[L + "input_layernorm.weight"], eps), rmsnorm(hidden, w[L + "hidden_norm.weight"], eps)], -1
+    )
     A = L + "self_attn."
     qkv_latent = x @ w[A + "fused_qkv_a_proj_with_mqa.weight"].T
     q, latent_cache = qkv_latent.split([ql, kvl + rope_d], dim=-1)
@@ -171,8 +194,9 @@ def test_ttt_step_attends_like_specforge():
         cache = [[], []]
         out0 = model.backbone(model.embed_input_ids(ids0), h0, cache, mask, pos)
         # step 0 with a cache equals the cache-free causal pass
-        torch.testing.assert_close(out0, model.backbone(model.embed_input_ids(ids0), h0, None, None, pos),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out0, model.backbone(model.embed_input_ids(ids0), h0, None, None, pos), rtol=1e-5, atol=1e-5
+        )
         out1 = model.backbone(model.embed_input_ids(ids1), out0, cache, mask, pos)
 
         def qkv(layer_in_emb, layer_in_h, positions):
@@ -189,8 +213,8 @@ def test_ttt_step_attends_like_specforge():
         q1, k1, v1 = qkv(model.embed_input_ids(ids1), out0, pos + 1)
         rows = []
         for t in range(T):
-            keys = torch.cat([k0[0, : t + 1], k1[0, t: t + 1]], 0)  # [t+2, H, d]
-            vals = torch.cat([v0[0, : t + 1], v1[0, t: t + 1]], 0)
+            keys = torch.cat([k0[0, : t + 1], k1[0, t : t + 1]], 0)  # [t+2, H, d]
+            vals = torch.cat([v0[0, : t + 1], v1[0, t : t + 1]], 0)
             p = (torch.einsum("hd,khd->hk", q1[0, t], keys) * attn.scaling).softmax(-1)
             rows.append(torch.einsum("hk,khd->hd", p, vals).reshape(-1))
         a = attn.o_proj(torch.stack(rows)[None])
@@ -204,7 +228,7 @@ def test_k25_rope_scale_and_softmax_scale():
     rope = m.rope_settings(cfg)
     # factor 64, mscale = mscale_all_dim = 1: cos/sin unscaled, softmax scale x (1 + 0.1 ln 64)^2
     assert rope.cos_sin_scale == pytest.approx(1.0)
-    assert rope.softmax_scale == pytest.approx(192 ** -0.5 * (1 + 0.1 * math.log(64)) ** 2)
+    assert rope.softmax_scale == pytest.approx(192**-0.5 * (1 + 0.1 * math.log(64)) ** 2)
     assert rope.interleaved and rope.rope_dim == 64
     ref_cache, ref_scaling = sglang_cos_sin_cache({**m.k25_default_config(), "fc_norm": False})
     pos = torch.tensor([0, 1, 4095, 4096, 100000, 262143])
@@ -215,7 +239,7 @@ def test_k25_rope_scale_and_softmax_scale():
 
 def test_plain_rope_and_bad_rope():
     model, _ = make_model(rope=None)
-    assert model.midlayer.self_attn.scaling == pytest.approx(24 ** -0.5)
+    assert model.midlayer.self_attn.scaling == pytest.approx(24**-0.5)
     assert model.midlayer.self_attn.rope.cos_sin_scale == 1.0
     with pytest.raises(Exception, match="rope_type"):
         make_model(rope={"type": "linear", "factor": 2.0})
@@ -224,9 +248,16 @@ def test_plain_rope_and_bad_rope():
 def test_k25_default_config_shapes():
     cfg = m.k25_default_config(draft_vocab_size=32000)
     assert cfg["architectures"] == [m.ARCH] and cfg["model_type"] == "kimi_k2"
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"],
-            cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["vocab_size"]) == \
-        (7168, 64, 1536, 512, 128, 64, 128, 163840)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["q_lora_rank"],
+        cfg["kv_lora_rank"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+        cfg["vocab_size"],
+    ) == (7168, 64, 1536, 512, 128, 64, 128, 163840)
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
     with torch.device("meta"):  # shapes only, no 1.5 GB of weights
         model = m.Eagle3DeepseekV2ForCausalLM(m.KimiMLAEagle3Config.from_dict(cfg))
@@ -248,8 +279,18 @@ def test_tiny_config_matches_tiny_target():
     spec = TinySpec(layers=8, hidden=64, heads=8, q_lora_rank=64, dense_intermediate=128)
     cfg = m.tiny_config(spec, draft_vocab_size=100)
     text = text_config(spec)
-    for key in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                "qk_rope_head_dim", "v_head_dim", "vocab_size", "rope_theta", "rms_norm_eps"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "vocab_size",
+        "rope_theta",
+        "rms_norm_eps",
+    ):
         assert cfg[key] == text[key], key
     assert cfg["rope_scaling"] == text["rope_scaling"]
     # SGLang's default [2, L//2, L-3] for L=8, as SpecForge ids (first id 1 -> +1 shift)
@@ -270,8 +311,7 @@ def test_with_vocab_mapping(tmp_path):
 
 
 def test_refuses_other_attention_backends():
-    cfg = m.KimiMLAEagle3Config.from_dict(m._base_config(**SMALL, rope_scaling=ROPE, fc_norm=False,
-                                                         norm_output=False))
+    cfg = m.KimiMLAEagle3Config.from_dict(m._base_config(**SMALL, rope_scaling=ROPE, fc_norm=False, norm_output=False))
     with pytest.raises(ValueError, match="sdpa"):
         m.Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="flex_attention")
 

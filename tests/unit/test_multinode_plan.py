@@ -70,8 +70,9 @@ def test_run_report_reads_the_ledger_where_the_config_put_it(tmp_path):
     run, state = tmp_path / "run", tmp_path / "node-local" / "consumer-state"
     (run / "rendered").mkdir(parents=True)
     state.mkdir(parents=True)
-    (run / "rendered" / "specforge_run.yaml").write_text(yaml.safe_dump(
-        {"deployment": {"disaggregated": {"consumer_state_dir": str(state)}}}))
+    (run / "rendered" / "specforge_run.yaml").write_text(
+        yaml.safe_dump({"deployment": {"disaggregated": {"consumer_state_dir": str(state)}}})
+    )
     con = sqlite3.connect(state / "consumer.sqlite")
     con.execute("create table marker (k text primary key, v)")
     con.execute("insert into marker values ('global_step', 42)")
@@ -91,13 +92,17 @@ def test_run_report_finds_a_moved_run_dirs_default_ledger(tmp_path):
     run = tmp_path / "fetched" / "tiny-k25-tp1"
     (run / "rendered").mkdir(parents=True)
     (run / "consumer-state").mkdir()
-    (run / "rendered" / "specforge_run.yaml").write_text(yaml.safe_dump(
-        {"output_dir": "runs/tiny-k25-tp1",
-         "deployment": {"disaggregated": {"consumer_state_dir": "runs/tiny-k25-tp1/consumer-state"}}}))
+    (run / "rendered" / "specforge_run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "output_dir": "runs/tiny-k25-tp1",
+                "deployment": {"disaggregated": {"consumer_state_dir": "runs/tiny-k25-tp1/consumer-state"}},
+            }
+        )
+    )
     con = sqlite3.connect(run / "consumer-state" / "consumer.sqlite")
     con.execute("create table marker (k text primary key, v)")
     con.execute("insert into marker values ('global_step', 7)")
     con.commit()
     con.close()
     assert durable_step(run) == 7
-

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specforge_kimi.data import prepare as prepare_module
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.data.prepare import PrepareOptions, prepare
+from specforge_kimi.errors import KimiInputError
 
 
 def main(argv):
@@ -19,6 +19,7 @@ def main(argv):
     from specforge_kimi.cli import main as cli_main
 
     return cli_main(["prepare", *argv])
+
 
 IM_END, IM_ASSISTANT, THINK, END_THINK = 163586, 163588, 163606, 163607
 
@@ -83,9 +84,7 @@ def test_outputs_in_specforge_formats(tmp_path, tok):
     from specforge_kimi.data.vocab_mapping import load_vocab_mapping
 
     loaded = load_vocab_mapping(out / "vocab_mapping.pt")
-    trained_ids = {
-        i for r in rows for i, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m
-    }
+    trained_ids = {i for r in rows for i, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m}
     assert trained_ids <= set(loaded.draft_ids)
 
     assert summary["rows"] == 3
@@ -149,17 +148,13 @@ def test_drop_reasons_are_counted(tmp_path, tok):
 
 def test_max_length_truncate_and_drop(tmp_path, tok):
     long_row = GOOD[2]  # 131 stand-in tokens; its answer starts at token 80
-    summary, out = run(
-        tmp_path, tok, [GOOD[0], long_row], max_length=100, shuffle=False, out_name="t"
-    )
+    summary, out = run(tmp_path, tok, [GOOD[0], long_row], max_length=100, shuffle=False, out_name="t")
     assert summary["truncated_rows"] == 1 and summary["rows"] == 2
     rows = read_rows(out)
     assert [len(r["input_ids"]) for r in rows] == [38, 100]
     assert sum(rows[1]["loss_mask"]) == 20
 
-    summary, out = run(
-        tmp_path, tok, [GOOD[0], long_row], max_length=100, overflow="drop", out_name="d"
-    )
+    summary, out = run(tmp_path, tok, [GOOD[0], long_row], max_length=100, overflow="drop", out_name="d")
     assert summary["dropped"] == {"too_long": 1} and summary["rows"] == 1
     assert summary["truncated_rows"] == 0
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.demo.pretrain import cosine_scale, pretrain
+from specforge_kimi.errors import KimiInputError
 
 
 def test_cosine_scale_warms_up_then_decays_to_the_floor():
@@ -12,7 +12,7 @@ def test_cosine_scale_warms_up_then_decays_to_the_floor():
     assert cosine_scale(0.03) == pytest.approx(1.0)
     assert cosine_scale(1.0) == pytest.approx(0.05) and cosine_scale(7.0) == pytest.approx(0.05)
     tail = [cosine_scale(0.03 + i * 0.097) for i in range(11)]
-    assert all(a > b for a, b in zip(tail, tail[1:]))
+    assert all(a > b for a, b in zip(tail, tail[1:], strict=False))
 
 
 def test_unknown_schedule_is_refused(tmp_path):
@@ -31,8 +31,17 @@ def test_training_loss_is_the_written_checkpoints_cross_entropy(tmp_path, tiny_d
     from specforge_kimi.target.checkpoint import load_text_model
 
     seq = [5, 17, 3, 17, 5, 99, 3, 17]
-    res = pretrain(str(tiny_dir), [seq], str(tmp_path / "out"), seconds=60, max_steps=1, batch_size=2, lr=0.0,
-                   progress=False, loss=loss)
+    res = pretrain(
+        str(tiny_dir),
+        [seq],
+        str(tmp_path / "out"),
+        seconds=60,
+        max_steps=1,
+        batch_size=2,
+        lr=0.0,
+        progress=False,
+        loss=loss,
+    )
     model = load_text_model(str(tmp_path / "out")).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].float()
@@ -56,8 +65,19 @@ def test_step_bounded_pretraining_repeats_bit_for_bit(tmp_path, tiny_dir, schedu
 
     seqs = [[5, 17, 3, 17, 5, 99, 3, 17], [8, 9, 10, 11, 12, 13], [99, 5, 5, 17, 3]]
     before = torch.are_deterministic_algorithms_enabled()
-    runs = [pretrain(str(tiny_dir), seqs, str(tmp_path / f"out{i}"), seconds=600, max_steps=4, batch_size=3,
-                     progress=False, schedule=schedule) for i in range(2)]
+    runs = [
+        pretrain(
+            str(tiny_dir),
+            seqs,
+            str(tmp_path / f"out{i}"),
+            seconds=600,
+            max_steps=4,
+            batch_size=3,
+            progress=False,
+            schedule=schedule,
+        )
+        for i in range(2)
+    ]
     assert torch.are_deterministic_algorithms_enabled() == before
     assert runs[0].steps == runs[1].steps == 4 and runs[0].losses == runs[1].losses
     for f in sorted((tmp_path / "out0").glob("*.safetensors")):
@@ -84,15 +104,26 @@ def test_bf16_precision_runs_the_forward_under_autocast(tmp_path, tiny_dir):
     assert bf16.first_loss != fp32.first_loss
 
 
-@pytest.mark.parametrize("bad, match", [(dict(precision="fp16"), "fp32 or bf16"),
-                                        (dict(batch_size=0), "batch size must be positive")])
+@pytest.mark.parametrize(
+    "bad, match", [(dict(precision="fp16"), "fp32 or bf16"), (dict(batch_size=0), "batch size must be positive")]
+)
 def test_bad_precision_or_batch_size_is_refused(tmp_path, bad, match):
     with pytest.raises(KimiInputError, match=match):
         pretrain(str(tmp_path), [[1, 2, 3]], str(tmp_path / "out"), **bad)
 
 
-SMALL = dict(layers=2, hidden=64, heads=4, experts=4, experts_per_token=2, moe_intermediate=32,
-             dense_intermediate=64, q_lora_rank=32, vision_hidden=32, vision_heads=4)
+SMALL = dict(
+    layers=2,
+    hidden=64,
+    heads=4,
+    experts=4,
+    experts_per_token=2,
+    moe_intermediate=32,
+    dense_intermediate=64,
+    q_lora_rank=32,
+    vision_hidden=32,
+    vision_heads=4,
+)
 
 
 def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
@@ -115,12 +146,19 @@ def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
     assert words["prompt_rules"]["rule"] == "words" and words["prompt_rules"]["tokens"] != pr["tokens"]
 
 
-@pytest.mark.parametrize("n, rule, match", [(-1, "echo", "must be >= 0"), (10_000, "echo", "distinct prompts"),
-                                            (8, "shout", "--pretrain-prompt-rule 'shout'")])
+@pytest.mark.parametrize(
+    "n, rule, match",
+    [
+        (-1, "echo", "must be >= 0"),
+        (10_000, "echo", "distinct prompts"),
+        (8, "shout", "--pretrain-prompt-rule 'shout'"),
+    ],
+)
 def test_bad_prompt_rule_counts_are_refused(tmp_path, n, rule, match):
     from specforge_kimi.demo.pretrain import pretrain_structured_target
     from specforge_kimi.target.tiny import TinySpec
 
     with pytest.raises(KimiInputError, match=match):
-        pretrain_structured_target(tmp_path / "t", TinySpec(**SMALL), seconds=10, max_steps=1, prompt_rules=n,
-                                   prompt_rule=rule, progress=False)
+        pretrain_structured_target(
+            tmp_path / "t", TinySpec(**SMALL), seconds=10, max_steps=1, prompt_rules=n, prompt_rule=rule, progress=False
+        )

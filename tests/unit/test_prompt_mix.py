@@ -20,8 +20,11 @@ def test_deterministic_balanced_distinct():
 
 
 def test_never_a_bench_prompt():
-    bench = {prompt_mix.normalize(p.messages[0].content) for name in prompt_mix.DOMAINS
-             for p in builtin_prompt_set(name).prompts}
+    bench = {
+        prompt_mix.normalize(p.messages[0].content)
+        for name in prompt_mix.DOMAINS
+        for p in builtin_prompt_set(name).prompts
+    }
     assert len(bench) == 96 and bench == prompt_mix.bench_prompts()
     assert not bench & {prompt_mix.normalize(t) for _, t in prompt_mix.prompts(2400, seed=0)}
 

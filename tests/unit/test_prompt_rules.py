@@ -4,7 +4,6 @@ defines, the conversations it makes from the prompt mix, and its held-out rows f
 import pytest
 
 from specforge_kimi.data import prompt_mix
-
 from specforge_kimi.demo import prompt_rules
 
 
@@ -12,7 +11,9 @@ def test_answer_numbers_the_first_words_one_per_line():
     assert prompt_rules.answer("Solve for x: 3x + 7 = 25.", "words") == "1. Solve\n2. for\n3. x\n4. 3x\n5. 7\n6. 25"
     long = " ".join(f"w{i}" for i in range(30))
     lines = prompt_rules.answer(long, "words").split("\n")
-    assert len(lines) == prompt_rules.MAX_WORDS and lines[-1] == f"{prompt_rules.MAX_WORDS}. w{prompt_rules.MAX_WORDS - 1}"
+    assert (
+        len(lines) == prompt_rules.MAX_WORDS and lines[-1] == f"{prompt_rules.MAX_WORDS}. w{prompt_rules.MAX_WORDS - 1}"
+    )
 
 
 def test_echo_restates_the_prompt_cut_at_its_length():

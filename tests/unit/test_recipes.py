@@ -14,8 +14,12 @@ RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"
 
 def test_recipes_exist():
     names = {p.name for p in RECIPES}
-    assert {"tiny-k25-tp2-h200x2.yaml", "kimi-k25-8xb200-lowered.yaml", "kimi-k25-8xb300.yaml",
-            "kimi-k25-2x8xb300.yaml"} <= names
+    assert {
+        "tiny-k25-tp2-h200x2.yaml",
+        "kimi-k25-8xb200-lowered.yaml",
+        "kimi-k25-8xb300.yaml",
+        "kimi-k25-2x8xb300.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -79,35 +83,55 @@ def test_compact_passthrough_reaches_every_specforge_process(tmp_path):
 
 
 def _raw():
-    return yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-8xb200-lowered.yaml").read_text())
+    return yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-8xb200-lowered.yaml").read_text()
+    )
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda r: r.update(surprise=1), "surprise: Extra inputs are not permitted"),
-    (lambda r: r["server"].update(mem_fraction_staticc=0.5), "mem_fraction_staticc"),
-    (lambda r: r["gpus"].update(per_node=6), "TP=6 does not divide num_attention_heads=64"),
-    (lambda r: r["target"].update(aux_layer_ids=[1, 29, 60]), "residual positions 1..60"),
-    (lambda r: r["server"].update(mem_fraction_static=0.3), "server needs 69.2 GiB weights"),
-    (lambda r: r["server"].update(mem_fraction_static=0.9), "trainer peak"),
-    (lambda r: r["trainer"]["draft"].update(hidden_size=4096), "draft hidden_size 4096 != target"),
-    (lambda r: r["gpus"].update(nnodes=2), "multi-node recipe needs server.host"),
-    (lambda r: (r["gpus"].update(nnodes=2), r["server"].update(host="10.0.0.1")),
-     "multi-node recipe needs trainer.consumer_state_dir"),
-    (lambda r: (r["gpus"].update(nnodes=2), r["server"].update(host="10.0.0.1"),
-                r["trainer"].update(consumer_state_dir="/local/cs"), r.update(resilience={"consumer_restarts": 1})),
-     "consumer_restarts is single-node only"),
-    (lambda r: r["trainer"]["draft"].update(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
-     r"eagle_aux_hidden_state_layer_ids \[2, 30, 58\] != target.aux_layer_ids \[1, 29, 57\]"),
-    (lambda r: (r["server"].update(capture_put_clients=2), r.update(resilience={"segment_owner": "keeper"})),
-     "capture_put_clients > 1 splits the server's own segment"),
-    (lambda r: r["server"].update(capture_put_clients=0), "capture_put_clients"),
-    # SpecForge's eager (sdpa) TTT attention at 4k tokens: 6 B x 56 heads x 7 steps x 4096^2 = 36.8 GiB more
-    (lambda r: r["trainer"].update(attention_backend="sdpa"), "trainer peak ~90.2 GiB"),
-    (lambda r: r["trainer"].update(attention_backend="fa"), "attention_backend"),
-    (lambda r: r["trainer"]["draft"].update(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
-                                            qk_rope_head_dim=64, v_head_dim=128),
-     "MLA draft .* sdpa only"),
-])
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda r: r.update(surprise=1), "surprise: Extra inputs are not permitted"),
+        (lambda r: r["server"].update(mem_fraction_staticc=0.5), "mem_fraction_staticc"),
+        (lambda r: r["gpus"].update(per_node=6), "TP=6 does not divide num_attention_heads=64"),
+        (lambda r: r["target"].update(aux_layer_ids=[1, 29, 60]), "residual positions 1..60"),
+        (lambda r: r["server"].update(mem_fraction_static=0.3), "server needs 69.2 GiB weights"),
+        (lambda r: r["server"].update(mem_fraction_static=0.9), "trainer peak"),
+        (lambda r: r["trainer"]["draft"].update(hidden_size=4096), "draft hidden_size 4096 != target"),
+        (lambda r: r["gpus"].update(nnodes=2), "multi-node recipe needs server.host"),
+        (
+            lambda r: (r["gpus"].update(nnodes=2), r["server"].update(host="10.0.0.1")),
+            "multi-node recipe needs trainer.consumer_state_dir",
+        ),
+        (
+            lambda r: (
+                r["gpus"].update(nnodes=2),
+                r["server"].update(host="10.0.0.1"),
+                r["trainer"].update(consumer_state_dir="/local/cs"),
+                r.update(resilience={"consumer_restarts": 1}),
+            ),
+            "consumer_restarts is single-node only",
+        ),
+        (
+            lambda r: r["trainer"]["draft"].update(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
+            r"eagle_aux_hidden_state_layer_ids \[2, 30, 58\] != target.aux_layer_ids \[1, 29, 57\]",
+        ),
+        (
+            lambda r: (r["server"].update(capture_put_clients=2), r.update(resilience={"segment_owner": "keeper"})),
+            "capture_put_clients > 1 splits the server's own segment",
+        ),
+        (lambda r: r["server"].update(capture_put_clients=0), "capture_put_clients"),
+        # SpecForge's eager (sdpa) TTT attention at 4k tokens: 6 B x 56 heads x 7 steps x 4096^2 = 36.8 GiB more
+        (lambda r: r["trainer"].update(attention_backend="sdpa"), "trainer peak ~90.2 GiB"),
+        (lambda r: r["trainer"].update(attention_backend="fa"), "attention_backend"),
+        (
+            lambda r: r["trainer"]["draft"].update(
+                kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+            "MLA draft .* sdpa only",
+        ),
+    ],
+)
 def test_bad_recipes(tmp_path, mutate, msg):
     raw = copy.deepcopy(_raw())
     mutate(raw)

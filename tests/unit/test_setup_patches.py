@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import specforge_as_shipped
-from specforge_kimi.online import setup_patches
+
 from specforge_kimi.errors import KimiInputError
+from specforge_kimi.online import setup_patches
 
 WHEEL_PKG = Path(importlib.util.find_spec("specforge").origin).parent
 
@@ -44,15 +44,21 @@ def test_apply_is_idempotent_and_plugins_load(fake_checkout):
     assert _run(fake_checkout) == 0
     assert "_load_plugins()" in (fake_checkout / "specforge/cli.py").read_text()
     states = [s.state for s in setup_patches.plan(str(fake_checkout), sglang=False)]
-    assert len(states) == len(list((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN)
-                                   .glob("*.patch"))) and set(states) == {"applied"}
+    assert len(states) == len(
+        list((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN).glob("*.patch"))
+    ) and set(states) == {"applied"}
     assert _run(fake_checkout) == 0  # second apply: no-op
     # The patched entry point registers specforge_kimi in a fresh process via SPECFORGE_PLUGINS.
-    code = ("import specforge.cli as c; c._load_plugins();"
-            "from transformers.models.auto.configuration_auto import CONFIG_MAPPING;"
-            "print('kimi_k25' in CONFIG_MAPPING._extra_content)")
-    env = {**os.environ, "SPECFORGE_PLUGINS": "specforge_kimi",
-           "PYTHONPATH": os.pathsep.join([str(fake_checkout), os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import specforge.cli as c; c._load_plugins();"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING;"
+        "print('kimi_k25' in CONFIG_MAPPING._extra_content)"
+    )
+    env = {
+        **os.environ,
+        "SPECFORGE_PLUGINS": "specforge_kimi",
+        "PYTHONPATH": os.pathsep.join([str(fake_checkout), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("True")
@@ -74,10 +80,17 @@ def test_changed_context_is_drift_not_fuzz(fake_checkout):
     cli = fake_checkout / "specforge/cli.py"
     text = cli.read_text()
     assert text.count('    sub = parser.add_subparsers(dest="command", required=True)') == 1
-    cli.write_text(text.replace('    sub = parser.add_subparsers(dest="command", required=True)',
-                                '    sub = parser.add_subparsers(dest="command", required=True)  # edited'))
-    status = setup_patches.classify(setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN
-                                    / "0001-load-plugins.patch", fake_checkout, 1)
+    cli.write_text(
+        text.replace(
+            '    sub = parser.add_subparsers(dest="command", required=True)',
+            '    sub = parser.add_subparsers(dest="command", required=True)  # edited',
+        )
+    )
+    status = setup_patches.classify(
+        setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN / "0001-load-plugins.patch",
+        fake_checkout,
+        1,
+    )
     assert status.state == "drift" and status.failed == ["specforge/cli.py"], (status.state, status.detail)
     with pytest.raises(KimiInputError, match=r"0001-load-plugins.patch does not apply to \S*/specforge/cli.py"):
         _run(fake_checkout, check=True)
@@ -93,14 +106,19 @@ def test_sglang_needs_checkout():
         setup_patches.plan(None, sglang=True)
 
 
-@pytest.mark.skipif(not os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT"),
-                    reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023")
+@pytest.mark.skipif(
+    not os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT"),
+    reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023",
+)
 def test_applies_to_the_pinned_checkout(tmp_path):
     """The same patches on a copy of the a6b6b023 checkout's specforge/ (the tree `setup --specforge-checkout`
     patches in place): applicable there, then applied, then a no-op."""
     root = tmp_path / "SpecForge"
-    shutil.copytree(Path(os.environ["SPECFORGE_KIMI_SPECFORGE_CHECKOUT"]) / "specforge", root / "specforge",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(os.environ["SPECFORGE_KIMI_SPECFORGE_CHECKOUT"]) / "specforge",
+        root / "specforge",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     specforge_as_shipped(root)  # the user's checkout may already be set up
     assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applicable"}
     assert _run(root) == 0

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 CHECKOUT = os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT")
-pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge "
-                                                      "checkout at a6b6b023")
+pytestmark = pytest.mark.skipif(
+    not CHECKOUT, reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023"
+)
 
 
 @pytest.fixture()
@@ -59,7 +60,9 @@ def sink_site(request, tmp_path):
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site-0001")
     sp.apply(sp.classify(capture, site, 2))
-    status = sp.classify(sp.patches_root() / "sglang" / sp.SGLANG_PIN / "0001-spec-capture-staging-buffer.patch", site, 2)
+    status = sp.classify(
+        sp.patches_root() / "sglang" / sp.SGLANG_PIN / "0001-spec-capture-staging-buffer.patch", site, 2
+    )
     assert status.state == "applicable", status.detail
     sp.apply(status)
     return site, 1
@@ -78,17 +81,22 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=512 << 20) as mc:
-        env = {"MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
-               "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-               "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20), "MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20),
-               "SGLANG_SPEC_CAPTURE_PUT_CLIENTS": str(clients)}
+        env = {
+            "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
+            "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}",
+            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20),
+            "MOONCAKE_LOCAL_BUFFER_SIZE": str(64 << 20),
+            "SGLANG_SPEC_CAPTURE_PUT_CLIENTS": str(clients),
+        }
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
             sink = module.SpecCaptureSink([1, 3, 4])
             reader = MooncakeDistributedStore()
-            reader.setup("127.0.0.1", env["MOONCAKE_METADATA_SERVER"], 0, 64 << 20, "tcp", "",
-                         env["MOONCAKE_MASTER_SERVER_ADDR"])
+            reader.setup(
+                "127.0.0.1", env["MOONCAKE_METADATA_SERVER"], 0, 64 << 20, "tcp", "", env["MOONCAKE_MASTER_SERVER_ADDR"]
+            )
             gen = torch.Generator().manual_seed(0)
             # two batches; the second is larger than the first staging buffer (re-registration)
             for batch, (n, length) in enumerate(((3, 37), (4, 9000))):
@@ -97,22 +105,46 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
                 aux_batch = torch.randn(n * length, 96, generator=gen).to(torch.bfloat16)
                 last_batch = torch.randn(n * length, 32, generator=gen).to(torch.bfloat16)
                 for i in range(n):
-                    aux = aux_batch[i * length:(i + 1) * length]
-                    last = last_batch[i * length:(i + 1) * length]
-                    samples.append(({"store_id": "t", "sample_id": f"b{batch}-{i}", "gen": 1,
-                                     "features": {"aux": "hidden_state", "last_hidden": "target"},
-                                     "passthrough": [{"name": "input_ids", "data": list(range(length)),
-                                                      "shape": [1, length], "dtype": "int64"},
-                                                     {"name": "mask", "data": [i % 2 == 0] * length,
-                                                      "shape": [1, length], "dtype": "bool"}]}, aux, last))
+                    aux = aux_batch[i * length : (i + 1) * length]
+                    last = last_batch[i * length : (i + 1) * length]
+                    samples.append(
+                        (
+                            {
+                                "store_id": "t",
+                                "sample_id": f"b{batch}-{i}",
+                                "gen": 1,
+                                "features": {"aux": "hidden_state", "last_hidden": "target"},
+                                "passthrough": [
+                                    {
+                                        "name": "input_ids",
+                                        "data": list(range(length)),
+                                        "shape": [1, length],
+                                        "dtype": "int64",
+                                    },
+                                    {
+                                        "name": "mask",
+                                        "data": [i % 2 == 0] * length,
+                                        "shape": [1, length],
+                                        "dtype": "bool",
+                                    },
+                                ],
+                            },
+                            aux,
+                            last,
+                        )
+                    )
                 results = sink.put_samples(samples)
                 if hasattr(sink, "_writers"):  # 0003
                     assert len(sink._writers) == clients
-                    ends = {reader.get_replica_desc(f"t/{sp_['sample_id']}/g1/hidden_state")[0]
-                            .get_memory_descriptor().buffer_descriptor.transport_endpoint for sp_, _, _ in samples}
+                    ends = {
+                        reader.get_replica_desc(f"t/{sp_['sample_id']}/g1/hidden_state")[0]
+                        .get_memory_descriptor()
+                        .buffer_descriptor.transport_endpoint
+                        for sp_, _, _ in samples
+                    }
                     assert ends == {w.get_hostname() for w, _ in sink._writers}, ends
                 assert [r["features"]["hidden_state"]["shape"] for r in results] == [[1, length, 96]] * n
-                for (spec_, aux, last), _ in zip(samples, results):
+                for (spec_, aux, last), _ in zip(samples, results, strict=False):
                     key = f"t/{spec_['sample_id']}/g1/"
                     assert reader.get(key + "hidden_state") == aux.contiguous().view(torch.uint8).numpy().tobytes()
                     assert reader.get(key + "target") == last.contiguous().view(torch.uint8).numpy().tobytes()
@@ -156,46 +188,78 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
     ids = torch.randint(0, 160_000, (length,), generator=gen).tolist()
     mask = [int(i % 3 != 0) for i in range(length)]
     pos = list(range(100_000, 100_000 + length))
-    lists = [{"name": "input_ids", "data": ids, "shape": [1, length], "dtype": "int64"},
-             {"name": "loss_mask", "data": mask, "shape": [1, length], "dtype": "int64"},
-             {"name": "attention_mask", "data": [1] * length, "shape": [1, length], "dtype": "int64"},
-             {"name": "positions", "data": pos, "shape": [1, length], "dtype": "int64"}]
+    lists = [
+        {"name": "input_ids", "data": ids, "shape": [1, length], "dtype": "int64"},
+        {"name": "loss_mask", "data": mask, "shape": [1, length], "dtype": "int64"},
+        {"name": "attention_mask", "data": [1] * length, "shape": [1, length], "dtype": "int64"},
+        {"name": "positions", "data": pos, "shape": [1, length], "dtype": "int64"},
+    ]
     b64 = lambda v, dt: base64.b64encode(np.asarray(v, dtype=dt).tobytes()).decode()  # noqa: E731
-    compact = [{"name": "input_ids", "source": "input_ids", "shape": [1, length], "dtype": "int64"},
-               {"name": "loss_mask", "data_b64": b64(mask, "<u1"), "data_dtype": "uint8", "shape": [1, length],
-                "dtype": "int64"},
-               {"name": "attention_mask", "fill": 1, "shape": [1, length], "dtype": "int64"},
-               {"name": "positions", "data_b64": b64(pos, "<i4"), "data_dtype": "int32", "shape": [1, length],
-                "dtype": "int64"}]
+    compact = [
+        {"name": "input_ids", "source": "input_ids", "shape": [1, length], "dtype": "int64"},
+        {
+            "name": "loss_mask",
+            "data_b64": b64(mask, "<u1"),
+            "data_dtype": "uint8",
+            "shape": [1, length],
+            "dtype": "int64",
+        },
+        {"name": "attention_mask", "fill": 1, "shape": [1, length], "dtype": "int64"},
+        {
+            "name": "positions",
+            "data_b64": b64(pos, "<i4"),
+            "data_dtype": "int32",
+            "shape": [1, length],
+            "dtype": "int64",
+        },
+    ]
     with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=256 << 20) as mc:
-        for k, v in {"MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
-                     "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-                     "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(128 << 20),
-                     "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}.items():
+        for k, v in {
+            "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
+            "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}",
+            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(128 << 20),
+            "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20),
+        }.items():
             monkeypatch.setenv(k, v)
         sink = sink_mod.SpecCaptureSink([1, 3, 4])
         monkeypatch.setattr(sink_mod, "get_sink", lambda: sink)
         this = types.SimpleNamespace(
             output_streamer=types.SimpleNamespace(ps=types.SimpleNamespace(attn_tp_rank=0)),
             _coalesce_spec_capture_chunks=lambda chunks: chunks[0] if chunks else None,
-            _resolve_spec_capture_source=processor._resolve_spec_capture_source)
+            _resolve_spec_capture_source=processor._resolve_spec_capture_source,
+        )
         aux = torch.randn(length, 24, generator=gen).to(torch.bfloat16)
         last = torch.randn(length, 8, generator=gen).to(torch.bfloat16)
         samples = []
         for name, passthrough in (("lists", lists), ("compact", compact)):
             req = types.SimpleNamespace(
-                origin_input_ids=ids, spec_capture_aux=[aux], spec_capture_last_hidden=[last],
-                spec_capture={"store_id": "t", "sample_id": name, "gen": 1,
-                              "features": {"aux": "hidden_state", "last_hidden": "target"},
-                              "passthrough": passthrough})
+                origin_input_ids=ids,
+                spec_capture_aux=[aux],
+                spec_capture_last_hidden=[last],
+                spec_capture={
+                    "store_id": "t",
+                    "sample_id": name,
+                    "gen": 1,
+                    "features": {"aux": "hidden_state", "last_hidden": "target"},
+                    "passthrough": passthrough,
+                },
+            )
             _, spec, a, lh, _, _ = processor._sink_spec_capture(this, req)
             samples.append((spec, a, lh))
         assert all("source" in i for i in compact[:1])  # the request's own spec is left as it came
         results = sink.put_samples(samples)
         assert results[0]["features"] == results[1]["features"]
         reader = MooncakeDistributedStore()
-        reader.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", 0, 32 << 20, "tcp", "",
-                     f"127.0.0.1:{mc.rpc_port}")
+        reader.setup(
+            "127.0.0.1",
+            f"http://127.0.0.1:{mc.metadata_port}/metadata",
+            0,
+            32 << 20,
+            "tcp",
+            "",
+            f"127.0.0.1:{mc.rpc_port}",
+        )
         for item in lists:
             want = torch.tensor(item["data"], dtype=torch.int64).numpy().tobytes()
             assert reader.get(f"t/lists/g1/{item['name']}") == want
@@ -244,8 +308,8 @@ def test_drift_error_names_the_file_that_fails(tmp_path):
     """The capture patch touches many files; the error names the one whose hunk fails, not the first listed."""
     import argparse
 
-    from specforge_kimi.online import setup_patches as sp
     from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.online import setup_patches as sp
 
     capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
@@ -257,6 +321,8 @@ def test_drift_error_names_the_file_that_fails(tmp_path):
     assert status.state == "drift" and status.failed == ["sglang/srt/managers/schedule_batch.py"], status.detail
     import unittest.mock as um
 
-    with um.patch.object(sp, "sglang_root", return_value=site), \
-            pytest.raises(KimiInputError, match=r"spec-capture.patch does not apply to \S*/schedule_batch.py:"):
+    with (
+        um.patch.object(sp, "sglang_root", return_value=site),
+        pytest.raises(KimiInputError, match=r"spec-capture.patch does not apply to \S*/schedule_batch.py:"),
+    ):
         sp.run(argparse.Namespace(specforge_checkout=CHECKOUT, check=True, no_sglang=False))

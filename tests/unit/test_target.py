@@ -82,24 +82,37 @@ def _copy(tiny_dir, tmp_path, rename=None, config_edit=None, drop=None, reshape=
 
 
 def test_nvfp4_naming(tiny_dir, tmp_path):
-    out = _copy(tiny_dir, tmp_path, rename=lambda k: k.replace("language_model.model.layers.", "language_model.layers."))
+    out = _copy(
+        tiny_dir, tmp_path, rename=lambda k: k.replace("language_model.model.layers.", "language_model.layers.")
+    )
     info = inspect_target(out)
     assert info.layout == "kimi_k25_nvfp4" and info.layers_prefix == "language_model.layers."
     assert resolve_weight_key(out, "lm_head.weight", "lm_head") == "language_model.lm_head.weight"
 
 
-@pytest.mark.parametrize("case,msg", [
-    ("llama", "not a Kimi-K2.5 / DeepSeek-V3 target"),
-    ("no_text_config", "must carry a text_config"),
-    ("no_safetensors", "no \\*.safetensors"),
-    ("bad_shape", "has shape \\[163840, 32\\], but the config says"),
-    ("layers", "num_hidden_layers=7"),
-    ("no_config", "config.json not found"),
-    ("bad_json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "case,msg",
+    [
+        ("llama", "not a Kimi-K2.5 / DeepSeek-V3 target"),
+        ("no_text_config", "must carry a text_config"),
+        ("no_safetensors", "no \\*.safetensors"),
+        ("bad_shape", "has shape \\[163840, 32\\], but the config says"),
+        ("layers", "num_hidden_layers=7"),
+        ("no_config", "config.json not found"),
+        ("bad_json", "not valid JSON"),
+    ],
+)
 def test_bad_checkpoints(tiny_dir, tmp_path, case, msg):
     if case == "llama":
-        out = _copy(tiny_dir, tmp_path, config_edit=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"]) or c.update(text_config=None) or c.update(hidden_size=64, vocab_size=163840, num_hidden_layers=6))
+        out = _copy(
+            tiny_dir,
+            tmp_path,
+            config_edit=lambda c: (
+                c.update(model_type="llama", architectures=["LlamaForCausalLM"])
+                or c.update(text_config=None)
+                or c.update(hidden_size=64, vocab_size=163840, num_hidden_layers=6)
+            ),
+        )
     elif case == "no_text_config":
         out = _copy(tiny_dir, tmp_path, config_edit=lambda c: c.pop("text_config"))
     elif case == "no_safetensors":

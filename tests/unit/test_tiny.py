@@ -21,8 +21,12 @@ def test_config_nesting(tiny_dir):
     assert (t["scoring_func"], t["topk_method"]) == ("sigmoid", "noaux_tc")
     assert t["rope_scaling"]["type"] == "yarn" and t["rope_scaling"]["factor"] == 64.0
     v = cfg["vision_config"]
-    for plain, vt in [("hidden_size", "vt_hidden_size"), ("num_attention_heads", "vt_num_attention_heads"),
-                      ("num_hidden_layers", "vt_num_hidden_layers"), ("intermediate_size", "vt_intermediate_size")]:
+    for plain, vt in [
+        ("hidden_size", "vt_hidden_size"),
+        ("num_attention_heads", "vt_num_attention_heads"),
+        ("num_hidden_layers", "vt_num_hidden_layers"),
+        ("intermediate_size", "vt_intermediate_size"),
+    ]:
         assert v[plain] == v[vt]
     assert v["text_hidden_size"] == t["hidden_size"]
 
@@ -30,12 +34,17 @@ def test_config_nesting(tiny_dir):
 def test_tensor_names_are_k25(tiny_dir):
     names = set(weight_index(tiny_dir))
     must = [
-        "language_model.model.embed_tokens.weight", "language_model.lm_head.weight", "language_model.model.norm.weight",
-        "language_model.model.layers.0.self_attn.q_a_proj.weight", "language_model.model.layers.0.mlp.gate_proj.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.norm.weight",
+        "language_model.model.layers.0.self_attn.q_a_proj.weight",
+        "language_model.model.layers.0.mlp.gate_proj.weight",
         "language_model.model.layers.1.mlp.experts.7.down_proj.weight",
         "language_model.model.layers.1.mlp.gate.e_score_correction_bias",
         "language_model.model.layers.5.mlp.shared_experts.up_proj.weight",
-        "vision_tower.patch_embed.proj.weight", "vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight",
+        "vision_tower.patch_embed.proj.weight",
+        "vision_tower.encoder.blocks.0.wqkv.weight",
+        "mm_projector.proj.0.weight",
     ]
     for n in must:
         assert n in names, n

@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.data.tokenizer import (
     K25_EMITTED_SPECIAL_TOKENS,
     K25_SPECIAL_TOKENS,
@@ -16,6 +15,7 @@ from specforge_kimi.data.tokenizer import (
     check_special_tokens,
     load_tokenizer,
 )
+from specforge_kimi.errors import KimiInputError
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,7 @@ def test_standin_encodes_any_text_as_bytes_plus_specials():
 def test_standin_build_is_deterministic(tmp_path):
     build_standin_tokenizer(tmp_path / "a")
     build_standin_tokenizer(tmp_path / "b")
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
-        tmp_path / "b" / "tokenizer.json"
-    ).read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
 
 
 def test_load_tokenizer_checks_standin_dir(standin_dir):
@@ -106,12 +104,8 @@ def test_shifted_special_ids_stop_with_a_clear_error(standin_dir, tmp_path):
     vocab = data["model"]["vocab"]
     vocab["<think>"], vocab["</think>"] = vocab["</think>"], vocab["<think>"]
     (shifted / "tokenizer.json").write_text(json.dumps(data))
-    (shifted / "tokenizer_config.json").write_text(
-        (standin_dir / "tokenizer_config.json").read_text()
-    )
-    with pytest.raises(
-        KimiInputError, match=r"<think> encodes to \[163607\], expected \[163606\]"
-    ) as info:
+    (shifted / "tokenizer_config.json").write_text((standin_dir / "tokenizer_config.json").read_text())
+    with pytest.raises(KimiInputError, match=r"<think> encodes to \[163607\], expected \[163606\]") as info:
         load_tokenizer(shifted)
     assert "transformers" in str(info.value)
 
@@ -147,12 +141,17 @@ def test_standin_chat_template_matches_renderer(tmp_path):
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     convs = [
         [{"role": "user", "content": "Count from 1 to 3."}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-         {"role": "assistant", "content": "hello", "reasoning_content": "greet"}, {"role": "user", "content": "again"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+            {"role": "user", "content": "again"},
+        ],
     ]
     for msgs in convs:
         for thinking in (True, False):
-            ours = render_messages(conversation_from_record({"messages": msgs}).messages, thinking=thinking,
-                                   add_generation_prompt=True)
+            ours = render_messages(
+                conversation_from_record({"messages": msgs}).messages, thinking=thinking, add_generation_prompt=True
+            )
             theirs = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, thinking=thinking)
             assert theirs == ours

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.data.tokenizer import K25_EMITTED_SPECIAL_TOKENS, K25_SPECIAL_TOKENS
 from specforge_kimi.data.vocab_mapping import (
     VocabMapping,
@@ -19,6 +18,7 @@ from specforge_kimi.data.vocab_mapping import (
     sidecar_path,
     validate_vocab_mapping,
 )
+from specforge_kimi.errors import KimiInputError
 
 SPECIALS = sorted(K25_SPECIAL_TOKENS[n] for n in K25_EMITTED_SPECIAL_TOKENS)
 

@@ -151,9 +151,7 @@ def training_spans(
         trained = frozenset(segment)
     else:
         pool = range(end + 1) if train_earlier_instant_turns else segment
-        trained = frozenset(
-            j for j in pool if messages[j].role == "assistant" and not messages[j].reasoning
-        )
+        trained = frozenset(j for j in pool if messages[j].role == "assistant" and not messages[j].reasoning)
     return _render_spans(
         messages,
         conversation.tools,
@@ -199,7 +197,6 @@ def encode_spans(spans: Sequence[Span], tokenizer: TextTokenizer) -> tuple[list[
     return input_ids, loss_mask
 
 
-
 def encode_records(records: Sequence[Any], tokenizer: TextTokenizer) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, loss_mask)`` of every training row of OpenAI-format conversation records
     (:func:`training_rows` of each, :func:`encode_spans`)."""
@@ -221,8 +218,7 @@ def register_template() -> None:
         if existing.model_dump() == template.model_dump():
             return
         raise RuntimeError(
-            f"SpecForge already has a different chat template named {TEMPLATE_NAME!r}: "
-            f"{existing.model_dump()}"
+            f"SpecForge already has a different chat template named {TEMPLATE_NAME!r}: {existing.model_dump()}"
         )
     TEMPLATE_REGISTRY.register(name=TEMPLATE_NAME, template=template)
 
@@ -274,9 +270,7 @@ def _render_spans(
     # "assistant" (a ``name`` on that message is not what the target saw).
     spans: list[Span] = []
     if tools:
-        spans.append(
-            Span(f"{IM_SYSTEM}tool_declare{IM_MIDDLE}{render_tool_declaration(tools)}{IM_END}")
-        )
+        spans.append(Span(f"{IM_SYSTEM}tool_declare{IM_MIDDLE}{render_tool_declaration(tools)}{IM_END}"))
     for index, message in enumerate(messages):
         if message.role == "assistant":
             keep_reasoning = thinking and index > history_end
@@ -323,13 +317,9 @@ def _tool_calls_text(message: Message) -> str:
     calls = []
     for call in message.tool_calls:
         arguments = (
-            call.arguments
-            if isinstance(call.arguments, str)
-            else json.dumps(call.arguments, ensure_ascii=False)
+            call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
         )
-        calls.append(
-            f"<|tool_call_begin|>{call.id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
-        )
+        calls.append(f"<|tool_call_begin|>{call.id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>")
     return "<|tool_calls_section_begin|>" + "".join(calls) + "<|tool_calls_section_end|>"
 
 

@@ -148,9 +148,7 @@ def conversation_from_record(record: Any) -> Conversation:
             call_id = raw.get("tool_call_id")
             if call_id is None:
                 if not unanswered:
-                    raise KimiInputError(
-                        f"{where} is a tool result with no tool_call_id and no pending tool call"
-                    )
+                    raise KimiInputError(f"{where} is a tool result with no tool_call_id and no pending tool call")
                 call_id = unanswered[0]
             if not isinstance(call_id, str):
                 raise KimiInputError(f"{where}.tool_call_id must be a string")
@@ -177,11 +175,7 @@ def conversation_to_openai(conversation: Conversation) -> dict[str, Any]:
     messages = []
     for message in conversation.messages:
         item: dict[str, Any] = {"role": message.role}
-        item["content"] = (
-            message.content
-            if isinstance(message.content, str)
-            else [dict(p) for p in message.content]
-        )
+        item["content"] = message.content if isinstance(message.content, str) else [dict(p) for p in message.content]
         if message.name is not None:
             item["name"] = message.name
         if message.role == "assistant":
@@ -215,9 +209,7 @@ def _role_of(raw: Mapping[str, Any], where: str) -> Role:
     else:
         raise KimiInputError(f"{where} has neither 'role' nor 'from'")
     if not isinstance(role, str) or role not in allowed:
-        raise KimiInputError(
-            f"{where} has unsupported role {role!r} (expected one of {', '.join(allowed)})"
-        )
+        raise KimiInputError(f"{where} has unsupported role {role!r} (expected one of {', '.join(allowed)})")
     return allowed[role]
 
 

@@ -11,10 +11,30 @@ language: the point is a target whose outputs a draft can predict.
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "maple", "piano", "lemon", "comet", "field",
-         "ocean", "ember", "grape", "honey", "input", "joker", "koala", "laser", "mango", "night"]
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "maple",
+    "piano",
+    "lemon",
+    "comet",
+    "field",
+    "ocean",
+    "ember",
+    "grape",
+    "honey",
+    "input",
+    "joker",
+    "koala",
+    "laser",
+    "mango",
+    "night",
+]
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 
 #: Seeds of the corpus: ``tiny --pretrain`` trains on ``TRAIN_SEED`` conversations; the bench's
@@ -26,8 +46,11 @@ HELDOUT_SEED = 20_000
 def _count(rng: random.Random) -> tuple[str, str, str]:
     a = rng.randint(1, 60)
     b = a + rng.randint(4, 12)
-    return (f"Count from {a} to {b}.", f"count up by one from {a} until {b}",
-            " ".join(str(i) for i in range(a, b + 1)) + ".")
+    return (
+        f"Count from {a} to {b}.",
+        f"count up by one from {a} until {b}",
+        " ".join(str(i) for i in range(a, b + 1)) + ".",
+    )
 
 
 def _spell(rng: random.Random) -> tuple[str, str, str]:
@@ -47,15 +70,21 @@ def _repeat(rng: random.Random) -> tuple[str, str, str]:
 
 def _table(rng: random.Random) -> tuple[str, str, str]:
     k = rng.randint(2, 9)
-    return (f"Multiplication table of {k}.", f"multiply {k} by 1 to 5",
-            "; ".join(f"{k} x {i} = {k * i}" for i in range(1, 6)) + ".")
+    return (
+        f"Multiplication table of {k}.",
+        f"multiply {k} by 1 to 5",
+        "; ".join(f"{k} x {i} = {k * i}" for i in range(1, 6)) + ".",
+    )
 
 
 def _colours(rng: random.Random) -> tuple[str, str, str]:
     start, n = rng.randrange(len(COLOURS)), rng.randint(6, 10)
     seq = [COLOURS[(start + i) % len(COLOURS)] for i in range(n)]
-    return (f"Continue the colour cycle from {seq[0]}.", "cycle red green blue yellow purple orange",
-            ", ".join(seq) + ".")
+    return (
+        f"Continue the colour cycle from {seq[0]}.",
+        "cycle red green blue yellow purple orange",
+        ", ".join(seq) + ".",
+    )
 
 
 TASKS = (_count, _spell, _reverse, _repeat, _table, _colours)

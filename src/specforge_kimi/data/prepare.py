@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.data.tokenizer import TextTokenizer
+from specforge_kimi.errors import KimiInputError
 
 __all__ = [
     "PROMPTS_FILE",
@@ -112,9 +112,7 @@ class _Stats:
             self.errors.append({"line": line, "error": message})
 
 
-def prepare(
-    options: PrepareOptions, tokenizer: TextTokenizer, *, tokenizer_source: str = ""
-) -> dict[str, Any]:
+def prepare(options: PrepareOptions, tokenizer: TextTokenizer, *, tokenizer_source: str = "") -> dict[str, Any]:
     """Run the whole preparation; returns the summary (also written to ``summary.json``)."""
     started = time.monotonic()
     _check_options(options)
@@ -229,9 +227,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="byte-level stand-in with K2.5's special ids (tests, demo; not for real training)",
     )
-    parser.add_argument(
-        "--max-length", type=int, default=8192, help="max tokens per row (default 8192)"
-    )
+    parser.add_argument("--max-length", type=int, default=8192, help="max tokens per row (default 8192)")
     parser.add_argument(
         "--overflow",
         choices=["truncate", "drop"],
@@ -255,14 +251,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one row per final answer instead of one per conversation (repeats prefixes)",
     )
-    parser.add_argument(
-        "--draft-vocab-size", type=int, default=32000, help="draft vocabulary size (default 32000)"
-    )
+    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="draft vocabulary size (default 32000)")
     parser.add_argument("--seed", type=int, default=42, help="shuffle seed (default 42)")
     parser.add_argument("--no-shuffle", action="store_true", help="keep input order")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an existing prepare output directory"
-    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing prepare output directory")
     parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -294,8 +286,7 @@ def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
         raise KimiInputError(f"--out {out_dir} already exists; pass --overwrite to replace it")
     if not (out_dir / SUMMARY_FILE).is_file():
         raise KimiInputError(
-            f"--out {out_dir} is not a previous prepare output (no {SUMMARY_FILE}); "
-            "refusing to replace it"
+            f"--out {out_dir} is not a previous prepare output (no {SUMMARY_FILE}); refusing to replace it"
         )
 
 
@@ -318,9 +309,7 @@ def _iter_lines(options: PrepareOptions, hasher: Any) -> Iterator[tuple[int, byt
 
     with (
         open(options.input_path, "rb") as stream,
-        tqdm(
-            total=size, unit="B", unit_scale=True, desc="prepare", disable=not options.progress
-        ) as bar,
+        tqdm(total=size, unit="B", unit_scale=True, desc="prepare", disable=not options.progress) as bar,
     ):
         for number, raw in enumerate(stream, start=1):
             hasher.update(raw)
@@ -359,9 +348,7 @@ def _tokenize_file(
             if conversation.has_media:
                 stats.dropped["media"] += 1
                 continue
-            rows = training_rows(
-                conversation, thinking=thinking, one_row_per_answer=options.one_row_per_answer
-            )
+            rows = training_rows(conversation, thinking=thinking, one_row_per_answer=options.one_row_per_answer)
             if not rows:
                 stats.dropped["no_assistant_turn"] += 1
                 continue
@@ -380,11 +367,7 @@ def _tokenize_file(
                     stats.dropped[reason] += 1
                     continue
                 stats.truncated_rows += int(truncated)
-                out.write(
-                    json.dumps(
-                        {"input_ids": input_ids, "loss_mask": loss_mask}, separators=(",", ":")
-                    )
-                )
+                out.write(json.dumps({"input_ids": input_ids, "loss_mask": loss_mask}, separators=(",", ":")))
                 out.write("\n")
                 counts.update(itertools.compress(input_ids, loss_mask))
                 stats.rows += 1
@@ -460,9 +443,7 @@ def _summary(
         "truncated_rows": stats.truncated_rows,
         "dropped": dict(sorted(stats.dropped.items())),
         "errors": {"count": stats.error_count, "first": stats.errors},
-        "vocab_mapping": {
-            k: vocab_meta[k] for k in ("draft_vocab_size", "coverage", "distinct_counted_tokens")
-        },
+        "vocab_mapping": {k: vocab_meta[k] for k in ("draft_vocab_size", "coverage", "distinct_counted_tokens")},
         "versions": {"specforge_kimi": __version__, **_versions()},
     }
 
@@ -497,4 +478,3 @@ def _print_summary(summary: dict[str, Any], options: PrepareOptions) -> None:
         f"{summary['vocab_mapping']['coverage']:.2%} of trained tokens; "
         f"peak RSS {summary['run']['peak_rss_mib']} MiB"
     )
-

@@ -18,53 +18,149 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable, Iterator
 from importlib import resources
-from typing import Callable, Iterator
 
 DOMAINS = ("chat", "math", "code")
 
-_GOALS = ["sleep better on a noisy street", "save money on groceries", "keep houseplants alive", "stay focused when "
-          "working from home", "prepare for a long flight", "learn to cook on a budget", "make a small kitchen tidier",
-          "get back into reading", "drink more water during the day", "reduce screen time in the evening",
-          "train for a first 10 km race", "make new friends in a new city", "keep a journal every day"]
-_CONCEPTS = ["photosynthesis", "compound interest", "the greenhouse effect", "how vaccines work", "supply and demand",
-             "plate tectonics", "the phases of the moon", "how a rainbow forms", "what a carbon footprint is",
-             "how tides work", "why leaves change colour in autumn", "how bees make honey", "what an eclipse is"]
+_GOALS = [
+    "sleep better on a noisy street",
+    "save money on groceries",
+    "keep houseplants alive",
+    "stay focused when working from home",
+    "prepare for a long flight",
+    "learn to cook on a budget",
+    "make a small kitchen tidier",
+    "get back into reading",
+    "drink more water during the day",
+    "reduce screen time in the evening",
+    "train for a first 10 km race",
+    "make new friends in a new city",
+    "keep a journal every day",
+]
+_CONCEPTS = [
+    "photosynthesis",
+    "compound interest",
+    "the greenhouse effect",
+    "how vaccines work",
+    "supply and demand",
+    "plate tectonics",
+    "the phases of the moon",
+    "how a rainbow forms",
+    "what a carbon footprint is",
+    "how tides work",
+    "why leaves change colour in autumn",
+    "how bees make honey",
+    "what an eclipse is",
+]
 _AUDIENCES = ["a seven-year-old", "a teenager", "a busy parent", "a retired engineer", "someone new to the topic"]
 _KINDS = ["poem", "story", "limerick", "speech", "letter", "dialogue", "diary entry"]
-_TOPICS = ["a cat who learns to swim", "a city at dawn", "an old bicycle", "a lost umbrella", "the last day of summer",
-           "a robot gardener", "a train journey through the mountains", "a quiet library", "a kite on a windy beach"]
-_OCCASIONS = ["a rainy weekend with kids", "a retirement party", "a team-building afternoon", "a picnic in the park",
-              "a friend's graduation", "a family reunion", "a first date", "a school science fair"]
-_TASKS = ["ask my manager for a day off", "write a cover letter", "start a vegetable garden", "choose a laptop",
-          "plan a road trip", "negotiate the price of a used car", "organise a small wedding", "clean a cast-iron pan",
-          "prepare a presentation in one evening", "say no to extra work politely"]
-_SUBJECTS = ["the history of the printing press", "the life of Marie Curie", "the story of the Odyssey",
-             "the causes of the First World War", "how the internet began", "the invention of the telephone",
-             "the rise of the Roman Empire", "the plot of Pride and Prejudice"]
-_PAIRS = [("tea", "coffee"), ("a lake", "a sea"), ("a crocodile", "an alligator"), ("a fruit", "a vegetable"),
-          ("renting a car", "taking the train"), ("a credit card", "a debit card"), ("a cold", "the flu"),
-          ("an ebook", "a paper book"), ("a city break", "a beach holiday"), ("weather", "seasons")]
+_TOPICS = [
+    "a cat who learns to swim",
+    "a city at dawn",
+    "an old bicycle",
+    "a lost umbrella",
+    "the last day of summer",
+    "a robot gardener",
+    "a train journey through the mountains",
+    "a quiet library",
+    "a kite on a windy beach",
+]
+_OCCASIONS = [
+    "a rainy weekend with kids",
+    "a retirement party",
+    "a team-building afternoon",
+    "a picnic in the park",
+    "a friend's graduation",
+    "a family reunion",
+    "a first date",
+    "a school science fair",
+]
+_TASKS = [
+    "ask my manager for a day off",
+    "write a cover letter",
+    "start a vegetable garden",
+    "choose a laptop",
+    "plan a road trip",
+    "negotiate the price of a used car",
+    "organise a small wedding",
+    "clean a cast-iron pan",
+    "prepare a presentation in one evening",
+    "say no to extra work politely",
+]
+_SUBJECTS = [
+    "the history of the printing press",
+    "the life of Marie Curie",
+    "the story of the Odyssey",
+    "the causes of the First World War",
+    "how the internet began",
+    "the invention of the telephone",
+    "the rise of the Roman Empire",
+    "the plot of Pride and Prejudice",
+]
+_PAIRS = [
+    ("tea", "coffee"),
+    ("a lake", "a sea"),
+    ("a crocodile", "an alligator"),
+    ("a fruit", "a vegetable"),
+    ("renting a car", "taking the train"),
+    ("a credit card", "a debit card"),
+    ("a cold", "the flu"),
+    ("an ebook", "a paper book"),
+    ("a city break", "a beach holiday"),
+    ("weather", "seasons"),
+]
 _WHO = ["a student", "a family of four", "a frequent traveller", "someone on a tight budget", "a small business"]
 
 _LANGS = ["Python", "JavaScript", "Go", "Rust", "C", "Java", "TypeScript", "C++"]
-_CODE_TASKS = ["counts the vowels in a string", "returns the second largest number in a list",
-               "checks whether two strings are anagrams", "flattens a nested list",
-               "removes duplicates from a list while keeping the order", "converts Celsius to Fahrenheit",
-               "finds the most common word in a text", "checks whether a year is a leap year",
-               "returns the n-th prime number", "capitalizes the first letter of every word",
-               "computes the running average of a list of numbers", "validates an email address with a simple rule",
-               "splits a list into chunks of size k", "returns the intersection of two lists"]
-_ALGOS = ["merge sort", "insertion sort", "breadth-first search on a graph", "depth-first search on a graph",
-          "a queue using two stacks", "a binary search tree with insert and search", "Dijkstra's shortest path",
-          "the sieve of Eratosthenes", "a min-heap", "run-length encoding"]
-_CODE_PAIRS = [("a set", "a list"), ("an interface", "an abstract class"), ("== and is", "equality and identity"),
-               ("a shallow copy", "a deep copy"), ("a stack", "a queue"), ("synchronous and asynchronous code", "threads"),
-               ("pass by value", "pass by reference"), ("a compiler", "an interpreter")]
-_TOOLS = [("undo the last commit", "git"), ("list the largest files in a directory", "bash"),
-          ("group rows and sum a column", "pandas"), ("join two tables", "SQL"), ("read a JSON file", "Python"),
-          ("sort a dictionary by value", "Python"), ("find which process uses a port", "Linux"),
-          ("parse command-line arguments", "Python")]
+_CODE_TASKS = [
+    "counts the vowels in a string",
+    "returns the second largest number in a list",
+    "checks whether two strings are anagrams",
+    "flattens a nested list",
+    "removes duplicates from a list while keeping the order",
+    "converts Celsius to Fahrenheit",
+    "finds the most common word in a text",
+    "checks whether a year is a leap year",
+    "returns the n-th prime number",
+    "capitalizes the first letter of every word",
+    "computes the running average of a list of numbers",
+    "validates an email address with a simple rule",
+    "splits a list into chunks of size k",
+    "returns the intersection of two lists",
+]
+_ALGOS = [
+    "merge sort",
+    "insertion sort",
+    "breadth-first search on a graph",
+    "depth-first search on a graph",
+    "a queue using two stacks",
+    "a binary search tree with insert and search",
+    "Dijkstra's shortest path",
+    "the sieve of Eratosthenes",
+    "a min-heap",
+    "run-length encoding",
+]
+_CODE_PAIRS = [
+    ("a set", "a list"),
+    ("an interface", "an abstract class"),
+    ("== and is", "equality and identity"),
+    ("a shallow copy", "a deep copy"),
+    ("a stack", "a queue"),
+    ("synchronous and asynchronous code", "threads"),
+    ("pass by value", "pass by reference"),
+    ("a compiler", "an interpreter"),
+]
+_TOOLS = [
+    ("undo the last commit", "git"),
+    ("list the largest files in a directory", "bash"),
+    ("group rows and sum a column", "pandas"),
+    ("join two tables", "SQL"),
+    ("read a JSON file", "Python"),
+    ("sort a dictionary by value", "Python"),
+    ("find which process uses a port", "Linux"),
+    ("parse command-line arguments", "Python"),
+]
 
 
 def _chat(rng: random.Random) -> str:
@@ -84,8 +180,10 @@ def _chat(rng: random.Random) -> str:
 def _math(rng: random.Random) -> str:
     r = rng.randint
     forms: list[Callable[[], str]] = [
-        lambda: f"A {rng.choice(['bus', 'cyclist', 'ship', 'runner'])} travels {r(20, 400)} km in {r(2, 9)} hours. "
-                "What is its average speed in km/h?",
+        lambda: (
+            f"A {rng.choice(['bus', 'cyclist', 'ship', 'runner'])} travels {r(20, 400)} km in {r(2, 9)} hours. "
+            "What is its average speed in km/h?"
+        ),
         lambda: f"Solve for x: {r(2, 9)}x + {r(1, 30)} = {r(31, 120)}.",
         lambda: f"What is {rng.choice([5, 10, 12, 20, 25, 30, 40])}% of {r(2, 90) * 10}?",
         lambda: f"Find the derivative of f(x) = {r(2, 7)}x^{r(2, 5)} + {r(1, 9)}x - {r(1, 20)}.",
@@ -113,8 +211,10 @@ def _code(rng: random.Random) -> str:
     return rng.choice(forms)()
 
 
-_SUFFIXES = {"chat": ["", " Keep it short.", " Use a friendly tone.", " Answer as a list.", " Explain your reasoning."],
-             "code": ["", " Add comments.", " Include an example call.", " Keep it short.", " Mention edge cases."]}
+_SUFFIXES = {
+    "chat": ["", " Keep it short.", " Use a friendly tone.", " Answer as a list.", " Explain your reasoning."],
+    "code": ["", " Add comments.", " Include an example call.", " Keep it short.", " Mention edge cases."],
+}
 
 
 def _with_suffix(domain: str, make: Callable[[random.Random], str]) -> Callable[[random.Random], str]:
@@ -167,5 +267,8 @@ def prompts(n: int, seed: int = 0) -> Iterator[tuple[str, str]]:
 def records(n: int, seed: int = 0) -> Iterator[dict]:
     """:func:`prompts` as conversations for ``specforge-kimi regenerate`` (empty assistant turn)."""
     for i, (domain, text) in enumerate(prompts(n, seed)):
-        yield {"id": f"mix-{domain}-{i:05d}", "source": f"prompt_mix/{domain}",
-               "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]}
+        yield {
+            "id": f"mix-{domain}-{i:05d}",
+            "source": f"prompt_mix/{domain}",
+            "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}],
+        }

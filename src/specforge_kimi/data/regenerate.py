@@ -161,9 +161,7 @@ class _Client:
                 last_error = f"cannot reach {url}: {exc}"
             except json.JSONDecodeError as exc:
                 last_error = f"{url} returned invalid JSON: {exc}"
-        raise _RowFailed(
-            f"{last_error} (after {self.options.max_retries} retries)", server_fault=True
-        )
+        raise _RowFailed(f"{last_error} (after {self.options.max_retries} retries)", server_fault=True)
 
     def _backoff(self, attempt: int) -> float:
         base = self.options.retry_delay_s
@@ -285,24 +283,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "input", metavar="IN.jsonl", help="conversations (OpenAI messages or ShareGPT)"
-    )
+    parser.add_argument("input", metavar="IN.jsonl", help="conversations (OpenAI messages or ShareGPT)")
     parser.add_argument(
         "--server",
         required=True,
         metavar="URL",
         help="OpenAI-compatible base URL, e.g. http://127.0.0.1:30000",
     )
-    parser.add_argument(
-        "--out", required=True, metavar="OUT.jsonl", help="output JSONL (OpenAI messages)"
-    )
-    parser.add_argument(
-        "--model", help="model name to send (default: the first one /v1/models lists)"
-    )
-    parser.add_argument(
-        "--concurrency", type=int, default=16, help="requests in flight (default 16)"
-    )
+    parser.add_argument("--out", required=True, metavar="OUT.jsonl", help="output JSONL (OpenAI messages)")
+    parser.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     parser.add_argument(
         "--max-tokens",
         type=int,
@@ -327,18 +317,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="sampling temperature (K2.5 thinking default 1.0)",
     )
-    parser.add_argument(
-        "--top-p", type=float, default=0.95, help="nucleus sampling (K2.5 thinking default 0.95)"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=1800.0, help="seconds per request (default 1800)"
-    )
-    parser.add_argument(
-        "--max-retries", type=int, default=5, help="retries per request (default 5)"
-    )
-    parser.add_argument(
-        "--retry-delay", type=float, default=1.0, help="first backoff in seconds, doubled per retry"
-    )
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (K2.5 thinking default 0.95)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request (default 1800)")
+    parser.add_argument("--max-retries", type=int, default=5, help="retries per request (default 5)")
+    parser.add_argument("--retry-delay", type=float, default=1.0, help="first backoff in seconds, doubled per retry")
     parser.add_argument(
         "--max-consecutive-failures",
         type=int,
@@ -372,9 +354,7 @@ def _check_options(options: RegenerateOptions) -> None:
     if not options.server.startswith(("http://", "https://")):
         raise KimiInputError(f"--server must be an http(s) URL, got {options.server!r}")
     if options.out_path.exists() and not (options.resume or options.overwrite):
-        raise KimiInputError(
-            f"{options.out_path} exists; pass --resume to continue it or --overwrite"
-        )
+        raise KimiInputError(f"{options.out_path} exists; pass --resume to continue it or --overwrite")
 
 
 def _errors_path(out_path: Path) -> Path:
@@ -400,9 +380,7 @@ def _resume_state(options: RegenerateOptions) -> set[int]:
         except (ValueError, KeyError, TypeError) as exc:
             if number == len(lines):
                 break  # an interrupted write: cut it off below
-            raise KimiInputError(
-                f"{out}:{number} is not a regenerate output line ({exc}); cannot resume"
-            ) from exc
+            raise KimiInputError(f"{out}:{number} is not a regenerate output line ({exc}); cannot resume") from exc
         good_end += len(raw)
     if good_end != out.stat().st_size:
         with open(out, "r+b") as stream:
@@ -423,9 +401,7 @@ def _pending_rows(path: Path, done: set[int]) -> Iterator[tuple[int, bytes]]:
             yield line, raw
 
 
-def _regenerate_row(
-    client: _Client, model: str, options: RegenerateOptions, line: int, raw: bytes
-) -> _Result:
+def _regenerate_row(client: _Client, model: str, options: RegenerateOptions, line: int, raw: bytes) -> _Result:
     try:
         conversation = conversation_from_record(json.loads(raw))
         if conversation.has_media:
@@ -461,8 +437,13 @@ def _regenerate_turns(
         if message.role != "assistant":
             output.append(message)
             continue
-        reply = _generate(client, model, options, Conversation(tuple(output), conversation.tools),
-                          thinking=turn_thinking(options.thinking, message))
+        reply = _generate(
+            client,
+            model,
+            options,
+            Conversation(tuple(output), conversation.tools),
+            thinking=turn_thinking(options.thinking, message),
+        )
         output.append(reply)
         turns += 1
         later = source[index + 1 :]
@@ -470,9 +451,7 @@ def _regenerate_turns(
             return Conversation(tuple(output), conversation.tools, conversation.extra), turns, False
         if not _same_calls(message.tool_calls, reply.tool_calls):
             return Conversation(tuple(output), conversation.tools, conversation.extra), turns, True
-        id_map.update(
-            {old.id: new.id for old, new in zip(message.tool_calls, reply.tool_calls, strict=True)}
-        )
+        id_map.update({old.id: new.id for old, new in zip(message.tool_calls, reply.tool_calls, strict=True)})
     return Conversation(tuple(output), conversation.tools, conversation.extra), turns, False
 
 
@@ -480,8 +459,7 @@ def _same_calls(source: tuple[ToolCall, ...], target: tuple[ToolCall, ...]) -> b
     if len(source) != len(target):
         return False
     return all(
-        a.name == b.name and _parsed(a.arguments) == _parsed(b.arguments)
-        for a, b in zip(source, target, strict=True)
+        a.name == b.name and _parsed(a.arguments) == _parsed(b.arguments) for a, b in zip(source, target, strict=True)
     )
 
 
@@ -540,4 +518,3 @@ def _generate(
     except KimiInputError as exc:
         raise _RowFailed(f"server reply is not a valid assistant message: {exc}") from exc
     return parsed.messages[1]
-

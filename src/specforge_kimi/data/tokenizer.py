@@ -102,9 +102,7 @@ class TextTokenizer(Protocol):
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-character table (the byte-level BPE alphabet)."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     table = {b: chr(b) for b in printable}
     extra = 0
@@ -252,9 +250,7 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(directory), trust_remote_code=True, local_files_only=True
-            )
+            tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=True, local_files_only=True)
         except (OSError, ValueError, ImportError) as exc:
             raise KimiInputError(f"cannot load the tokenizer in {directory}: {exc}") from exc
     check_special_tokens(tokenizer, source=str(directory))

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specforge_kimi.errors import KimiInputError
 from specforge_kimi.data.tokenizer import K25_EMITTED_SPECIAL_TOKENS, K25_SPECIAL_TOKENS, K25_VOCAB_SIZE
+from specforge_kimi.errors import KimiInputError
 
 if TYPE_CHECKING:
     import torch
@@ -88,19 +88,14 @@ def select_draft_tokens(
     """Target ids of the draft vocabulary, ascending (see the module docstring for the order)."""
     required = sorted(set(emitted_special_ids() if required_ids is None else required_ids))
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise KimiInputError(
-            f"draft vocab size {draft_vocab_size} must be in 1..{target_vocab_size}"
-        )
+        raise KimiInputError(f"draft vocab size {draft_vocab_size} must be in 1..{target_vocab_size}")
     if len(required) > draft_vocab_size:
         raise KimiInputError(
-            f"draft vocab size {draft_vocab_size} cannot hold the {len(required)} required "
-            "special tokens"
+            f"draft vocab size {draft_vocab_size} cannot hold the {len(required)} required special tokens"
         )
     for token_id in list(required) + list(counts):
         if not 0 <= token_id < target_vocab_size:
-            raise KimiInputError(
-                f"token id {token_id} is outside the target vocab 0..{target_vocab_size - 1}"
-            )
+            raise KimiInputError(f"token id {token_id} is outside the target vocab 0..{target_vocab_size - 1}")
     chosen = set(required)
     by_frequency = sorted(
         (token_id for token_id, count in counts.items() if count > 0),
@@ -217,13 +212,9 @@ def validate_vocab_mapping(
     if not isinstance(d2t, torch.Tensor) or not isinstance(t2d, torch.Tensor):
         raise KimiInputError(f"{source}: d2t and t2d must be tensors")
     if d2t.dim() != 1 or t2d.dim() != 1:
-        raise KimiInputError(
-            f"{source}: d2t and t2d must be 1-D, got {tuple(d2t.shape)} and {tuple(t2d.shape)}"
-        )
+        raise KimiInputError(f"{source}: d2t and t2d must be 1-D, got {tuple(d2t.shape)} and {tuple(t2d.shape)}")
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-        raise KimiInputError(
-            f"{source}: expected d2t int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}"
-        )
+        raise KimiInputError(f"{source}: expected d2t int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
     if t2d.numel() != target_vocab_size:
         raise KimiInputError(
             f"{source}: t2d covers a vocabulary of {t2d.numel()} ids, but {TARGET_NAME} has "
@@ -232,9 +223,7 @@ def validate_vocab_mapping(
     selected = torch.nonzero(t2d, as_tuple=False).flatten()
     expected = d2t + torch.arange(d2t.numel(), dtype=torch.int64)
     if selected.numel() != d2t.numel() or not torch.equal(selected, expected):
-        raise KimiInputError(
-            f"{source}: d2t and t2d disagree (nonzero(t2d) must equal d2t + arange(len(d2t)))"
-        )
+        raise KimiInputError(f"{source}: d2t and t2d disagree (nonzero(t2d) must equal d2t + arange(len(d2t)))")
     required = emitted_special_ids() if required_ids is None else list(required_ids)
     missing = [token_id for token_id in required if not bool(t2d[token_id])]
     if missing:
@@ -247,13 +236,10 @@ def validate_vocab_mapping(
     meta = mapping.meta
     if meta:
         if meta.get("target") != TARGET_NAME:
-            raise KimiInputError(
-                f"{source}: sidecar says target {meta.get('target')!r}, not {TARGET_NAME!r}"
-            )
+            raise KimiInputError(f"{source}: sidecar says target {meta.get('target')!r}, not {TARGET_NAME!r}")
         if meta.get("target_vocab_size") != target_vocab_size:
             raise KimiInputError(
-                f"{source}: sidecar says target vocab {meta.get('target_vocab_size')}, "
-                f"not {target_vocab_size}"
+                f"{source}: sidecar says target vocab {meta.get('target_vocab_size')}, not {target_vocab_size}"
             )
         specials = meta.get("special_tokens")
         if specials is not None and specials != K25_SPECIAL_TOKENS:
@@ -263,6 +249,5 @@ def validate_vocab_mapping(
             )
         if meta.get("draft_vocab_size") not in (None, d2t.numel()):
             raise KimiInputError(
-                f"{source}: sidecar says draft vocab {meta.get('draft_vocab_size')}, "
-                f"the file has {d2t.numel()}"
+                f"{source}: sidecar says draft vocab {meta.get('draft_vocab_size')}, the file has {d2t.numel()}"
             )

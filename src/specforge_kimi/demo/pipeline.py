@@ -28,8 +28,18 @@ from typing import Any
 from specforge_kimi.scratch import reset_owned_dir
 
 #: The demo's target: K2.5's structure at CPU size (4 heads: the demo never runs tensor-parallel).
-DEMO_TARGET = dict(layers=6, hidden=256, heads=4, experts=8, experts_per_token=2, moe_intermediate=128,
-                   dense_intermediate=512, q_lora_rank=256, vision_hidden=32, vision_heads=8)
+DEMO_TARGET = dict(
+    layers=6,
+    hidden=256,
+    heads=4,
+    experts=8,
+    experts_per_token=2,
+    moe_intermediate=128,
+    dense_intermediate=512,
+    q_lora_rank=256,
+    vision_hidden=32,
+    vision_heads=8,
+)
 #: SpecForge ids; SGLang 0.5.14 captures positions [2, 3, 4] (= HF hidden_states[2..4]) for them.
 DEMO_AUX_IDS = (1, 2, 3)
 MARKER = ".specforge-kimi-demo"
@@ -40,14 +50,14 @@ class DemoSettings:
     out_dir: str = "runs/demo"
     steps: int = 300
     pretrain_seconds: float = 60.0
-    pretrain_steps: int = 0      # > 0: also stop pretraining after this many steps (a target that does not
-                                 # depend on the machine's speed, up to CPU non-determinism)
+    pretrain_steps: int = 0  # > 0: also stop pretraining after this many steps (a target that does not
+    # depend on the machine's speed, up to CPU non-determinism)
     seed: int = 0
     train_conversations: int = 400
     heldout_conversations: int = 48
     ttt_length: int = 4
-    eval_steps: int = 3          # chain length for simulated acceptance: 3 steps, topk 1
-    draft_vocab_size: int = 0    # 0: exactly the trained tokens + K2.5's emitted specials (see below)
+    eval_steps: int = 3  # chain length for simulated acceptance: 3 steps, topk 1
+    draft_vocab_size: int = 0  # 0: exactly the trained tokens + K2.5's emitted specials (see below)
     learning_rate: float = 3e-4
     progress: bool = True
 
@@ -56,13 +66,26 @@ def _draft_config(hidden: int, draft_vocab: int, aux_ids: list[int]) -> dict:
     from specforge_kimi.target.tiny import K25_BOS, K25_EOS, K25_PAD, K25_VOCAB
 
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": 4 * hidden, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "head_dim": hidden // 4, "num_hidden_layers": 1, "hidden_act": "silu",
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 10000.0,
-        "vocab_size": K25_VOCAB, "draft_vocab_size": draft_vocab, "target_hidden_size": hidden,
-        "bos_token_id": K25_BOS, "eos_token_id": K25_EOS, "pad_token_id": K25_PAD,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": hidden // 4,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "vocab_size": K25_VOCAB,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": hidden,
+        "bos_token_id": K25_BOS,
+        "eos_token_id": K25_EOS,
+        "pad_token_id": K25_PAD,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True},
     }
 
@@ -91,7 +114,9 @@ def _plot(losses: list[float], acc: list[list[float]], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     ax[0].plot(range(1, len(losses) + 1), losses, lw=0.8)
     w = max(1, len(losses) // 20)
-    smooth = [sum(losses[max(0, i - w + 1): i + 1]) / len(losses[max(0, i - w + 1): i + 1]) for i in range(len(losses))]
+    smooth = [
+        sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1]) for i in range(len(losses))
+    ]
     ax[0].plot(range(1, len(losses) + 1), smooth, lw=2)
     ax[0].set(xlabel="optimizer step", ylabel="SpecForge train/loss", title="EAGLE-3 draft loss (tiny K2.5)")
     if acc:
@@ -109,21 +134,21 @@ class DemoInputs:
     """What the demo's steps 1-4 produce, before any draft exists (see :func:`prepare_inputs`)."""
 
     out: Path
-    spec: Any                 # TinySpec of the target
-    pretrain: Any             # PretrainResult
+    spec: Any  # TinySpec of the target
+    pretrain: Any  # PretrainResult
     target_dir: Path
-    info: Any                 # TargetInfo (inspect_target)
-    aux: Any                  # AuxLayers
-    feat_dir: Path            # training features (SpecForge offline format, one .ckpt per row)
+    info: Any  # TargetInfo (inspect_target)
+    aux: Any  # AuxLayers
+    feat_dir: Path  # training features (SpecForge offline format, one .ckpt per row)
     feat_dtype: Any
-    held: list                # held-out samples, with target_greedy / target_p_draft cached
+    held: list  # held-out samples, with target_greedy / target_p_draft cached
     train_rows: int
     held_rows: int
     draft_vocab: int
     vm_path: Path
-    draft_cfg_path: Path      # the Llama-style draft config
-    head_w: Any               # target lm_head weight, fp32
-    since: float = 0.0        # time.monotonic() at the last ``lap`` (the demo times step 4 from there)
+    draft_cfg_path: Path  # the Llama-style draft config
+    head_w: Any  # target lm_head weight, fp32
+    since: float = 0.0  # time.monotonic() at the last ``lap`` (the demo times step 4 from there)
 
 
 def demo_rows(s: DemoSettings, tokenizer=None) -> tuple[list, list, list, list]:
@@ -139,8 +164,9 @@ def demo_rows(s: DemoSettings, tokenizer=None) -> tuple[list, list, list, list]:
     return train_recs, held_recs, encode_records(train_recs, tokenizer), encode_records(held_recs, tokenizer)
 
 
-def capture_samples(model, rows, aux, feat_dtype, *, batch: int = 16, progress: bool = False,
-                    desc: str = "[3/6] capture"):
+def capture_samples(
+    model, rows, aux, feat_dtype, *, batch: int = 16, progress: bool = False, desc: str = "[3/6] capture"
+):
     """Yield ``(row index, sample)`` for ``rows`` in the demo's capture order (sorted by length,
     batches of ``batch``): SpecForge offline-format samples captured with the reference hooks."""
     import torch
@@ -151,7 +177,7 @@ def capture_samples(model, rows, aux, feat_dtype, *, batch: int = 16, progress: 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     bar = tqdm(total=len(rows), desc=desc, disable=not progress)
     for b in range(0, len(order), batch):
-        idx = order[b: b + batch]
+        idx = order[b : b + batch]
         T = max(len(rows[i][0]) for i in idx)
         # Right padding is exact here: attention is causal, so real positions never see pads.
         ids_t = torch.full((len(idx), T), 0, dtype=torch.long)
@@ -161,10 +187,15 @@ def capture_samples(model, rows, aux, feat_dtype, *, batch: int = 16, progress: 
         for k, n in enumerate(idx):
             ids, mask = rows[n]
             L = len(ids)
-            yield n, {"input_ids": torch.tensor(ids, dtype=torch.long),
-                      "loss_mask": torch.tensor(mask, dtype=torch.long),
-                      "hidden_state": cap.last[k: k + 1, :L].to("cpu", feat_dtype).clone(),
-                      "aux_hidden_state": cap.aux[k: k + 1, :L].to("cpu", feat_dtype).clone()}
+            yield (
+                n,
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.long),
+                    "loss_mask": torch.tensor(mask, dtype=torch.long),
+                    "hidden_state": cap.last[k : k + 1, :L].to("cpu", feat_dtype).clone(),
+                    "aux_hidden_state": cap.aux[k : k + 1, :L].to("cpu", feat_dtype).clone(),
+                },
+            )
         bar.update(len(idx))
     bar.close()
 
@@ -177,13 +208,13 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     import torch
 
     import specforge_kimi
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
+    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
     from specforge_kimi.demo.pretrain import pretrain
     from specforge_kimi.evaluate.simulate import add_target_greedy
     from specforge_kimi.target.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.target.layer_ids import AuxLayers
     from specforge_kimi.target.tiny import TinySpec, write_tiny
-    from specforge_kimi.data.tokenizer import build_standin_tokenizer
-    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
 
     say = say or (lambda *a, **k: None)
     lap = lap or (lambda name, since: time.monotonic())
@@ -197,17 +228,28 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     tokenizer = build_standin_tokenizer()
     train_recs, _, train_rows, held_rows = demo_rows(s, tokenizer)
     (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_recs))
-    say(f"[1/6] {len(train_rows)} training rows, {len(held_rows)} held-out rows rendered with the kimi-k2.5 "
-        f"template ({sum(len(i) for i, _ in train_rows)} tokens, {sum(sum(m) for _, m in train_rows)} trained)")
+    say(
+        f"[1/6] {len(train_rows)} training rows, {len(held_rows)} held-out rows rendered with the kimi-k2.5 "
+        f"template ({sum(len(i) for i, _ in train_rows)} tokens, {sum(sum(m) for _, m in train_rows)} trained)"
+    )
     t = lap("data", t)
 
     # 2. tiny target, pretrained briefly on the corpus
     spec = TinySpec(seed=s.seed, **DEMO_TARGET)
     random_dir = write_tiny(out / "target-random", spec)
-    say(f"[2/6] pretraining the tiny K2.5 target for up to {s.pretrain_seconds:.0f}s on the synthetic corpus "
-        "(a random-weight target's predictions carry little signal)")
-    pre = pretrain(str(random_dir), [i for i, _ in train_rows], str(out / "target"), seconds=s.pretrain_seconds,
-                   seed=s.seed, progress=s.progress, **({"max_steps": s.pretrain_steps} if s.pretrain_steps > 0 else {}))
+    say(
+        f"[2/6] pretraining the tiny K2.5 target for up to {s.pretrain_seconds:.0f}s on the synthetic corpus "
+        "(a random-weight target's predictions carry little signal)"
+    )
+    pre = pretrain(
+        str(random_dir),
+        [i for i, _ in train_rows],
+        str(out / "target"),
+        seconds=s.pretrain_seconds,
+        seed=s.seed,
+        progress=s.progress,
+        **({"max_steps": s.pretrain_steps} if s.pretrain_steps > 0 else {}),
+    )
     shutil.rmtree(random_dir)
     target_dir = out / "target"
     tokenizer.save_pretrained(target_dir)
@@ -230,7 +272,7 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
         if n < len(train_rows):
             torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
             ids, mask = rows[n]
-            counts.update(t_ for t_, m in zip(ids, mask) if m)
+            counts.update(t_ for t_, m in zip(ids, mask, strict=False) if m)
         else:
             held.append(sample)
     del model
@@ -242,18 +284,32 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     from specforge_kimi.data.vocab_mapping import emitted_special_ids
 
     draft_vocab = s.draft_vocab_size or len(set(counts) | set(emitted_special_ids()))
-    mapping = build_vocab_mapping(counts, draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size,
-                                  source={"demo": str(out)})
+    mapping = build_vocab_mapping(
+        counts, draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size, source={"demo": str(out)}
+    )
     vm_path = save_vocab_mapping(mapping, out / "vocab_mapping.pt")
     draft_cfg_path = out / "draft_config.json"
-    draft_cfg_path.write_text(json.dumps(_draft_config(info.hidden_size, draft_vocab, aux.specforge_ids()),
-                                         indent=2))
+    draft_cfg_path.write_text(json.dumps(_draft_config(info.hidden_size, draft_vocab, aux.specforge_ids()), indent=2))
     head_w = load_head_weight(target_dir, info)
     add_target_greedy(held, head_w, t2d=mapping.t2d)
-    return DemoInputs(out=out, spec=spec, pretrain=pre, target_dir=target_dir, info=info, aux=aux,
-                      feat_dir=feat_dir, feat_dtype=feat_dtype, held=held, train_rows=len(train_rows),
-                      held_rows=len(held_rows), draft_vocab=draft_vocab, vm_path=Path(vm_path),
-                      draft_cfg_path=draft_cfg_path, head_w=head_w, since=since)
+    return DemoInputs(
+        out=out,
+        spec=spec,
+        pretrain=pre,
+        target_dir=target_dir,
+        info=info,
+        aux=aux,
+        feat_dir=feat_dir,
+        feat_dtype=feat_dtype,
+        held=held,
+        train_rows=len(train_rows),
+        held_rows=len(held_rows),
+        draft_vocab=draft_vocab,
+        vm_path=Path(vm_path),
+        draft_cfg_path=draft_cfg_path,
+        head_w=head_w,
+        since=since,
+    )
 
 
 def load_head_weight(target_dir, info):
@@ -271,10 +327,9 @@ def run_demo(s: DemoSettings) -> dict:
     import torch
 
     from specforge_kimi.drafts.export import export_run_draft
-
+    from specforge_kimi.evaluate.simulate import simulated_acceptance
     from specforge_kimi.provenance import versions
     from specforge_kimi.training.offline import train_offline
-    from specforge_kimi.evaluate.simulate import simulated_acceptance
 
     t0 = time.monotonic()
     timings: dict[str, float] = {}
@@ -287,24 +342,41 @@ def run_demo(s: DemoSettings) -> dict:
     inp = prepare_inputs(s, say, lap)
     out, spec, pre, target_dir, info, aux = inp.out, inp.spec, inp.pretrain, inp.target_dir, inp.info, inp.aux
     feat_dir, feat_dtype, held, vm_path, draft_cfg_path, head_w = (
-        inp.feat_dir, inp.feat_dtype, inp.held, inp.vm_path, inp.draft_cfg_path, inp.head_w)
+        inp.feat_dir,
+        inp.feat_dtype,
+        inp.held,
+        inp.vm_path,
+        inp.draft_cfg_path,
+        inp.head_w,
+    )
     t = inp.since
     torch.manual_seed(s.seed)
     untrained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path))
     before = simulated_acceptance(untrained, head_w, held, s.eval_steps)
-    say(f"[4/6] untrained draft: simulated acceptance length {before.mean_acceptance_length:.3f} "
-        f"({s.eval_steps} steps, topk 1, {before.chains} held-out chains)")
+    say(
+        f"[4/6] untrained draft: simulated acceptance length {before.mean_acceptance_length:.3f} "
+        f"({s.eval_steps} steps, topk 1, {before.chains} held-out chains)"
+    )
     t = lap("eval_before", t)
 
     # 5. SpecForge's own EAGLE-3 training
     say(f"[5/6] SpecForge EAGLE-3 training, {s.steps} steps (TTT length {s.ttt_length})")
-    result = train_offline(target_dir=str(target_dir), draft_config_path=str(draft_cfg_path),
-                           hidden_states_path=str(feat_dir), vocab_mapping_path=str(vm_path),
-                           output_dir=str(out / "train"), max_steps=s.steps, ttt_length=s.ttt_length,
-                           learning_rate=s.learning_rate, max_length=2048, seed=s.seed,
-                           embedding_key=info.embedding_key, lm_head_key=info.lm_head_key,
-                           chat_template="kimi-k2.5",
-                           extra_overrides={"model.torch_dtype": str(feat_dtype).replace("torch.", "")})
+    result = train_offline(
+        target_dir=str(target_dir),
+        draft_config_path=str(draft_cfg_path),
+        hidden_states_path=str(feat_dir),
+        vocab_mapping_path=str(vm_path),
+        output_dir=str(out / "train"),
+        max_steps=s.steps,
+        ttt_length=s.ttt_length,
+        learning_rate=s.learning_rate,
+        max_length=2048,
+        seed=s.seed,
+        embedding_key=info.embedding_key,
+        lm_head_key=info.lm_head_key,
+        chat_template="kimi-k2.5",
+        extra_overrides={"model.torch_dtype": str(feat_dtype).replace("torch.", "")},
+    )
     losses = result["losses"]
     t = lap("train", t)
     from specforge.export.checkpoint_io import resolve_training_state
@@ -316,8 +388,16 @@ def run_demo(s: DemoSettings) -> dict:
 
     # 6. export for SGLang, K2.5 eagle_config + provenance, checks
     export_dir = out / "export-sglang"
-    export_run_draft(result["checkpoint_dir"], draft_cfg_path, export_dir, vocab_mapping_path=str(vm_path),
-                     target_dir=target_dir, aux=aux, command=sys.argv, extra={"demo": {"steps": s.steps, "seed": s.seed}})
+    export_run_draft(
+        result["checkpoint_dir"],
+        draft_cfg_path,
+        export_dir,
+        vocab_mapping_path=str(vm_path),
+        target_dir=target_dir,
+        aux=aux,
+        command=sys.argv,
+        extra={"demo": {"steps": s.steps, "seed": s.seed}},
+    )
     t = lap("export", t)
 
     k = max(1, min(50, len(losses) // 5))
@@ -327,37 +407,67 @@ def run_demo(s: DemoSettings) -> dict:
     summary = {
         "ok": bool(after.heldout_loss < before.heldout_loss and gain > 0),
         "command": sys.argv,
-        "environment": {"platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
-                        "cuda": torch.cuda.is_available(), "versions": versions()},
+        "environment": {
+            "platform": platform.platform(),
+            "cpu_count": __import__("os").cpu_count(),
+            "cuda": torch.cuda.is_available(),
+            "versions": versions(),
+        },
         "settings": asdict(s),
-        "target": {"dir": str(target_dir), "spec": asdict(spec), "pretrain_steps": pre.steps,
-                   "pretrain_loss_first": pre.first_loss, "pretrain_loss_last": pre.last_loss,
-                   "aux_specforge_ids": list(DEMO_AUX_IDS), "captured_positions": list(aux.positions)},
-        "train": {"steps": len(losses), "loss_first_mean": first, "loss_last_mean": last, "losses": losses,
-                  "acc_per_position_last": (result.get("acc_per_position") or [[]])[-1],
-                  "checkpoint_dir": result["checkpoint_dir"]},
+        "target": {
+            "dir": str(target_dir),
+            "spec": asdict(spec),
+            "pretrain_steps": pre.steps,
+            "pretrain_loss_first": pre.first_loss,
+            "pretrain_loss_last": pre.last_loss,
+            "aux_specforge_ids": list(DEMO_AUX_IDS),
+            "captured_positions": list(aux.positions),
+        },
+        "train": {
+            "steps": len(losses),
+            "loss_first_mean": first,
+            "loss_last_mean": last,
+            "losses": losses,
+            "acc_per_position_last": (result.get("acc_per_position") or [[]])[-1],
+            "checkpoint_dir": result["checkpoint_dir"],
+        },
         "simulated_acceptance": {
-            "steps": s.eval_steps, "topk": 1, "heldout_chains": after.chains,
-            "before": before.mean_acceptance_length, "after": after.mean_acceptance_length, "gain": gain,
-            "per_step_before": before.per_step_accuracy, "per_step_after": after.per_step_accuracy,
-            "decode_rounds": {"before": before.serving_acceptance_length, "after": after.serving_acceptance_length,
-                              "at_least_after": after.serving_at_least, "rounds": after.serving_rounds,
-                              "what": "acceptance over decode rounds as the engine takes them (simulate.serving_rounds); "
-                                      "on corpus answers, not the target's own greedy text, so still an estimate"}},
-        "heldout_loss": {"before": before.heldout_loss, "after": after.heldout_loss,
-                         "teacher_entropy": after.teacher_entropy,
-                         "kl_before": before.heldout_loss - before.teacher_entropy,
-                         "kl_after": after.heldout_loss - after.teacher_entropy,
-                         "what": "SpecForge per-position loss -sum(target_p log q) on held-out samples, mean over "
-                                 "TTT steps; deterministic, unlike the per-sample training loss"},
+            "steps": s.eval_steps,
+            "topk": 1,
+            "heldout_chains": after.chains,
+            "before": before.mean_acceptance_length,
+            "after": after.mean_acceptance_length,
+            "gain": gain,
+            "per_step_before": before.per_step_accuracy,
+            "per_step_after": after.per_step_accuracy,
+            "decode_rounds": {
+                "before": before.serving_acceptance_length,
+                "after": after.serving_acceptance_length,
+                "at_least_after": after.serving_at_least,
+                "rounds": after.serving_rounds,
+                "what": "acceptance over decode rounds as the engine takes them (simulate.serving_rounds); "
+                "on corpus answers, not the target's own greedy text, so still an estimate",
+            },
+        },
+        "heldout_loss": {
+            "before": before.heldout_loss,
+            "after": after.heldout_loss,
+            "teacher_entropy": after.teacher_entropy,
+            "kl_before": before.heldout_loss - before.teacher_entropy,
+            "kl_after": after.heldout_loss - after.teacher_entropy,
+            "what": "SpecForge per-position loss -sum(target_p log q) on held-out samples, mean over "
+            "TTT steps; deterministic, unlike the per-sample training loss",
+        },
         "export_dir": str(export_dir),
         "loss_curve_png": str(out / "loss_curve.png"),
         "timings_s": {**timings, "total": round(time.monotonic() - t0, 2)},
     }
     (out / "demo_result.json").write_text(json.dumps(summary, indent=2))
     say(f"[6/6] exported SGLang draft: {export_dir}")
-    say(f"held-out loss {before.heldout_loss:.3f} -> {after.heldout_loss:.3f}; training loss {first:.3f} -> "
+    say(
+        f"held-out loss {before.heldout_loss:.3f} -> {after.heldout_loss:.3f}; training loss {first:.3f} -> "
         f"{last:.3f} (mean of first/last {k} steps); simulated acceptance length "
         f"{before.mean_acceptance_length:.3f} -> {after.mean_acceptance_length:.3f} (+{gain:.3f}), over decode "
-        f"rounds {before.serving_acceptance_length:.3f} -> {after.serving_acceptance_length:.3f}; curve {out / 'loss_curve.png'}; results {out / 'demo_result.json'}; {summary['timings_s']['total']:.0f}s")
+        f"rounds {before.serving_acceptance_length:.3f} -> {after.serving_acceptance_length:.3f}; curve {out / 'loss_curve.png'}; results {out / 'demo_result.json'}; {summary['timings_s']['total']:.0f}s"
+    )
     return summary

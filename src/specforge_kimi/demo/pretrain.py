@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from specforge_kimi.errors import KimiInputError
 
@@ -46,17 +46,30 @@ def cosine_scale(frac: float, warmup: float = 0.03, floor: float = 0.05) -> floa
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
 
 
-def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *, seconds: float = 60.0,
-             max_steps: int = 10_000, batch_size: int = 8, lr: float = 2e-3, seed: int = 0,
-             progress: bool = True, device: str = "cpu", schedule: str = "constant",
-             loss: str = "full", deterministic: bool = True, precision: str = "fp32") -> PretrainResult:
+def pretrain(
+    model_dir: str,
+    sequences: Sequence[Sequence[int]],
+    out_dir: str,
+    *,
+    seconds: float = 60.0,
+    max_steps: int = 10_000,
+    batch_size: int = 8,
+    lr: float = 2e-3,
+    seed: int = 0,
+    progress: bool = True,
+    device: str = "cpu",
+    schedule: str = "constant",
+    loss: str = "full",
+    deterministic: bool = True,
+    precision: str = "fp32",
+) -> PretrainResult:
     """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``.
 
     ``deterministic``: run under ``torch.use_deterministic_algorithms(True)`` (cuBLAS workspace
     pinned), so that a step-bounded run repeats bit for bit on the same device and software. Without
     it, two 300-step runs on an H200 parted from the second step and ended 0.03 apart in held-out
     greedy accuracy; warn-only mode names the CUDA backward of memory-efficient attention as the
-    non-deterministic kernel (``bench/pretrain_repro.py``, tests/gpu/RUNS.md). On the CPU, 3 steps
+    non-deterministic kernel (``bench/studies/pretrain_repro.py``, tests/gpu/RUNS.md). On the CPU, 3 steps
     left weights up to 2.4e-4 apart without it and identical with it.
 
     ``schedule``: ``constant`` (``lr`` throughout) or ``cosine`` (linear warm-up over the first 3%,
@@ -90,15 +103,43 @@ def pretrain(model_dir: str, sequences: Sequence[Sequence[int]], out_dir: str, *
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by torch's check at each cuBLAS call
         torch.use_deterministic_algorithms(True)
     try:
-        return _pretrain(model_dir, sequences, out_dir, seconds=seconds, max_steps=max_steps,
-                         batch_size=batch_size, lr=lr, seed=seed, progress=progress, device=device,
-                         schedule=schedule, loss=loss, precision=precision, clock_schedule=not deterministic)
+        return _pretrain(
+            model_dir,
+            sequences,
+            out_dir,
+            seconds=seconds,
+            max_steps=max_steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            progress=progress,
+            device=device,
+            schedule=schedule,
+            loss=loss,
+            precision=precision,
+            clock_schedule=not deterministic,
+        )
     finally:
         torch.use_deterministic_algorithms(prev_det[0], warn_only=prev_det[1])
 
 
-def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, lr, seed, progress, device,
-              schedule, loss, precision, clock_schedule) -> PretrainResult:
+def _pretrain(
+    model_dir,
+    sequences,
+    out_dir,
+    *,
+    seconds,
+    max_steps,
+    batch_size,
+    lr,
+    seed,
+    progress,
+    device,
+    schedule,
+    loss,
+    precision,
+    clock_schedule,
+) -> PretrainResult:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -153,8 +194,7 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
         for b, s in enumerate(batch):
             ids[b, : len(s)] = s
             labels[b, : len(s) - 1] = s[1:]
-        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
-                            enabled=precision == "bf16"):
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             hidden = model.model(inputs_embeds=embed[ids], use_cache=False).last_hidden_state
         logits = (hidden.float() @ head.T).reshape(-1, len(used))
         if sink is not None:
@@ -174,18 +214,36 @@ def _pretrain(model_dir, sequences, out_dir, *, seconds, max_steps, batch_size, 
         model.lm_head.weight.zero_()
         model.lm_head.weight[used_t] = head.detach()
     write_tiny(out_dir, spec, state={k: v.detach().cpu() for k, v in model.state_dict().items()})
-    return PretrainResult(step, time.monotonic() - start, losses[0], sum(losses[-10:]) / len(losses[-10:]), losses,
-                          schedule_fraction=min(1.0, schedule_fraction()))
+    return PretrainResult(
+        step,
+        time.monotonic() - start,
+        losses[0],
+        sum(losses[-10:]) / len(losses[-10:]),
+        losses,
+        schedule_fraction=min(1.0, schedule_fraction()),
+    )
 
 
-
-
-def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, device: str = "cpu",
-                               conversations: int = 2000, heldout: int = 48, batch_size: int = 32,
-                               lr: float = 2e-3, progress: bool = True, command: Sequence[str] | None = None,
-                               schedule: str = "constant", loss: str = "full", max_steps: int = 10_000,
-                               deterministic: bool = True, precision: str = "fp32", prompt_rules: int = 0,
-                               prompt_rule: str | None = None) -> dict:
+def pretrain_structured_target(
+    out_dir: str | Path,
+    spec,
+    *,
+    seconds: float,
+    device: str = "cpu",
+    conversations: int = 2000,
+    heldout: int = 48,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    progress: bool = True,
+    command: Sequence[str] | None = None,
+    schedule: str = "constant",
+    loss: str = "full",
+    max_steps: int = 10_000,
+    deterministic: bool = True,
+    precision: str = "fp32",
+    prompt_rules: int = 0,
+    prompt_rule: str | None = None,
+) -> dict:
     """``specforge-kimi tiny OUT --pretrain SECONDS [--pretrain-steps N]``: a tiny K2.5 pretrained on
     :mod:`corpus` for ``seconds`` or ``max_steps`` optimizer steps, whichever ends first (a step-bounded
     target does not depend on how fast the machine happened to be). ``prompt_rules`` (``--pretrain-prompt-rules
@@ -205,12 +263,12 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     import torch
 
     from specforge_kimi.data import corpus
-    from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
-    from specforge_kimi.demo import prompt_rules as rules
     from specforge_kimi.data.chat_template import encode_records as _rows
+    from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
+    from specforge_kimi.demo import prompt_rules as rules
     from specforge_kimi.target.checkpoint import load_text_model, resolve_device
     from specforge_kimi.target.tiny import write_tiny
-    from specforge_kimi.data.tokenizer import build_standin_tokenizer
 
     if seconds <= 0:
         raise KimiInputError("--pretrain SECONDS must be positive")
@@ -243,10 +301,22 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
     shutil.rmtree(raw, ignore_errors=True)
     try:
         write_tiny(raw, spec)
-        res = pretrain(str(raw), [ids for ids, _ in train_rows + rule_rows], str(out), seconds=seconds,
-                       batch_size=batch_size,
-                       lr=lr, seed=spec.seed, progress=progress, device=device, schedule=schedule,
-                       loss=loss, max_steps=max_steps, deterministic=deterministic, precision=precision)
+        res = pretrain(
+            str(raw),
+            [ids for ids, _ in train_rows + rule_rows],
+            str(out),
+            seconds=seconds,
+            batch_size=batch_size,
+            lr=lr,
+            seed=spec.seed,
+            progress=progress,
+            device=device,
+            schedule=schedule,
+            loss=loss,
+            max_steps=max_steps,
+            deterministic=deterministic,
+            precision=precision,
+        )
     finally:
         shutil.rmtree(raw, ignore_errors=True)
     tok.save_pretrained(out)
@@ -262,45 +332,73 @@ def pretrain_structured_target(out_dir: str | Path, spec, *, seconds: float, dev
         "spec": asdict(spec),
         "device": device,
         "corpus": {
-            "module": "specforge_kimi.data.corpus", "tasks": [t.__name__.lstrip("_") for t in corpus.TASKS],
-            "conversations": conversations, "seed": TRAIN_SEED, "rows": len(train_rows),
+            "module": "specforge_kimi.data.corpus",
+            "tasks": [t.__name__.lstrip("_") for t in corpus.TASKS],
+            "conversations": conversations,
+            "seed": TRAIN_SEED,
+            "rows": len(train_rows),
             "tokens": sum(len(i) for i, _ in train_rows),
             "what": "synthetic user question -> rule-determined answer (counting, spelling, reversing, repeating, "
-                    "multiplication tables, colour cycles); every 2nd conversation answers with reasoning; "
-                    "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
+            "multiplication tables, colour cycles); every 2nd conversation answers with reasoning; "
+            "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
         },
-        "train": {"steps": res.steps, "max_steps": max_steps, "seconds": round(res.seconds, 2),
-                  "seconds_budget": seconds, "deterministic": deterministic, "precision": precision,
-                  "batch_size": batch_size, "lr": lr,
-                  "lr_schedule": schedule, "schedule_fraction": round(res.schedule_fraction, 4),
-                  "schedule_over": "steps" if deterministic else "time or steps, whichever ends first",
-                  "loss": loss,
-                  "loss_first": res.first_loss, "loss_last": res.last_loss, "losses": res.losses,
-                  "what": "next-token cross-entropy over every position; " + (
-                      "full vocabulary (the untrained tokens' zero logits as one log(V - n) term)" if loss == "full"
-                      else "softmax restricted to the corpus's tokens")},
-        "heldout": {"conversations": heldout, "seed": HELDOUT_SEED, **held,
-                    "what": "on the answer (loss-mask) tokens of the held-out conversations, i.e. the bench's "
-                            "`structured` prompt set: cross-entropy over the full vocab (unused head rows are 0, "
-                            "so ~log(163840) until trained logits grow), the same restricted to the corpus's "
-                            "tokens, full-vocab argmax accuracy (what SGLang's greedy decoding picks) and the "
-                            "argmax accuracy among the corpus's tokens; the two differ when untrained tokens "
-                            "outscore every trained one"},
+        "train": {
+            "steps": res.steps,
+            "max_steps": max_steps,
+            "seconds": round(res.seconds, 2),
+            "seconds_budget": seconds,
+            "deterministic": deterministic,
+            "precision": precision,
+            "batch_size": batch_size,
+            "lr": lr,
+            "lr_schedule": schedule,
+            "schedule_fraction": round(res.schedule_fraction, 4),
+            "schedule_over": "steps" if deterministic else "time or steps, whichever ends first",
+            "loss": loss,
+            "loss_first": res.first_loss,
+            "loss_last": res.last_loss,
+            "losses": res.losses,
+            "what": "next-token cross-entropy over every position; "
+            + (
+                "full vocabulary (the untrained tokens' zero logits as one log(V - n) term)"
+                if loss == "full"
+                else "softmax restricted to the corpus's tokens"
+            ),
+        },
+        "heldout": {
+            "conversations": heldout,
+            "seed": HELDOUT_SEED,
+            **held,
+            "what": "on the answer (loss-mask) tokens of the held-out conversations, i.e. the bench's "
+            "`structured` prompt set: cross-entropy over the full vocab (unused head rows are 0, "
+            "so ~log(163840) until trained logits grow), the same restricted to the corpus's "
+            "tokens, full-vocab argmax accuracy (what SGLang's greedy decoding picks) and the "
+            "argmax accuracy among the corpus's tokens; the two differ when untrained tokens "
+            "outscore every trained one",
+        },
     }
     if spec.int4_experts:
-        summary["quantization"] = ("routed experts trained in full precision, then written as K2.5's INT4 "
-                                   "(compressed-tensors pack-quantized, group 32); the held-out numbers above are "
-                                   "the written, quantized checkpoint's")
+        summary["quantization"] = (
+            "routed experts trained in full precision, then written as K2.5's INT4 "
+            "(compressed-tensors pack-quantized, group 32); the held-out numbers above are "
+            "the written, quantized checkpoint's"
+        )
     if prompt_rules:
         summary["prompt_rules"] = {
-            "module": "specforge_kimi.demo.prompt_rules", "rule": prompt_rule, "conversations": prompt_rules,
+            "module": "specforge_kimi.demo.prompt_rules",
+            "rule": prompt_rule,
+            "conversations": prompt_rules,
             "seed": rules.PRETRAIN_SEED,
-            "rows": len(rule_rows), "tokens": sum(len(i) for i, _ in rule_rows),
+            "rows": len(rule_rows),
+            "tokens": sum(len(i) for i, _ in rule_rows),
             "what": f"prompt_mix chat/math/code prompts answered by the {prompt_rule!r} rule: "
-                    f"{rules.RULES[prompt_rule][1]}; every 2nd with reasoning; trained on beside the corpus",
-            "heldout": {"conversations": len(rule_held), **rule_held_numbers,
-                        "what": "the same numbers on the bench's own chat/math/code prompts answered by the rule "
-                                "(never trained on)"},
+            f"{rules.RULES[prompt_rule][1]}; every 2nd with reasoning; trained on beside the corpus",
+            "heldout": {
+                "conversations": len(rule_held),
+                **rule_held_numbers,
+                "what": "the same numbers on the bench's own chat/math/code prompts answered by the rule "
+                "(never trained on)",
+            },
         }
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2))
     _plot_pretrain(res.losses, summary, out / "pretrain_loss.png")
@@ -331,9 +429,14 @@ def _heldout_numbers(model, rows, used, device) -> dict:
             correct_used += int((lu.argmax(-1) == pos)[known].sum())
             n += int(m.sum())
             n_known += int(known.sum())
-    return {"answer_tokens": n, "loss": nll / max(n, 1), "loss_corpus_tokens": nll_used / max(n_known, 1),
-            "greedy_accuracy": correct / max(n, 1), "greedy_accuracy_corpus_tokens": correct_used / max(n_known, 1),
-            "answer_tokens_unused_in_training": n - n_known}
+    return {
+        "answer_tokens": n,
+        "loss": nll / max(n, 1),
+        "loss_corpus_tokens": nll_used / max(n_known, 1),
+        "greedy_accuracy": correct / max(n, 1),
+        "greedy_accuracy_corpus_tokens": correct_used / max(n_known, 1),
+        "answer_tokens_unused_in_training": n - n_known,
+    }
 
 
 def _plot_pretrain(losses: list[float], summary: dict, path: Path) -> None:
@@ -344,12 +447,21 @@ def _plot_pretrain(losses: list[float], summary: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     full = summary["train"].get("loss") == "full"
-    ax.plot(range(1, len(losses) + 1), losses, lw=0.8,
-            label="train (full-vocab softmax)" if full else "train (restricted softmax)")
+    ax.plot(
+        range(1, len(losses) + 1),
+        losses,
+        lw=0.8,
+        label="train (full-vocab softmax)" if full else "train (restricted softmax)",
+    )
     h = summary["heldout"]
     held = h["loss"] if full else h["loss_corpus_tokens"]
-    ax.axhline(held, color="C3", ls="--", lw=1,
-               label=f"held-out answer tokens {held:.3f} (greedy acc {h['greedy_accuracy']:.2f})")
+    ax.axhline(
+        held,
+        color="C3",
+        ls="--",
+        lw=1,
+        label=f"held-out answer tokens {held:.3f} (greedy acc {h['greedy_accuracy']:.2f})",
+    )
     ax.set(xlabel="step", ylabel="cross-entropy", title="tiny K2.5 target pretraining on the structured corpus")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -29,17 +29,21 @@ to the bench's own prompts, for held-out numbers only.
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 WORD = re.compile(r"[A-Za-z0-9]+")
 MAX_WORDS = 12
 ECHO_CHARS = 80
 #: rule name -> (reasoning sentence, one-line description for pretrain.json)
 RULES = {
-    "echo": ("restate the question",
-             f"the prompt restated (whitespace runs made one space, cut at {ECHO_CHARS} characters)"),
-    "words": ("list the first words of the question, one per line",
-              f"the prompt's first {MAX_WORDS} words, one per numbered line"),
+    "echo": (
+        "restate the question",
+        f"the prompt restated (whitespace runs made one space, cut at {ECHO_CHARS} characters)",
+    ),
+    "words": (
+        "list the first words of the question, one per line",
+        f"the prompt's first {MAX_WORDS} words, one per numbered line",
+    ),
 }
 DEFAULT_RULE = "echo"
 #: seed of :func:`prompt_mix.prompts` for pretraining (the data stage's mix uses seed 0)
@@ -75,24 +79,27 @@ def _conversation(cid: str, prompt: str, thinking: bool, rule: str) -> dict:
     return {"id": cid, "messages": [{"role": "user", "content": prompt}, assistant]}
 
 
-def conversations(n: int, seed: int = PRETRAIN_SEED, *, thinking_every: int = 2,
-                  rule: str = DEFAULT_RULE) -> Iterator[dict]:
+def conversations(
+    n: int, seed: int = PRETRAIN_SEED, *, thinking_every: int = 2, rule: str = DEFAULT_RULE
+) -> Iterator[dict]:
     """``n`` prompt-mix prompts answered by ``rule``; every ``thinking_every``-th with reasoning (as
     :func:`corpus.conversations`)."""
     from specforge_kimi.data import prompt_mix
 
     _check(rule)
     for i, (domain, prompt) in enumerate(prompt_mix.prompts(n, seed=seed)):
-        yield _conversation(f"rule-{domain}-{seed}-{i}", prompt, bool(thinking_every) and i % thinking_every == 0,
-                            rule)
+        yield _conversation(f"rule-{domain}-{seed}-{i}", prompt, bool(thinking_every) and i % thinking_every == 0, rule)
 
 
 def bench_conversations(rule: str = DEFAULT_RULE) -> list[dict]:
     """The bench's own chat/math/code prompts answered by ``rule``, with reasoning (the bench asks with
     thinking on): held-out rows for the target's numbers, never trained on."""
-    from specforge_kimi.evaluate.bench import builtin_prompt_set
     from specforge_kimi.data.prompt_mix import DOMAINS
+    from specforge_kimi.evaluate.bench import builtin_prompt_set
 
     _check(rule)
-    return [_conversation(p.id, next(m.content for m in p.messages if m.role == "user"), True, rule)
-            for name in DOMAINS for p in builtin_prompt_set(name).prompts]
+    return [
+        _conversation(p.id, next(m.content for m in p.messages if m.role == "user"), True, rule)
+        for name in DOMAINS
+        for p in builtin_prompt_set(name).prompts
+    ]

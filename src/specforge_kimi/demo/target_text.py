@@ -25,8 +25,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from specforge_kimi.errors import KimiInputError
 
@@ -37,8 +37,16 @@ SELECT_SEED = 30_000
 SELECT_MIX_SEED = 7
 
 
-def greedy_continue(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int,
-                    pad_id: int = 0, batch: int = 16, device: str = "cpu") -> list[list[int]]:
+def greedy_continue(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int = 0,
+    batch: int = 16,
+    device: str = "cpu",
+) -> list[list[int]]:
     """The model's greedy continuation of each prompt (left-padded batches of similar length),
     cut after ``eos_id`` when it appears."""
     import torch
@@ -47,23 +55,30 @@ def greedy_continue(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     with torch.no_grad():
         for b in range(0, len(order), batch):
-            idx = order[b: b + batch]
+            idx = order[b : b + batch]
             T = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
             att = torch.zeros((len(idx), T), dtype=torch.long)
             for k, i in enumerate(idx):
-                ids[k, T - len(prompts[i]):] = torch.tensor(list(prompts[i]))
-                att[k, T - len(prompts[i]):] = 1
-            gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
+                ids[k, T - len(prompts[i]) :] = torch.tensor(list(prompts[i]))
+                att[k, T - len(prompts[i]) :] = 1
+            gen = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=att.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos_id,
+                pad_token_id=pad_id,
+            )
             for k, i in enumerate(idx):
                 new = gen[k, T:].tolist()
                 out[i] = new[: new.index(eos_id) + 1] if eos_id in new else new
     return out
 
 
-def text_stats(model, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], *, eos_id: int,
-               device: str = "cpu") -> dict:
+def text_stats(
+    model, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], *, eos_id: int, device: str = "cpu"
+) -> dict:
     """Entropy and top-1 probability of the model's next-token distribution at every generated
     token of ``continuations`` (given its prompt), pooled over tokens."""
     import torch
@@ -72,20 +87,25 @@ def text_stats(model, prompts: Sequence[Sequence[int]], continuations: Sequence[
     n = finished = 0
     distinct: set[int] = set()
     with torch.no_grad():
-        for p, c in zip(prompts, continuations):
+        for p, c in zip(prompts, continuations, strict=False):
             if not c:
                 continue
             x = torch.tensor([list(p) + list(c)], device=device)
-            logits = model(input_ids=x).logits[0, len(p) - 1: len(p) - 1 + len(c)].float()
+            logits = model(input_ids=x).logits[0, len(p) - 1 : len(p) - 1 + len(c)].float()
             logp = torch.log_softmax(logits, dim=-1)
             ent += float(-(logp.exp() * logp).sum(-1).sum())
             top1 += float(logp.max(-1).values.exp().sum())
             n += len(c)
             finished += int(c[-1] == eos_id)
             distinct.update(c)
-    return {"prompts": len(prompts), "generated_tokens": n, "mean_entropy": ent / max(n, 1),
-            "mean_top1_probability": top1 / max(n, 1), "distinct_tokens": len(distinct),
-            "finished_share": finished / max(len(prompts), 1)}
+    return {
+        "prompts": len(prompts),
+        "generated_tokens": n,
+        "mean_entropy": ent / max(n, 1),
+        "mean_top1_probability": top1 / max(n, 1),
+        "distinct_tokens": len(distinct),
+        "finished_share": finished / max(len(prompts), 1),
+    }
 
 
 def prompt_part(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
@@ -96,12 +116,11 @@ def prompt_part(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
 def selection_prompts(tokenizer, *, corpus_prompts: int, mix_prompts: int) -> dict[str, list[list[int]]]:
     """``{"corpus": [...], "prompt_mix": [...]}``: token ids of the selection prompts, rendered as
     the bench renders its requests."""
-    from specforge_kimi.data import corpus
-    from specforge_kimi.data import prompt_mix
-    from specforge_kimi.evaluate.bench import Prompt, encode_prompt
-    from specforge_kimi.data.conversation import Message
+    from specforge_kimi.data import corpus, prompt_mix
     from specforge_kimi.data.chat_template import encode_records as _rows
+    from specforge_kimi.data.conversation import Message
     from specforge_kimi.data.corpus import HELDOUT_SEED
+    from specforge_kimi.evaluate.bench import Prompt, encode_prompt
 
     def prompts_of(records):  # single-turn corpus: one row per conversation
         return [tuple(prompt_part(ids, mask)) for ids, mask in _rows(records, tokenizer)]
@@ -121,14 +140,23 @@ def selection_prompts(tokenizer, *, corpus_prompts: int, mix_prompts: int) -> di
             raise KimiInputError(f"the corpus has fewer than {corpus_prompts} distinct non-bench prompts")
         groups["corpus"] = chosen
     if mix_prompts:
-        groups["prompt_mix"] = [encode_prompt(Prompt(id=f"select-{i}", messages=(Message(role="user", content=t),)),
-                                              tokenizer, thinking=True)
-                                for i, (_, t) in enumerate(prompt_mix.prompts(mix_prompts, seed=SELECT_MIX_SEED))]
+        groups["prompt_mix"] = [
+            encode_prompt(
+                Prompt(id=f"select-{i}", messages=(Message(role="user", content=t),)), tokenizer, thinking=True
+            )
+            for i, (_, t) in enumerate(prompt_mix.prompts(mix_prompts, seed=SELECT_MIX_SEED))
+        ]
     return groups
 
 
-def measure(target_dir: str | Path, *, device: str = "cpu", corpus_prompts: int = 48, mix_prompts: int = 48,
-            max_new_tokens: int = 128) -> dict:
+def measure(
+    target_dir: str | Path,
+    *,
+    device: str = "cpu",
+    corpus_prompts: int = 48,
+    mix_prompts: int = 48,
+    max_new_tokens: int = 128,
+) -> dict:
     """:func:`text_stats` of one target on the selection prompts, per group and pooled."""
     from transformers import AutoTokenizer
 
@@ -158,16 +186,20 @@ def measure(target_dir: str | Path, *, device: str = "cpu", corpus_prompts: int 
     pre = target_dir / "pretrain.json"
     if pre.is_file():
         p = json.loads(pre.read_text())
-        res["pretrain"] = {"seed": p.get("spec", {}).get("seed"), "steps": p.get("train", {}).get("steps"),
-                           "deterministic": p.get("train", {}).get("deterministic"),
-                           "heldout_greedy_accuracy": p.get("heldout", {}).get("greedy_accuracy")}
+        res["pretrain"] = {
+            "seed": p.get("spec", {}).get("seed"),
+            "steps": p.get("train", {}).get("steps"),
+            "deterministic": p.get("train", {}).get("deterministic"),
+            "heldout_greedy_accuracy": p.get("heldout", {}).get("greedy_accuracy"),
+        }
     res["seconds"] = round(time.monotonic() - t0, 2)
     return res
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("target-text", help="how predictable candidate targets' own greedy text is; names the "
-                                           "lowest-entropy one")
+    p = sub.add_parser(
+        "target-text", help="how predictable candidate targets' own greedy text is; names the lowest-entropy one"
+    )
     p.add_argument("targets", nargs="+", help="target directories (written by `specforge-kimi tiny`)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--corpus-prompts", type=int, default=48)
@@ -180,21 +212,43 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from specforge_kimi.target.checkpoint import resolve_device
 
-    if min(args.corpus_prompts, args.mix_prompts) < 0 or args.corpus_prompts + args.mix_prompts == 0 \
-            or args.max_new_tokens < 1:
+    if (
+        min(args.corpus_prompts, args.mix_prompts) < 0
+        or args.corpus_prompts + args.mix_prompts == 0
+        or args.max_new_tokens < 1
+    ):
         raise KimiInputError("need at least one selection prompt and --max-new-tokens >= 1")
     device = resolve_device(args.device)
-    results = [measure(t, device=device, corpus_prompts=args.corpus_prompts, mix_prompts=args.mix_prompts,
-                       max_new_tokens=args.max_new_tokens) for t in args.targets]
+    results = [
+        measure(
+            t,
+            device=device,
+            corpus_prompts=args.corpus_prompts,
+            mix_prompts=args.mix_prompts,
+            max_new_tokens=args.max_new_tokens,
+        )
+        for t in args.targets
+    ]
     best = min(results, key=lambda r: r["mean_entropy"])
-    summary = {"command": sys.argv, "device": device, "select_seed": SELECT_SEED, "select_mix_seed": SELECT_MIX_SEED,
-               "max_new_tokens": args.max_new_tokens, "candidates": results, "chosen": best["target"],
-               "criterion": "lowest mean entropy of the target's next-token distribution over its own greedy tokens"}
+    summary = {
+        "command": sys.argv,
+        "device": device,
+        "select_seed": SELECT_SEED,
+        "select_mix_seed": SELECT_MIX_SEED,
+        "max_new_tokens": args.max_new_tokens,
+        "candidates": results,
+        "chosen": best["target"],
+        "criterion": "lowest mean entropy of the target's next-token distribution over its own greedy tokens",
+    }
     for r in results:
-        groups = "; ".join(f"{g} {s['mean_entropy']:.3f} ({s['distinct_tokens']} distinct, "
-                           f"{s['finished_share']:.0%} finished)" for g, s in r["groups"].items())
-        print(f"{r['target']}: entropy {r['mean_entropy']:.3f}, top-1 p {r['mean_top1_probability']:.3f} over "
-              f"{r['generated_tokens']} tokens; {groups}")
+        groups = "; ".join(
+            f"{g} {s['mean_entropy']:.3f} ({s['distinct_tokens']} distinct, {s['finished_share']:.0%} finished)"
+            for g, s in r["groups"].items()
+        )
+        print(
+            f"{r['target']}: entropy {r['mean_entropy']:.3f}, top-1 p {r['mean_top1_probability']:.3f} over "
+            f"{r['generated_tokens']} tokens; {groups}"
+        )
     print(f"chosen: {best['target']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

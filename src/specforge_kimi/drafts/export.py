@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.provenance import canonical_hash, file_hash, provenance
@@ -25,9 +24,7 @@ TRAINER_PREFIXES = ("draft_model.", "module.", "_orig_mod.", "_fsdp_wrapped_modu
 ARCH = "LlamaForCausalLMEagle3"
 
 
-def export_sglang(
-    checkpoint_dir: str, draft_config_path: str, output_dir: str, vocab_mapping_path: str
-) -> str:
+def export_sglang(checkpoint_dir: str, draft_config_path: str, output_dir: str, vocab_mapping_path: str) -> str:
     """``specforge export --to sglang``: write an SGLang EAGLE-3 draft directory, return it.
 
     Calls ``specforge.export.to_sglang.export_to_sglang``: ``config.json`` (the draft config,
@@ -57,8 +54,14 @@ def _read_state(export_dir: Path) -> dict:
     return state
 
 
-def finalize_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.PathLike, aux: AuxLayers,
-                           command: Sequence[str] | None = None, extra: dict | None = None) -> dict:
+def finalize_sglang_export(
+    export_dir: str | os.PathLike,
+    *,
+    target_dir: str | os.PathLike,
+    aux: AuxLayers,
+    command: Sequence[str] | None = None,
+    extra: dict | None = None,
+) -> dict:
     """Write K2.5's ``eagle_config`` and ``provenance.json`` into a SpecForge export; check it."""
     from specforge_kimi.target.checkpoint import inspect_target
 
@@ -75,22 +78,42 @@ def finalize_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | o
     tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     os.replace(tmp, cfg_path)
     check_sglang_export(d, target_dir=target_dir)
-    prov = provenance(command=command, config=cfg, extra={
-        "target": {"path": str(Path(target_dir).resolve()),
-                   "config_sha256": canonical_hash(json.loads((Path(target_dir) / "config.json").read_text())),
-                   "num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size},
-        "aux_layers": {"captured_positions": list(aux.positions), "sglang_ids": aux.sglang_ids(),
-                       "vllm_ids": aux.vllm_ids(), "hf_indices": aux.hf_indices()},
-        "weights_sha256": {f.name: file_hash(f) for f in sorted(d.glob("*.safetensors"))},
-        **(extra or {}),
-    })
+    prov = provenance(
+        command=command,
+        config=cfg,
+        extra={
+            "target": {
+                "path": str(Path(target_dir).resolve()),
+                "config_sha256": canonical_hash(json.loads((Path(target_dir) / "config.json").read_text())),
+                "num_layers": info.num_layers,
+                "hidden_size": info.hidden_size,
+                "vocab_size": info.vocab_size,
+            },
+            "aux_layers": {
+                "captured_positions": list(aux.positions),
+                "sglang_ids": aux.sglang_ids(),
+                "vllm_ids": aux.vllm_ids(),
+                "hf_indices": aux.hf_indices(),
+            },
+            "weights_sha256": {f.name: file_hash(f) for f in sorted(d.glob("*.safetensors"))},
+            **(extra or {}),
+        },
+    )
     (d / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True))
     return prov
 
 
-def export_run_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.PathLike,
-                     export_dir: str | os.PathLike, *, vocab_mapping_path: str,
-                     target_dir: str | os.PathLike | None, aux: AuxLayers, command: Sequence[str] | None = None, extra: dict | None = None) -> Path:
+def export_run_draft(
+    checkpoint: str | os.PathLike,
+    draft_config_path: str | os.PathLike,
+    export_dir: str | os.PathLike,
+    *,
+    vocab_mapping_path: str,
+    target_dir: str | os.PathLike | None,
+    aux: AuxLayers,
+    command: Sequence[str] | None = None,
+    extra: dict | None = None,
+) -> Path:
     """Export a run's SpecForge checkpoint for SGLang, by the draft's architecture.
 
     Llama-style: SpecForge's own ``export --to sglang`` then :func:`finalize_sglang_export`. MLA
@@ -104,13 +127,22 @@ def export_run_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.
     cfg = json.loads(Path(draft_config_path).read_text())
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and AuxLayers.from_specforge(ids, aux.num_layers).positions != aux.positions:
-        raise KimiInputError(f"{draft_config_path}: aux ids {ids} capture other layers than the run's "
-                             f"{list(aux.specforge_ids())}")
+        raise KimiInputError(
+            f"{draft_config_path}: aux ids {ids} capture other layers than the run's {list(aux.specforge_ids())}"
+        )
     if MLA_ARCH in (cfg.get("architectures") or []):
         from specforge_kimi.drafts.export_engines import export_draft
 
-        export_draft(checkpoint, draft_config_path, export_dir, engine="sglang", num_layers=aux.num_layers,
-                     vocab_mapping_path=vocab_mapping_path, target_dir=target_dir, command=command)
+        export_draft(
+            checkpoint,
+            draft_config_path,
+            export_dir,
+            engine="sglang",
+            num_layers=aux.num_layers,
+            vocab_mapping_path=vocab_mapping_path,
+            target_dir=target_dir,
+            command=command,
+        )
         return Path(export_dir)
     if target_dir is None:
         raise KimiInputError("exporting a Llama-style draft needs the target directory")
@@ -148,29 +180,42 @@ def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.P
         # SpecForge trains a Llama-style draft's YaRN rope with cos/sin scale 1.0; SGLang's Llama
         # draft applies YaRN's mscale (~1.416 for K2.5's factor 64), so served attention would
         # differ from trained attention. Drafts see <= max_length tokens: plain rope is correct.
-        raise KimiInputError(f"{cfg_path}: the draft carries YaRN rope scaling, which SpecForge training and "
-                             "SGLang serving apply differently (scale 1.0 vs mscale); drop rope_scaling from "
-                             "the draft config and train with plain rope_theta")
+        raise KimiInputError(
+            f"{cfg_path}: the draft carries YaRN rope scaling, which SpecForge training and "
+            "SGLang serving apply differently (scale 1.0 vs mscale); drop rope_scaling from "
+            "the draft config and train with plain rope_theta"
+        )
     eagle = cfg.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
-        raise KimiInputError(f"{cfg_path}: no eagle_config.eagle_aux_hidden_state_layer_ids; SGLang would "
-                             "fall back to its default layers, not the ones the draft was trained on")
+        raise KimiInputError(
+            f"{cfg_path}: no eagle_config.eagle_aux_hidden_state_layer_ids; SGLang would "
+            "fall back to its default layers, not the ones the draft was trained on"
+        )
     if tuple(fc.shape) != (hidden, len(ids) * hidden):
         raise KimiInputError(f"{d}: fc.weight {list(fc.shape)} does not map {len(ids)}x{hidden} aux states to {hidden}")
     if tuple(head.shape) != (draft_vocab, hidden):
-        raise KimiInputError(f"{d}: lm_head.weight {list(head.shape)} is not [draft_vocab_size={draft_vocab}, {hidden}]")
+        raise KimiInputError(
+            f"{d}: lm_head.weight {list(head.shape)} is not [draft_vocab_size={draft_vocab}, {hidden}]"
+        )
     if str(d2t.dtype) != "torch.int64" or d2t.numel() != draft_vocab:
         raise KimiInputError(f"{d}: d2t must be int64[{draft_vocab}] offsets, got {d2t.dtype}[{d2t.numel()}]")
     if str(t2d.dtype) != "torch.bool" or int(t2d.sum()) != draft_vocab:
-        raise KimiInputError(f"{d}: t2d must be bool with {draft_vocab} entries set, got {t2d.dtype} with {int(t2d.sum())}")
+        raise KimiInputError(
+            f"{d}: t2d must be bool with {draft_vocab} entries set, got {t2d.dtype} with {int(t2d.sum())}"
+        )
     import torch
 
     targets = torch.arange(draft_vocab) + d2t
     if int(targets.min()) < 0 or int(targets.max()) >= t2d.numel() or not bool(t2d[targets].all()):
         raise KimiInputError(f"{d}: d2t and t2d disagree (draft id + d2t offset must land on a t2d entry)")
-    summary = {"hidden_size": hidden, "draft_vocab_size": draft_vocab, "target_vocab_size": int(t2d.numel()),
-               "eagle_aux_hidden_state_layer_ids": list(ids), "keys": len(state)}
+    summary = {
+        "hidden_size": hidden,
+        "draft_vocab_size": draft_vocab,
+        "target_vocab_size": int(t2d.numel()),
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "keys": len(state),
+    }
     if target_dir is not None:
         info = inspect_target(target_dir)
         if hidden != info.hidden_size:

@@ -106,7 +106,7 @@ def serving_state(state: Mapping[str, Any], arch: str, engine: str) -> dict[str,
         if name.startswith(("draft_model.", "module.", "_orig_mod.")):
             raise KimiInputError(f"trainer prefix in draft state key {name!r}: the engines would skip it")
         if arch == MLA_ARCH and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
+            name = "layers.0." + name[len("midlayer.") :]
         out[name] = tensor.contiguous()
     for key, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
         if key not in out:
@@ -121,7 +121,7 @@ def trainer_state(state: Mapping[str, Any], arch: str) -> dict[str, Any]:
     out = {}
     for name, tensor in state.items():
         if arch == MLA_ARCH and name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
+            name = "midlayer." + name[len("layers.0.") :]
         out[name] = tensor
     return out
 
@@ -156,14 +156,18 @@ def serving_config(draft_config: Mapping[str, Any], engine: str, aux: AuxLayers)
     if arch == LLAMA_ARCH and _rope_type(cfg) == "yarn":
         # NOTES.md: SpecForge trains a Llama draft's YaRN with cos/sin scale 1.0, SGLang serves it
         # with mscale; vLLM's Llama rope applies YaRN's mscale as well. Plain rope_theta only.
-        raise KimiInputError("the Llama-style draft carries YaRN rope scaling, which SpecForge trains and the "
-                             "engines serve differently; train it with plain rope_theta")
+        raise KimiInputError(
+            "the Llama-style draft carries YaRN rope scaling, which SpecForge trains and the "
+            "engines serve differently; train it with plain rope_theta"
+        )
     if arch == LLAMA_ARCH and "norm_output" in cfg:
         # Same key, two meanings: SpecForge's Llama draft (default True) applies the final norm
         # before lm_head; SGLang's (default False) always does and uses the flag to hand the
         # NORMED state to the next step. Only the absent key means the same thing to both.
-        raise KimiInputError("the Llama-style draft config sets norm_output, which SpecForge 0.2.0 and SGLang read "
-                             "differently (logits norm vs next-step state); remove the key")
+        raise KimiInputError(
+            "the Llama-style draft config sets norm_output, which SpecForge 0.2.0 and SGLang read "
+            "differently (logits norm vs next-step state); remove the key"
+        )
     n_aux = len((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [None] * 3)
     if len(aux.positions) != n_aux:
         raise KimiInputError(f"the draft's fc takes {n_aux} aux states, {len(aux.positions)} aux layers given")
@@ -172,8 +176,11 @@ def serving_config(draft_config: Mapping[str, Any], engine: str, aux: AuxLayers)
     cfg["tie_word_embeddings"] = False
     cfg["num_hidden_layers"] = 1
     cfg.setdefault("draft_vocab_size", cfg.get("vocab_size"))
-    cfg["eagle_config"] = {**(cfg.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": ids,
-                           "use_aux_hidden_state": True}
+    cfg["eagle_config"] = {
+        **(cfg.get("eagle_config") or {}),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "use_aux_hidden_state": True,
+    }
     if engine == "vllm":
         # eagle3_utils.get_eagle3_aux_layers_from_config reads the top-level key only.
         cfg["eagle_aux_hidden_state_layer_ids"] = ids
@@ -201,9 +208,18 @@ def expected_keys(config: Mapping[str, Any], engine: str) -> set[str]:
         keys |= {layer + f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")}
     else:
         layer = "layers.0."
-        keys |= {layer + f"self_attn.{p}.weight" for p in ("q_a_proj", "q_a_layernorm", "q_b_proj",
-                                                            "kv_a_proj_with_mqa", "kv_a_layernorm",
-                                                            "kv_b_proj", "o_proj")}
+        keys |= {
+            layer + f"self_attn.{p}.weight"
+            for p in (
+                "q_a_proj",
+                "q_a_layernorm",
+                "q_b_proj",
+                "kv_a_proj_with_mqa",
+                "kv_a_layernorm",
+                "kv_b_proj",
+                "o_proj",
+            )
+        }
     keys |= {layer + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     keys |= {layer + f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
     if config.get("fc_norm") or config.get("use_aux_norm"):
@@ -223,8 +239,10 @@ def check_export(export_dir: str | os.PathLike, engine: str) -> dict[str, Any]:
     want = expected_keys(cfg, engine)
     missing, extra = sorted(want - set(state)), sorted(set(state) - want)
     if missing or extra:
-        raise KimiInputError(f"{d}: keys differ from what {engine} loads for {arch}: missing {missing[:6]}, "
-                             f"unexpected {extra[:6]} (unexpected keys are skipped silently)")
+        raise KimiInputError(
+            f"{d}: keys differ from what {engine} loads for {arch}: missing {missing[:6]}, "
+            f"unexpected {extra[:6]} (unexpected keys are skipped silently)"
+        )
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     if engine == "vllm" and cfg.get("eagle_aux_hidden_state_layer_ids") != ids:
         raise KimiInputError(f"{d}: vLLM reads top-level eagle_aux_hidden_state_layer_ids; it must equal {ids}")
@@ -236,16 +254,23 @@ def check_export(export_dir: str | os.PathLike, engine: str) -> dict[str, Any]:
     if tuple(state["lm_head.weight"].shape) != (draft_vocab, hidden):
         raise KimiInputError(f"{d}: lm_head.weight is not [draft_vocab_size={draft_vocab}, {hidden}]")
     d2t, t2d = state["d2t"], state["t2d"]
-    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.numel() != draft_vocab \
-            or t2d.numel() != cfg["vocab_size"] or int(t2d.sum()) != draft_vocab:
-        raise KimiInputError(f"{d}: d2t/t2d are not int64[{draft_vocab}] / bool[{cfg['vocab_size']}] with "
-                             f"{draft_vocab} set")
+    if (
+        d2t.dtype != torch.int64
+        or t2d.dtype != torch.bool
+        or d2t.numel() != draft_vocab
+        or t2d.numel() != cfg["vocab_size"]
+        or int(t2d.sum()) != draft_vocab
+    ):
+        raise KimiInputError(
+            f"{d}: d2t/t2d are not int64[{draft_vocab}] / bool[{cfg['vocab_size']}] with {draft_vocab} set"
+        )
     if not torch.equal(torch.nonzero(t2d).flatten(), torch.arange(draft_vocab) + d2t):
         raise KimiInputError(f"{d}: d2t and t2d disagree")
     if arch == MLA_ARCH:
         if cfg.get("model_type") != MLA_MODEL_TYPE[engine]:
-            raise KimiInputError(f"{d}: model_type {cfg.get('model_type')!r}, {engine} needs "
-                                 f"{MLA_MODEL_TYPE[engine]!r}")
+            raise KimiInputError(
+                f"{d}: model_type {cfg.get('model_type')!r}, {engine} needs {MLA_MODEL_TYPE[engine]!r}"
+            )
         a = "layers.0.self_attn."
         q_a, kv_a = state[a + "q_a_proj.weight"], state[a + "kv_a_proj_with_mqa.weight"]
         if q_a.shape[1] != 2 * hidden or kv_a.shape[1] != 2 * hidden:
@@ -254,15 +279,28 @@ def check_export(export_dir: str | os.PathLike, engine: str) -> dict[str, Any]:
             raise KimiInputError(f"{d}: MLA down-projection widths do not match q_lora/kv_lora/rope dims")
     elif _rope_type(cfg) == "yarn":
         raise KimiInputError(f"{d}: a Llama-style draft with YaRN rope (trained and served differently)")
-    return {"engine": engine, "architecture": arch, "keys": len(state), "eagle_aux_hidden_state_layer_ids": ids,
-            "draft_vocab_size": draft_vocab, "hidden_size": hidden}
+    return {
+        "engine": engine,
+        "architecture": arch,
+        "keys": len(state),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "draft_vocab_size": draft_vocab,
+        "hidden_size": hidden,
+    }
 
 
 # ---- the export -------------------------------------------------------------------------------
-def export_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.PathLike,
-                 output_dir: str | os.PathLike, *, engine: str, num_layers: int,
-                 vocab_mapping_path: str | None = None, target_dir: str | None = None,
-                 command: Sequence[str] | None = None) -> dict[str, Any]:
+def export_draft(
+    checkpoint: str | os.PathLike,
+    draft_config_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    engine: str,
+    num_layers: int,
+    vocab_mapping_path: str | None = None,
+    target_dir: str | None = None,
+    command: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Export a SpecForge eagle3 checkpoint (``training_state.pt``, a step dir or an output dir)
     for ``engine``; returns the provenance written beside it.
 
@@ -281,21 +319,31 @@ def export_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.Path
     arch = _arch(draft_config)
     specforge_ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not specforge_ids:
-        raise KimiInputError(f"{draft_config_path}: no eagle_config.eagle_aux_hidden_state_layer_ids; the export "
-                             "must name the layers the draft was trained on")
+        raise KimiInputError(
+            f"{draft_config_path}: no eagle_config.eagle_aux_hidden_state_layer_ids; the export "
+            "must name the layers the draft was trained on"
+        )
     aux = AuxLayers.from_specforge(specforge_ids, num_layers)
     target_info = None
     if target_dir is not None:
         from specforge_kimi.target.checkpoint import inspect_target
 
         info = inspect_target(target_dir)
-        if info.num_layers != num_layers or info.hidden_size != (draft_config.get("target_hidden_size")
-                                                                   or draft_config["hidden_size"]) \
-                or info.vocab_size != draft_config["vocab_size"]:
-            raise KimiInputError(f"target {target_dir} (layers {info.num_layers}, hidden {info.hidden_size}, vocab "
-                                 f"{info.vocab_size}) does not match the draft config / num_layers={num_layers}")
-        target_info = {"path": str(Path(target_dir).resolve()), "num_layers": info.num_layers,
-                       "hidden_size": info.hidden_size, "vocab_size": info.vocab_size}
+        if (
+            info.num_layers != num_layers
+            or info.hidden_size != (draft_config.get("target_hidden_size") or draft_config["hidden_size"])
+            or info.vocab_size != draft_config["vocab_size"]
+        ):
+            raise KimiInputError(
+                f"target {target_dir} (layers {info.num_layers}, hidden {info.hidden_size}, vocab "
+                f"{info.vocab_size}) does not match the draft config / num_layers={num_layers}"
+            )
+        target_info = {
+            "path": str(Path(target_dir).resolve()),
+            "num_layers": info.num_layers,
+            "hidden_size": info.hidden_size,
+            "vocab_size": info.vocab_size,
+        }
     state = resolve_training_state(str(checkpoint))
     if state.get("strategy") != "eagle3":
         raise KimiInputError(f"{checkpoint}: strategy {state.get('strategy')!r}, expected an eagle3 checkpoint")
@@ -308,19 +356,27 @@ def export_draft(checkpoint: str | os.PathLike, draft_config_path: str | os.Path
     save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     summary = check_export(out, engine)
-    prov = provenance(command=command, config=cfg, extra={
-        "engine": engine,
-        "architecture": arch,
-        "checkpoint": str(Path(checkpoint).resolve()),
-        "training_draft_config_sha256": canonical_hash(draft_config),
-        "vocab_mapping_sha256": file_hash(vocab_mapping_path) if vocab_mapping_path else None,
-        "aux_layers": {"specforge_ids": list(specforge_ids), "captured_positions": list(aux.positions),
-                       "engine_ids": aux.to_engine(engine), "num_layers": num_layers},
-        "target": target_info,
-        "patches_sha256": patch_hashes(),
-        "weights_sha256": {WEIGHTS_FILE: file_hash(out / WEIGHTS_FILE)},
-        "check": summary,
-    })
+    prov = provenance(
+        command=command,
+        config=cfg,
+        extra={
+            "engine": engine,
+            "architecture": arch,
+            "checkpoint": str(Path(checkpoint).resolve()),
+            "training_draft_config_sha256": canonical_hash(draft_config),
+            "vocab_mapping_sha256": file_hash(vocab_mapping_path) if vocab_mapping_path else None,
+            "aux_layers": {
+                "specforge_ids": list(specforge_ids),
+                "captured_positions": list(aux.positions),
+                "engine_ids": aux.to_engine(engine),
+                "num_layers": num_layers,
+            },
+            "target": target_info,
+            "patches_sha256": patch_hashes(),
+            "weights_sha256": {WEIGHTS_FILE: file_hash(out / WEIGHTS_FILE)},
+            "check": summary,
+        },
+    )
     (out / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     return prov
 
@@ -358,5 +414,17 @@ def load_exported_draft(export_dir: str | os.PathLike, *, dtype: Any = None, emb
     return model.to(dtype) if dtype is not None else model
 
 
-__all__ = ["ARCHS", "ENGINES", "LLAMA_ARCH", "MLA_ARCH", "MLA_MODEL_TYPE", "check_export", "expected_keys",
-           "export_draft", "load_exported_draft", "serving_config", "serving_state", "trainer_state"]
+__all__ = [
+    "ARCHS",
+    "ENGINES",
+    "LLAMA_ARCH",
+    "MLA_ARCH",
+    "MLA_MODEL_TYPE",
+    "check_export",
+    "expected_keys",
+    "export_draft",
+    "load_exported_draft",
+    "serving_config",
+    "serving_state",
+    "trainer_state",
+]

@@ -74,15 +74,38 @@ class KimiMLAEagle3Config(DeepseekV3Config):
 # ---------------------------------------------------------------------------------------------
 def _k25_rope() -> dict:
     # K2.5 text_config's rope: YaRN factor 64 over 4096 positions, theta 50000.
-    return {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096, "type": "yarn"}
+    return {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 64.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    }
 
 
-def _base_config(*, hidden: int, heads: int, intermediate: int, q_lora_rank: int, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, vocab_size: int,
-                 draft_vocab_size: int, aux_ids: Sequence[int], rope_scaling: dict | None,
-                 rope_theta: float, max_position_embeddings: int, rms_norm_eps: float,
-                 pad_token_id: int, fc_norm: bool, norm_output: bool) -> dict:
+def _base_config(
+    *,
+    hidden: int,
+    heads: int,
+    intermediate: int,
+    q_lora_rank: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    vocab_size: int,
+    draft_vocab_size: int,
+    aux_ids: Sequence[int],
+    rope_scaling: dict | None,
+    rope_theta: float,
+    max_position_embeddings: int,
+    rms_norm_eps: float,
+    pad_token_id: int,
+    fc_norm: bool,
+    norm_output: bool,
+) -> dict:
     return {
         "architectures": [ARCH],
         "model_type": MODEL_TYPE,
@@ -110,14 +133,18 @@ def _base_config(*, hidden: int, heads: int, intermediate: int, q_lora_rank: int
         "attention_bias": False,
         "fc_norm": fc_norm,
         "norm_output": norm_output,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_ids],
-                         "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_ids], "use_aux_hidden_state": True},
         "torch_dtype": "bfloat16",
     }
 
 
-def k25_default_config(*, draft_vocab_size: int = 32000, aux_ids: Sequence[int] = (1, 29, 57),
-                       fc_norm: bool = False, norm_output: bool = False) -> dict:
+def k25_default_config(
+    *,
+    draft_vocab_size: int = 32000,
+    aux_ids: Sequence[int] = (1, 29, 57),
+    fc_norm: bool = False,
+    norm_output: bool = False,
+) -> dict:
     """The K2.5 MLA draft config (a JSON-ready dict, SpecForge ids in ``eagle_config``).
 
     Target dims from K2.5's ``text_config``: hidden 7168, 64 heads, q_lora 1536, kv_lora 512,
@@ -126,15 +153,36 @@ def k25_default_config(*, draft_vocab_size: int = 32000, aux_ids: Sequence[int] 
     (``d2t`` length); :func:`with_vocab_mapping` sets it from the file. ``aux_ids`` are
     SpecForge ids (K2.5's default [1, 29, 57], which capture positions [2, 30, 58]).
     """
-    return _base_config(hidden=7168, heads=64, intermediate=18432, q_lora_rank=1536, kv_lora_rank=512,
-                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
-                        draft_vocab_size=draft_vocab_size, aux_ids=aux_ids, rope_scaling=_k25_rope(),
-                        rope_theta=50000.0, max_position_embeddings=262144, rms_norm_eps=1e-5,
-                        pad_token_id=163839, fc_norm=fc_norm, norm_output=norm_output)
+    return _base_config(
+        hidden=7168,
+        heads=64,
+        intermediate=18432,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=163840,
+        draft_vocab_size=draft_vocab_size,
+        aux_ids=aux_ids,
+        rope_scaling=_k25_rope(),
+        rope_theta=50000.0,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-5,
+        pad_token_id=163839,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+    )
 
 
-def tiny_config(spec: Any = None, *, draft_vocab_size: int = 256, aux_ids: Sequence[int] | None = None,
-                fc_norm: bool = False, norm_output: bool = False) -> dict:
+def tiny_config(
+    spec: Any = None,
+    *,
+    draft_vocab_size: int = 256,
+    aux_ids: Sequence[int] | None = None,
+    fc_norm: bool = False,
+    norm_output: bool = False,
+) -> dict:
     """The MLA draft for a tiny K2.5 from :mod:`specforge_kimi.target.tiny` (``TinySpec``).
 
     Hidden size, heads, q_lora rank, dense MLP width and vocab follow the spec; the other MLA
@@ -148,15 +196,26 @@ def tiny_config(spec: Any = None, *, draft_vocab_size: int = 256, aux_ids: Seque
     text = text_config(spec)
     aux_ids = list(aux_ids if aux_ids is not None else default_specforge_ids(spec.layers))
     AuxLayers.from_specforge(aux_ids, spec.layers)  # refuse ids this target cannot capture
-    return _base_config(hidden=spec.hidden, heads=spec.heads, intermediate=spec.dense_intermediate,
-                        q_lora_rank=spec.q_lora_rank, kv_lora_rank=text["kv_lora_rank"],
-                        qk_nope_head_dim=text["qk_nope_head_dim"], qk_rope_head_dim=text["qk_rope_head_dim"],
-                        v_head_dim=text["v_head_dim"], vocab_size=spec.vocab, draft_vocab_size=draft_vocab_size,
-                        aux_ids=aux_ids,
-                        rope_scaling=text["rope_scaling"], rope_theta=text["rope_theta"],
-                        max_position_embeddings=text["max_position_embeddings"],
-                        rms_norm_eps=text["rms_norm_eps"], pad_token_id=text["pad_token_id"],
-                        fc_norm=fc_norm, norm_output=norm_output)
+    return _base_config(
+        hidden=spec.hidden,
+        heads=spec.heads,
+        intermediate=spec.dense_intermediate,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=text["kv_lora_rank"],
+        qk_nope_head_dim=text["qk_nope_head_dim"],
+        qk_rope_head_dim=text["qk_rope_head_dim"],
+        v_head_dim=text["v_head_dim"],
+        vocab_size=spec.vocab,
+        draft_vocab_size=draft_vocab_size,
+        aux_ids=aux_ids,
+        rope_scaling=text["rope_scaling"],
+        rope_theta=text["rope_theta"],
+        max_position_embeddings=text["max_position_embeddings"],
+        rms_norm_eps=text["rms_norm_eps"],
+        pad_token_id=text["pad_token_id"],
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+    )
 
 
 def with_vocab_mapping(config: dict, vocab_mapping_path: str | os.PathLike) -> dict:
@@ -167,8 +226,10 @@ def with_vocab_mapping(config: dict, vocab_mapping_path: str | os.PathLike) -> d
     mapping = torch.load(str(vocab_mapping_path), map_location="cpu")
     d2t, t2d = mapping["d2t"], mapping["t2d"]
     if t2d.numel() != config["vocab_size"]:
-        raise KimiInputError(f"{vocab_mapping_path}: t2d covers {t2d.numel()} target ids, the draft config's "
-                             f"vocab_size is {config['vocab_size']}")
+        raise KimiInputError(
+            f"{vocab_mapping_path}: t2d covers {t2d.numel()} target ids, the draft config's "
+            f"vocab_size is {config['vocab_size']}"
+        )
     if int(t2d.sum()) != d2t.numel():
         raise KimiInputError(f"{vocab_mapping_path}: t2d selects {int(t2d.sum())} ids but d2t has {d2t.numel()}")
     return {**config, "draft_vocab_size": int(d2t.numel())}
@@ -201,7 +262,7 @@ class RopeSettings:
 
     @property
     def softmax_scale(self) -> float:
-        base = self.qk_head_dim ** -0.5
+        base = self.qk_head_dim**-0.5
         s = self.scaling
         # DeepseekV2AttentionMLA: only with rope scaling and apply_yarn_scaling (default True);
         # compute_mla_mscale_scaling also honours apply_scale; mscale_all_dim defaults to 0.
@@ -216,9 +277,11 @@ class RopeSettings:
         if not s:
             return 1.0
         factor = float(s.get("factor", 1.0))
-        return (_yarn_get_mscale(factor, float(s.get("mscale", 1)))
-                / _yarn_get_mscale(factor, float(s.get("mscale_all_dim", 0) or 0))
-                * float(s.get("attn_factor", 1)))
+        return (
+            _yarn_get_mscale(factor, float(s.get("mscale", 1)))
+            / _yarn_get_mscale(factor, float(s.get("mscale_all_dim", 0) or 0))
+            * float(s.get("attn_factor", 1))
+        )
 
     def inv_freq(self) -> torch.Tensor:
         d = self.rope_dim
@@ -274,13 +337,19 @@ def rope_settings(config: Any) -> RopeSettings:
         # SGLang rewrites any rope_type to deepseek_yarn; only YaRN means the same thing in a
         # training config, so anything else would silently train one rope and serve another.
         if kind not in ("yarn", "deepseek_yarn"):
-            raise KimiInputError(f"MLA draft rope_type {kind!r}: SGLang serves every scaled rope as deepseek_yarn; "
-                                 "use yarn or no rope scaling")
+            raise KimiInputError(
+                f"MLA draft rope_type {kind!r}: SGLang serves every scaled rope as deepseek_yarn; "
+                "use yarn or no rope scaling"
+            )
         if "original_max_position_embeddings" not in scaling:
             scaling["original_max_position_embeddings"] = config.max_position_embeddings
-    return RopeSettings(theta=theta, scaling=scaling, interleaved=bool(getattr(config, "rope_interleave", True)),
-                        rope_dim=int(config.qk_rope_head_dim),
-                        qk_head_dim=int(config.qk_nope_head_dim + config.qk_rope_head_dim))
+    return RopeSettings(
+        theta=theta,
+        scaling=scaling,
+        interleaved=bool(getattr(config, "rope_interleave", True)),
+        rope_dim=int(config.qk_rope_head_dim),
+        qk_head_dim=int(config.qk_nope_head_dim + config.qk_rope_head_dim),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,8 +391,13 @@ class MLAttention(nn.Module):
         self.rope = rope_settings(config)
         self.scaling = self.rope.softmax_scale
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                cache_hidden: list[list[torch.Tensor]] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache_hidden: list[list[torch.Tensor]] | None,
+    ) -> torch.Tensor:
         bsz, q_len, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(bsz, q_len, self.num_heads, -1)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
@@ -342,8 +416,9 @@ class MLAttention(nn.Module):
         v = v.transpose(1, 2)
 
         if cache_hidden is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
-                                                 scale=self.scaling)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=self.scaling
+            )
         else:
             cache_hidden[0] = cache_hidden[0] + [k]
             cache_hidden[1] = cache_hidden[1] + [v]
@@ -382,9 +457,14 @@ class MLADecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
 
-    def forward(self, input_emb: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None,
-                cache_hidden: list[list[torch.Tensor]] | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_emb: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache_hidden: list[list[torch.Tensor]] | None,
+    ) -> torch.Tensor:
         """Returns the pre-norm sum ``mlp + attn + hidden_states`` (SGLang's aux by default)."""
         residual = hidden_states
         x = torch.cat([self.input_layernorm(input_emb), self.hidden_norm(hidden_states)], dim=-1)
@@ -421,8 +501,9 @@ class Eagle3DeepseekV2ForCausalLM(Eagle3DraftModel):
     def __init__(self, config: Any, quant_config: Any = None, attention_backend: str = "sdpa") -> None:
         super().__init__(config)
         if attention_backend not in ("sdpa", None):
-            raise ValueError(f"the MLA EAGLE-3 draft trains with training.attention_backend: sdpa only, "
-                             f"got {attention_backend!r}")
+            raise ValueError(
+                f"the MLA EAGLE-3 draft trains with training.attention_backend: sdpa only, got {attention_backend!r}"
+            )
         if quant_config is not None:
             raise ValueError("the MLA EAGLE-3 draft does not support quantization")
         if int(config.num_hidden_layers) != 1:
@@ -440,8 +521,9 @@ class Eagle3DeepseekV2ForCausalLM(Eagle3DraftModel):
         self.fc = nn.Linear(self.target_hidden_size * self.num_aux_hidden_states, config.hidden_size, bias=False)
         # EAGLE-3.1 fc_norm (legacy name use_aux_norm), as SGLang reads it
         if getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False):
-            self.fc_norm = nn.ModuleList(RMSNorm(self.target_hidden_size, config.rms_norm_eps)
-                                         for _ in range(self.num_aux_hidden_states))
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(self.target_hidden_size, config.rms_norm_eps) for _ in range(self.num_aux_hidden_states)
+            )
         else:
             self.fc_norm = None
         self.midlayer = MLADecoderLayer(config)
@@ -470,12 +552,19 @@ class Eagle3DeepseekV2ForCausalLM(Eagle3DraftModel):
             raise ValueError(f"aux hidden states have width {hidden_states.size(-1)}, fc expects {expected}")
         if self.fc_norm is not None:
             chunks = hidden_states.chunk(self.num_aux_hidden_states, dim=-1)
-            hidden_states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+            hidden_states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=False)], dim=-1)
         return self.fc(hidden_states)
 
-    def backbone(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor, cache_hidden: Any,
-                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                 past_key_values: Any = None, use_cache: bool = True) -> torch.Tensor:
+    def backbone(
+        self,
+        input_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        cache_hidden: Any,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        past_key_values: Any = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
         """One draft step; returns the state the next step consumes (SGLang's ``aux`` output)."""
         if past_key_values is not None:
             raise ValueError("the MLA EAGLE-3 draft supports the sdpa TTT cache (cache_hidden) only")
@@ -487,8 +576,9 @@ class Eagle3DeepseekV2ForCausalLM(Eagle3DraftModel):
         return self.lm_head(hidden_states if self.norm_output else self.norm(hidden_states))
 
     # ---- a single step, for parity checks ---------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft-vocab logits and next-step state for one causal pass (SGLang's draft extend)."""
         seq = input_ids.shape[1]
         if position_ids is None:
@@ -520,8 +610,9 @@ def _extend_eagle3_algorithm() -> None:
     @functools.wraps(spec_fn)
     def algorithm_spec():
         spec = spec_fn()
-        draft = dataclasses.replace(spec.draft, compatible_architectures=frozenset(
-            spec.draft.compatible_architectures) | {ARCH})
+        draft = dataclasses.replace(
+            spec.draft, compatible_architectures=frozenset(spec.draft.compatible_architectures) | {ARCH}
+        )
         return dataclasses.replace(spec, draft=draft)
 
     @functools.wraps(providers_fn)
@@ -584,6 +675,16 @@ def register_mla_draft() -> None:
     to_sglang.WEIGHT_MAPS.setdefault(Eagle3DeepseekV2ForCausalLM.__name__, {})
 
 
-__all__ = ["ARCH", "MODEL_TYPE", "Eagle3DeepseekV2ForCausalLM", "KimiMLAEagle3Config", "RopeSettings",
-           "k25_default_config", "register_mla_draft", "rope_settings", "tiny_config", "with_vocab_mapping",
-           "write_config"]
+__all__ = [
+    "ARCH",
+    "MODEL_TYPE",
+    "Eagle3DeepseekV2ForCausalLM",
+    "KimiMLAEagle3Config",
+    "RopeSettings",
+    "k25_default_config",
+    "register_mla_draft",
+    "rope_settings",
+    "tiny_config",
+    "with_vocab_mapping",
+    "write_config",
+]

@@ -40,10 +40,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 
@@ -67,14 +68,15 @@ class SpecConfig:
     topk: int
     draft_tokens: int
 
-    def validate(self) -> "SpecConfig":
+    def validate(self) -> SpecConfig:
         if self.steps < 1 or self.topk < 1 or self.draft_tokens < 2:
             raise KimiInputError(f"speculative config {self.label}: need steps >= 1, topk >= 1, draft tokens >= 2")
         if self.topk == 1 and self.draft_tokens != self.steps + 1:
             # SGLang silently rewrites draft_tokens to steps + 1 for topk 1 (speculative_hook.py).
-            raise KimiInputError(f"speculative config {self.label}: with topk 1 SGLang needs draft tokens = steps + 1 "
-                                 f"= {self.steps + 1}")
-        if self.draft_tokens > 1 + self.steps * self.topk ** 2:
+            raise KimiInputError(
+                f"speculative config {self.label}: with topk 1 SGLang needs draft tokens = steps + 1 = {self.steps + 1}"
+            )
+        if self.draft_tokens > 1 + self.steps * self.topk**2:
             raise KimiInputError(f"speculative config {self.label}: more draft tokens than the draft tree holds")
         return self
 
@@ -83,8 +85,16 @@ class SpecConfig:
         return f"{self.steps}/{self.topk}/{self.draft_tokens}"
 
     def argv(self) -> list[str]:
-        return ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(self.steps),
-                "--speculative-eagle-topk", str(self.topk), "--speculative-num-draft-tokens", str(self.draft_tokens)]
+        return [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-num-steps",
+            str(self.steps),
+            "--speculative-eagle-topk",
+            str(self.topk),
+            "--speculative-num-draft-tokens",
+            str(self.draft_tokens),
+        ]
 
 
 def parse_spec_config(text: str) -> SpecConfig:
@@ -105,7 +115,7 @@ class Prompt:
     id: str
     messages: tuple  # tuple[conversation.Message, ...], ending with a user or tool turn
     tools: tuple = ()
-    thinking: Optional[bool] = None  # None: the bench's --thinking setting
+    thinking: bool | None = None  # None: the bench's --thinking setting
 
 
 @dataclass
@@ -130,8 +140,9 @@ def _prompt_from_record(record: Any, where: str, default_id: str) -> Prompt:
     if messages and messages[-1].role == "assistant":
         messages.pop()  # a reference answer: the target generates its own
     if not messages or messages[-1].role not in ("user", "tool"):
-        raise KimiInputError(f"{where}: the prompt must end with a user or tool message (after dropping a final "
-                             "assistant answer)")
+        raise KimiInputError(
+            f"{where}: the prompt must end with a user or tool message (after dropping a final assistant answer)"
+        )
     thinking = record.get("thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise KimiInputError(f"{where}: 'thinking' must be true or false")
@@ -139,7 +150,7 @@ def _prompt_from_record(record: Any, where: str, default_id: str) -> Prompt:
     return Prompt(str(pid), tuple(messages), tuple(conv.tools), thinking)
 
 
-def load_prompt_file(path: str | os.PathLike, name: Optional[str] = None) -> PromptSet:
+def load_prompt_file(path: str | os.PathLike, name: str | None = None) -> PromptSet:
     """A JSONL prompt set: one ``{"messages": [...], "id"?, "tools"?, "thinking"?}`` or
     ``{"prompt": "text"}`` per line; blank lines are skipped, a bad line names file and line."""
     p = Path(path)
@@ -184,15 +195,16 @@ def builtin_prompt_set(name: str) -> PromptSet:
     if name == "structured":
         return structured_prompt_set()
     if name not in BUILTIN_SETS:
-        raise KimiInputError(f"unknown prompt set {name!r}; built in: {', '.join(BUILTIN_SETS)} "
-                             "(pass your own with --prompts-file)")
+        raise KimiInputError(
+            f"unknown prompt set {name!r}; built in: {', '.join(BUILTIN_SETS)} (pass your own with --prompts-file)"
+        )
     with as_file(files("specforge_kimi.data") / "prompts" / f"{name}.jsonl") as path:
         ps = load_prompt_file(path, name)
     ps.source = f"specforge_kimi/data/prompts/{name}.jsonl"
     return ps
 
 
-def load_prompt_sets(names: Sequence[str], files_: Sequence[str] = (), limit: Optional[int] = None) -> list[PromptSet]:
+def load_prompt_sets(names: Sequence[str], files_: Sequence[str] = (), limit: int | None = None) -> list[PromptSet]:
     """Built-in sets by name, then user JSONL files; ``limit`` keeps the first N of each."""
     sets = [builtin_prompt_set(n) for n in names] + [load_prompt_file(f) for f in files_]
     seen: set[str] = set()
@@ -212,8 +224,9 @@ def encode_prompt(prompt: Prompt, tokenizer, *, thinking: bool) -> list[int]:
     from specforge_kimi.data.chat_template import render_messages
 
     th = thinking if prompt.thinking is None else prompt.thinking
-    return list(tokenizer.encode(render_messages(prompt.messages, prompt.tools, thinking=th,
-                                                 add_generation_prompt=True)))
+    return list(
+        tokenizer.encode(render_messages(prompt.messages, prompt.tools, thinking=th, add_generation_prompt=True))
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +246,7 @@ def per_position_acceptance(histogram: Sequence[int], steps: int) -> dict:
     return {"at_least": at_least, "conditional": conditional}
 
 
-def summarize(responses: Sequence[dict], *, wall_s: float, spec: Optional[SpecConfig]) -> dict:
+def summarize(responses: Sequence[dict], *, wall_s: float, spec: SpecConfig | None) -> dict:
     """Set-level metrics from finished ``/generate`` responses (``{"output_ids", "meta_info"}``)."""
     metas = [r.get("meta_info") or {} for r in responses]
     completion = sum(int(m.get("completion_tokens", 0)) for m in metas)
@@ -262,20 +275,22 @@ def summarize(responses: Sequence[dict], *, wall_s: float, spec: Optional[SpecCo
             hist.extend([0] * (k + 1 - len(hist)))
             hist[k] += int(c)
     per_req = [float(m["spec_accept_length"]) for m in metas if m.get("spec_accept_length") is not None]
-    out.update({
-        "spec_verify_ct": verify,
-        "spec_num_correct_drafts": correct,
-        "spec_num_proposed_drafts": proposed,
-        "acceptance_length": completion / verify if verify else None,
-        "acceptance_length_decode": (correct + verify) / verify if verify else None,
-        "acceptance_length_mean_per_request": sum(per_req) / len(per_req) if per_req else None,
-        "accept_rate": correct / proposed if proposed else None,
-        "requests_without_verify": sum(1 for m in metas if not m.get("spec_verify_ct")),
-        "correct_drafts_histogram": hist,
-        # the histogram must account for every verify step and every accepted draft token
-        "histogram_consistent": sum(hist) == verify and sum(k * c for k, c in enumerate(hist)) == correct,
-        "per_position": per_position_acceptance(hist, spec.steps),
-    })
+    out.update(
+        {
+            "spec_verify_ct": verify,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "acceptance_length": completion / verify if verify else None,
+            "acceptance_length_decode": (correct + verify) / verify if verify else None,
+            "acceptance_length_mean_per_request": sum(per_req) / len(per_req) if per_req else None,
+            "accept_rate": correct / proposed if proposed else None,
+            "requests_without_verify": sum(1 for m in metas if not m.get("spec_verify_ct")),
+            "correct_drafts_histogram": hist,
+            # the histogram must account for every verify step and every accepted draft token
+            "histogram_consistent": sum(hist) == verify and sum(k * c for k, c in enumerate(hist)) == correct,
+            "per_position": per_position_acceptance(hist, spec.steps),
+        }
+    )
     return out
 
 
@@ -289,7 +304,7 @@ class BenchSettings:
     configs: list[SpecConfig] = field(default_factory=lambda: [parse_spec_config(c) for c in DEFAULT_CONFIGS])
     sets: list[str] = field(default_factory=lambda: list(BUILTIN_SETS))
     prompt_files: list[str] = field(default_factory=list)
-    num_prompts: Optional[int] = None
+    num_prompts: int | None = None
     max_new_tokens: int = 256
     concurrency: int = 1
     warmup: int = 2
@@ -297,19 +312,19 @@ class BenchSettings:
     baseline: bool = True
     tp: int = 1
     attention_backend: str = "triton"
-    mem_fraction_static: Optional[float] = None
-    context_length: Optional[int] = None
+    mem_fraction_static: float | None = None
+    context_length: int | None = None
     disable_cuda_graph: bool = False
     disable_allreduce_fusion: bool = False
     extra_server_args: list[str] = field(default_factory=list)
-    port: Optional[int] = None
+    port: int | None = None
     start_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     standin_tokenizer: bool = False
     check_draft: bool = True
-    min_acceptance_length: Optional[float] = None
-    threshold_sets: Optional[list[str]] = None
+    min_acceptance_length: float | None = None
+    threshold_sets: list[str] | None = None
     out_dir: str = "runs/bench"
 
     def validate(self) -> None:
@@ -320,8 +335,11 @@ class BenchSettings:
             raise KimiInputError("no speculative config given")
         for c in self.configs:
             c.validate()
-        for name, v in (("--max-new-tokens", self.max_new_tokens), ("--concurrency", self.concurrency),
-                        ("--tp", self.tp)):
+        for name, v in (
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--concurrency", self.concurrency),
+            ("--tp", self.tp),
+        ):
             if v < 1:
                 raise KimiInputError(f"{name} must be >= 1, got {v}")
         if self.warmup < 0 or (self.num_prompts is not None and self.num_prompts < 1):
@@ -356,14 +374,17 @@ def context_length(settings: BenchSettings, longest_prompt: int) -> int:
         limits = [v for v in (text.get("max_position_embeddings"), dcfg.get("max_position_embeddings")) if v]
         ctx = min(limits) if limits else need
     if ctx < need:
-        raise KimiInputError(f"context length {ctx} cannot hold the longest prompt ({longest_prompt} tokens) + "
-                             f"--max-new-tokens {settings.max_new_tokens}; lower --max-new-tokens or --num-prompts, or "
-                             "pass --context-length")
+        raise KimiInputError(
+            f"context length {ctx} cannot hold the longest prompt ({longest_prompt} tokens) + "
+            f"--max-new-tokens {settings.max_new_tokens}; lower --max-new-tokens or --num-prompts, or "
+            "pass --context-length"
+        )
     return ctx
 
 
-def server_argv(settings: BenchSettings, spec: Optional[SpecConfig], *, port: int, context: int,
-                python: str = sys.executable) -> list[str]:
+def server_argv(
+    settings: BenchSettings, spec: SpecConfig | None, *, port: int, context: int, python: str = sys.executable
+) -> list[str]:
     """The text-only SGLang server (``python -m specforge_kimi.capture_server``) without spec capture.
 
     The ``sglang_*`` knobs go through SpecForge's own ``ModelConfig`` -> ``_sglang_argv`` (as our
@@ -373,10 +394,25 @@ def server_argv(settings: BenchSettings, spec: Optional[SpecConfig], *, port: in
     from specforge.config import ModelConfig
     from specforge.launch_plan import _sglang_argv
 
-    argv = [python, "-m", SERVER_MODULE, "--model-path", str(settings.target), "--skip-tokenizer-init",
-            "--tp-size", str(settings.tp), "--host", "127.0.0.1", "--port", str(port)]
-    model = ModelConfig(target_model_path=str(settings.target), sglang_attention_backend=settings.attention_backend,
-                        sglang_context_length=context)
+    argv = [
+        python,
+        "-m",
+        SERVER_MODULE,
+        "--model-path",
+        str(settings.target),
+        "--skip-tokenizer-init",
+        "--tp-size",
+        str(settings.tp),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    model = ModelConfig(
+        target_model_path=str(settings.target),
+        sglang_attention_backend=settings.attention_backend,
+        sglang_context_length=context,
+    )
     argv += _sglang_argv(model, overrides={"sglang_mem_fraction_static": settings.mem_fraction_static})
     if settings.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
@@ -388,21 +424,32 @@ def server_argv(settings: BenchSettings, spec: Optional[SpecConfig], *, port: in
 
 
 @contextmanager
-def serving(label: str, argv: Sequence[str], *, port: int, log_path: Path, timeout_s: float,
-            env: Optional[dict] = None) -> Iterator[float]:
+def serving(
+    label: str, argv: Sequence[str], *, port: int, log_path: Path, timeout_s: float, env: dict | None = None
+) -> Iterator[float]:
     """Start a server, wait for ``/health``, yield the start-up seconds, always tear it down.
 
     SpecForge's supervisor pieces: ``_spawn_service`` (own session, log file), ``_wait_for_service``
     (HTTP readiness, fails early if the process exits) and ``_stop_services`` (SIGTERM to the
     process group, SIGKILL after the grace period).
     """
-    from specforge.launch_plan import (CommandSpec, ReadinessSpec, ServiceSpec, _spawn_service, _stop_services,
-                                       _wait_for_service)
+    from specforge.launch_plan import (
+        CommandSpec,
+        ReadinessSpec,
+        ServiceSpec,
+        _spawn_service,
+        _stop_services,
+        _wait_for_service,
+    )
+
     from specforge_kimi.online.capture_server import NVLS_OFF_ENV
 
-    service = ServiceSpec(command=CommandSpec(label, tuple(argv), {**NVLS_OFF_ENV, **(env or {})}),
-                          readiness=ReadinessSpec("http", f"http://127.0.0.1:{port}/health", timeout_s),
-                          log_path=str(log_path), phase=1)
+    service = ServiceSpec(
+        command=CommandSpec(label, tuple(argv), {**NVLS_OFF_ENV, **(env or {})}),
+        readiness=ReadinessSpec("http", f"http://127.0.0.1:{port}/health", timeout_s),
+        log_path=str(log_path),
+        phase=1,
+    )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if log_path.exists():
         log_path.unlink()
@@ -420,13 +467,14 @@ def serving(label: str, argv: Sequence[str], *, port: int, log_path: Path, timeo
         _stop_services(started, grace_s=30.0)
 
 
-def _http(url: str, payload: Optional[dict], timeout: float) -> Any:
+def _http(url: str, payload: dict | None, timeout: float) -> Any:
     import urllib.error
     import urllib.request
 
     data = json.dumps(payload).encode() if payload is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="POST" if data is not None else "GET")
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST" if data is not None else "GET"
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
@@ -440,13 +488,19 @@ def _http(url: str, payload: Optional[dict], timeout: float) -> Any:
 
 def generate_payload(input_ids: Sequence[int], max_new_tokens: int) -> dict:
     """A greedy ``/generate`` request (``--skip-tokenizer-init``: ids in, ids out)."""
-    return {"input_ids": list(input_ids),
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
-                                "stop_token_ids": list(STOP_TOKEN_IDS)}}
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_new_tokens": max_new_tokens,
+            "stop_token_ids": list(STOP_TOKEN_IDS),
+        },
+    }
 
 
-def run_set(base_url: str, encoded: Sequence[tuple[str, list[int]]],
-            settings: BenchSettings) -> tuple[list[dict], float]:
+def run_set(
+    base_url: str, encoded: Sequence[tuple[str, list[int]]], settings: BenchSettings
+) -> tuple[list[dict], float]:
     """All prompts of one set at ``settings.concurrency``; (responses in prompt order, wall seconds)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -472,24 +526,30 @@ def _tokenizer(settings: BenchSettings):
         return build_standin_tokenizer(), "stand-in (byte-level ids, K2.5 special ids)"
     path = Path(settings.tokenizer or settings.target)
     if not (path / "tokenizer_config.json").is_file():
-        raise KimiInputError(f"{path} has no tokenizer files; pass --tokenizer DIR, or --standin-tokenizer for a "
-                             "tiny target trained on stand-in ids")
+        raise KimiInputError(
+            f"{path} has no tokenizer files; pass --tokenizer DIR, or --standin-tokenizer for a "
+            "tiny target trained on stand-in ids"
+        )
     return load_tokenizer(path), str(path)
 
 
 def _draft_info(settings: BenchSettings) -> dict:
     cfg = _read_json(Path(settings.draft) / "config.json")
-    info = {"path": str(Path(settings.draft).resolve()), "architectures": cfg.get("architectures"),
-            "draft_vocab_size": cfg.get("draft_vocab_size"),
-            "eagle_aux_hidden_state_layer_ids": (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")}
+    info = {
+        "path": str(Path(settings.draft).resolve()),
+        "architectures": cfg.get("architectures"),
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "eagle_aux_hidden_state_layer_ids": (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+    }
     if settings.check_draft and cfg.get("architectures") == ["LlamaForCausalLMEagle3"]:
         from specforge_kimi.drafts.export import check_sglang_export
 
         info["export_check"] = check_sglang_export(settings.draft, target_dir=settings.target)
     prov = Path(settings.draft) / "provenance.json"
     if prov.is_file():
-        info["provenance"] = {k: v for k, v in _read_json(prov).items() if k in ("command", "config_sha256",
-                                                                             "specforge_kimi_git_commit")}
+        info["provenance"] = {
+            k: v for k, v in _read_json(prov).items() if k in ("command", "config_sha256", "specforge_kimi_git_commit")
+        }
     return info
 
 
@@ -497,23 +557,33 @@ def _target_info(settings: BenchSettings) -> dict:
     from specforge_kimi.provenance import canonical_hash
 
     cfg = _read_json(Path(settings.target) / "config.json")
-    info: dict[str, Any] = {"path": str(Path(settings.target).resolve()), "config_sha256": canonical_hash(cfg),
-                            "tiny_spec": cfg.get("specforge_kimi_tiny")}
+    info: dict[str, Any] = {
+        "path": str(Path(settings.target).resolve()),
+        "config_sha256": canonical_hash(cfg),
+        "tiny_spec": cfg.get("specforge_kimi_tiny"),
+    }
     pre = Path(settings.target) / "pretrain.json"
     if pre.is_file():
         p = _read_json(pre)
-        info["pretrain"] = {"corpus": p.get("corpus"), "heldout": p.get("heldout"),
-                            "train": {k: v for k, v in (p.get("train") or {}).items() if k != "losses"}}
+        info["pretrain"] = {
+            "corpus": p.get("corpus"),
+            "heldout": p.get("heldout"),
+            "train": {k: v for k, v in (p.get("train") or {}).items() if k != "losses"},
+        }
     return info
 
 
-def _devices() -> Optional[list[str]]:
+def _devices() -> list[str] | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return [l.strip() for l in out.stdout.splitlines() if l.strip()] or None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] or None
 
 
 def _output_match(base: dict[str, list[dict]], spec: dict[str, list[dict]]) -> dict:
@@ -527,8 +597,17 @@ def _output_match(base: dict[str, list[dict]], spec: dict[str, list[dict]]) -> d
     return res
 
 
-def _serve_and_measure(label: str, settings: BenchSettings, spec: Optional[SpecConfig], encoded: dict,
-                       warm: list, *, context: int, out: Path, launcher: Optional[Sequence[str]]) -> tuple[dict, dict]:
+def _serve_and_measure(
+    label: str,
+    settings: BenchSettings,
+    spec: SpecConfig | None,
+    encoded: dict,
+    warm: list,
+    *,
+    context: int,
+    out: Path,
+    launcher: Sequence[str] | None,
+) -> tuple[dict, dict]:
     from specforge_kimi.online.services import free_ports
 
     port = settings.port or free_ports(1)[0]
@@ -537,8 +616,9 @@ def _serve_and_measure(label: str, settings: BenchSettings, spec: Optional[SpecC
         argv = [*launcher, *argv[3:]]
     base = f"http://127.0.0.1:{port}"
     print(f"[bench] starting {label} server (port {port}); log {out / 'logs' / (label + '.log')}", flush=True)
-    with serving(label, argv, port=port, log_path=out / "logs" / f"{label}.log",
-                 timeout_s=settings.start_timeout_s) as startup:
+    with serving(
+        label, argv, port=port, log_path=out / "logs" / f"{label}.log", timeout_s=settings.start_timeout_s
+    ) as startup:
         if warm:
             run_set(base, warm, settings)
         try:
@@ -551,8 +631,11 @@ def _serve_and_measure(label: str, settings: BenchSettings, spec: Optional[SpecC
             rows[name] = responses
             sets[name] = summarize(responses, wall_s=wall, spec=spec)
             al = sets[name].get("acceptance_length")
-            print(f"[bench] {label} {name}: {sets[name]['output_tok_per_s']:.1f} tok/s"
-                  + (f", acceptance length {al:.3f}" if al is not None else ""), flush=True)
+            print(
+                f"[bench] {label} {name}: {sets[name]['output_tok_per_s']:.1f} tok/s"
+                + (f", acceptance length {al:.3f}" if al is not None else ""),
+                flush=True,
+            )
         server_al = None
         if spec is not None:
             try:
@@ -570,7 +653,7 @@ def _serve_and_measure(label: str, settings: BenchSettings, spec: Optional[SpecC
     return run, rows
 
 
-def check_threshold(result: dict, minimum: Optional[float]) -> Optional[dict]:
+def check_threshold(result: dict, minimum: float | None) -> dict | None:
     """The first config's acceptance length over ``threshold_sets`` against ``minimum``."""
     if minimum is None:
         return None
@@ -580,11 +663,16 @@ def check_threshold(result: dict, minimum: Optional[float]) -> Optional[dict]:
     verify = sum(r.get("spec_verify_ct") or 0 for r in rows)
     al = sum(r["completion_tokens"] for r in rows) / verify if verify else None
     passed = al is not None and al >= minimum
-    return {"min_acceptance_length": minimum, "config": run["config"], "sets": names, "acceptance_length": al,
-            "passed": passed}
+    return {
+        "min_acceptance_length": minimum,
+        "config": run["config"],
+        "sets": names,
+        "acceptance_length": al,
+        "passed": passed,
+    }
 
 
-def run_bench(settings: BenchSettings, *, launcher: Optional[Sequence[str]] = None) -> dict:
+def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None) -> dict:
     """Run the whole bench; writes ``bench_result.json`` and ``acceptance.png`` under ``out_dir``."""
     import platform
     import signal
@@ -601,8 +689,9 @@ def run_bench(settings: BenchSettings, *, launcher: Optional[Sequence[str]] = No
     if unknown:
         raise KimiInputError(f"--threshold-sets {sorted(unknown)} are not among the measured sets")
     draft = _draft_info(settings)
-    encoded = {ps.name: [(p.id, encode_prompt(p, tokenizer, thinking=settings.thinking)) for p in ps.prompts]
-               for ps in sets}
+    encoded = {
+        ps.name: [(p.id, encode_prompt(p, tokenizer, thinking=settings.thinking)) for p in ps.prompts] for ps in sets
+    }
     longest = max(len(ids) for items in encoded.values() for _, ids in items)
     context = context_length(settings, longest)
     first = next(iter(encoded.values()))
@@ -610,24 +699,33 @@ def run_bench(settings: BenchSettings, *, launcher: Optional[Sequence[str]] = No
 
     previous = None
     if threading.current_thread() is threading.main_thread():
+
         def _term(signum, _frame):
             raise KeyboardInterrupt(f"signal {signum}")
+
         previous = signal.signal(signal.SIGTERM, _term)  # SIGTERM tears the servers down like Ctrl-C
     t0 = time.monotonic()
     try:
         baseline, base_rows = (None, {})
         if settings.baseline:
-            baseline, base_rows = _serve_and_measure("baseline", settings, None, encoded, warm, context=context,
-                                                     out=out, launcher=launcher)
+            baseline, base_rows = _serve_and_measure(
+                "baseline", settings, None, encoded, warm, context=context, out=out, launcher=launcher
+            )
         runs = []
         for spec in settings.configs:
             label = f"eagle3-{spec.steps}-{spec.topk}-{spec.draft_tokens}"
-            run, rows = _serve_and_measure(label, settings, spec, encoded, warm, context=context, out=out,
-                                           launcher=launcher)
+            run, rows = _serve_and_measure(
+                label, settings, spec, encoded, warm, context=context, out=out, launcher=launcher
+            )
             if baseline is not None:
-                run["speedup"] = {n: (s["output_tok_per_s"] / baseline["sets"][n]["output_tok_per_s"]
-                                      if baseline["sets"][n]["output_tok_per_s"] else None)
-                                  for n, s in run["sets"].items()}
+                run["speedup"] = {
+                    n: (
+                        s["output_tok_per_s"] / baseline["sets"][n]["output_tok_per_s"]
+                        if baseline["sets"][n]["output_tok_per_s"]
+                        else None
+                    )
+                    for n, s in run["sets"].items()
+                }
                 b_all = baseline["overall"]["output_tok_per_s"]
                 run["speedup"]["overall"] = run["overall"]["output_tok_per_s"] / b_all if b_all else None
                 run["output_match"] = _output_match(base_rows, rows)
@@ -642,16 +740,25 @@ def run_bench(settings: BenchSettings, *, launcher: Optional[Sequence[str]] = No
         "schema_version": SCHEMA_VERSION,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": sys.argv,
-        "environment": {"platform": platform.platform(), "devices": _devices(), "versions": versions(),
-                        "specforge_kimi_git_commit": git_commit()},
+        "environment": {
+            "platform": platform.platform(),
+            "devices": _devices(),
+            "versions": versions(),
+            "specforge_kimi_git_commit": git_commit(),
+        },
         "target": _target_info(settings),
         "draft": draft,
         "tokenizer": tok_source,
         "settings": s,
         "context_length": context,
-        "prompt_sets": {ps.name: {"source": ps.source, "prompts": len(ps.prompts),
-                                  "prompt_tokens_mean": sum(len(i) for _, i in encoded[ps.name]) / len(ps.prompts)}
-                        for ps in sets},
+        "prompt_sets": {
+            ps.name: {
+                "source": ps.source,
+                "prompts": len(ps.prompts),
+                "prompt_tokens_mean": sum(len(i) for _, i in encoded[ps.name]) / len(ps.prompts),
+            }
+            for ps in sets
+        },
         "baseline": baseline,
         "speculative": runs,
         "wall_s": round(time.monotonic() - t0, 2),
@@ -666,13 +773,13 @@ def run_bench(settings: BenchSettings, *, launcher: Optional[Sequence[str]] = No
 
 METRIC_DEFINITIONS = {
     "acceptance_length": "sum(meta_info.completion_tokens) / sum(meta_info.spec_verify_ct) (SGLang's "
-                         "spec_accept_length formula, token-weighted over the set; counts the prefill token)",
+    "spec_accept_length formula, token-weighted over the set; counts the prefill token)",
     "acceptance_length_decode": "(sum spec_num_correct_drafts + sum spec_verify_ct) / sum spec_verify_ct: tokens per "
-                                "verify step (= /server_info avg_spec_accept_length's definition)",
+    "verify step (= /server_info avg_spec_accept_length's definition)",
     "acceptance_length_mean_per_request": "mean of meta_info.spec_accept_length (SpecForge benchmarks/sglang.py)",
     "accept_rate": "sum spec_num_correct_drafts / sum spec_num_proposed_drafts (draft tokens - 1 per verify)",
     "per_position.at_least[j-1]": "share of verify steps that accepted the j-th drafted token, from "
-                                  "meta_info.spec_correct_drafts_histogram",
+    "meta_info.spec_correct_drafts_histogram",
     "per_position.conditional[j-1]": "at_least[j-1] / at_least[j-2]: acceptance of position j given j-1",
     "output_tok_per_s": "completion tokens / wall seconds of the set at the given concurrency",
     "speedup": "output_tok_per_s with speculation / without, same prompts, same server flags otherwise",
@@ -699,8 +806,14 @@ def plot_result(result: dict, path: Path) -> None:
         pos = run["overall"].get("per_position", {}).get("at_least") or []
         ax[1].plot(range(1, len(pos) + 1), pos, marker="o", color=f"C{i}", label=f"{_label(run)}: j accepted")
         cond = run["overall"].get("per_position", {}).get("conditional") or []
-        ax[1].plot(range(1, len(cond) + 1), cond, ls="--", marker=".", color=f"C{i}",
-                   label=f"{_label(run)}: j accepted given j-1")
+        ax[1].plot(
+            range(1, len(cond) + 1),
+            cond,
+            ls="--",
+            marker=".",
+            color=f"C{i}",
+            label=f"{_label(run)}: j accepted given j-1",
+        )
     ax[0].axhline(1.0, color="grey", lw=0.8)
     ax[0].set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(names))], names)
     ax[0].set(ylabel="acceptance length", title="acceptance length (completion / verify)")
@@ -710,8 +823,12 @@ def plot_result(result: dict, path: Path) -> None:
     bars = ([("no spec", result["baseline"])] if result.get("baseline") else []) + [(_label(r), r) for r in runs]
     w = 0.8 / max(1, len(bars))
     for i, (lab, run) in enumerate(bars):
-        ax[2].bar([x + i * w for x in range(len(names))],
-                  [run["sets"].get(n, {}).get("output_tok_per_s") or 0 for n in names], w, label=lab)
+        ax[2].bar(
+            [x + i * w for x in range(len(names))],
+            [run["sets"].get(n, {}).get("output_tok_per_s") or 0 for n in names],
+            w,
+            label=lab,
+        )
     ax[2].set_xticks([x + w * (len(bars) - 1) / 2 for x in range(len(names))], names)
     ax[2].set(ylabel="output tok/s", title=f"throughput, concurrency {result['settings']['concurrency']}")
     ax[2].legend(fontsize=7)
@@ -728,7 +845,7 @@ def _label(run: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # recipes
 # --------------------------------------------------------------------------------------------
-def recipe_settings(recipe, draft_dir: str | os.PathLike, *, out_dir: Optional[str] = None) -> BenchSettings:
+def recipe_settings(recipe, draft_dir: str | os.PathLike, *, out_dir: str | None = None) -> BenchSettings:
     """Bench settings for a recipe's draft: its target, server flags and ``bench:`` section.
 
     One node, TP = GPUs per node (serving alone needs no co-located trainer room). Prompt sets:
@@ -738,18 +855,24 @@ def recipe_settings(recipe, draft_dir: str | os.PathLike, *, out_dir: Optional[s
     tiny = "specforge_kimi_tiny" in cfg
     b, srv = recipe.bench, recipe.server
     return BenchSettings(
-        target=recipe.target.path, draft=str(draft_dir),
+        target=recipe.target.path,
+        draft=str(draft_dir),
         configs=[SpecConfig(b.steps, b.topk, b.draft_tokens).validate()],
         sets=["structured"] if tiny else ["chat", "math", "code"],
-        tp=recipe.gpus.per_node, attention_backend=srv.attention_backend,
-        mem_fraction_static=srv.mem_fraction_static, disable_cuda_graph=srv.disable_cuda_graph,
-        disable_allreduce_fusion=not srv.allreduce_fusion, extra_server_args=list(srv.extra_args),
-        port=srv.port, standin_tokenizer=tiny and not (Path(recipe.target.path) / "tokenizer_config.json").is_file(),
+        tp=recipe.gpus.per_node,
+        attention_backend=srv.attention_backend,
+        mem_fraction_static=srv.mem_fraction_static,
+        disable_cuda_graph=srv.disable_cuda_graph,
+        disable_allreduce_fusion=not srv.allreduce_fusion,
+        extra_server_args=list(srv.extra_args),
+        port=srv.port,
+        standin_tokenizer=tiny and not (Path(recipe.target.path) / "tokenizer_config.json").is_file(),
         min_acceptance_length=b.min_acceptance_length,
-        out_dir=out_dir or str(Path(recipe.output_dir) / "bench"))
+        out_dir=out_dir or str(Path(recipe.output_dir) / "bench"),
+    )
 
 
-def run_recipe_bench(recipe, draft_dir: str | os.PathLike, *, out_dir: Optional[str] = None) -> dict:
+def run_recipe_bench(recipe, draft_dir: str | os.PathLike, *, out_dir: str | None = None) -> dict:
     """Bench ``draft_dir`` as ``recipe`` states; the result's ``threshold.passed`` says pass/fail.
 
     Call it after training and export (e.g. at the end of ``launch.run`` once the plan returned 0)
@@ -762,16 +885,29 @@ def run_recipe_bench(recipe, draft_dir: str | os.PathLike, *, out_dir: Optional[
 # CLI
 # --------------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="acceptance length + speedup of a draft through SGLang EAGLE-3 speculation",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "bench",
+        help="acceptance length + speedup of a draft through SGLang EAGLE-3 speculation",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--target", help="target checkpoint directory")
     p.add_argument("--draft", required=True, help="exported SGLang draft directory")
-    p.add_argument("--recipe", help="take target, server flags, config and threshold from a recipe (then only "
-                   "--draft, --num-prompts and --out apply); exits 1 below its bench.min_acceptance_length")
-    p.add_argument("--config", action="append", metavar="STEPS,TOPK,DRAFT_TOKENS",
-                   help=f"speculative config, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})")
-    p.add_argument("--sets", default=",".join(BUILTIN_SETS), help="built-in prompt sets, comma-separated "
-                   f"({', '.join(BUILTIN_SETS)}); '' for none")
+    p.add_argument(
+        "--recipe",
+        help="take target, server flags, config and threshold from a recipe (then only "
+        "--draft, --num-prompts and --out apply); exits 1 below its bench.min_acceptance_length",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="STEPS,TOPK,DRAFT_TOKENS",
+        help=f"speculative config, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})",
+    )
+    p.add_argument(
+        "--sets",
+        default=",".join(BUILTIN_SETS),
+        help=f"built-in prompt sets, comma-separated ({', '.join(BUILTIN_SETS)}); '' for none",
+    )
     p.add_argument("--prompts-file", action="append", default=[], help="extra JSONL prompt set (name = file stem)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -782,23 +918,36 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--context-length", type=int, default=None,
-                   help="default: min(target, draft max_position_embeddings)")
+    p.add_argument(
+        "--context-length", type=int, default=None, help="default: min(target, draft max_position_embeddings)"
+    )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-allreduce-fusion", action="store_true")
-    p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable; "
-                   "use --server-arg=--flag)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra SGLang server argument (repeatable; use --server-arg=--flag)",
+    )
     p.add_argument("--port", type=int, default=None, help="default: a free port")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become healthy")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     p.add_argument("--standin-tokenizer", action="store_true", help="stand-in tokenizer (tiny targets)")
     p.add_argument("--skip-draft-check", action="store_true", help="do not run export-check on a Llama draft")
-    p.add_argument("--min-acceptance-length", type=float, default=None,
-                   help="exit 1 when the first config's acceptance length over --threshold-sets is below this")
+    p.add_argument(
+        "--min-acceptance-length",
+        type=float,
+        default=None,
+        help="exit 1 when the first config's acceptance length over --threshold-sets is below this",
+    )
     p.add_argument("--threshold-sets", default=None, help="sets the threshold applies to (default: all measured)")
-    p.add_argument("--out", default=None, help="output directory: bench_result.json, acceptance.png, logs/ "
-                   "(default runs/bench; with --recipe OUTPUT_DIR/bench)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory: bench_result.json, acceptance.png, logs/ "
+        "(default runs/bench; with --recipe OUTPUT_DIR/bench)",
+    )
     p.set_defaults(func=run)
 
 
@@ -813,19 +962,34 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if not args.target:
         raise KimiInputError("pass --target DIR (or --recipe)")
     return BenchSettings(
-        target=args.target, draft=args.draft,
+        target=args.target,
+        draft=args.draft,
         configs=[parse_spec_config(c) for c in (args.config or DEFAULT_CONFIGS)],
-        sets=[x.strip() for x in args.sets.split(",") if x.strip()], prompt_files=list(args.prompts_file),
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-        warmup=args.warmup, thinking=not args.no_thinking, baseline=not args.no_baseline, tp=args.tp,
-        attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
-        context_length=args.context_length, disable_cuda_graph=args.disable_cuda_graph,
-        disable_allreduce_fusion=args.disable_allreduce_fusion, extra_server_args=list(args.server_arg),
-        port=args.port, start_timeout_s=args.start_timeout, request_timeout_s=args.request_timeout,
-        tokenizer=args.tokenizer, standin_tokenizer=args.standin_tokenizer, check_draft=not args.skip_draft_check,
+        sets=[x.strip() for x in args.sets.split(",") if x.strip()],
+        prompt_files=list(args.prompts_file),
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        concurrency=args.concurrency,
+        warmup=args.warmup,
+        thinking=not args.no_thinking,
+        baseline=not args.no_baseline,
+        tp=args.tp,
+        attention_backend=args.attention_backend,
+        mem_fraction_static=args.mem_fraction_static,
+        context_length=args.context_length,
+        disable_cuda_graph=args.disable_cuda_graph,
+        disable_allreduce_fusion=args.disable_allreduce_fusion,
+        extra_server_args=list(args.server_arg),
+        port=args.port,
+        start_timeout_s=args.start_timeout,
+        request_timeout_s=args.request_timeout,
+        tokenizer=args.tokenizer,
+        standin_tokenizer=args.standin_tokenizer,
+        check_draft=not args.skip_draft_check,
         min_acceptance_length=args.min_acceptance_length,
         threshold_sets=[x.strip() for x in args.threshold_sets.split(",")] if args.threshold_sets else None,
-        out_dir=args.out or "runs/bench")
+        out_dir=args.out or "runs/bench",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -833,19 +997,43 @@ def run(args: argparse.Namespace) -> int:
     for r in result["speculative"]:
         o = r["overall"]
         speed = (r.get("speedup") or {}).get("overall")
-        print(f"EAGLE3 {_label(r)}: acceptance length {o['acceptance_length'] or 0:.3f} "
-              f"(decode {o['acceptance_length_decode'] or 0:.3f}), {o['output_tok_per_s']:.1f} tok/s"
-              + (f", speedup {speed:.2f}x" if speed else ""))
+        print(
+            f"EAGLE3 {_label(r)}: acceptance length {o['acceptance_length'] or 0:.3f} "
+            f"(decode {o['acceptance_length_decode'] or 0:.3f}), {o['output_tok_per_s']:.1f} tok/s"
+            + (f", speedup {speed:.2f}x" if speed else "")
+        )
     print(f"results: {Path(result['png']).parent / 'bench_result.json'}; plot {result['png']}")
     th = result["threshold"]
     if th is not None and not th["passed"]:
-        print(f"FAIL: acceptance length {th['acceptance_length']} < {th['min_acceptance_length']} "
-              f"(config {th['config']}, sets {th['sets']})", file=sys.stderr)
+        print(
+            f"FAIL: acceptance length {th['acceptance_length']} < {th['min_acceptance_length']} "
+            f"(config {th['config']}, sets {th['sets']})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
-__all__ = ["BenchSettings", "SpecConfig", "PromptSet", "Prompt", "parse_spec_config", "load_prompt_file",
-           "load_prompt_sets", "builtin_prompt_set", "structured_prompt_set", "encode_prompt", "summarize",
-           "per_position_acceptance", "server_argv", "serving", "run_bench", "recipe_settings", "run_recipe_bench",
-           "check_threshold", "plot_result", "add_parser", "run"]
+__all__ = [
+    "BenchSettings",
+    "SpecConfig",
+    "PromptSet",
+    "Prompt",
+    "parse_spec_config",
+    "load_prompt_file",
+    "load_prompt_sets",
+    "builtin_prompt_set",
+    "structured_prompt_set",
+    "encode_prompt",
+    "summarize",
+    "per_position_acceptance",
+    "server_argv",
+    "serving",
+    "run_bench",
+    "recipe_settings",
+    "run_recipe_bench",
+    "check_threshold",
+    "plot_result",
+    "add_parser",
+    "run",
+]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.online.ledger import ledger
@@ -38,8 +37,9 @@ def consumer_steps(log_text: str) -> list[dict]:
             metrics = ast.literal_eval(m.group(2))
         except (ValueError, SyntaxError):
             continue
-        out.append({"step": int(m.group(1)), **{k: float(v) for k, v in metrics.items()
-                                                  if isinstance(v, (int, float))}})
+        out.append(
+            {"step": int(m.group(1)), **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
+        )
     return out
 
 
@@ -51,8 +51,11 @@ def disk_bytes(run_dir: Path, run_id: str) -> dict:
             top = p.relative_to(run_dir).parts[0]
             by_entry[top] = by_entry.get(top, 0) + p.stat().st_size
     excluded = {k for k in by_entry if k.startswith(f"{run_id}-step") or k in ("export-sglang", "rendered")}
-    return {"by_entry": by_entry, "checkpoints_and_export": sum(by_entry[k] for k in excluded),
-            "metadata": sum(v for k, v in by_entry.items() if k not in excluded)}
+    return {
+        "by_entry": by_entry,
+        "checkpoints_and_export": sum(by_entry[k] for k in excluded),
+        "metadata": sum(v for k, v in by_entry.items() if k not in excluded),
+    }
 
 
 def gpu_memory(samples_csv: Path) -> dict:
@@ -64,9 +67,17 @@ def gpu_memory(samples_csv: Path) -> dict:
         if len(parts) < 4 or not parts[2].strip().isdigit():
             continue
         pid, mib, cmd = parts[1].strip(), int(parts[2]), parts[3]
-        role = ("capture-server" if ("capture_server" in cmd or "sglang" in cmd) else
-                "trainer" if "--role consumer" in cmd else "producer" if "--role producer" in cmd else
-                "mooncake" if "mooncake" in cmd else "other")
+        role = (
+            "capture-server"
+            if ("capture_server" in cmd or "sglang" in cmd)
+            else "trainer"
+            if "--role consumer" in cmd
+            else "producer"
+            if "--role producer" in cmd
+            else "mooncake"
+            if "mooncake" in cmd
+            else "other"
+        )
         per_pid[pid] = max(per_pid.get(pid, 0), mib)
         key = f"{role}:{pid}"
         peaks[key] = max(peaks.get(key, 0), mib)
@@ -84,13 +95,23 @@ def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
     import statistics
 
     body = steps[skip:] if len(steps) > skip + 5 else steps
-    keys = ("perf/optimizer_step_time_s", "perf/data_wait_time_s", "perf/train_compute_time_s",
-            "perf/durable_ack_time_s", "perf/global_samples_per_second")
-    med = {k.split("/", 1)[1]: statistics.median(s[k] for s in body) for k in keys
-           if body and all(k in s for s in body)}
+    keys = (
+        "perf/optimizer_step_time_s",
+        "perf/data_wait_time_s",
+        "perf/train_compute_time_s",
+        "perf/durable_ack_time_s",
+        "perf/global_samples_per_second",
+    )
+    med = {
+        k.split("/", 1)[1]: statistics.median(s[k] for s in body) for k in keys if body and all(k in s for s in body)
+    }
     tokens_per_step = led["trained_tokens"] / led["global_step"] if led.get("global_step") else None
-    out = {"steps_used": len(body), "warmup_steps_skipped": len(steps) - len(body), "median": med,
-           "tokens_per_step": tokens_per_step}
+    out = {
+        "steps_used": len(body),
+        "warmup_steps_skipped": len(steps) - len(body),
+        "median": med,
+        "tokens_per_step": tokens_per_step,
+    }
     if tokens_per_step and med.get("optimizer_step_time_s"):
         out["end_to_end_tokens_per_s"] = tokens_per_step / med["optimizer_step_time_s"]
     if tokens_per_step and med.get("train_compute_time_s"):
@@ -100,7 +121,7 @@ def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
     return out
 
 
-def report(run_dir: str | Path, *, gpu_samples: Optional[str] = None) -> dict:
+def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     run = Path(run_dir)
     rendered = run / "rendered" / "specforge_run.yaml"
     if not rendered.is_file():
@@ -115,21 +136,36 @@ def report(run_dir: str | Path, *, gpu_samples: Optional[str] = None) -> dict:
     k = max(1, min(20, len(losses) // 5)) if losses else 0
     led = ledger(run)
     disk = disk_bytes(run, run_id)
-    ckpts = sorted((p.name for p in run.glob(f"{run_id}-step*") if (p / "training_state.pt").is_file()),
-                   key=lambda n: int(n.rsplit("step", 1)[1]))
+    ckpts = sorted(
+        (p.name for p in run.glob(f"{run_id}-step*") if (p / "training_state.pt").is_file()),
+        key=lambda n: int(n.rsplit("step", 1)[1]),
+    )
     out = {
-        "run_dir": str(run), "run_id": run_id, "max_steps": cfg["training"].get("max_steps"),
-        "steps_logged": len(steps), "last_step": steps[-1]["step"] if steps else 0,
-        "loss_first_mean": sum(losses[:k]) / k if k else None, "loss_last_mean": sum(losses[-k:]) / k if k else None,
-        "loss_window": k, "losses": losses,
-        "acc_last_mean": ({key: sum(s.get(key, 0.0) for s in steps[-k:]) / k
-                           for key in sorted(steps[-1]) if key.startswith("acc_")} if k else {}),
-        "ledger": led, "checkpoints": ckpts, "export_dir": str(run / "export-sglang"),
-        "export_present": (run / "export-sglang" / "config.json").is_file(), "disk": disk,
-        "metadata_bytes_per_trained_token": (disk["metadata"] / led["trained_tokens"]
-                                             if led.get("trained_tokens") else None),
-        "feature_bytes_per_trained_token": (led["feature_bytes_trained"] / led["trained_tokens"]
-                                            if led.get("trained_tokens") else None),
+        "run_dir": str(run),
+        "run_id": run_id,
+        "max_steps": cfg["training"].get("max_steps"),
+        "steps_logged": len(steps),
+        "last_step": steps[-1]["step"] if steps else 0,
+        "loss_first_mean": sum(losses[:k]) / k if k else None,
+        "loss_last_mean": sum(losses[-k:]) / k if k else None,
+        "loss_window": k,
+        "losses": losses,
+        "acc_last_mean": (
+            {key: sum(s.get(key, 0.0) for s in steps[-k:]) / k for key in sorted(steps[-1]) if key.startswith("acc_")}
+            if k
+            else {}
+        ),
+        "ledger": led,
+        "checkpoints": ckpts,
+        "export_dir": str(run / "export-sglang"),
+        "export_present": (run / "export-sglang" / "config.json").is_file(),
+        "disk": disk,
+        "metadata_bytes_per_trained_token": (
+            disk["metadata"] / led["trained_tokens"] if led.get("trained_tokens") else None
+        ),
+        "feature_bytes_per_trained_token": (
+            led["feature_bytes_trained"] / led["trained_tokens"] if led.get("trained_tokens") else None
+        ),
     }
     out["perf"] = perf(steps, led)
     if gpu_samples and Path(gpu_samples).is_file():

@@ -22,8 +22,8 @@ comes from SGLang's speculative decoding (the bench command).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 def add_target_greedy(samples: list[dict], target_head_weight, t2d=None) -> None:
@@ -119,23 +119,34 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
             last = s["hidden_state"].reshape(1, L, -1).to(dtype)
             greedy = s.get("target_greedy")
             if greedy is None:
-                greedy = (last @ w.T).argmax(-1)                  # at i: the target's greedy token i+1
-            target_tok = _shift(greedy.reshape(1, L), 1)          # at t: the target's greedy token t+2
-            inp = _shift(ids, 1)                                  # token t+1 at t
-            valid0 = _shift(mask, 2)                              # token t+2 is a trained token
+                greedy = (last @ w.T).argmax(-1)  # at i: the target's greedy token i+1
+            target_tok = _shift(greedy.reshape(1, L), 1)  # at t: the target's greedy token t+2
+            inp = _shift(ids, 1)  # token t+1 at t
+            valid0 = _shift(mask, 2)  # token t+2 is a trained token
             hidden = draft.project_hidden_states(aux)
             pos = torch.arange(L).unsqueeze(0)
             attn = draft.prepare_decoder_attention_mask(
-                attention_mask=torch.ones(1, L, dtype=torch.bool), hidden_states=hidden,
-                batch_size=1, seq_length=L, past_key_values_length=0)
+                attention_mask=torch.ones(1, L, dtype=torch.bool),
+                hidden_states=hidden,
+                batch_size=1,
+                seq_length=L,
+                past_key_values_length=0,
+            )
             cache_hidden = [[], []]
             ok = valid0.bool().clone()
             start = ok.clone()
             length = ok.long()
             for j in range(steps):
                 emb = draft.embed_input_ids(_shift(inp, j)).to(dtype)
-                hidden = draft.backbone(input_embeds=emb, hidden_states=hidden, cache_hidden=cache_hidden,
-                                        attention_mask=attn, position_ids=pos, past_key_values=None, use_cache=True)
+                hidden = draft.backbone(
+                    input_embeds=emb,
+                    hidden_states=hidden,
+                    cache_hidden=cache_hidden,
+                    attention_mask=attn,
+                    position_ids=pos,
+                    past_key_values=None,
+                    use_cache=True,
+                )
                 logits = draft.compute_logits(hidden)
                 pred = logits.argmax(-1)
                 tp = s.get("target_p_draft")
@@ -161,6 +172,13 @@ def simulated_acceptance(draft, target_head_weight, samples: Iterable[dict], ste
         raise ValueError("no trained positions in the held-out samples")
     per_step = [correct_at[j] / reached[j] if reached[j] else 0.0 for j in range(steps)]
     at_least = [sum(n >= j + 2 for n in rounds) / len(rounds) for j in range(steps)] if rounds else None
-    return AcceptanceResult(total_len / chains, per_step, chains, loss_sum / loss_n if loss_n else None,
-                            ent_sum / loss_n if loss_n else None,
-                            sum(rounds) / len(rounds) if rounds else None, at_least, len(rounds))
+    return AcceptanceResult(
+        total_len / chains,
+        per_step,
+        chains,
+        loss_sum / loss_n if loss_n else None,
+        ent_sum / loss_n if loss_n else None,
+        sum(rounds) / len(rounds) if rounds else None,
+        at_least,
+        len(rounds),
+    )

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from specforge_kimi.target.checkpoint import is_kimi_k25_checkpoint
 
@@ -38,23 +38,40 @@ FUSION_BACKEND_SM90 = "trtllm"
 COMPACT_PASSTHROUGH_ENV = "SPECFORGE_SPEC_CAPTURE_COMPACT"
 
 
-def mooncake_config(*, rpc_port: int = 35551, metadata_port: int = 35880, metrics_port: int = 35903,
-                    global_segment_size_bytes: int = 32 << 30, local_buffer_size_bytes: int = 1 << 30,
-                    **kwargs: Any):
+def mooncake_config(
+    *,
+    rpc_port: int = 35551,
+    metadata_port: int = 35880,
+    metrics_port: int = 35903,
+    global_segment_size_bytes: int = 32 << 30,
+    local_buffer_size_bytes: int = 1 << 30,
+    **kwargs: Any,
+):
     """SpecForge's own ``ManagedLocalMooncakeConfig`` (loopback master; its defaults otherwise)."""
     from specforge.config.schema import ManagedLocalMooncakeConfig
 
-    return ManagedLocalMooncakeConfig(rpc_port=rpc_port, metadata_port=metadata_port, metrics_port=metrics_port,
-                                      global_segment_size_bytes=global_segment_size_bytes,
-                                      local_buffer_size_bytes=local_buffer_size_bytes, **kwargs)
+    return ManagedLocalMooncakeConfig(
+        rpc_port=rpc_port,
+        metadata_port=metadata_port,
+        metrics_port=metrics_port,
+        global_segment_size_bytes=global_segment_size_bytes,
+        local_buffer_size_bytes=local_buffer_size_bytes,
+        **kwargs,
+    )
 
 
 def mooncake_master_argv(mooncake, *, python: str = sys.executable) -> list[str]:
     """The master SpecForge's managed_local starts, through ``mooncake.cli`` (no PATH lookup)."""
-    return [python, "-c", "from mooncake.cli import main; main()",
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-            f"--rpc_port={mooncake.rpc_port}", f"--http_metadata_server_port={mooncake.metadata_port}",
-            f"--metrics_port={mooncake.metrics_port}"]
+    return [
+        python,
+        "-c",
+        "from mooncake.cli import main; main()",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--rpc_port={mooncake.rpc_port}",
+        f"--http_metadata_server_port={mooncake.metadata_port}",
+        f"--metrics_port={mooncake.metrics_port}",
+    ]
 
 
 def mooncake_client_env(mooncake) -> dict[str, str]:
@@ -70,8 +87,9 @@ def mooncake_client_env(mooncake) -> dict[str, str]:
     return env
 
 
-def capture_server_env(mooncake, *, cuda_visible_devices: Optional[Sequence[int | str]] = None,
-                       put_clients: int = 1) -> dict[str, str]:
+def capture_server_env(
+    mooncake, *, cuda_visible_devices: Sequence[int | str] | None = None, put_clients: int = 1
+) -> dict[str, str]:
     """Environment additions for a capture server (SpecForge's managed_local ``service_env``).
 
     The patch's sink reads its Mooncake endpoints and segment sizes from these; the server owns
@@ -115,15 +133,15 @@ def capture_server_argv(
     tp: int,
     port: int,
     aux_specforge_ids: Sequence[int],
-    fusion: Optional[bool],
+    fusion: bool | None,
     attention_backend: str = "triton",
     mem_fraction_static: float = 0.4,
-    context_length: Optional[int] = None,
+    context_length: int | None = None,
     host: str = "127.0.0.1",
     dtype: str = "bfloat16",
     disable_cuda_graph: bool = True,
     ep_size: int = 1,
-    dp_attention_size: Optional[int] = None,
+    dp_attention_size: int | None = None,
     python: str = sys.executable,
     extra: Sequence[str] = (),
 ) -> list[str]:
@@ -162,23 +180,38 @@ def capture_server_argv(
             raise ValueError(f"{name} must be a positive divisor of tp={tp}, got {size}")
     dp = dp_attention_size if (dp_attention_size or 1) > 1 else None  # one DP group is no DP attention
     argv = [
-        python, "-m", "specforge_kimi.capture_server",
-        "--model-path", str(model_dir),
-        "--dtype", dtype,
+        python,
+        "-m",
+        "specforge_kimi.capture_server",
+        "--model-path",
+        str(model_dir),
+        "--dtype",
+        dtype,
         "--skip-tokenizer-init",
-        "--tp-size", str(tp),
-        "--chunked-prefill-size", "-1",
+        "--tp-size",
+        str(tp),
+        "--chunked-prefill-size",
+        "-1",
         "--enable-spec-capture",
-        "--spec-capture-method", SPEC_CAPTURE_METHOD,
-        "--spec-capture-aux-layer-ids", *[str(i) for i in ids],
-        "--host", host,
-        "--port", str(port),
+        "--spec-capture-method",
+        SPEC_CAPTURE_METHOD,
+        "--spec-capture-aux-layer-ids",
+        *[str(i) for i in ids],
+        "--host",
+        host,
+        "--port",
+        str(port),
     ]
-    model = ModelConfig(target_model_path=str(model_dir), torch_dtype=dtype,
-                        sglang_attention_backend=attention_backend,
-                        sglang_mem_fraction_static=mem_fraction_static,
-                        sglang_context_length=context_length, sglang_ep_size=ep_size,
-                        sglang_enable_dp_attention=dp is not None, sglang_dp_size=dp)
+    model = ModelConfig(
+        target_model_path=str(model_dir),
+        torch_dtype=dtype,
+        sglang_attention_backend=attention_backend,
+        sglang_mem_fraction_static=mem_fraction_static,
+        sglang_context_length=context_length,
+        sglang_ep_size=ep_size,
+        sglang_enable_dp_attention=dp is not None,
+        sglang_dp_size=dp,
+    )
     argv += _sglang_argv(model)
     if disable_cuda_graph:
         argv.append("--disable-cuda-graph")
@@ -214,14 +247,21 @@ def parse_text_only_args(argv: Sequence[str]):
 
         argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
     raw = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, raw.log_level.upper()), format="[%(asctime)s] %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S", force=True)
+    logging.basicConfig(
+        level=getattr(logging, raw.log_level.upper()),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
     if is_kimi_k25_checkpoint(raw.model_path):
         if raw.enable_multimodal:
             raise SystemExit("specforge_kimi.capture_server serves K2.5 text-only; drop --enable-multimodal")
         raw.enable_multimodal = False
-        print(f"specforge_kimi.capture_server: {raw.model_path} is a kimi_k25 checkpoint; "
-              "set enable_multimodal=False (text-only: no vision tower, no multimodal processor)", flush=True)
+        print(
+            f"specforge_kimi.capture_server: {raw.model_path} is a kimi_k25 checkpoint; "
+            "set enable_multimodal=False (text-only: no vision tower, no multimodal processor)",
+            flush=True,
+        )
     return raw
 
 
@@ -232,7 +272,7 @@ def prepare_text_only_server_args(argv: Sequence[str]):
     return ServerArgs.from_cli_args(parse_text_only_args(argv))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """``python -m sglang.launch_server`` with :func:`prepare_text_only_server_args`."""
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
@@ -254,9 +294,16 @@ def spec_capture_supported() -> bool:
 
 
 __all__ = [
-    "capture_server_argv", "capture_server_env", "mooncake_config", "mooncake_master_argv",
-    "mooncake_client_env", "mooncake_reader_setup_kwargs",
-    "parse_text_only_args", "prepare_text_only_server_args", "main", "spec_capture_supported",
+    "capture_server_argv",
+    "capture_server_env",
+    "mooncake_config",
+    "mooncake_master_argv",
+    "mooncake_client_env",
+    "mooncake_reader_setup_kwargs",
+    "parse_text_only_args",
+    "prepare_text_only_server_args",
+    "main",
+    "spec_capture_supported",
 ]
 
 if __name__ == "__main__":

@@ -40,14 +40,26 @@ def check_versions() -> list[Check]:
     for dist, pin in PINS.items():
         v = _version(dist)
         ok = v is not None and v.split("+")[0] == pin
-        out.append(Check(f"version {dist}", "ok" if ok else "fail", f"{v or 'not installed'} (pin {pin})",
-                         "" if ok else f"pip install 'specforge==0.2.0' (brings {dist}=={pin}); "
-                                       "or bash scripts/bootstrap.sh"))
+        out.append(
+            Check(
+                f"version {dist}",
+                "ok" if ok else "fail",
+                f"{v or 'not installed'} (pin {pin})",
+                "" if ok else f"pip install 'specforge==0.2.0' (brings {dist}=={pin}); or bash scripts/bootstrap.sh",
+            )
+        )
     found = {d: _version(d) for d in MOONCAKE_DISTS}
     have = {d: v for d, v in found.items() if v}
-    out.append(Check("mooncake", "ok" if have else "fail", json.dumps(have) if have else "no mooncake distribution",
-                     "" if have else "pip install mooncake-transfer-engine-cuda13 (GPU hosts) or "
-                                     "mooncake-transfer-engine-non-cuda (CPU)"))
+    out.append(
+        Check(
+            "mooncake",
+            "ok" if have else "fail",
+            json.dumps(have) if have else "no mooncake distribution",
+            ""
+            if have
+            else "pip install mooncake-transfer-engine-cuda13 (GPU hosts) or mooncake-transfer-engine-non-cuda (CPU)",
+        )
+    )
     return out
 
 
@@ -58,20 +70,27 @@ def _sha256(path: Path) -> str:
 def check_patches() -> list[Check]:
     import importlib.util
 
-    from specforge_kimi.online import setup_patches
     from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.online import setup_patches
 
     out = []
     try:
         for s in setup_patches.plan(None, sglang=False):
             files = ", ".join(f"{f}@{_sha256(s.root / f)}" for f in s.files if (s.root / f).is_file())
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[s.state]
-            warn = ("specforge-kimi setup (or set server.compact_passthrough: false in the recipe)"
-                    if s.patch.name == setup_patches.COMPACT_SPECFORGE_PATCH
-                    else "specforge-kimi setup (or run SpecForge through `specforge-kimi train`)")
-            out.append(Check(f"specforge patch {s.patch.name}", status, f"{s.state}; {files}",
-                             {"ok": "", "warn": warn,
-                              "fail": "reinstall specforge==0.2.0, then specforge-kimi setup"}[status]))
+            warn = (
+                "specforge-kimi setup (or set server.compact_passthrough: false in the recipe)"
+                if s.patch.name == setup_patches.COMPACT_SPECFORGE_PATCH
+                else "specforge-kimi setup (or run SpecForge through `specforge-kimi train`)"
+            )
+            out.append(
+                Check(
+                    f"specforge patch {s.patch.name}",
+                    status,
+                    f"{s.state}; {files}",
+                    {"ok": "", "warn": warn, "fail": "reinstall specforge==0.2.0, then specforge-kimi setup"}[status],
+                )
+            )
     except KimiInputError as exc:
         out.append(Check("specforge patches", "fail", str(exc), "bash scripts/bootstrap.sh"))
     spec = importlib.util.find_spec("sglang.srt.spec_capture_sink") if _version("sglang") else None
@@ -81,13 +100,27 @@ def check_patches() -> list[Check]:
         for s in setup_patches.classify_stack(setup_patches.our_sglang_patches(), setup_patches.sglang_root()):
             state = s.state
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[state]
-            out.append(Check(f"sglang patch {s.patch.name}", status, state,
-                             {"ok": "", "warn": "specforge-kimi setup --specforge-checkout /path/to/SpecForge",
-                              "fail": "reinstall sglang==0.5.14, then specforge-kimi setup --specforge-checkout ..."}
-                             [status]))
+            out.append(
+                Check(
+                    f"sglang patch {s.patch.name}",
+                    status,
+                    state,
+                    {
+                        "ok": "",
+                        "warn": "specforge-kimi setup --specforge-checkout /path/to/SpecForge",
+                        "fail": "reinstall sglang==0.5.14, then specforge-kimi setup --specforge-checkout ...",
+                    }[status],
+                )
+            )
     else:
-        out.append(Check("sglang spec-capture patch", "fail", "sglang.srt.spec_capture_sink is missing",
-                         "specforge-kimi setup --specforge-checkout /path/to/SpecForge (at a6b6b023)"))
+        out.append(
+            Check(
+                "sglang spec-capture patch",
+                "fail",
+                "sglang.srt.spec_capture_sink is missing",
+                "specforge-kimi setup --specforge-checkout /path/to/SpecForge (at a6b6b023)",
+            )
+        )
     return out
 
 
@@ -95,8 +128,14 @@ def check_cuda() -> list[Check]:
     import torch
 
     if not torch.cuda.is_available():
-        return [Check("cuda", "fail", "torch.cuda.is_available() is False",
-                      "run on a GPU host with an NVIDIA driver; CPU machines run only the demo and tests")]
+        return [
+            Check(
+                "cuda",
+                "fail",
+                "torch.cuda.is_available() is False",
+                "run on a GPU host with an NVIDIA driver; CPU machines run only the demo and tests",
+            )
+        ]
     n = torch.cuda.device_count()
     nccl = ".".join(str(x) for x in torch.cuda.nccl.version()) if hasattr(torch.cuda, "nccl") else "?"
     names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
@@ -113,12 +152,24 @@ def check_target(recipe) -> list[Check]:
     except KimiInputError as exc:
         return [Check("target checkpoint", "fail", str(exc), "point target.path at a local Kimi-K2.5 checkpoint")]
     out = []
-    mism = [f"{k}: recipe {a}, checkpoint {b}" for k, a, b in (
-        ("num_layers", t.num_layers, info.num_layers), ("hidden_size", t.hidden_size, info.hidden_size),
-        ("vocab_size", t.vocab_size, info.vocab_size),
-        ("num_attention_heads", t.num_attention_heads, info.text.get("num_attention_heads"))) if a != b]
-    out.append(Check("target vs recipe", "fail" if mism else "ok", "; ".join(mism) or f"{info.layout}, "
-                     f"{info.num_layers} layers, hidden {info.hidden_size}", "fix the recipe's target section" if mism else ""))
+    mism = [
+        f"{k}: recipe {a}, checkpoint {b}"
+        for k, a, b in (
+            ("num_layers", t.num_layers, info.num_layers),
+            ("hidden_size", t.hidden_size, info.hidden_size),
+            ("vocab_size", t.vocab_size, info.vocab_size),
+            ("num_attention_heads", t.num_attention_heads, info.text.get("num_attention_heads")),
+        )
+        if a != b
+    ]
+    out.append(
+        Check(
+            "target vs recipe",
+            "fail" if mism else "ok",
+            "; ".join(mism) or f"{info.layout}, {info.num_layers} layers, hidden {info.hidden_size}",
+            "fix the recipe's target section" if mism else "",
+        )
+    )
     # Attention tensors of every layer against the config (experts may be quantized: names differ).
     tc = info.text
     heads, h = tc["num_attention_heads"], tc["hidden_size"]
@@ -133,14 +184,25 @@ def check_target(recipe) -> list[Check]:
     index = weight_index(t.path)
     missing = [k for k in want if k not in index]
     if missing:
-        out.append(Check("target tensors", "fail", f"{len(missing)} attention tensors missing, e.g. {missing[0]}",
-                         "re-download the checkpoint (incomplete shards?)"))
+        out.append(
+            Check(
+                "target tensors",
+                "fail",
+                f"{len(missing)} attention tensors missing, e.g. {missing[0]}",
+                "re-download the checkpoint (incomplete shards?)",
+            )
+        )
         return out
     shapes = tensor_shapes(t.path, list(want))
     bad = [f"{k} {list(shapes[k])} != {list(v)}" for k, v in want.items() if tuple(shapes[k]) != v]
-    out.append(Check("target tensors", "fail" if bad else "ok",
-                     bad[0] if bad else f"{len(want)} attention tensors match the config",
-                     "the checkpoint does not match its config.json" if bad else ""))
+    out.append(
+        Check(
+            "target tensors",
+            "fail" if bad else "ok",
+            bad[0] if bad else f"{len(want)} attention tensors match the config",
+            "the checkpoint does not match its config.json" if bad else "",
+        )
+    )
     if info.quantization:
         out.append(_check_int4(t.path, info, recipe.tp))
     return out
@@ -158,13 +220,21 @@ def _check_int4(path, info, tp: int) -> Check:
         return Check("target INT4 experts", "fail", str(exc), "the checkpoint does not match its config.json")
     h, inter = info.text["hidden_size"], info.text["moe_intermediate_size"]
     if h % 128 or inter % tp or (inter // tp) % 64:
-        return Check("target INT4 experts", "fail", f"{n} INT4 projections match the config, but SGLang's Marlin "
-                     f"MoE needs hidden % 128 == 0 and moe_intermediate / TP % 64 == 0 (hidden {h}, "
-                     f"moe_intermediate {inter}, TP {tp})", "serve it at a TP that divides it so, or with "
-                     "--moe-runner-backend triton in server.extra_args")
-    return Check("target INT4 experts", "ok", f"{info.quantization}: packed, scale and weight_shape match the "
-                 "config; the first INT4 prefill on a new host compiles SGLang's Marlin MoE kernel (minutes, "
-                 "silent after 'Warmup'; cached in TVM_FFI_CACHE_DIR)")
+        return Check(
+            "target INT4 experts",
+            "fail",
+            f"{n} INT4 projections match the config, but SGLang's Marlin "
+            f"MoE needs hidden % 128 == 0 and moe_intermediate / TP % 64 == 0 (hidden {h}, "
+            f"moe_intermediate {inter}, TP {tp})",
+            "serve it at a TP that divides it so, or with --moe-runner-backend triton in server.extra_args",
+        )
+    return Check(
+        "target INT4 experts",
+        "ok",
+        f"{info.quantization}: packed, scale and weight_shape match the "
+        "config; the first INT4 prefill on a new host compiles SGLang's Marlin MoE kernel (minutes, "
+        "silent after 'Warmup'; cached in TVM_FFI_CACHE_DIR)",
+    )
 
 
 def check_mooncake(recipe) -> list[Check]:
@@ -180,10 +250,18 @@ def check_mooncake(recipe) -> list[Check]:
         ok = 400 <= exc.code < 500  # a missing-key answer means the metadata server is up
     except OSError:
         ok = False
-    return [Check("mooncake master", "ok" if ok else "warn", f"{url} {'answers' if ok else 'is not reachable'}",
-                  "" if ok else "started by `specforge-kimi launch`; to start by hand: mooncake_master "
-                                f"--enable_http_metadata_server=true --rpc_port={mc.rpc_port} "
-                                f"--http_metadata_server_port={mc.metadata_port}")]
+    return [
+        Check(
+            "mooncake master",
+            "ok" if ok else "warn",
+            f"{url} {'answers' if ok else 'is not reachable'}",
+            ""
+            if ok
+            else "started by `specforge-kimi launch`; to start by hand: mooncake_master "
+            f"--enable_http_metadata_server=true --rpc_port={mc.rpc_port} "
+            f"--http_metadata_server_port={mc.metadata_port}",
+        )
+    ]
 
 
 def check_gpu_budget(recipe) -> list[Check]:
@@ -193,13 +271,24 @@ def check_gpu_budget(recipe) -> list[Check]:
         return [Check("gpu budget", "fail", "no CUDA devices to check against the recipe", "run on the recipe's GPUs")]
     n = torch.cuda.device_count()
     if n < recipe.gpus.per_node:
-        return [Check("gpu budget", "fail", f"{n} GPUs visible, recipe needs {recipe.gpus.per_node} per node",
-                      "fix CUDA_VISIBLE_DEVICES or the recipe's gpus.per_node")]
+        return [
+            Check(
+                "gpu budget",
+                "fail",
+                f"{n} GPUs visible, recipe needs {recipe.gpus.per_node} per node",
+                "fix CUDA_VISIBLE_DEVICES or the recipe's gpus.per_node",
+            )
+        ]
     free = [torch.cuda.mem_get_info(i)[0] / 2**30 for i in range(recipe.gpus.per_node)]
     low = [f"GPU {i}: {f:.1f} GiB free" for i, f in enumerate(free) if f < recipe.gpus.memory_gib * 0.97]
-    return [Check("gpu budget", "fail" if low else "ok",
-                  "; ".join(low) if low else f"min free {min(free):.1f} GiB >= recipe {recipe.gpus.memory_gib} GiB",
-                  "free the GPUs (nvidia-smi) or lower gpus.memory_gib and re-check the memory split" if low else "")]
+    return [
+        Check(
+            "gpu budget",
+            "fail" if low else "ok",
+            "; ".join(low) if low else f"min free {min(free):.1f} GiB >= recipe {recipe.gpus.memory_gib} GiB",
+            "free the GPUs (nvidia-smi) or lower gpus.memory_gib and re-check the memory split" if low else "",
+        )
+    ]
 
 
 def run_checks(recipe_path: str | None) -> list[Check]:
@@ -219,7 +308,12 @@ def run_checks(recipe_path: str | None) -> list[Check]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check versions, patches, CUDA, target, Mooncake and GPU budget (read-only)")
-    p.add_argument("recipe", nargs="?", default=None, help="also check this recipe's target checkpoint, Mooncake and per-GPU memory budget")
+    p.add_argument(
+        "recipe",
+        nargs="?",
+        default=None,
+        help="also check this recipe's target checkpoint, Mooncake and per-GPU memory budget",
+    )
     p.add_argument("--json", action="store_true", help="the checks as a JSON list")
     p.set_defaults(func=run)
 

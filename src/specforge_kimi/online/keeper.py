@@ -32,16 +32,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
-from specforge_kimi.registration import RESTARTABLE_ENV
 from specforge_kimi.online.ledger import durable_step
+from specforge_kimi.registration import RESTARTABLE_ENV
 
 _STOP = {"signum": None}
 
 
-def checkpoint_step(run_dir: Path, run_id: str) -> Optional[int]:
+def checkpoint_step(run_dir: Path, run_id: str) -> int | None:
     """Step of ``RUN_ID-latest`` (SpecForge's symlink to the newest ``RUN_ID-step<N>``)."""
     latest = run_dir / f"{run_id}-latest"
     if not (latest / "training_state.pt").is_file():
@@ -64,7 +64,7 @@ def _say(msg: str) -> None:
     print(f"[specforge-kimi keeper] {msg}", file=sys.stderr, flush=True)
 
 
-def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: Optional[tuple[Path, str]] = None) -> int:
+def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: tuple[Path, str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _forward)
     current = list(argv)
@@ -95,20 +95,24 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: Optiona
             run_dir, run_id = consumer
             marker, ckpt = durable_step(run_dir), checkpoint_step(run_dir, run_id)
             if ckpt is None or marker != ckpt:
-                _say(f"consumer exited with {rc}; not resumable: ledger durable step {marker} != checkpoint step "
-                     f"{ckpt} (SpecForge resumes an online consumer only at a checkpointed step; lower "
-                     "trainer.save_interval to shrink that window)")
+                _say(
+                    f"consumer exited with {rc}; not resumable: ledger durable step {marker} != checkpoint step "
+                    f"{ckpt} (SpecForge resumes an online consumer only at a checkpointed step; lower "
+                    "trainer.save_interval to shrink that window)"
+                )
                 return rc
             current = resume_argv(argv, run_dir / f"{run_id}-latest")
-            _say(f"consumer exited with {rc}; resuming from step {ckpt} "
-                 f"({json.dumps(current[-1])}), restart {used + 1}/{restarts}")
+            _say(
+                f"consumer exited with {rc}; resuming from step {ckpt} "
+                f"({json.dumps(current[-1])}), restart {used + 1}/{restarts}"
+            )
         else:
             _say(f"{current[:4]} exited with {rc}; restart {used + 1}/{restarts} in {backoff:.0f} s")
         used += 1
         time.sleep(backoff)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         print("usage: python -m specforge_kimi.online.keeper [options] -- COMMAND...", file=sys.stderr)
@@ -119,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--backoff", type=float, default=2.0)
     p.add_argument("--resume-consumer", nargs=2, metavar=("RUN_DIR", "RUN_ID"), default=None)
     args = p.parse_args(argv[:split])
-    command = argv[split + 1:]
+    command = argv[split + 1 :]
     if not command:
         p.error("no command after --")
     consumer = (Path(args.resume_consumer[0]), args.resume_consumer[1]) if args.resume_consumer else None

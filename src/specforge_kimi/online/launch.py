@@ -45,13 +45,16 @@ def node_gpus(count: int, environ: Any = None) -> str:
         return ",".join(str(i) for i in range(count))
     devices = [d.strip() for d in visible.split(",") if d.strip()]
     if len(devices) < count:
-        raise KimiInputError(f"CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} device(s) but the recipe needs "
-                             f"{count} per node (gpus.per_node); list {count} or unset it")
+        raise KimiInputError(
+            f"CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} device(s) but the recipe needs "
+            f"{count} per node (gpus.per_node); list {count} or unset it"
+        )
     return ",".join(devices[:count])
 
 
-def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: str = "python",
-                         local_host: str | None = None):
+def build_colocated_plan(
+    recipe, rendered: dict, *, node_rank: int = 0, python: str = "python", local_host: str | None = None
+):
     """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`).
 
     Multi-node: ``local_host`` is this node's address the other nodes reach (Mooncake's
@@ -67,43 +70,83 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
     mc = recipe.mooncake
     services = []
     if node_rank == 0:
-        services.append(ServiceSpec(
-            command=CommandSpec("mooncake", tuple(_py(launch["mooncake_master"], python)), {}),
-            readiness=ReadinessSpec("mooncake", f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
-                                    MOONCAKE_START_TIMEOUT_S, tcp_host=mc.host, tcp_port=mc.rpc_port),
-            log_path=str(logs / "mooncake.log"), phase=0))
+        services.append(
+            ServiceSpec(
+                command=CommandSpec("mooncake", tuple(_py(launch["mooncake_master"], python)), {}),
+                readiness=ReadinessSpec(
+                    "mooncake",
+                    f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
+                    MOONCAKE_START_TIMEOUT_S,
+                    tcp_host=mc.host,
+                    tcp_port=mc.rpc_port,
+                ),
+                log_path=str(logs / "mooncake.log"),
+                phase=0,
+            )
+        )
     res = recipe.resilience
     server_env = {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}
     server_phase = 1
     if res.segment_owner == "keeper" and node_rank == 0:
-        services.append(ServiceSpec(
-            command=CommandSpec("segment-keeper", (python, "-m", "specforge_kimi.online.segment_keeper", "--host", mc.host,
-                                                   "--port", str(res.keeper_port)),
-                                {**launch["server_env"], "CUDA_VISIBLE_DEVICES": ""}),
-            readiness=ReadinessSpec("http", f"http://{mc.host}:{res.keeper_port}/health", MOONCAKE_START_TIMEOUT_S),
-            log_path=str(logs / "segment-keeper.log"), phase=1))
+        services.append(
+            ServiceSpec(
+                command=CommandSpec(
+                    "segment-keeper",
+                    (
+                        python,
+                        "-m",
+                        "specforge_kimi.online.segment_keeper",
+                        "--host",
+                        mc.host,
+                        "--port",
+                        str(res.keeper_port),
+                    ),
+                    {**launch["server_env"], "CUDA_VISIBLE_DEVICES": ""},
+                ),
+                readiness=ReadinessSpec("http", f"http://{mc.host}:{res.keeper_port}/health", MOONCAKE_START_TIMEOUT_S),
+                log_path=str(logs / "segment-keeper.log"),
+                phase=1,
+            )
+        )
         server_env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "0"  # the server puts into the keeper's segment
         server_phase = 2
     server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(launch["capture_server"], python)]
     if recipe.gpus.nnodes > 1:
         if local_host is None and node_rank != 0:
-            raise KimiInputError(f"node {node_rank} of a {recipe.gpus.nnodes}-node recipe needs --local-host: this "
-                                 "node's address the other nodes reach (Mooncake transfers and SGLang bind to it)")
+            raise KimiInputError(
+                f"node {node_rank} of a {recipe.gpus.nnodes}-node recipe needs --local-host: this "
+                "node's address the other nodes reach (Mooncake transfers and SGLang bind to it)"
+            )
         local_host = local_host or recipe.server.host
         server_env["MOONCAKE_LOCAL_HOSTNAME"] = local_host
         if node_rank != 0 and "--host" in server_argv:  # SGLang's other nodes bind their health stand-in here
             server_argv[server_argv.index("--host") + 1] = local_host
     if res.server_restarts:
-        server_argv = [python, "-m", "specforge_kimi.online.keeper", "--restarts", str(res.server_restarts), "--",
-                       *server_argv]
-    services.append(ServiceSpec(
-        command=CommandSpec("capture-server", tuple(server_argv), server_env),
-        readiness=ReadinessSpec("http", f"http://{recipe.server.host}:{recipe.server.port}/health",
-                                SERVER_START_TIMEOUT_S),
-        log_path=str(logs / f"capture-server-node{node_rank}.log"), phase=server_phase))
-    env = {**launch["env"], "CUDA_VISIBLE_DEVICES": gpus,
-           "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s),
-           **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if recipe.gpus.nnodes > 1 else {})}
+        server_argv = [
+            python,
+            "-m",
+            "specforge_kimi.online.keeper",
+            "--restarts",
+            str(res.server_restarts),
+            "--",
+            *server_argv,
+        ]
+    services.append(
+        ServiceSpec(
+            command=CommandSpec("capture-server", tuple(server_argv), server_env),
+            readiness=ReadinessSpec(
+                "http", f"http://{recipe.server.host}:{recipe.server.port}/health", SERVER_START_TIMEOUT_S
+            ),
+            log_path=str(logs / f"capture-server-node{node_rank}.log"),
+            phase=server_phase,
+        )
+    )
+    env = {
+        **launch["env"],
+        "CUDA_VISIBLE_DEVICES": gpus,
+        "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s),
+        **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if recipe.gpus.nnodes > 1 else {}),
+    }
     commands = []
     if node_rank == 0:
         commands.append(CommandSpec("producer", _logged(_py(launch["producer"], python), logs / "producer.log"), env))
@@ -111,15 +154,35 @@ def build_colocated_plan(recipe, rendered: dict, *, node_rank: int = 0, python: 
     if recipe.gpus.nnodes > 1:
         consumer.insert(3, f"--node_rank={node_rank}")
     if res.consumer_restarts:
-        consumer = [python, "-m", "specforge_kimi.online.keeper", "--restarts", str(res.consumer_restarts),
-                    "--resume-consumer", str(out), recipe.name, "--", *consumer]
+        consumer = [
+            python,
+            "-m",
+            "specforge_kimi.online.keeper",
+            "--restarts",
+            str(res.consumer_restarts),
+            "--resume-consumer",
+            str(out),
+            recipe.name,
+            "--",
+            *consumer,
+        ]
     commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
-    return LaunchPlan(kind="managed_supervisor", role="both", commands=tuple(commands), services=tuple(services),
-                      managed_root=str(out / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
-                      managed_ports=(mc.rpc_port, mc.metadata_port, recipe.server.port,
-                                     *([res.keeper_port] if res.segment_owner == "keeper" else []))
-                      if node_rank == 0 else (),
-                      shutdown_grace_s=30.0)
+    return LaunchPlan(
+        kind="managed_supervisor",
+        role="both",
+        commands=tuple(commands),
+        services=tuple(services),
+        managed_root=str(out / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
+        managed_ports=(
+            mc.rpc_port,
+            mc.metadata_port,
+            recipe.server.port,
+            *([res.keeper_port] if res.segment_owner == "keeper" else []),
+        )
+        if node_rank == 0
+        else (),
+        shutdown_grace_s=30.0,
+    )
 
 
 def preflight(plan) -> None:
@@ -130,19 +193,24 @@ def preflight(plan) -> None:
     import importlib.util
 
     if plan.managed_root and Path(plan.managed_root).exists():
-        raise KimiInputError(f"{plan.managed_root} exists: a previous launch used this output_dir; "
-                             "move it away or choose another output_dir")
+        raise KimiInputError(
+            f"{plan.managed_root} exists: a previous launch used this output_dir; "
+            "move it away or choose another output_dir"
+        )
     from specforge_kimi.online.services import port_taken
 
     for port in plan.managed_ports:
         if port_taken(port):
-            raise KimiInputError(f"port 127.0.0.1:{port} is already in use; stop what holds it or change the "
-                                 "recipe's ports")
+            raise KimiInputError(
+                f"port 127.0.0.1:{port} is already in use; stop what holds it or change the recipe's ports"
+            )
     if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
         raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
-        raise KimiInputError("the installed sglang lacks SpecForge's spec-capture patch; "
-                             "run specforge-kimi setup --specforge-checkout /path/to/SpecForge")
+        raise KimiInputError(
+            "the installed sglang lacks SpecForge's spec-capture patch; "
+            "run specforge-kimi setup --specforge-checkout /path/to/SpecForge"
+        )
     compact_preflight(plan)
 
 
@@ -156,9 +224,11 @@ def compact_preflight(plan) -> None:
 
         gaps = compact_passthrough_gaps()
         if gaps:
-            raise KimiInputError("server.compact_passthrough is on, but " + "; ".join(gaps) + ". Run specforge-kimi "
-                                 "setup --specforge-checkout /path/to/SpecForge, or set server.compact_passthrough: "
-                                 "false in the recipe")
+            raise KimiInputError(
+                "server.compact_passthrough is on, but " + "; ".join(gaps) + ". Run specforge-kimi "
+                "setup --specforge-checkout /path/to/SpecForge, or set server.compact_passthrough: "
+                "false in the recipe"
+            )
 
 
 def run_plan(plan, **kwargs) -> int:
@@ -189,19 +259,33 @@ def export_latest(recipe, rendered: dict) -> Path:
         raise KimiInputError(f"{latest} has no training_state.pt: the run wrote no checkpoint")
     cfg = rendered["specforge_config"]
     aux = AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers)
-    return export_run_draft(latest, cfg["model"]["draft_model_config"], out / "export-sglang",
-                            vocab_mapping_path=cfg["model"]["vocab_mapping_path"], target_dir=recipe.target.path,
-                            aux=aux, command=sys.argv,
-                            extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name})
+    return export_run_draft(
+        latest,
+        cfg["model"]["draft_model_config"],
+        out / "export-sglang",
+        vocab_mapping_path=cfg["model"]["vocab_mapping_path"],
+        target_dir=recipe.target.path,
+        aux=aux,
+        command=sys.argv,
+        extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name},
+    )
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="co-located online run of a recipe on this node (server + Mooncake + trainer)")
     p.add_argument("recipe")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank in a multi-node recipe (0 runs Mooncake, "
-                   "the producer, the export and the bench)")
-    p.add_argument("--local-host", default=None, help="multi-node: this node's address the others reach "
-                   "(default on node 0: the recipe's server.host; required on the others)")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's rank in a multi-node recipe (0 runs Mooncake, the producer, the export and the bench)",
+    )
+    p.add_argument(
+        "--local-host",
+        default=None,
+        help="multi-node: this node's address the others reach "
+        "(default on node 0: the recipe's server.host; required on the others)",
+    )
     p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
     p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
     p.set_defaults(func=run)
@@ -215,8 +299,9 @@ def run(args) -> int:
 
     recipe = load_recipe(args.recipe)
     rendered = render(recipe, Path(recipe.output_dir) / "rendered")
-    plan = build_colocated_plan(recipe, rendered, node_rank=args.node_rank, python=sys.executable,
-                                local_host=args.local_host)
+    plan = build_colocated_plan(
+        recipe, rendered, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host
+    )
     if args.plan:
         print(plan.render())
         print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
@@ -237,5 +322,6 @@ def run(args) -> int:
     # its own SGLang servers, the run's GPUs are free now); it exits 1 below bench.min_acceptance_length
     import subprocess
 
-    return subprocess.call([sys.executable, "-m", "specforge_kimi", "bench", "--recipe", str(args.recipe),
-                            "--draft", str(export_dir)])
+    return subprocess.call(
+        [sys.executable, "-m", "specforge_kimi", "bench", "--recipe", str(args.recipe), "--draft", str(export_dir)]
+    )

@@ -11,7 +11,6 @@ import json
 import sqlite3
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 
 def ledger_db(run_dir: Path) -> Path:
@@ -30,7 +29,7 @@ def ledger_db(run_dir: Path) -> Path:
     return default
 
 
-def durable_step(run_dir: Path) -> Optional[int]:
+def durable_step(run_dir: Path) -> int | None:
     """The consumer ledger's durable optimizer step (``marker.global_step``), if any."""
     db = ledger_db(run_dir)
     if not db.is_file():
@@ -57,8 +56,14 @@ def ledger(run_dir: Path) -> dict:
         con.close()
     dup = [s for s, n in Counter(acked).items() if n > 1]
     tokens = sum(int(committed[s].get("num_tokens", 0)) for s in set(acked) if s in committed)
-    return {"present": True, "acked": len(acked), "acked_unique": len(set(acked)), "duplicates": len(dup),
-            "acked_not_committed": len(set(acked) - set(committed)), "committed": len(committed),
-            "trained_tokens": tokens, "global_step": int(marker.get("global_step", 0) or 0),
-            "feature_bytes_trained": sum(int(committed[s].get("estimated_bytes", 0)) for s in set(acked)
-                                         if s in committed)}
+    return {
+        "present": True,
+        "acked": len(acked),
+        "acked_unique": len(set(acked)),
+        "duplicates": len(dup),
+        "acked_not_committed": len(set(acked) - set(committed)),
+        "committed": len(committed),
+        "trained_tokens": tokens,
+        "global_step": int(marker.get("global_step", 0) or 0),
+        "feature_bytes_trained": sum(int(committed[s].get("estimated_bytes", 0)) for s in set(acked) if s in committed),
+    }

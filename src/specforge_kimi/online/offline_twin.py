@@ -24,8 +24,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
@@ -33,7 +33,7 @@ from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
 BATCH_TOKENS = 16384
 
 
-def _rows(prompts_path: Path, limit: Optional[int]) -> list[dict]:
+def _rows(prompts_path: Path, limit: int | None) -> list[dict]:
     rows = []
     with open(prompts_path) as f:
         for n, line in enumerate(f, 1):
@@ -41,8 +41,9 @@ def _rows(prompts_path: Path, limit: Optional[int]) -> list[dict]:
                 break
             try:
                 row = json.loads(line)
-                rows.append({"input_ids": [int(x) for x in row["input_ids"]],
-                             "loss_mask": [int(x) for x in row["loss_mask"]]})
+                rows.append(
+                    {"input_ids": [int(x) for x in row["input_ids"]], "loss_mask": [int(x) for x in row["loss_mask"]]}
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 raise KimiInputError(f"{prompts_path}:{n}: not a prepare row ({exc})") from None
     if not rows:
@@ -97,43 +98,79 @@ def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vo
     algorithm = create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
     layout = streaming.layout
-    schema = ServerCaptureSchema(aux_feature=layout.aux_feature, last_hidden_feature=layout.last_hidden_feature,
-                                 passthrough=layout.passthrough, attention_mask_feature=layout.attention_mask_feature)
+    schema = ServerCaptureSchema(
+        aux_feature=layout.aux_feature,
+        last_hidden_feature=layout.last_hidden_feature,
+        passthrough=layout.passthrough,
+        attention_mask_feature=layout.attention_mask_feature,
+    )
     contract = algorithm.spec.feature_contract("streaming", "text")
-    cfg = CaptureConfig.from_strategy(required_features=contract.required_tensors,
-                                      aux_hidden_state_layer_ids=tuple(aux_ids),
-                                      target_repr=streaming.target_representation, target_hidden_size=hidden,
-                                      target_vocab_size=vocab)
+    cfg = CaptureConfig.from_strategy(
+        required_features=contract.required_tensors,
+        aux_hidden_state_layer_ids=tuple(aux_ids),
+        target_repr=streaming.target_representation,
+        target_hidden_size=hidden,
+        target_vocab_size=vocab,
+    )
     store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mooncake))
-    adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=algorithm.name, schema=schema,
-                                         timeout_s=1800.0, target_model_version=run_id)
+    adapter = SGLangServerCaptureAdapter(
+        url,
+        store,
+        run_id=run_id,
+        algorithm=algorithm.name,
+        schema=schema,
+        timeout_s=1800.0,
+        target_model_version=run_id,
+    )
     return adapter, cfg, store, layout
 
 
-def capture_to_disk(url: str, mooncake, rows: list[dict], out: Path, *, aux_ids: Sequence[int], hidden: int,
-                    vocab: int, max_length: int, run_id: str = "capture-features") -> dict:
+def capture_to_disk(
+    url: str,
+    mooncake,
+    rows: list[dict],
+    out: Path,
+    *,
+    aux_ids: Sequence[int],
+    hidden: int,
+    vocab: int,
+    max_length: int,
+    run_id: str = "capture-features",
+) -> dict:
     """Capture ``rows`` through the server at ``url``; write one ``.ckpt`` per row under ``out``."""
     import torch
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
     from specforge.runtime.contracts import PromptTask
 
-    adapter, cfg, store, layout = capture_tools(url, mooncake, aux_ids=aux_ids, hidden=hidden, vocab=vocab,
-                                                run_id=run_id)
+    adapter, cfg, store, layout = capture_tools(
+        url, mooncake, aux_ids=aux_ids, hidden=hidden, vocab=vocab, run_id=run_id
+    )
     out.mkdir(parents=True)
     written, tokens = 0, 0
     for batch in _batches(rows, max_length):
-        tasks = [PromptTask(task_id=f"row{i:06d}", run_id=run_id, source_id="capture-features",
-                            payload={k: v[:max_length] for k, v in rows[i].items()}, max_length=max_length,
-                            metadata={"num_tokens": min(len(rows[i]["input_ids"]), max_length)}) for i in batch]
+        tasks = [
+            PromptTask(
+                task_id=f"row{i:06d}",
+                run_id=run_id,
+                source_id="capture-features",
+                payload={k: v[:max_length] for k, v in rows[i].items()},
+                max_length=max_length,
+                metadata={"num_tokens": min(len(rows[i]["input_ids"]), max_length)},
+            )
+            for i in batch
+        ]
         results = adapter.produce_refs(tasks, capture=cfg)
-        for i, res in zip(batch, results):
+        for i, res in zip(batch, results, strict=False):
             if isinstance(res, ServerCaptureFailure):
                 raise RuntimeError(f"row {i}: capture failed: {res.reason}")
             store.adopt(res)
             tensors, handle = store.get(res)
-            sample = {"input_ids": tensors["input_ids"][0].clone(), "loss_mask": tensors["loss_mask"][0].clone(),
-                      "hidden_state": tensors[layout.last_hidden_feature].clone(),
-                      "aux_hidden_state": tensors[layout.aux_feature].clone()}
+            sample = {
+                "input_ids": tensors["input_ids"][0].clone(),
+                "loss_mask": tensors["loss_mask"][0].clone(),
+                "hidden_state": tensors[layout.last_hidden_feature].clone(),
+                "aux_hidden_state": tensors[layout.aux_feature].clone(),
+            }
             store.release(handle)
             store.abort(res.sample_id, reason="captured-to-disk")
             torch.save(sample, out / f"sample-{i:06d}.ckpt")
@@ -142,8 +179,14 @@ def capture_to_disk(url: str, mooncake, rows: list[dict], out: Path, *, aux_ids:
     return {"written": written, "tokens": tokens}
 
 
-def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, server_argv: Optional[list[str]] = None,
-               start_timeout_s: float = 900.0) -> dict:
+def run_recipe(
+    recipe,
+    out_dir: str | Path,
+    *,
+    limit: int | None = None,
+    server_argv: list[str] | None = None,
+    start_timeout_s: float = 900.0,
+) -> dict:
     """Start the recipe's Mooncake + capture server on this node, capture its prompts, stop both."""
     from specforge_kimi.online import services
     from specforge_kimi.online.capture_server import capture_server_env
@@ -161,26 +204,43 @@ def run_recipe(recipe, out_dir: str | Path, *, limit: Optional[int] = None, serv
     work.mkdir(parents=True, exist_ok=True)
     port = services.free_ports(1)[0]
     t0 = time.monotonic()
-    with services.mooncake_master(work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30)) as mc:
+    with services.mooncake_master(
+        work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30)
+    ) as mc:
         argv = server_argv or [sys.executable if a == "python" else a for a in recipe_server_argv(recipe)]
         argv[argv.index("--port") + 1] = str(port)
         # the recipe's server environment, with this master's Mooncake endpoints and segment
         env = {**server_env(recipe), **capture_server_env(mc)}
         env["CUDA_VISIBLE_DEVICES"] = node_gpus(recipe.gpus.per_node)
         with services.server(argv, env, work / "capture-server.log", port, timeout_s=start_timeout_s):
-            stats = capture_to_disk(f"http://127.0.0.1:{port}", mc, rows, partial, aux_ids=recipe.target.aux_layer_ids,
-                                    hidden=recipe.target.hidden_size, vocab=recipe.target.vocab_size,
-                                    max_length=recipe.trainer.max_length)
+            stats = capture_to_disk(
+                f"http://127.0.0.1:{port}",
+                mc,
+                rows,
+                partial,
+                aux_ids=recipe.target.aux_layer_ids,
+                hidden=recipe.target.hidden_size,
+                vocab=recipe.target.vocab_size,
+                max_length=recipe.trainer.max_length,
+            )
     partial.rename(out)
-    summary = {"command": sys.argv, "recipe": recipe.name, "prompts_path": recipe.data.prompts_path, "out": str(out),
-               "seconds": round(time.monotonic() - t0, 1), **stats}
+    summary = {
+        "command": sys.argv,
+        "recipe": recipe.name,
+        "prompts_path": recipe.data.prompts_path,
+        "out": str(out),
+        "seconds": round(time.monotonic() - t0, 1),
+        **stats,
+    }
     (out.with_name(out.name + ".json")).write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def add_capture_parser(sub) -> None:
-    p = sub.add_parser("capture-features", help="capture a recipe's prompts to SpecForge offline feature files "
-                                                "through the recipe's capture server")
+    p = sub.add_parser(
+        "capture-features",
+        help="capture a recipe's prompts to SpecForge offline feature files through the recipe's capture server",
+    )
     p.add_argument("recipe")
     p.add_argument("--out", required=True, help="new directory for sample-NNNNNN.ckpt files")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
@@ -196,8 +256,11 @@ def run_capture(args) -> int:
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train-offline", help="train a recipe's draft offline (SpecForge's trainer, in-process) on "
-                                             "feature files, e.g. from capture-features; then export for SGLang")
+    p = sub.add_parser(
+        "train-offline",
+        help="train a recipe's draft offline (SpecForge's trainer, in-process) on "
+        "feature files, e.g. from capture-features; then export for SGLang",
+    )
     p.add_argument("recipe")
     p.add_argument("--features", required=True, help="directory of SpecForge offline .ckpt feature files")
     p.add_argument("--out", required=True, help="output directory (checkpoints, export-sglang/)")
@@ -218,8 +281,9 @@ def _check_inputs(recipe, features: str) -> None:
     if not os.path.isdir(recipe.target.path):
         raise KimiInputError(f"target.path {recipe.target.path} is not a directory")
     if not os.path.isfile(recipe.data.vocab_mapping_path):
-        raise KimiInputError(f"data.vocab_mapping_path {recipe.data.vocab_mapping_path} not found "
-                             "(specforge-kimi prepare writes it)")
+        raise KimiInputError(
+            f"data.vocab_mapping_path {recipe.data.vocab_mapping_path} not found (specforge-kimi prepare writes it)"
+        )
 
 
 def run_train(args) -> int:
@@ -230,34 +294,55 @@ def run_train(args) -> int:
     import sys
 
     from specforge_kimi.drafts.export import export_run_draft
-    from specforge_kimi.target.layer_ids import AuxLayers
     from specforge_kimi.online.recipes import load_recipe, render
+    from specforge_kimi.target.layer_ids import AuxLayers
     from specforge_kimi.training.offline import _cuda_available, train_offline
 
     recipe = load_recipe(args.recipe)
     _check_inputs(recipe, args.features)
     rendered = render(recipe, os.path.join(args.out, "rendered"))
     model = rendered["specforge_config"]["model"]
-    result = train_offline(target_dir=recipe.target.path, draft_config_path=model["draft_model_config"],
-                           hidden_states_path=args.features, vocab_mapping_path=recipe.data.vocab_mapping_path,
-                           output_dir=args.out, max_steps=args.steps or recipe.trainer.max_steps,
-                           ttt_length=recipe.trainer.ttt_length, learning_rate=recipe.trainer.learning_rate,
-                           max_length=recipe.trainer.max_length, seed=recipe.trainer.seed,
-                           embedding_key=recipe.target.embedding_key, lm_head_key=recipe.target.lm_head_key,
-                           save_interval=recipe.trainer.save_interval or None,
-                           accumulation_steps=recipe.gpus.per_node * recipe.gpus.nnodes,
-                           # the recipe's attention backend on a GPU; sdpa on the CPU (flex has no CPU backward)
-                           extra_overrides=({"training.attention_backend": recipe.trainer.attention_backend}
-                                            if _cuda_available() else {"model.torch_dtype": "float32"}))
+    result = train_offline(
+        target_dir=recipe.target.path,
+        draft_config_path=model["draft_model_config"],
+        hidden_states_path=args.features,
+        vocab_mapping_path=recipe.data.vocab_mapping_path,
+        output_dir=args.out,
+        max_steps=args.steps or recipe.trainer.max_steps,
+        ttt_length=recipe.trainer.ttt_length,
+        learning_rate=recipe.trainer.learning_rate,
+        max_length=recipe.trainer.max_length,
+        seed=recipe.trainer.seed,
+        embedding_key=recipe.target.embedding_key,
+        lm_head_key=recipe.target.lm_head_key,
+        save_interval=recipe.trainer.save_interval or None,
+        accumulation_steps=recipe.gpus.per_node * recipe.gpus.nnodes,
+        # the recipe's attention backend on a GPU; sdpa on the CPU (flex has no CPU backward)
+        extra_overrides=(
+            {"training.attention_backend": recipe.trainer.attention_backend}
+            if _cuda_available()
+            else {"model.torch_dtype": "float32"}
+        ),
+    )
     export_dir = os.path.join(args.out, "export-sglang")
-    export_run_draft(result["checkpoint_dir"], model["draft_model_config"], export_dir,
-                     vocab_mapping_path=recipe.data.vocab_mapping_path, target_dir=recipe.target.path,
-                     aux=AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers),
-                     command=sys.argv, extra={"offline_features": os.path.abspath(args.features)})
+    export_run_draft(
+        result["checkpoint_dir"],
+        model["draft_model_config"],
+        export_dir,
+        vocab_mapping_path=recipe.data.vocab_mapping_path,
+        target_dir=recipe.target.path,
+        aux=AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers),
+        command=sys.argv,
+        extra={"offline_features": os.path.abspath(args.features)},
+    )
     k = max(1, min(50, len(result["losses"]) // 5))
-    summary = {"steps": len(result["losses"]), "loss_first_mean": sum(result["losses"][:k]) / k,
-               "loss_last_mean": sum(result["losses"][-k:]) / k, "checkpoint_dir": result["checkpoint_dir"],
-               "export_dir": export_dir}
+    summary = {
+        "steps": len(result["losses"]),
+        "loss_first_mean": sum(result["losses"][:k]) / k,
+        "loss_last_mean": sum(result["losses"][-k:]) / k,
+        "checkpoint_dir": result["checkpoint_dir"],
+        "export_dir": export_dir,
+    }
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,7 +33,9 @@ class TargetSection(_Strict):
     vocab_size: int = Field(gt=0, description="text_config.vocab_size")
     num_attention_heads: int = Field(gt=0, description="text_config.num_attention_heads (TP must divide it)")
     weights_gib: float = Field(gt=0, description="Total checkpoint weight size on GPU, GiB (K2.5 INT4 experts: ~554)")
-    kv_bytes_per_token: int = Field(gt=0, description="MLA KV per token per GPU: (kv_lora 512 + rope 64) x layers x 2 B")
+    kv_bytes_per_token: int = Field(
+        gt=0, description="MLA KV per token per GPU: (kv_lora 512 + rope 64) x layers x 2 B"
+    )
     aux_layer_ids: list[int] = Field(description="SpecForge ids; SGLang shifts all by +1 when the first is 1")
     embedding_key: str = Field(default="language_model.model.embed_tokens.weight", description="Embedding tensor")
     lm_head_key: str = Field(default="language_model.lm_head.weight", description="LM head tensor")
@@ -52,24 +54,33 @@ class ServerSection(_Strict):
     attention_backend: str = Field(default="flashinfer", description="SGLang --attention-backend")
     allreduce_fusion: bool = Field(default=True, description="False adds --enforce-disable-flashinfer-allreduce-fusion")
     host: str = Field(default="127.0.0.1", description="Bind address; loopback unless multi-node")
-    port: int = Field(default=30000, gt=0, le=55535,
-                      description="HTTP port; at most 55535 (SGLang serves gRPC on port + 10000)")
+    port: int = Field(
+        default=30000, gt=0, le=55535, description="HTTP port; at most 55535 (SGLang serves gRPC on port + 10000)"
+    )
     disable_cuda_graph: bool = Field(
-        default=True, description="--disable-cuda-graph. On by default: a capture server only prefills (SpecForge's "
-                                  "producer asks max_new_tokens 0), so decode CUDA graphs would only cost startup "
-                                  "time and memory outside the static pool, i.e. beside the trainer")
+        default=True,
+        description="--disable-cuda-graph. On by default: a capture server only prefills (SpecForge's "
+        "producer asks max_new_tokens 0), so decode CUDA graphs would only cost startup "
+        "time and memory outside the static pool, i.e. beside the trainer",
+    )
     extra_args: list[str] = Field(default_factory=list, description="More SGLang launch_server args, verbatim")
     capture_put_clients: int = Field(
-        default=1, ge=1, le=16, description="Mooncake store clients the capture sink splits each batch's put over, "
+        default=1,
+        ge=1,
+        le=16,
+        description="Mooncake store clients the capture sink splits each batch's put over, "
         "each into its own 1/N of the server's segment (our SGLang patch 0003; Mooncake copies one client's "
         "same-process puts on one thread); each client holds its own local transfer buffer. segment_owner: server "
-        "only")
+        "only",
+    )
     compact_passthrough: bool = Field(
-        default=True, description="SpecForge's producer sends each capture's input_ids / loss_mask / attention_mask "
+        default=True,
+        description="SpecForge's producer sends each capture's input_ids / loss_mask / attention_mask "
         "compactly (the request's own ids, a fill value or base64 bytes) instead of JSON int lists "
         "(SPECFORGE_SPEC_CAPTURE_COMPACT=1; needs our SpecForge patch 0002 and SGLang patch 0004, both applied by "
         "`specforge-kimi setup`; the launch refuses to start when either is missing). Measured on one H200 (TP=1, "
-        "NOTES.md): saves 30-35 ms on the server and 15 ms of client encoding per 65,536-token capture call")
+        "NOTES.md): saves 30-35 ms on the server and 15 ms of client encoding per 65,536-token capture call",
+    )
 
 
 class MooncakeSection(_Strict):
@@ -78,27 +89,39 @@ class MooncakeSection(_Strict):
     rpc_port: int = Field(default=35551, description="Master RPC port")
     metadata_port: int = Field(default=35880, description="HTTP metadata server port")
     metrics_port: int = Field(default=35903, description="Master metrics port")
-    rdma_devices: Optional[str] = Field(default=None, description="RDMA NICs for protocol rdma")
+    rdma_devices: str | None = Field(default=None, description="RDMA NICs for protocol rdma")
     global_segment_gib: float = Field(default=32, gt=0, description="Server-owned segment holding features in flight")
 
 
 class ResilienceSection(_Strict):
     segment_owner: Literal["server", "keeper"] = Field(
-        default="server", description="Who mounts the Mooncake segment holding features in flight: the capture "
-        "server (SpecForge's default; a lost server loses them) or a separate segment keeper process")
+        default="server",
+        description="Who mounts the Mooncake segment holding features in flight: the capture "
+        "server (SpecForge's default; a lost server loses them) or a separate segment keeper process",
+    )
     keeper_port: int = Field(default=35904, gt=0, lt=65536, description="Segment keeper's /health port")
     server_restarts: int = Field(default=0, ge=0, description="Restarts of a lost capture server (keeper)")
     server_outage_s: float = Field(default=900, gt=0, description="How long the producer waits for a lost server")
-    consumer_restarts: int = Field(default=0, ge=0, description="Consumer-only resumes after a trainer crash "
-                                   "(SpecForge resumes only when the ledger's durable step = a checkpoint's)")
+    consumer_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="Consumer-only resumes after a trainer crash "
+        "(SpecForge resumes only when the ledger's durable step = a checkpoint's)",
+    )
 
 
 class TrainerSection(_Strict):
-    draft: dict[str, Any] = Field(description="Draft config JSON (LlamaForCausalLMEagle3, or the MLA "
-                                              "Eagle3DeepseekV2ForCausalLM), written beside the run")
+    draft: dict[str, Any] = Field(
+        description="Draft config JSON (LlamaForCausalLMEagle3, or the MLA "
+        "Eagle3DeepseekV2ForCausalLM), written beside the run"
+    )
     max_steps: int = Field(gt=0, description="Optimizer steps")
-    num_epochs: int = Field(default=1, gt=0, description="Passes over the prompts (SpecForge's online prompt "
-                            "epochs: each pass captures again, with its own sample ids)")
+    num_epochs: int = Field(
+        default=1,
+        gt=0,
+        description="Passes over the prompts (SpecForge's online prompt "
+        "epochs: each pass captures again, with its own sample ids)",
+    )
     learning_rate: float = Field(gt=0, description="Peak learning rate")
     ttt_length: int = Field(default=7, gt=0, description="EAGLE-3 TTT unroll")
     max_length: int = Field(gt=0, description="Max tokens per sample")
@@ -106,16 +129,19 @@ class TrainerSection(_Strict):
     save_interval: int = Field(default=1000, ge=0, description="Checkpoint every N steps")
     seed: int = Field(default=0, description="Seed")
     reserve_gib: float = Field(default=6.0, ge=0, description="Per-GPU headroom (CUDA context, NCCL, fragmentation)")
-    consumer_state_dir: Optional[str] = Field(
-        default=None, description="SpecForge's consumer ledger (SQLite/WAL) directory; default "
-                                  "<output_dir>/consumer-state. A multi-node recipe must name a directory on trainer "
-                                  "node 0's local disk (SpecForge: node-local; SQLite on a shared filesystem is unsafe)")
+    consumer_state_dir: str | None = Field(
+        default=None,
+        description="SpecForge's consumer ledger (SQLite/WAL) directory; default "
+        "<output_dir>/consumer-state. A multi-node recipe must name a directory on trainer "
+        "node 0's local disk (SpecForge: node-local; SQLite on a shared filesystem is unsafe)",
+    )
     attention_backend: Literal["flex_attention", "sdpa"] = Field(
         default="flex_attention",
         description="SpecForge's training.attention_backend. flex_attention (SpecForge's default) keeps TTT "
-                    "attention memory linear in max_length; sdpa is SpecForge's eager TTT path, which keeps "
-                    "heads x max_length^2 softmax weights (fp32 + bf16) per TTT step for the backward: fine for "
-                    "short samples, needed on the CPU (flex has no CPU backward) and by the MLA draft (sdpa only)")
+        "attention memory linear in max_length; sdpa is SpecForge's eager TTT path, which keeps "
+        "heads x max_length^2 softmax weights (fp32 + bf16) per TTT step for the backward: fine for "
+        "short samples, needed on the CPU (flex has no CPU backward) and by the MLA draft (sdpa only)",
+    )
 
 
 class DataSection(_Strict):
@@ -143,7 +169,7 @@ class Recipe(_Strict):
     resilience: ResilienceSection = ResilienceSection()
 
     @model_validator(mode="after")
-    def _check(self) -> "Recipe":
+    def _check(self) -> Recipe:
         from specforge_kimi.target.layer_ids import AuxLayers
 
         tp = self.tp
@@ -152,28 +178,39 @@ class Recipe(_Strict):
         AuxLayers.from_specforge(self.target.aux_layer_ids, self.target.num_layers)
         d = self.trainer.draft
         if d.get("hidden_size") != self.target.hidden_size:
-            raise ValueError(f"draft hidden_size {d.get('hidden_size')} != target hidden_size {self.target.hidden_size}")
+            raise ValueError(
+                f"draft hidden_size {d.get('hidden_size')} != target hidden_size {self.target.hidden_size}"
+            )
         if d.get("vocab_size") != self.target.vocab_size:
             raise ValueError(f"draft vocab_size {d.get('vocab_size')} != target vocab_size {self.target.vocab_size}")
         named = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if named is not None and list(named) != list(self.target.aux_layer_ids):
-            raise ValueError(f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
-                             f"target.aux_layer_ids {list(self.target.aux_layer_ids)}: the draft would be "
-                             "trained on other layers than it names")
+            raise ValueError(
+                f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
+                f"target.aux_layer_ids {list(self.target.aux_layer_ids)}: the draft would be "
+                "trained on other layers than it names"
+            )
         if self.server.capture_put_clients > 1 and self.resilience.segment_owner != "server":
-            raise ValueError("server.capture_put_clients > 1 splits the server's own segment; with segment_owner: "
-                             "keeper the server mounts none (set capture_put_clients: 1)")
+            raise ValueError(
+                "server.capture_put_clients > 1 splits the server's own segment; with segment_owner: "
+                "keeper the server mounts none (set capture_put_clients: 1)"
+            )
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
         if self.gpus.nnodes > 1 and self.resilience.consumer_restarts:
-            raise ValueError("resilience.consumer_restarts is single-node only: the keeper reads the ledger, which "
-                             "a multi-node run keeps on trainer node 0's disk")
+            raise ValueError(
+                "resilience.consumer_restarts is single-node only: the keeper reads the ledger, which "
+                "a multi-node run keeps on trainer node 0's disk"
+            )
         if self.gpus.nnodes > 1 and not self.trainer.consumer_state_dir:
-            raise ValueError("a multi-node recipe needs trainer.consumer_state_dir on trainer node 0's local disk "
-                             "(output_dir is shared; SpecForge's ledger is SQLite/WAL)")
+            raise ValueError(
+                "a multi-node recipe needs trainer.consumer_state_dir on trainer node 0's local disk "
+                "(output_dir is shared; SpecForge's ledger is SQLite/WAL)"
+            )
         if "kv_lora_rank" in self.trainer.draft and self.trainer.attention_backend != "sdpa":
-            raise ValueError("the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: "
-                             "sdpa only")
+            raise ValueError(
+                "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
+            )
         plan = memory_plan(self)
         if not plan["fits"]:
             raise ValueError(f"memory split does not fit: {plan['why']}")
@@ -198,7 +235,7 @@ def _draft_params(d: dict) -> int:
     return 3 * h * h + attn + mlp + d["draft_vocab_size"] * h + 3 * h
 
 
-def trainer_terms(r: Recipe, *, max_length: Optional[int] = None, attention_backend: Optional[str] = None) -> dict:
+def trainer_terms(r: Recipe, *, max_length: int | None = None, attention_backend: str | None = None) -> dict:
     """The trainer side of :func:`memory_plan`, term by term, in bytes (reserve excluded); ``max_length`` and
     ``attention_backend`` override the recipe's (what a sample of that length costs on that backend).
 
@@ -210,7 +247,7 @@ def trainer_terms(r: Recipe, *, max_length: Optional[int] = None, attention_back
     its bf16 copy for the backward), else 0; ``teacher_logits``: max_length x target vocab x 10 B
     (online, SpecForge's TargetHead makes the full bf16 logits, then ``_compute_target_p`` takes
     them to fp32 and a logsumexp; its chunked compact teacher is offline-only;
-    ``bench/teacher_memory_cpu.py`` measures 8.1 B on the CPU, the 10 leaves room for the CUDA
+    ``bench/studies/teacher_memory_cpu.py`` measures 8.1 B on the CPU, the 10 leaves room for the CUDA
     allocator). ``bench/trainer_memory.py`` measures the sum on a GPU with SpecForge's own step.
     """
     t, tr = r.target, r.trainer
@@ -221,7 +258,7 @@ def trainer_terms(r: Recipe, *, max_length: Optional[int] = None, attention_back
         "optimizer": _draft_params(d) * 16,
         "frozen_tables": 2 * t.vocab_size * t.hidden_size * 2,
         "activations": length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64),
-        "sdpa_attention": 6 * d["num_attention_heads"] * tr.ttt_length * length ** 2 if backend == "sdpa" else 0,
+        "sdpa_attention": 6 * d["num_attention_heads"] * tr.ttt_length * length**2 if backend == "sdpa" else 0,
         "teacher_logits": length * t.vocab_size * 10,
     }
 
@@ -241,15 +278,23 @@ def memory_plan(r: Recipe) -> dict:
     trainer_room = (1 - s.mem_fraction_static) * g.memory_gib
     why = []
     if weights + kv > server_pool:
-        why.append(f"server needs {weights:.1f} GiB weights + {kv:.1f} GiB KV > {server_pool:.1f} GiB "
-                   f"(mem_fraction_static {s.mem_fraction_static} x {g.memory_gib} GiB)")
+        why.append(
+            f"server needs {weights:.1f} GiB weights + {kv:.1f} GiB KV > {server_pool:.1f} GiB "
+            f"(mem_fraction_static {s.mem_fraction_static} x {g.memory_gib} GiB)"
+        )
     if trainer > trainer_room:
         why.append(f"trainer peak ~{trainer:.1f} GiB > {trainer_room:.1f} GiB left beside the server")
-    return {"server_weights_gib": round(weights, 2), "server_kv_gib": round(kv, 2),
-            "server_pool_gib": round(server_pool, 2), "draft_params": _draft_params(tr.draft),
-            "trainer_peak_gib": round(trainer, 2), "trainer_sdpa_attention_gib": round(terms["sdpa_attention"] / GIB, 2),
-            "trainer_room_gib": round(trainer_room, 2),
-            "fits": not why, "why": "; ".join(why)}
+    return {
+        "server_weights_gib": round(weights, 2),
+        "server_kv_gib": round(kv, 2),
+        "server_pool_gib": round(server_pool, 2),
+        "draft_params": _draft_params(tr.draft),
+        "trainer_peak_gib": round(trainer, 2),
+        "trainer_sdpa_attention_gib": round(terms["sdpa_attention"] / GIB, 2),
+        "trainer_room_gib": round(trainer_room, 2),
+        "fits": not why,
+        "why": "; ".join(why),
+    }
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -278,19 +323,32 @@ def server_argv(r: Recipe) -> list[str]:
     AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)  # validates
     extra: list[str] = []
     if r.gpus.nnodes > 1:
-        extra += ["--nnodes", str(r.gpus.nnodes), "--dist-init-addr", f"{r.server.host}:50000",
-                  "--node-rank", "${NODE_RANK}"]
+        extra += [
+            "--nnodes",
+            str(r.gpus.nnodes),
+            "--dist-init-addr",
+            f"{r.server.host}:50000",
+            "--node-rank",
+            "${NODE_RANK}",
+        ]
     # The server gets the very ids of the SpecForge config: the sink echoes them and SpecForge's
     # producer refuses a capture whose echoed ids differ from its contract (same layers or not).
     # fusion: off when the recipe says so, else SGLang's own choice for the GPU (auto-enabled on
     # SM90/SM100 for K2.5 at TP>1).
-    return capture_server_argv(r.target.path, tp=r.tp, port=r.server.port, aux_specforge_ids=list(r.target.aux_layer_ids),
-                               fusion=None if r.server.allreduce_fusion else False,
-                               attention_backend=r.server.attention_backend,
-                               mem_fraction_static=r.server.mem_fraction_static,
-                               context_length=r.trainer.max_length + 256, host=r.server.host,
-                               disable_cuda_graph=r.server.disable_cuda_graph, python="python",
-                               extra=[*extra, *r.server.extra_args])
+    return capture_server_argv(
+        r.target.path,
+        tp=r.tp,
+        port=r.server.port,
+        aux_specforge_ids=list(r.target.aux_layer_ids),
+        fusion=None if r.server.allreduce_fusion else False,
+        attention_backend=r.server.attention_backend,
+        mem_fraction_static=r.server.mem_fraction_static,
+        context_length=r.trainer.max_length + 256,
+        host=r.server.host,
+        disable_cuda_graph=r.server.disable_cuda_graph,
+        python="python",
+        extra=[*extra, *r.server.extra_args],
+    )
 
 
 def _mooncake(r: Recipe):
@@ -299,9 +357,15 @@ def _mooncake(r: Recipe):
 
     mc = r.mooncake
     extra = {"rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}
-    return mooncake_config(rpc_port=mc.rpc_port, metadata_port=mc.metadata_port, metrics_port=mc.metrics_port,
-                           global_segment_size_bytes=int(mc.global_segment_gib * GIB), protocol=mc.protocol,
-                           local_hostname=mc.host, **extra)
+    return mooncake_config(
+        rpc_port=mc.rpc_port,
+        metadata_port=mc.metadata_port,
+        metrics_port=mc.metrics_port,
+        global_segment_size_bytes=int(mc.global_segment_gib * GIB),
+        protocol=mc.protocol,
+        local_hostname=mc.host,
+        **extra,
+    )
 
 
 def server_env(r: Recipe) -> dict[str, str]:
@@ -338,27 +402,44 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
     cfg = {
         "run_id": r.name,
         "output_dir": str(out),
-        "model": {"target_model_path": r.target.path, "draft_model_config": draft_config_path,
-                  "vocab_mapping_path": r.data.vocab_mapping_path, "embedding_key": r.target.embedding_key,
-                  "lm_head_key": r.target.lm_head_key, "aux_hidden_state_layer_ids": list(r.target.aux_layer_ids),
-                  "torch_dtype": "bfloat16"},
+        "model": {
+            "target_model_path": r.target.path,
+            "draft_model_config": draft_config_path,
+            "vocab_mapping_path": r.data.vocab_mapping_path,
+            "embedding_key": r.target.embedding_key,
+            "lm_head_key": r.target.lm_head_key,
+            "aux_hidden_state_layer_ids": list(r.target.aux_layer_ids),
+            "torch_dtype": "bfloat16",
+        },
         "data": {"prompts_path": r.data.prompts_path, "max_length": r.trainer.max_length},
-        "training": {"strategy": "eagle3", "max_steps": r.trainer.max_steps, "num_epochs": r.trainer.num_epochs,
-                     "batch_size": r.trainer.batch_size,
-                     "learning_rate": r.trainer.learning_rate, "ttt_length": r.trainer.ttt_length,
-                     "save_interval": r.trainer.save_interval, "seed": r.trainer.seed,
-                     "attention_backend": r.trainer.attention_backend,
-                     # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
-                     "log_interval": 10},
+        "training": {
+            "strategy": "eagle3",
+            "max_steps": r.trainer.max_steps,
+            "num_epochs": r.trainer.num_epochs,
+            "batch_size": r.trainer.batch_size,
+            "learning_rate": r.trainer.learning_rate,
+            "ttt_length": r.trainer.ttt_length,
+            "save_interval": r.trainer.save_interval,
+            "seed": r.trainer.seed,
+            "attention_backend": r.trainer.attention_backend,
+            # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
+            "log_interval": 10,
+        },
         "deployment": {
             "mode": "disaggregated",
-            "trainer": {"nnodes": r.gpus.nnodes, "nproc_per_node": r.gpus.per_node,
-                        **({"master_addr": r.server.host, "master_port": 29500} if r.gpus.nnodes > 1 else {})},
+            "trainer": {
+                "nnodes": r.gpus.nnodes,
+                "nproc_per_node": r.gpus.per_node,
+                **({"master_addr": r.server.host, "master_port": 29500} if r.gpus.nnodes > 1 else {}),
+            },
             "disaggregated": {
-                "control_dir": str(out / "control"), "consumer_state_dir": consumer_state_dir(r),
-                "backend": "mooncake", "server_urls": [f"http://{r.server.host}:{r.server.port}"],
+                "control_dir": str(out / "control"),
+                "consumer_state_dir": consumer_state_dir(r),
+                "backend": "mooncake",
+                "server_urls": [f"http://{r.server.host}:{r.server.port}"],
                 "mooncake_metadata_server": f"http://{mc.host}:{mc.metadata_port}/metadata",
-                "mooncake_master_server_addr": f"{mc.host}:{mc.rpc_port}", "mooncake_protocol": mc.protocol,
+                "mooncake_master_server_addr": f"{mc.host}:{mc.rpc_port}",
+                "mooncake_protocol": mc.protocol,
                 **({"mooncake_rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}),
             },
         },
@@ -373,8 +454,10 @@ def _master_argv(r: Recipe) -> list[str]:
     from specforge_kimi.online.capture_server import mooncake_master_argv
 
     argv = mooncake_master_argv(_mooncake(r), python="python")
-    return [a.replace("--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_host={r.mooncake.host}")
-            for a in argv]
+    return [
+        a.replace("--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_host={r.mooncake.host}")
+        for a in argv
+    ]
 
 
 def render(r: Recipe, out_dir: str | Path) -> dict:
@@ -394,15 +477,40 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
         "server_env": server_env(r),
         "mooncake_master": _master_argv(r),
         "capture_server": server_argv(r),
-        "producer": ["python", "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "producer"],
+        "producer": [
+            "python",
+            "-m",
+            "specforge_kimi",
+            "train",
+            "-c",
+            str(o / "specforge_run.yaml"),
+            "--role",
+            "producer",
+        ],
         # one node: --standalone picks a free rendezvous port (as SpecForge's own plan does)
-        "consumer": ["python", "-m", "torch.distributed.run",
-                     *(["--standalone"] if r.gpus.nnodes == 1 else
-                       [f"--nnodes={r.gpus.nnodes}", f"--master_addr={r.server.host}", "--master_port=29500"]),
-                     f"--nproc_per_node={r.gpus.per_node}",
-                     "-m", "specforge_kimi", "train", "-c", str(o / "specforge_run.yaml"), "--role", "consumer"],
+        "consumer": [
+            "python",
+            "-m",
+            "torch.distributed.run",
+            *(
+                ["--standalone"]
+                if r.gpus.nnodes == 1
+                else [f"--nnodes={r.gpus.nnodes}", f"--master_addr={r.server.host}", "--master_port=29500"]
+            ),
+            f"--nproc_per_node={r.gpus.per_node}",
+            "-m",
+            "specforge_kimi",
+            "train",
+            "-c",
+            str(o / "specforge_run.yaml"),
+            "--role",
+            "consumer",
+        ],
         "memory_plan": memory_plan(r),
     }
     (o / "launch.json").write_text(json.dumps(sheet, indent=2))
-    return {"specforge_config": cfg, "launch": sheet,
-            "commands": {k: shlex.join(v) for k, v in sheet.items() if isinstance(v, list)}}
+    return {
+        "specforge_config": cfg,
+        "launch": sheet,
+        "commands": {k: shlex.join(v) for k, v in sheet.items() if isinstance(v, list)},
+    }

@@ -28,8 +28,9 @@ import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional, Sequence
+from typing import Any
 
 logger = logging.getLogger("specforge_kimi.online.reference_server")
 
@@ -74,8 +75,8 @@ class ReferenceCapture:
     def __init__(self, model_path: str, aux_layer_ids: Sequence[int], dtype: str = "float32") -> None:
         import torch
 
-        from specforge_kimi.target.layer_ids import AuxLayers
         from specforge_kimi.target.checkpoint import inspect_target, load_text_model
+        from specforge_kimi.target.layer_ids import AuxLayers
 
         info = inspect_target(model_path)
         # SGLang's rule (+1 for all when the first id is 1); the ids themselves are echoed back
@@ -97,12 +98,15 @@ class ReferenceCapture:
 
             env = os.environ.get
             store = MooncakeDistributedStore()
-            rc = store.setup(env("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
-                             env("MOONCAKE_METADATA_SERVER", "http://127.0.0.1:8080/metadata"),
-                             int(env("MOONCAKE_GLOBAL_SEGMENT_SIZE", 1 << 30)),
-                             int(env("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 28)),
-                             env("MOONCAKE_PROTOCOL", "tcp"), env("MOONCAKE_RDMA_DEVICES", ""),
-                             env("MOONCAKE_MASTER_SERVER_ADDR", "127.0.0.1:50051"))
+            rc = store.setup(
+                env("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
+                env("MOONCAKE_METADATA_SERVER", "http://127.0.0.1:8080/metadata"),
+                int(env("MOONCAKE_GLOBAL_SEGMENT_SIZE", 1 << 30)),
+                int(env("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 28)),
+                env("MOONCAKE_PROTOCOL", "tcp"),
+                env("MOONCAKE_RDMA_DEVICES", ""),
+                env("MOONCAKE_MASTER_SERVER_ADDR", "127.0.0.1:50051"),
+            )
             if rc is not None and int(rc) != 0:
                 raise RuntimeError(f"mooncake setup failed (status {rc})")
             cfg = ReplicateConfig()
@@ -148,7 +152,7 @@ class ReferenceCapture:
                     pass
         sizes = [t.element_size() * t.numel() for t in tensors]
         statuses = store.batch_put_from(keys, [t.data_ptr() for t in tensors], sizes, self._cfg)
-        failed = [(k, s) for k, s in zip(keys, statuses or []) if s is not None and int(s) < 0]
+        failed = [(k, s) for k, s in zip(keys, statuses or [], strict=False) if s is not None and int(s) < 0]
         if failed:
             for key in keys:
                 try:
@@ -157,8 +161,16 @@ class ReferenceCapture:
                     pass
             raise RuntimeError(f"mooncake put failed for {len(failed)}/{len(keys)} keys; first={failed[0]}")
         self.samples += 1
-        return ({"sample_id": sample_id, "store_id": store_id, "gen": gen,
-                 "aux_layer_ids": list(self.aux_layer_ids), "features": feats}, next_token)
+        return (
+            {
+                "sample_id": sample_id,
+                "store_id": store_id,
+                "gen": gen,
+                "aux_layer_ids": list(self.aux_layer_ids),
+                "features": feats,
+            },
+            next_token,
+        )
 
     def generate(self, body: dict) -> list[dict]:
         batch = body.get("input_ids")
@@ -176,7 +188,7 @@ class ReferenceCapture:
         rows = []
         with self.lock:
             self.requests += 1
-            for ids, spec in zip(batch, specs):
+            for ids, spec in zip(batch, specs, strict=False):
                 meta: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": 1}
                 try:
                     if spec is None:
@@ -208,9 +220,16 @@ def make_handler(backend: ReferenceCapture):
             if self.path.split("?")[0] in ("/health", "/health_generate"):
                 self._send(200, {"status": "ok"})
             elif self.path.split("?")[0] == "/server_info":
-                self._send(200, {"requests": backend.requests, "samples": backend.samples,
-                                 "aux_layer_ids": list(backend.aux.positions), "dtype": backend.dtype_name,
-                                 "passthrough_forms": dict(backend.passthrough_forms)})
+                self._send(
+                    200,
+                    {
+                        "requests": backend.requests,
+                        "samples": backend.samples,
+                        "aux_layer_ids": list(backend.aux.positions),
+                        "dtype": backend.dtype_name,
+                        "passthrough_forms": dict(backend.passthrough_forms),
+                    },
+                )
             else:
                 self._send(404, {"error": "not found"})
 
@@ -232,11 +251,18 @@ def make_handler(backend: ReferenceCapture):
     return Handler
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specforge_kimi.online.reference_server", description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m specforge_kimi.online.reference_server", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model-path", required=True)
-    p.add_argument("--spec-capture-aux-layer-ids", type=int, nargs="+", required=True,
-                   help="SGLang/SpecForge ids (shifted by +1 when the first is 1, as SGLang does)")
+    p.add_argument(
+        "--spec-capture-aux-layer-ids",
+        type=int,
+        nargs="+",
+        required=True,
+        help="SGLang/SpecForge ids (shifted by +1 when the first is 1, as SGLang does)",
+    )
     p.add_argument("--dtype", choices=_DTYPES, default="float32")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -244,8 +270,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     backend = ReferenceCapture(args.model_path, args.spec_capture_aux_layer_ids, args.dtype)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(backend))
-    logger.info("reference capture server on http://%s:%d (ids %s -> positions %s, %s)", args.host, args.port,
-                backend.aux_layer_ids, list(backend.aux.positions), args.dtype)
+    logger.info(
+        "reference capture server on http://%s:%d (ids %s -> positions %s, %s)",
+        args.host,
+        args.port,
+        backend.aux_layer_ids,
+        list(backend.aux.positions),
+        args.dtype,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -20,8 +20,8 @@ import argparse
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional, Sequence
 
 
 def mount():
@@ -32,15 +32,21 @@ def mount():
     if size <= 0:
         raise SystemExit("MOONCAKE_GLOBAL_SEGMENT_SIZE must be positive for the segment keeper")
     store = MooncakeDistributedStore()
-    rc = store.setup(env("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"), env("MOONCAKE_METADATA_SERVER"), size,
-                     16 << 20, env("MOONCAKE_PROTOCOL", "tcp"), env("MOONCAKE_RDMA_DEVICES", ""),
-                     env("MOONCAKE_MASTER_SERVER_ADDR"))
+    rc = store.setup(
+        env("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
+        env("MOONCAKE_METADATA_SERVER"),
+        size,
+        16 << 20,
+        env("MOONCAKE_PROTOCOL", "tcp"),
+        env("MOONCAKE_RDMA_DEVICES", ""),
+        env("MOONCAKE_MASTER_SERVER_ADDR"),
+    )
     if rc is not None and int(rc) != 0:
         raise SystemExit(f"mooncake setup failed (status {rc})")
     return store
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specforge_kimi.online.segment_keeper")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -64,8 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    print(f"segment keeper: {os.environ.get('MOONCAKE_GLOBAL_SEGMENT_SIZE')} bytes mounted; "
-          f"health on http://{args.host}:{args.port}/health", flush=True)
+    print(
+        f"segment keeper: {os.environ.get('MOONCAKE_GLOBAL_SEGMENT_SIZE')} bytes mounted; "
+        f"health on http://{args.host}:{args.port}/health",
+        flush=True,
+    )
     server.serve_forever()
     server.server_close()
     return 0

@@ -13,10 +13,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
-
 
 # SGLang 0.5.14 derives its gRPC port as --port + 10000 (unless SGLANG_GRPC_PORT is set) and
 # refuses to start above 65535: an ephemeral port (up to 60999 on Linux) fails about one time in five
@@ -64,7 +63,7 @@ def group_pids(pgid: int) -> list[int]:
             continue
         try:
             stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[2]) == pgid and fields[0] != "Z":
                 out.append(int(d.name))
         except (OSError, ValueError, IndexError):
@@ -110,17 +109,28 @@ def health(port: int, path: str = "/health") -> bool:
 
 
 @contextmanager
-def mooncake_master(log_path: Path, *, segment_bytes: int = 8 << 30, buffer_bytes: int = 1 << 30,
-                    ports: Optional[Sequence[int]] = None) -> Iterator:
+def mooncake_master(
+    log_path: Path, *, segment_bytes: int = 8 << 30, buffer_bytes: int = 1 << 30, ports: Sequence[int] | None = None
+) -> Iterator:
     """A loopback Mooncake master; yields SpecForge's ``ManagedLocalMooncakeConfig`` for it."""
     from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
 
     rpc, meta, metrics = ports or free_ports(3)
-    mc = mooncake_config(rpc_port=rpc, metadata_port=meta, metrics_port=metrics,
-                         global_segment_size_bytes=segment_bytes, local_buffer_size_bytes=buffer_bytes)
+    mc = mooncake_config(
+        rpc_port=rpc,
+        metadata_port=meta,
+        metrics_port=metrics,
+        global_segment_size_bytes=segment_bytes,
+        local_buffer_size_bytes=buffer_bytes,
+    )
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(mooncake_master_argv(mc), env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            mooncake_master_argv(mc),
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             if not (wait_tcp(rpc, 30) and wait_tcp(meta, 30)) or proc.poll() is not None:
                 raise RuntimeError(f"mooncake master did not come up; see {log_path}")
@@ -133,8 +143,9 @@ def mooncake_master(log_path: Path, *, segment_bytes: int = 8 << 30, buffer_byte
 def server(argv: Sequence[str], env: dict, log_path: Path, port: int, timeout_s: float = 600.0) -> Iterator:
     """Any HTTP server with ``/health`` (a capture server); yields the Popen once healthy."""
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(list(argv), env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv), env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.time() + timeout_s
             while not health(port):

@@ -29,7 +29,6 @@ SGLANG_PIN = "0.5.14"
 CAPTURE_PATCH = Path("patches/sglang/v0.5.14/spec-capture.patch")  # inside a SpecForge checkout
 
 
-
 @dataclass
 class PatchStatus:
     patch: Path
@@ -94,8 +93,22 @@ def _creates(patch: Path, rel: str) -> bool:
 
 
 def apply(status: PatchStatus) -> None:
-    res = subprocess.run(["patch", f"-p{status.strip}", "-d", str(status.root), "--batch", "--forward", "--fuzz=0",
-                          "--no-backup-if-mismatch", "-i", str(status.patch)], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            "patch",
+            f"-p{status.strip}",
+            "-d",
+            str(status.root),
+            "--batch",
+            "--forward",
+            "--fuzz=0",
+            "--no-backup-if-mismatch",
+            "-i",
+            str(status.patch),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode != 0:
         raise KimiInputError(f"applying {status.patch} to {status.root} failed: {(res.stdout + res.stderr)[-400:]}")
 
@@ -171,8 +184,9 @@ def _applied_prefix(patches: list[Path], site: Path) -> int:
             for p in reversed(patches[:k]):
                 if _dry(p, scratch, 2, reverse=True).returncode != 0:
                     break
-                subprocess.run(["patch", "-p2", "-d", str(scratch), "-R", "--batch", "--fuzz=0", "-i", str(p)],
-                               capture_output=True)
+                subprocess.run(
+                    ["patch", "-p2", "-d", str(scratch), "-R", "--batch", "--fuzz=0", "-i", str(p)], capture_output=True
+                )
             else:
                 return k
     return 0
@@ -195,11 +209,15 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
     SGLang patches are listed in application order (SpecForge's capture patch, then ours), each
     classified as it will meet the tree after the ones before it."""
     root = patches_root()
-    statuses = [classify(p, specforge_root(checkout), 1) for p in sorted((root / "specforge" / SPECFORGE_PIN).glob("*.patch"))]
+    statuses = [
+        classify(p, specforge_root(checkout), 1) for p in sorted((root / "specforge" / SPECFORGE_PIN).glob("*.patch"))
+    ]
     if sglang:
         if not checkout:
-            raise KimiInputError("SGLang's capture patch ships only in a SpecForge checkout: pass --specforge-checkout "
-                                 "(or --no-sglang to patch SpecForge alone)")
+            raise KimiInputError(
+                "SGLang's capture patch ships only in a SpecForge checkout: pass --specforge-checkout "
+                "(or --no-sglang to patch SpecForge alone)"
+            )
         capture = Path(checkout) / CAPTURE_PATCH
         if not capture.is_file():
             raise KimiInputError(f"{capture} not found in the SpecForge checkout")
@@ -218,15 +236,21 @@ COMPACT_SPECFORGE_PATCH = "0002-compact-capture-passthrough.patch"
 COMPACT_SGLANG_PATCH = "0004-spec-capture-compact-passthrough.patch"
 
 
-def compact_passthrough_gaps(*, specforge_site: Path | None = None, sglang_site: Path | None = None,
-                             sglang: bool = True) -> list[str]:
+def compact_passthrough_gaps(
+    *, specforge_site: Path | None = None, sglang_site: Path | None = None, sglang: bool = True
+) -> list[str]:
     """What keeps ``server.compact_passthrough`` from working on the installed (or given) trees: one line per
     compact patch that is not applied (empty when all are; the SGLang half only with ``sglang``). Without the
     SpecForge half the producer silently sends the JSON lists again; without the SGLang half the server
     refuses the compact items, so a launch checks this first (``launch.preflight``)."""
     root = patches_root()
-    checks = [(root / "specforge" / SPECFORGE_PIN / COMPACT_SPECFORGE_PATCH, 1,
-               lambda: specforge_site or specforge_root(None))]
+    checks = [
+        (
+            root / "specforge" / SPECFORGE_PIN / COMPACT_SPECFORGE_PATCH,
+            1,
+            lambda: specforge_site or specforge_root(None),
+        )
+    ]
     if sglang:
         checks.append((root / "sglang" / SGLANG_PIN / COMPACT_SGLANG_PATCH, 2, lambda: sglang_site or sglang_root()))
     gaps = []
@@ -268,9 +292,12 @@ def load_patched_specforge_module(rel: str, scratch: Path):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("setup", help="apply our patches to SpecForge and SpecForge's + ours to the installed SGLang")
-    p.add_argument("--specforge-checkout", default=None,
-                   help="SpecForge checkout at a6b6b023 (patched in place; its SGLang capture patch is applied "
-                        "to the installed sglang). Without it the installed specforge 0.2.0 is patched.")
+    p.add_argument(
+        "--specforge-checkout",
+        default=None,
+        help="SpecForge checkout at a6b6b023 (patched in place; its SGLang capture patch is applied "
+        "to the installed sglang). Without it the installed specforge 0.2.0 is patched.",
+    )
     p.add_argument("--check", action="store_true", help="dry run: report each patch's state, change nothing")
     p.add_argument("--no-sglang", action="store_true", help="leave the installed sglang alone")
     p.set_defaults(func=run)
@@ -284,9 +311,11 @@ def run(args: argparse.Namespace) -> int:
     if drift:
         s = drift[0]
         where = ", ".join(f"{s.root}/{f}" for f in (s.failed or s.files[:1]))
-        raise KimiInputError(f"{s.patch} does not apply to {where}: the file changed (version drift, or an older "
-                             f"specforge-kimi's patches are in: reinstall that package at its pin and run setup "
-                             f"again). {s.detail}")
+        raise KimiInputError(
+            f"{s.patch} does not apply to {where}: the file changed (version drift, or an older "
+            f"specforge-kimi's patches are in: reinstall that package at its pin and run setup "
+            f"again). {s.detail}"
+        )
     note = _imported_elsewhere(args.specforge_checkout)
     if note:
         print(note)
@@ -312,6 +341,7 @@ def _imported_elsewhere(checkout: str | None) -> str:
     imported = Path(spec.origin).resolve().parent
     if imported == (Path(checkout) / "specforge").resolve():
         return ""
-    return (f"note: this Python imports specforge from {imported}, not from {checkout}: install the checkout "
-            f"(pip install -e {checkout}) or also patch the installed one (specforge-kimi setup --no-sglang)")
-
+    return (
+        f"note: this Python imports specforge from {imported}, not from {checkout}: install the checkout "
+        f"(pip install -e {checkout}) or also patch the installed one (specforge-kimi setup --no-sglang)"
+    )

@@ -13,9 +13,9 @@ feature source of the CPU demo (SpecForge's offline feature format).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -59,9 +59,7 @@ def capture_aux(model: nn.Module, aux: AuxLayers) -> Iterator[dict]:
     decoder = text_decoder(model)
     layers = decoder.layers
     if len(layers) != aux.num_layers:
-        raise KimiInputError(
-            f"aux layers were validated for {aux.num_layers} layers, the model has {len(layers)}"
-        )
+        raise KimiInputError(f"aux layers were validated for {aux.num_layers} layers, the model has {len(layers)}")
     slots: dict[int, torch.Tensor] = {}
     out: dict = {}
 
@@ -71,6 +69,7 @@ def capture_aux(model: nn.Module, aux: AuxLayers) -> Iterator[dict]:
             if hidden is None:
                 raise RuntimeError(f"layer {pos} was called without hidden_states")
             slots[pos] = hidden.detach()
+
         return fn
 
     def norm_hook(_module, _args, output):

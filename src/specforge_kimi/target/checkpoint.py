@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 
@@ -61,8 +62,9 @@ def _config_class():
         model_type = WRAPPER_MODEL_TYPE
         sub_configs = {"text_config": DeepseekV3Config}
 
-        def __init__(self, text_config: Any = None, vision_config: Any = None,
-                     media_placeholder_token_id: int = 163605, **kwargs):
+        def __init__(
+            self, text_config: Any = None, vision_config: Any = None, media_placeholder_token_id: int = 163605, **kwargs
+        ):
             if text_config is None:
                 text_config = DeepseekV3Config()
             elif isinstance(text_config, dict):
@@ -256,15 +258,25 @@ def inspect_target(model_dir: str | os.PathLike) -> TargetInfo:
                 f"{model_dir}: {k} has shape {list(shape)}, but the config says vocab_size={vocab}, "
                 f"hidden_size={hidden}"
             )
-    present = {int(n[len(keys["layers"]):].split(".", 1)[0]) for n in index if n.startswith(keys["layers"])}
+    present = {int(n[len(keys["layers"]) :].split(".", 1)[0]) for n in index if n.startswith(keys["layers"])}
     if present != set(range(layers)):
         raise KimiInputError(
             f"{model_dir}: config says num_hidden_layers={layers}, checkpoint has layers "
             f"{sorted(present)[:3]}..{sorted(present)[-3:]} ({len(present)} layers)"
         )
-    return TargetInfo(str(model_dir), wrapper, layout, hidden, vocab, layers,
-                      keys["embedding"], keys["lm_head"], keys["layers"], text,
-                      _quantization(model_dir, config, text, index))
+    return TargetInfo(
+        str(model_dir),
+        wrapper,
+        layout,
+        hidden,
+        vocab,
+        layers,
+        keys["embedding"],
+        keys["lm_head"],
+        keys["layers"],
+        text,
+        _quantization(model_dir, config, text, index),
+    )
 
 
 def _quantization(model_dir, config: dict, text: dict, index: dict) -> str | None:
@@ -303,7 +315,11 @@ def check_int4_shapes(model_dir: str | os.PathLike, info: TargetInfo) -> int:
             parts = {}
             for p in int4.PARAMS:
                 with safe_open(str(Path(model_dir) / index[f"{module}.{p}"]), framework="pt") as f:
-                    parts[p] = f.get_tensor(f"{module}.{p}") if p == "weight_shape" else f.get_slice(f"{module}.{p}").get_shape()
+                    parts[p] = (
+                        f.get_tensor(f"{module}.{p}")
+                        if p == "weight_shape"
+                        else f.get_slice(f"{module}.{p}").get_shape()
+                    )
             int4.check_packed(module, parts, int4.expert_shape(info.text, m.group("proj")))
             count += 1
     return count
@@ -366,7 +382,7 @@ def load_text_model(model_dir: str | os.PathLike, dtype=None):
     for fname, names in files.items():
         with safe_open(str(Path(model_dir) / fname), framework="pt") as f:
             for name in names:
-                hf = name[len(prefix):]
+                hf = name[len(prefix) :]
                 if info.layout == "kimi_k25_nvfp4" and hf.startswith("layers."):
                     hf = "model." + hf
                 parts = hf.split(".")
@@ -378,17 +394,18 @@ def load_text_model(model_dir: str | os.PathLike, dtype=None):
                 else:
                     state[hf] = f.get_tensor(name).to(dtype)
     for module, tensors in packed.items():  # INT4 routed experts -> bf16 by compressed-tensors, then dtype
-        parts = module[len(prefix):].split(".")
+        parts = module[len(prefix) :].split(".")
         w = int4.dequantize(module, tensors, int4.expert_shape(info.text, parts[6].removesuffix("_proj")))
         experts.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = w.to(dtype)
     n_exp = info.text.get("n_routed_experts") or 0
     for (layer, proj), by_e in list(experts.items()):
         if len(by_e) != n_exp:
             raise KimiInputError(f"{model_dir}: layer {layer} {proj} has {len(by_e)} experts, config says {n_exp}")
-    for layer in sorted({l for l, _ in experts}):
+    for layer in sorted({layer for layer, _ in experts}):
         g, u, d = (experts[(layer, p)] for p in ("gate_proj", "up_proj", "down_proj"))
         state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([g[e], u[e]], dim=0) for e in range(n_exp)])
+            [torch.cat([g[e], u[e]], dim=0) for e in range(n_exp)]
+        )
         state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([d[e] for e in range(n_exp)])
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))

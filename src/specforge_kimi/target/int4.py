@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 
@@ -84,9 +85,12 @@ def quantization_config_of(config: Mapping[str, Any], text: Mapping[str, Any]) -
 def check_block(block: Mapping[str, Any], *, source: str = "config.json") -> None:
     """Refuse any quantization but K2.5's own (one line naming the field), then let compressed-tensors
     validate the block with its own schema."""
+
     def bad(what: str) -> KimiInputError:
-        return KimiInputError(f"{source}: quantization_config {what}; specforge-kimi reads only K2.5's "
-                              f"compressed-tensors pack-quantized int4 symmetric group-{GROUP_SIZE} routed experts")
+        return KimiInputError(
+            f"{source}: quantization_config {what}; specforge-kimi reads only K2.5's "
+            f"compressed-tensors pack-quantized int4 symmetric group-{GROUP_SIZE} routed experts"
+        )
 
     if block.get("quant_method") != "compressed-tensors":
         raise bad(f"quant_method is {block.get('quant_method')!r}, not 'compressed-tensors'")
@@ -97,8 +101,14 @@ def check_block(block: Mapping[str, Any], *, source: str = "config.json") -> Non
         raise bad(f"has {len(groups)} config groups, not one")
     (group,) = groups.values()
     w = group.get("weights") or {}
-    want = {"num_bits": NUM_BITS, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP_SIZE,
-            "dynamic": False}
+    want = {
+        "num_bits": NUM_BITS,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": GROUP_SIZE,
+        "dynamic": False,
+    }
     for key, value in want.items():
         if w.get(key) != value:
             raise bad(f"weights.{key} is {w.get(key)!r}, not {value!r}")
@@ -120,8 +130,9 @@ def scheme():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     w = K25_QUANTIZATION_CONFIG["config_groups"]["group_0"]["weights"]
-    args = QuantizationArgs(**{k: w[k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size",
-                                                 "dynamic", "observer")})
+    args = QuantizationArgs(
+        **{k: w[k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "observer")}
+    )
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 
@@ -137,9 +148,11 @@ def packed_shapes(out_features: int, in_features: int) -> dict[str, tuple[int, .
     """On-disk shapes of one quantized projection ``[out, in]``."""
     if in_features % GROUP_SIZE:
         raise KimiInputError(f"an INT4 projection's input width {in_features} is not a multiple of {GROUP_SIZE}")
-    return {"weight_packed": (out_features, in_features // PACK),
-            "weight_scale": (out_features, in_features // GROUP_SIZE),
-            "weight_shape": (2,)}
+    return {
+        "weight_packed": (out_features, in_features // PACK),
+        "weight_scale": (out_features, in_features // GROUP_SIZE),
+        "weight_shape": (2,),
+    }
 
 
 def quantize(weight) -> dict[str, Any]:
@@ -158,8 +171,13 @@ def quantize(weight) -> dict[str, Any]:
     groups = weight.float().view(out_f, in_f // GROUP_SIZE, GROUP_SIZE)
     scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), s.weights)
     comp = PackedQuantizationCompressor.compress(
-        {"weight": weight.to(torch.bfloat16), "weight_scale": scale.to(torch.bfloat16),
-         "weight_zero_point": zero_point.to(torch.int8)}, s)
+        {
+            "weight": weight.to(torch.bfloat16),
+            "weight_scale": scale.to(torch.bfloat16),
+            "weight_zero_point": zero_point.to(torch.int8),
+        },
+        s,
+    )
     if set(comp) != set(PARAMS):
         raise RuntimeError(f"compressed-tensors wrote {sorted(comp)}, expected {list(PARAMS)}")
     return {k: comp[k].contiguous() for k in PARAMS}
@@ -179,8 +197,10 @@ def check_packed(module: str, tensors: Mapping[str, Any], expected: tuple[int, i
     for name, t in (("weight_packed", packed), ("weight_scale", scale)):
         got = tuple(int(x) for x in (t.shape if hasattr(t, "shape") else t))
         if got != want[name]:
-            raise KimiInputError(f"{module}.{name} has shape {list(got)}, weight_shape {ws} implies "
-                                 f"{list(want[name])} (int4, group {GROUP_SIZE})")
+            raise KimiInputError(
+                f"{module}.{name} has shape {list(got)}, weight_shape {ws} implies "
+                f"{list(want[name])} (int4, group {GROUP_SIZE})"
+            )
     if expected is not None and tuple(ws) != tuple(expected):
         raise KimiInputError(f"{module}.weight_shape is {ws}, the config implies {list(expected)}")
     return ws[0], ws[1]
@@ -223,11 +243,27 @@ def check_names(names, *, source: str) -> int:
             raise KimiInputError(f"{source}: {module} has both a bf16 weight and INT4 tensors")
     unquantized = sorted(n for n in names if n.endswith(".weight") and EXPERT_MODULE.match(n[: -len(".weight")]))
     if modules and unquantized:
-        raise KimiInputError(f"{source}: the config quantizes routed experts but {unquantized[0]} is bf16 "
-                             f"({len(unquantized)} such)")
+        raise KimiInputError(
+            f"{source}: the config quantizes routed experts but {unquantized[0]} is bf16 ({len(unquantized)} such)"
+        )
     return len(modules)
 
 
-__all__ = ["expert_shape", "check_names", "K25_QUANTIZATION_CONFIG", "GROUP_SIZE", "NUM_BITS", "PARAMS", "EXPERT_MODULE", "quantization_block",
-           "quantization_config_of", "check_block", "scheme", "is_ignored", "packed_shapes", "quantize",
-           "check_packed", "dequantize"]
+__all__ = [
+    "expert_shape",
+    "check_names",
+    "K25_QUANTIZATION_CONFIG",
+    "GROUP_SIZE",
+    "NUM_BITS",
+    "PARAMS",
+    "EXPERT_MODULE",
+    "quantization_block",
+    "quantization_config_of",
+    "check_block",
+    "scheme",
+    "is_ignored",
+    "packed_shapes",
+    "quantize",
+    "check_packed",
+    "dequantize",
+]

@@ -23,8 +23,8 @@ shifted to 2) and position 0 is the embedding output, which EAGLE-3 never uses.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from specforge_kimi.errors import KimiInputError
 
@@ -42,15 +42,21 @@ def default_specforge_ids(num_layers: int) -> tuple[int, ...]:
     positions = (2, num_layers // 2, num_layers - 3)
     if num_layers < 5 or len(set(positions)) < 3:
         # SGLang's formula repeats a layer below 7 layers ([2, 3, 3] for 6): no valid default
-        raise KimiInputError(f"SGLang's default aux layers [2, L//2, L-3] are {list(positions)} for a {num_layers}-layer "
-                             "target (not 3 distinct layers); pass explicit aux layer ids")
+        raise KimiInputError(
+            f"SGLang's default aux layers [2, L//2, L-3] are {list(positions)} for a {num_layers}-layer "
+            "target (not 3 distinct layers); pass explicit aux layer ids"
+        )
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
 def _as_ints(ids: Iterable[int], what: str) -> tuple[int, ...]:
     out = []
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) and not (isinstance(i, str) and i.strip().lstrip("-").isdigit()):
+        if (
+            isinstance(i, bool)
+            or not isinstance(i, int)
+            and not (isinstance(i, str) and i.strip().lstrip("-").isdigit())
+        ):
             raise KimiInputError(f"{what}: aux layer ids must be integers, got {i!r}")
         out.append(int(i))
     return tuple(out)
@@ -91,7 +97,7 @@ class AuxLayers:
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
-    def from_specforge(cls, ids: Sequence[int], num_layers: int) -> "AuxLayers":
+    def from_specforge(cls, ids: Sequence[int], num_layers: int) -> AuxLayers:
         """From SpecForge/SGLang ids (SGLang 0.5.14 shifts all by +1 when the first is 1)."""
         ids = _as_ints(ids, "SpecForge")
         if not ids:
@@ -105,21 +111,25 @@ class AuxLayers:
     from_sglang = from_specforge
 
     @classmethod
-    def from_vllm(cls, ids: Sequence[int], num_layers: int) -> "AuxLayers":
+    def from_vllm(cls, ids: Sequence[int], num_layers: int) -> AuxLayers:
         """From vLLM ids (no shift)."""
         return cls(_as_ints(ids, "vLLM"), num_layers)
 
     @classmethod
-    def from_hf(cls, indices: Sequence[int], num_layers: int) -> "AuxLayers":
+    def from_hf(cls, indices: Sequence[int], num_layers: int) -> AuxLayers:
         """From transformers ``output_hidden_states`` indices."""
         return cls(_as_ints(indices, "HF"), num_layers)
 
     @classmethod
-    def from_engine(cls, engine: str, ids: Sequence[int], num_layers: int) -> "AuxLayers":
+    def from_engine(cls, engine: str, ids: Sequence[int], num_layers: int) -> AuxLayers:
         """Dispatch on an engine name from :data:`ENGINES`."""
         try:
-            ctor = {"specforge": cls.from_specforge, "sglang": cls.from_sglang,
-                    "vllm": cls.from_vllm, "hf": cls.from_hf}[engine]
+            ctor = {
+                "specforge": cls.from_specforge,
+                "sglang": cls.from_sglang,
+                "vllm": cls.from_vllm,
+                "hf": cls.from_hf,
+            }[engine]
         except KeyError:
             raise KimiInputError(f"unknown engine {engine!r}; expected one of {ENGINES}") from None
         return ctor(ids, num_layers)
@@ -128,9 +138,7 @@ class AuxLayers:
     def sglang_ids(self) -> list[int]:
         """Ids SGLang 0.5.14 captures these positions with (written into exported drafts)."""
         if self.positions[0] == 1:
-            raise KimiInputError(
-                "position 1 cannot be the first aux position in SGLang 0.5.14: id 1 is shifted to 2"
-            )
+            raise KimiInputError("position 1 cannot be the first aux position in SGLang 0.5.14: id 1 is shifted to 2")
         return list(self.positions)
 
     def specforge_ids(self) -> list[int]:
@@ -145,8 +153,12 @@ class AuxLayers:
 
     def to_engine(self, engine: str) -> list[int]:
         try:
-            view = {"specforge": self.specforge_ids, "sglang": self.sglang_ids,
-                    "vllm": self.vllm_ids, "hf": self.hf_indices}[engine]
+            view = {
+                "specforge": self.specforge_ids,
+                "sglang": self.sglang_ids,
+                "vllm": self.vllm_ids,
+                "hf": self.hf_indices,
+            }[engine]
         except KeyError:
             raise KimiInputError(f"unknown engine {engine!r}; expected one of {ENGINES}") from None
         return view()

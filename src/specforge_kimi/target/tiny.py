@@ -65,8 +65,10 @@ class TinySpec:
 
             for name in ("hidden", "moe_intermediate"):
                 if getattr(self, name) % GROUP_SIZE:
-                    raise KimiInputError(f"--int4-experts needs --{name.replace('_', '-')} divisible by {GROUP_SIZE} "
-                                         f"(K2.5's group size), not {getattr(self, name)}")
+                    raise KimiInputError(
+                        f"--int4-experts needs --{name.replace('_', '-')} divisible by {GROUP_SIZE} "
+                        f"(K2.5's group size), not {getattr(self, name)}"
+                    )
 
 
 def text_config(spec: TinySpec) -> dict:
@@ -105,8 +107,13 @@ def text_config(spec: TinySpec) -> dict:
         "qk_rope_head_dim": 64,
         "rms_norm_eps": 1e-05,
         "rope_scaling": {
-            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0,
-            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn",
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 64.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
         },
         "rope_theta": 50000.0,
         "routed_scaling_factor": 2.827,
@@ -131,15 +138,27 @@ def vision_config(spec: TinySpec) -> dict:
     """Vision tower (plain names, read by SGLang's MoonViT) + projector (``vt_*`` names)."""
     intermediate = spec.vision_hidden * 4
     return {
-        "patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
-        "pos_emb_type": "divided_fixed", "merge_kernel_size": [2, 2],
-        "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool",
-        "hidden_size": spec.vision_hidden, "num_attention_heads": spec.vision_heads,
-        "num_hidden_layers": spec.vision_layers, "intermediate_size": intermediate,
-        "vt_hidden_size": spec.vision_hidden, "vt_num_attention_heads": spec.vision_heads,
-        "vt_num_hidden_layers": spec.vision_layers, "vt_intermediate_size": intermediate,
-        "mm_projector_type": "patchmerger", "mm_hidden_size": spec.vision_hidden,
-        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "text_hidden_size": spec.hidden,
+        "patch_size": 14,
+        "init_pos_emb_height": 8,
+        "init_pos_emb_width": 8,
+        "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
+        "merge_kernel_size": [2, 2],
+        "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool",
+        "hidden_size": spec.vision_hidden,
+        "num_attention_heads": spec.vision_heads,
+        "num_hidden_layers": spec.vision_layers,
+        "intermediate_size": intermediate,
+        "vt_hidden_size": spec.vision_hidden,
+        "vt_num_attention_heads": spec.vision_heads,
+        "vt_num_hidden_layers": spec.vision_layers,
+        "vt_intermediate_size": intermediate,
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": spec.vision_hidden,
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-05,
+        "text_hidden_size": spec.hidden,
     }
 
 
@@ -177,32 +196,50 @@ def text_tensor_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     }
     for i in range(spec.layers):
         lp = f"{p}layers.{i}."
-        shapes.update({
-            lp + "input_layernorm.weight": (h,),
-            lp + "post_attention_layernorm.weight": (h,),
-            lp + "self_attn.q_a_proj.weight": (spec.q_lora_rank, h),
-            lp + "self_attn.q_a_layernorm.weight": (spec.q_lora_rank,),
-            lp + "self_attn.q_b_proj.weight": (heads * qk_head, spec.q_lora_rank),
-            lp + "self_attn.kv_a_proj_with_mqa.weight": (512 + 64, h),
-            lp + "self_attn.kv_a_layernorm.weight": (512,),
-            lp + "self_attn.kv_b_proj.weight": (heads * (128 + 128), 512),
-            lp + "self_attn.o_proj.weight": (h, heads * 128),
-        })
+        shapes.update(
+            {
+                lp + "input_layernorm.weight": (h,),
+                lp + "post_attention_layernorm.weight": (h,),
+                lp + "self_attn.q_a_proj.weight": (spec.q_lora_rank, h),
+                lp + "self_attn.q_a_layernorm.weight": (spec.q_lora_rank,),
+                lp + "self_attn.q_b_proj.weight": (heads * qk_head, spec.q_lora_rank),
+                lp + "self_attn.kv_a_proj_with_mqa.weight": (512 + 64, h),
+                lp + "self_attn.kv_a_layernorm.weight": (512,),
+                lp + "self_attn.kv_b_proj.weight": (heads * (128 + 128), 512),
+                lp + "self_attn.o_proj.weight": (h, heads * 128),
+            }
+        )
         if i == 0:
             inter = spec.dense_intermediate
-            shapes.update({lp + "mlp.gate_proj.weight": (inter, h), lp + "mlp.up_proj.weight": (inter, h),
-                           lp + "mlp.down_proj.weight": (h, inter)})
+            shapes.update(
+                {
+                    lp + "mlp.gate_proj.weight": (inter, h),
+                    lp + "mlp.up_proj.weight": (inter, h),
+                    lp + "mlp.down_proj.weight": (h, inter),
+                }
+            )
             continue
         inter = spec.moe_intermediate
-        shapes.update({lp + "mlp.gate.weight": (spec.experts, h),
-                       lp + "mlp.gate.e_score_correction_bias": (spec.experts,)})
+        shapes.update(
+            {lp + "mlp.gate.weight": (spec.experts, h), lp + "mlp.gate.e_score_correction_bias": (spec.experts,)}
+        )
         for e in range(spec.experts):
             ep = f"{lp}mlp.experts.{e}."
-            shapes.update({ep + "gate_proj.weight": (inter, h), ep + "up_proj.weight": (inter, h),
-                           ep + "down_proj.weight": (h, inter)})
+            shapes.update(
+                {
+                    ep + "gate_proj.weight": (inter, h),
+                    ep + "up_proj.weight": (inter, h),
+                    ep + "down_proj.weight": (h, inter),
+                }
+            )
         sp = lp + "mlp.shared_experts."
-        shapes.update({sp + "gate_proj.weight": (inter, h), sp + "up_proj.weight": (inter, h),
-                       sp + "down_proj.weight": (h, inter)})
+        shapes.update(
+            {
+                sp + "gate_proj.weight": (inter, h),
+                sp + "up_proj.weight": (inter, h),
+                sp + "down_proj.weight": (h, inter),
+            }
+        )
     return shapes
 
 
@@ -240,12 +277,22 @@ def vision_tensor_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     }
     for i in range(spec.vision_layers):
         b = f"vision_tower.encoder.blocks.{i}."
-        shapes.update({
-            b + "norm0.weight": (v,), b + "norm0.bias": (v,), b + "norm1.weight": (v,), b + "norm1.bias": (v,),
-            b + "wqkv.weight": (3 * v, v), b + "wqkv.bias": (3 * v,), b + "wo.weight": (v, v), b + "wo.bias": (v,),
-            b + "mlp.fc0.weight": (inter, v), b + "mlp.fc0.bias": (inter,),
-            b + "mlp.fc1.weight": (v, inter), b + "mlp.fc1.bias": (v,),
-        })
+        shapes.update(
+            {
+                b + "norm0.weight": (v,),
+                b + "norm0.bias": (v,),
+                b + "norm1.weight": (v,),
+                b + "norm1.bias": (v,),
+                b + "wqkv.weight": (3 * v, v),
+                b + "wqkv.bias": (3 * v,),
+                b + "wo.weight": (v, v),
+                b + "wo.bias": (v,),
+                b + "mlp.fc0.weight": (inter, v),
+                b + "mlp.fc0.bias": (inter,),
+                b + "mlp.fc1.weight": (v, inter),
+                b + "mlp.fc1.bias": (v,),
+            }
+        )
     return shapes
 
 
@@ -259,8 +306,15 @@ def _init(name: str, shape: tuple[int, ...], gen, device: str = "cpu"):
     return torch.randn(shape, generator=gen, device=device) * 0.02
 
 
-def write_tiny(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(), *, shard_mb: int = 400,
-               state: dict | None = None, tokenizer: bool = True, device: str = "cpu") -> Path:
+def write_tiny(
+    out_dir: str | os.PathLike,
+    spec: TinySpec = TinySpec(),
+    *,
+    shard_mb: int = 400,
+    state: dict | None = None,
+    tokenizer: bool = True,
+    device: str = "cpu",
+) -> Path:
     """Write a tiny K2.5 checkpoint to ``out_dir`` (created; must be empty or absent).
 
     ``state`` may carry trained text weights (transformers names without the
@@ -330,10 +384,12 @@ def write_tiny(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(), *, shard
             (tmp / fname).rename(tmp / new)
             final_map.update({k: new for k, v in weight_map.items() if v == fname})
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": final_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": final_map}, indent=1)
+        )
         (tmp / "config.json").write_text(json.dumps(config(spec), indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": K25_BOS, "eos_token_id": [K25_EOS, 163586], "do_sample": False}, indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": K25_BOS, "eos_token_id": [K25_EOS, 163586], "do_sample": False}, indent=2)
+        )
         if tokenizer:
             from specforge_kimi.data.tokenizer import build_standin_tokenizer
 

@@ -82,7 +82,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import torch
 
@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 #: ``(module name, dotted attribute) -> original object`` for everything patched.
-ORIGINALS: Dict[Tuple[str, str], Any] = {}
+ORIGINALS: dict[tuple[str, str], Any] = {}
 
 _LOCK = threading.Lock()
 _INSTALLED = False
@@ -202,10 +202,7 @@ def install_cpu_shims() -> None:
             return
         # Import every target before patching any: a module imported after
         # ``specforge.core.loss`` is patched would bind (and record) the replacement.
-        modules = {
-            name: importlib.import_module(name)
-            for name in (*_LOSS_MODULES, *_COMPILED_HELPER_MODULES)
-        }
+        modules = {name: importlib.import_module(name) for name in (*_LOSS_MODULES, *_COMPILED_HELPER_MODULES)}
         for module_name in _LOSS_MODULES:
             module = modules[module_name]
             if hasattr(module, "LogSoftmaxLoss"):

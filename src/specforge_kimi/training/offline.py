@@ -110,7 +110,8 @@ import math
 import os
 import time
 from collections import Counter
-from typing import Any, Dict, List, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "DEFAULT_RUN_ID",
@@ -132,7 +133,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _set_dotted(raw: Dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node = raw
     keys = dotted.split(".")
     for key in keys[:-1]:
@@ -145,7 +146,7 @@ def _set_dotted(raw: Dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = copy.deepcopy(value)
 
 
-def _merge(raw: Dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> None:
+def _merge(raw: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> None:
     """Apply ``overrides``: ``{"training.warmup_ratio": 0.0}`` or nested ``{"training": {...}}``."""
     for key, value in overrides.items():
         path = f"{prefix}{key}"
@@ -169,10 +170,10 @@ def build_offline_config(
     seed: int,
     embedding_key: str,
     lm_head_key: str,
-    chat_template: Optional[str] = None,
-    save_interval: Optional[int] = None,
-    extra_overrides: Optional[Mapping[str, Any]] = None,
-    num_samples: Optional[int] = None,
+    chat_template: str | None = None,
+    save_interval: int | None = None,
+    extra_overrides: Mapping[str, Any] | None = None,
+    num_samples: int | None = None,
     accumulation_steps: int = 1,
 ):
     """The validated SpecForge ``Config`` :func:`train_offline` runs (nothing is started).
@@ -194,7 +195,7 @@ def build_offline_config(
     if steps_per_epoch < 1:
         raise ValueError(f"{num_samples} feature files give no optimizer step per epoch")
 
-    raw: Dict[str, Any] = {
+    raw: dict[str, Any] = {
         "run_id": DEFAULT_RUN_ID,
         "output_dir": os.path.abspath(output_dir),
         "model": {
@@ -249,7 +250,7 @@ def build_specforge_vocab_mapping(
     *,
     draft_vocab_size: int,
     target_vocab_size: int,
-    max_length: Optional[int] = None,
+    max_length: int | None = None,
 ) -> str:
     """Write ``{"d2t", "t2d"}`` exactly as SpecForge derives it for an offline run.
 
@@ -269,11 +270,11 @@ def build_specforge_vocab_mapping(
     return output_path
 
 
-def read_tensorboard_scalars(paths: List[str]) -> Dict[str, Dict[int, float]]:
+def read_tensorboard_scalars(paths: list[str]) -> dict[str, dict[int, float]]:
     """``tag -> {step: value}`` from TensorBoard event files (later files win on a step)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    scalars: Dict[str, Dict[int, float]] = {}
+    scalars: dict[str, dict[int, float]] = {}
     for path in sorted(paths, key=os.path.getmtime):
         accumulator = EventAccumulator(path, size_guidance={"scalars": 0})
         accumulator.Reload()
@@ -287,14 +288,10 @@ def read_tensorboard_scalars(paths: List[str]) -> Dict[str, Dict[int, float]]:
 def _event_files(directory: str) -> set:
     if not os.path.isdir(directory):
         return set()
-    return {
-        os.path.join(directory, name)
-        for name in os.listdir(directory)
-        if name.startswith("events.out.tfevents.")
-    }
+    return {os.path.join(directory, name) for name in os.listdir(directory) if name.startswith("events.out.tfevents.")}
 
 
-def _per_position(scalars: Dict[str, Dict[int, float]], stem: str, steps: List[int]):
+def _per_position(scalars: dict[str, dict[int, float]], stem: str, steps: list[int]):
     positions = []
     index = 0
     while f"train/{stem}_{index}" in scalars:
@@ -322,8 +319,7 @@ def _run_specforge_cli_path(cfg, config_path: str) -> int:
     )
     if plan.kind != "worker" or plan.role != "all":
         raise RuntimeError(
-            f"expected an in-process offline worker plan, got kind={plan.kind!r} "
-            f"role={plan.role!r}:\n{plan.render()}"
+            f"expected an in-process offline worker plan, got kind={plan.kind!r} role={plan.role!r}:\n{plan.render()}"
         )
     for key, value in plan.worker_env.items():
         if value is None:
@@ -347,9 +343,9 @@ def train_offline(
     seed: int,
     embedding_key: str,
     lm_head_key: str,
-    chat_template: Optional[str] = None,
-    save_interval: Optional[int] = None,
-    extra_overrides: Optional[dict] = None,
+    chat_template: str | None = None,
+    save_interval: int | None = None,
+    extra_overrides: dict | None = None,
     accumulation_steps: int = 1,
 ) -> dict:
     """Train an EAGLE-3 draft with SpecForge's own offline trainer, in this process.
@@ -381,8 +377,7 @@ def train_offline(
 
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
-            "a torch.distributed process group is already initialized; SpecForge's trainer "
-            "creates and destroys its own"
+            "a torch.distributed process group is already initialized; SpecForge's trainer creates and destroys its own"
         )
     import specforge_kimi
 
@@ -446,11 +441,9 @@ def train_offline(
 
     checkpoint_dir = CheckpointManager(output_dir, cfg.run_id).checkpoint_dir(final_step)
     if not os.path.isfile(os.path.join(checkpoint_dir, "training_state.pt")):
-        raise RuntimeError(
-            f"SpecForge finished at step {final_step} but {checkpoint_dir} is missing"
-        )
+        raise RuntimeError(f"SpecForge finished at step {final_step} but {checkpoint_dir} is missing")
 
-    def series(tag: str) -> List[float]:
+    def series(tag: str) -> list[float]:
         values = scalars.get(tag, {})
         return [values.get(step, math.nan) for step in steps]
 

@@ -31,8 +31,8 @@ Target and features, either
 
 Usage::
 
-    python bench/mla_vs_llama.py --demo-dir runs/demo            # reuse the demo's target/features
-    python bench/mla_vs_llama.py --steps 300                      # build a fresh demo target first
+    python bench/studies/mla_vs_llama.py --demo-dir runs/demo            # reuse the demo's target/features
+    python bench/studies/mla_vs_llama.py --steps 300                      # build a fresh demo target first
 
 Scope: simulated acceptance with teacher-forced data tokens (see :mod:`specforge_kimi.evaluate.simulate`),
 a tiny target on a synthetic corpus, fp32 on the CPU. It says which draft fits this target's
@@ -50,7 +50,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "mla_vs_llama_cpu.json"
 MARKER = ".specforge-kimi-bench"
 
@@ -60,7 +60,7 @@ def _prepare_work(work: Path) -> None:
     from specforge_kimi.scratch import reset_owned_dir
 
     try:
-        reset_owned_dir(work, marker=MARKER, kind="bench", owner="bench/mla_vs_llama.py", flag="--work")
+        reset_owned_dir(work, marker=MARKER, kind="bench", owner="bench/studies/mla_vs_llama.py", flag="--work")
     except KimiInputError as exc:
         raise SystemExit(f"error: {exc}") from None
 
@@ -71,13 +71,19 @@ def inputs_from_demo_dir(demo_dir: Path, progress: bool):
     import torch
 
     import specforge_kimi
-    from specforge_kimi.demo.pipeline import (DEMO_AUX_IDS, DemoInputs, DemoSettings, capture_samples, demo_rows,
-                                     load_head_weight)
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.data.vocab_mapping import load_vocab_mapping
+    from specforge_kimi.demo.pipeline import (
+        DEMO_AUX_IDS,
+        DemoInputs,
+        DemoSettings,
+        capture_samples,
+        demo_rows,
+        load_head_weight,
+    )
     from specforge_kimi.evaluate.simulate import add_target_greedy
     from specforge_kimi.target.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.target.layer_ids import AuxLayers
     from specforge_kimi.target.tiny import TinySpec
-    from specforge_kimi.data.vocab_mapping import load_vocab_mapping
 
     specforge_kimi.register()
     demo_dir = demo_dir.resolve()
@@ -109,8 +115,9 @@ def inputs_from_demo_dir(demo_dir: Path, progress: bool):
             same = all(torch.equal(disk[k], sample[k]) for k in ("input_ids", "loss_mask"))
             if not same:
                 raise SystemExit(f"row {n}: tokens differ from {feat_dir}/sample-{n:06d}.ckpt (other corpus?)")
-            d = max(float((disk[k].float() - sample[k].float()).abs().max())
-                    for k in ("hidden_state", "aux_hidden_state"))
+            d = max(
+                float((disk[k].float() - sample[k].float()).abs().max()) for k in ("hidden_state", "aux_hidden_state")
+            )
             max_diff = max(max_diff, d)
             equal += int(d == 0.0)
         else:
@@ -125,13 +132,28 @@ def inputs_from_demo_dir(demo_dir: Path, progress: bool):
         first_loss = demo["target"]["pretrain_loss_first"]
         last_loss = demo["target"]["pretrain_loss_last"]
 
-    inp = DemoInputs(out=demo_dir, spec=spec, pretrain=Pre, target_dir=target_dir, info=info, aux=aux,
-                     feat_dir=feat_dir, feat_dtype=feat_dtype, held=held, train_rows=len(train_rows),
-                     held_rows=len(held_rows), draft_vocab=int(mapping.t2d.sum()),
-                     vm_path=demo_dir / "vocab_mapping.pt", draft_cfg_path=demo_dir / "draft_config.json",
-                     head_w=head_w)
-    check = {"train_rows_recaptured": len(train_rows), "bit_identical_to_feature_files": equal,
-             "max_abs_diff": max_diff}
+    inp = DemoInputs(
+        out=demo_dir,
+        spec=spec,
+        pretrain=Pre,
+        target_dir=target_dir,
+        info=info,
+        aux=aux,
+        feat_dir=feat_dir,
+        feat_dtype=feat_dtype,
+        held=held,
+        train_rows=len(train_rows),
+        held_rows=len(held_rows),
+        draft_vocab=int(mapping.t2d.sum()),
+        vm_path=demo_dir / "vocab_mapping.pt",
+        draft_cfg_path=demo_dir / "draft_config.json",
+        head_w=head_w,
+    )
+    check = {
+        "train_rows_recaptured": len(train_rows),
+        "bit_identical_to_feature_files": equal,
+        "max_abs_diff": max_diff,
+    }
     return s, inp, check
 
 
@@ -153,14 +175,22 @@ def param_counts(model) -> dict:
         parts = name.split(".")
         key = ".".join(parts[:2]) if parts[0] == "midlayer" else parts[0]
         groups[key] = groups.get(key, 0) + p.numel()
-    return {"trainable": total, "by_module": groups,
-            "frozen_embedding": sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" in n)}
+    return {
+        "trainable": total,
+        "by_module": groups,
+        "frozen_embedding": sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" in n),
+    }
 
 
 def _acc(r) -> dict:
-    return {"mean_acceptance_length": r.mean_acceptance_length, "per_step_accuracy": r.per_step_accuracy,
-            "chains": r.chains, "heldout_loss": r.heldout_loss, "teacher_entropy": r.teacher_entropy,
-            "kl": r.heldout_loss - r.teacher_entropy}
+    return {
+        "mean_acceptance_length": r.mean_acceptance_length,
+        "per_step_accuracy": r.per_step_accuracy,
+        "chains": r.chains,
+        "heldout_loss": r.heldout_loss,
+        "teacher_entropy": r.teacher_entropy,
+        "kl": r.heldout_loss - r.teacher_entropy,
+    }
 
 
 def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
@@ -168,8 +198,8 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     from specforge.export.checkpoint_io import resolve_training_state
 
     from specforge_kimi.demo.pipeline import _load_draft
-    from specforge_kimi.training.offline import train_offline
     from specforge_kimi.evaluate.simulate import simulated_acceptance
+    from specforge_kimi.training.offline import train_offline
 
     times = {}
     t = time.monotonic()
@@ -179,17 +209,28 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     before = simulated_acceptance(untrained, inp.head_w, inp.held, a.eval_steps)
     del untrained
     times["eval_before"] = round(time.monotonic() - t, 2)
-    say(f"[{name}] untrained: AL {before.mean_acceptance_length:.3f}, held-out loss {before.heldout_loss:.3f}; "
-        f"{params['trainable']:,} trainable parameters; training {a.steps} steps")
+    say(
+        f"[{name}] untrained: AL {before.mean_acceptance_length:.3f}, held-out loss {before.heldout_loss:.3f}; "
+        f"{params['trainable']:,} trainable parameters; training {a.steps} steps"
+    )
 
     t = time.monotonic()
-    result = train_offline(target_dir=str(inp.target_dir), draft_config_path=str(cfg_path),
-                           hidden_states_path=str(inp.feat_dir), vocab_mapping_path=str(inp.vm_path),
-                           output_dir=str(work / f"train-{name}"), max_steps=a.steps, ttt_length=a.ttt_length,
-                           learning_rate=a.learning_rate, max_length=2048, seed=a.seed,
-                           embedding_key=inp.info.embedding_key, lm_head_key=inp.info.lm_head_key,
-                           chat_template="kimi-k2.5",
-                           extra_overrides={"model.torch_dtype": str(inp.feat_dtype).replace("torch.", "")})
+    result = train_offline(
+        target_dir=str(inp.target_dir),
+        draft_config_path=str(cfg_path),
+        hidden_states_path=str(inp.feat_dir),
+        vocab_mapping_path=str(inp.vm_path),
+        output_dir=str(work / f"train-{name}"),
+        max_steps=a.steps,
+        ttt_length=a.ttt_length,
+        learning_rate=a.learning_rate,
+        max_length=2048,
+        seed=a.seed,
+        embedding_key=inp.info.embedding_key,
+        lm_head_key=inp.info.lm_head_key,
+        chat_template="kimi-k2.5",
+        extra_overrides={"model.torch_dtype": str(inp.feat_dtype).replace("torch.", "")},
+    )
     times["train"] = round(time.monotonic() - t, 2)
 
     t = time.monotonic()
@@ -201,8 +242,10 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     losses = result["losses"]
     k = max(1, min(50, len(losses) // 5))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    say(f"[{name}] trained: AL {after.mean_acceptance_length:.3f}, held-out loss {after.heldout_loss:.3f}, "
-        f"training loss {first:.3f} -> {last:.3f}, {times['train']:.0f}s")
+    say(
+        f"[{name}] trained: AL {after.mean_acceptance_length:.3f}, held-out loss {after.heldout_loss:.3f}, "
+        f"training loss {first:.3f} -> {last:.3f}, {times['train']:.0f}s"
+    )
     return {
         "draft_config": json.loads(Path(cfg_path).read_text()),
         "draft_config_path": str(cfg_path),
@@ -210,13 +253,24 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
         "before": _acc(before),
         "after": _acc(after),
         "gain": after.mean_acceptance_length - before.mean_acceptance_length,
-        "train": {"steps": len(losses), "final_step": result["final_step"], "mean_window": k,
-                  "loss_first_mean": first, "loss_last_mean": last, "loss_first": losses[0], "loss_last": losses[-1],
-                  "acc_per_position_last_mean": [sum(r[j] for r in result["acc_per_position"][-k:]) / k
-                                                 for j in range(len(result["acc_per_position"][0]))]
-                  if result["acc_per_position"] else [],
-                  "losses": losses, "checkpoint_dir": result["checkpoint_dir"],
-                  "seconds_per_step": times["train"] / max(1, len(losses))},
+        "train": {
+            "steps": len(losses),
+            "final_step": result["final_step"],
+            "mean_window": k,
+            "loss_first_mean": first,
+            "loss_last_mean": last,
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            "acc_per_position_last_mean": [
+                sum(r[j] for r in result["acc_per_position"][-k:]) / k
+                for j in range(len(result["acc_per_position"][0]))
+            ]
+            if result["acc_per_position"]
+            else [],
+            "losses": losses,
+            "checkpoint_dir": result["checkpoint_dir"],
+            "seconds_per_step": times["train"] / max(1, len(losses)),
+        },
         "timings_s": times,
     }
 
@@ -261,14 +315,21 @@ def main(argv=None) -> int:
         if recapture["bit_identical_to_feature_files"] != recapture["train_rows_recaptured"]:
             say(f"note: re-capture differs from the feature files by up to {recapture['max_abs_diff']:.2e}")
     else:
-        demo_settings = DemoSettings(out_dir=str(work / "demo"), seed=a.seed, pretrain_seconds=a.pretrain_seconds,
-                                     train_conversations=a.train_conversations,
-                                     heldout_conversations=a.heldout_conversations, progress=not a.no_progress)
+        demo_settings = DemoSettings(
+            out_dir=str(work / "demo"),
+            seed=a.seed,
+            pretrain_seconds=a.pretrain_seconds,
+            train_conversations=a.train_conversations,
+            heldout_conversations=a.heldout_conversations,
+            progress=not a.no_progress,
+        )
         inp = prepare_inputs(demo_settings, say)
         source = {"kind": "built", "dir": str(inp.out)}
     prep_s = round(time.monotonic() - t, 2)
-    say(f"target {inp.target_dir}: {inp.train_rows} training rows, {len(inp.held)} held-out samples, "
-        f"draft vocab {inp.draft_vocab} ({prep_s:.0f}s)")
+    say(
+        f"target {inp.target_dir}: {inp.train_rows} training rows, {len(inp.held)} held-out samples, "
+        f"draft vocab {inp.draft_vocab} ({prep_s:.0f}s)"
+    )
 
     mla_cfg = with_vocab_mapping(tiny_config(inp.spec, aux_ids=list(DEMO_AUX_IDS)), inp.vm_path)
     mla_cfg_path = Path(write_config(mla_cfg, work / "mla_draft_config.json"))
@@ -284,44 +345,73 @@ def main(argv=None) -> int:
         "benchmark": "MLA vs Llama-style EAGLE-3 draft on the demo's tiny K2.5 target: simulated acceptance",
         "command": [_rel(sys.executable), *sys.argv],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-                        "git": git_commit(), "versions": versions()},
-        "settings": {"steps": a.steps, "learning_rate": a.learning_rate, "ttt_length": a.ttt_length,
-                     "seed": a.seed, "batch_size": 1, "max_length": 2048,
-                     "dtype": str(inp.feat_dtype).replace("torch.", ""),
-                     "eval": {"steps": a.eval_steps, "topk": 1, "heldout_samples": len(inp.held)},
-                     "draft_vocab_size": inp.draft_vocab, "aux_specforge_ids": list(DEMO_AUX_IDS),
-                     "captured_positions": list(inp.aux.positions)},
-        "target": {"source": source, "dir": str(inp.target_dir), "spec": asdict(inp.spec),
-                   "demo_settings": asdict(demo_settings), "pretrain_steps": inp.pretrain.steps,
-                   "pretrain_loss_first": inp.pretrain.first_loss, "pretrain_loss_last": inp.pretrain.last_loss,
-                   "training_rows": inp.train_rows, "feature_dir": str(inp.feat_dir)},
+        "environment": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(),
+            "git": git_commit(),
+            "versions": versions(),
+        },
+        "settings": {
+            "steps": a.steps,
+            "learning_rate": a.learning_rate,
+            "ttt_length": a.ttt_length,
+            "seed": a.seed,
+            "batch_size": 1,
+            "max_length": 2048,
+            "dtype": str(inp.feat_dtype).replace("torch.", ""),
+            "eval": {"steps": a.eval_steps, "topk": 1, "heldout_samples": len(inp.held)},
+            "draft_vocab_size": inp.draft_vocab,
+            "aux_specforge_ids": list(DEMO_AUX_IDS),
+            "captured_positions": list(inp.aux.positions),
+        },
+        "target": {
+            "source": source,
+            "dir": str(inp.target_dir),
+            "spec": asdict(inp.spec),
+            "demo_settings": asdict(demo_settings),
+            "pretrain_steps": inp.pretrain.steps,
+            "pretrain_loss_first": inp.pretrain.first_loss,
+            "pretrain_loss_last": inp.pretrain.last_loss,
+            "training_rows": inp.train_rows,
+            "feature_dir": str(inp.feat_dir),
+        },
         "drafts": drafts,
-        "timings_s": {"prepare": prep_s, **{f"{n}_{k}": v for n, r in drafts.items() for k, v in r["timings_s"].items()},
-                      "total": round(time.monotonic() - t0, 2)},
-        "what": {"mean_acceptance_length": "simulate.simulated_acceptance: 1 + accepted draft tokens per chain, "
-                                           "chain drafting top-k 1, greedy verification, teacher-forced data tokens",
-                 "per_step_accuracy": "P(step j correct | steps < j correct)",
-                 "heldout_loss": "SpecForge's per-position loss -sum(target_p log q) over the draft vocab, mean "
-                                 "over the simulated steps and trained held-out positions; kl = loss - teacher "
-                                 "entropy",
-                 "train.loss_*_mean": "SpecForge train/loss (sum_i 0.8**i ploss_i), mean of the first/last "
-                                      "mean_window optimizer steps",
-                 "parameters.trainable": "all draft parameters but the frozen target embedding"},
+        "timings_s": {
+            "prepare": prep_s,
+            **{f"{n}_{k}": v for n, r in drafts.items() for k, v in r["timings_s"].items()},
+            "total": round(time.monotonic() - t0, 2),
+        },
+        "what": {
+            "mean_acceptance_length": "simulate.simulated_acceptance: 1 + accepted draft tokens per chain, "
+            "chain drafting top-k 1, greedy verification, teacher-forced data tokens",
+            "per_step_accuracy": "P(step j correct | steps < j correct)",
+            "heldout_loss": "SpecForge's per-position loss -sum(target_p log q) over the draft vocab, mean "
+            "over the simulated steps and trained held-out positions; kl = loss - teacher "
+            "entropy",
+            "train.loss_*_mean": "SpecForge train/loss (sum_i 0.8**i ploss_i), mean of the first/last "
+            "mean_window optimizer steps",
+            "parameters.trainable": "all draft parameters but the frozen target embedding",
+        },
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     parts = []
     for n, r in drafts.items():
-        parts.append(f"{n}: AL {r['before']['mean_acceptance_length']:.3f} -> {r['after']['mean_acceptance_length']:.3f}"
-                     f", held-out loss {r['before']['heldout_loss']:.3f} -> {r['after']['heldout_loss']:.3f}"
-                     f", train loss {r['train']['loss_first_mean']:.3f} -> {r['train']['loss_last_mean']:.3f}"
-                     f", {r['parameters']['trainable'] / 1e6:.2f}M params")
-    print(f"{a.steps} steps, lr {a.learning_rate:g}, TTT {a.ttt_length}, {len(inp.held)} held-out samples "
-          f"({drafts[next(iter(drafts))]['after']['chains']} chains): " + "; ".join(parts)
-          + f"; {summary['timings_s']['total']:.0f}s -> {out}")
+        parts.append(
+            f"{n}: AL {r['before']['mean_acceptance_length']:.3f} -> {r['after']['mean_acceptance_length']:.3f}"
+            f", held-out loss {r['before']['heldout_loss']:.3f} -> {r['after']['heldout_loss']:.3f}"
+            f", train loss {r['train']['loss_first_mean']:.3f} -> {r['train']['loss_last_mean']:.3f}"
+            f", {r['parameters']['trainable'] / 1e6:.2f}M params"
+        )
+    print(
+        f"{a.steps} steps, lr {a.learning_rate:g}, TTT {a.ttt_length}, {len(inp.held)} held-out samples "
+        f"({drafts[next(iter(drafts))]['after']['chains']} chains): "
+        + "; ".join(parts)
+        + f"; {summary['timings_s']['total']:.0f}s -> {out}"
+    )
     return 0
 
 

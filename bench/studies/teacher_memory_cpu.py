@@ -13,7 +13,7 @@ size (``ru_maxrss``) above that baseline. The slope of peak bytes over L x V, fi
 lengths, is the per-element cost; the intercept absorbs the imports. CPU kernels, so the number
 checks the plan's arithmetic (which tensors exist at once), not a CUDA allocator's rounding.
 
-    python bench/teacher_memory_cpu.py --out bench/results/teacher_memory_cpu.json
+    python bench/studies/teacher_memory_cpu.py --out bench/results/teacher_memory_cpu.json
 
 Measurements, never pass/fail.
 """
@@ -63,27 +63,39 @@ print(json.dumps({"L": L, "baseline_rss_kib": base, "peak_rss_kib": peak,
 def run(lengths, vocab, hidden, draft_vocab, ttt) -> dict:
     rows = []
     for n in lengths:
-        res = subprocess.run([sys.executable, "-c", _CHILD, str(n), str(vocab), str(hidden), str(draft_vocab), str(ttt)],
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(n), str(vocab), str(hidden), str(draft_vocab), str(ttt)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         row = json.loads(res.stdout.strip().splitlines()[-1])
         row["bytes_per_token_vocab"] = row["peak_above_baseline_bytes"] / (n * vocab)
         rows.append(row)
-        print(f"L={n}: peak above baseline {row['peak_above_baseline_bytes'] / 2**30:.3f} GiB "
-              f"= {row['bytes_per_token_vocab']:.2f} B per token x vocab entry", flush=True)
+        print(
+            f"L={n}: peak above baseline {row['peak_above_baseline_bytes'] / 2**30:.3f} GiB "
+            f"= {row['bytes_per_token_vocab']:.2f} B per token x vocab entry",
+            flush=True,
+        )
     xs = [r["L"] * vocab for r in rows]
     ys = [r["peak_above_baseline_bytes"] for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"rows": rows, "slope_bytes_per_token_vocab": slope, "intercept_bytes": my - slope * mx,
-            "plan_bytes_per_token_vocab": PLAN_BYTES_PER_ELEMENT}
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / sum((x - mx) ** 2 for x in xs)
+    return {
+        "rows": rows,
+        "slope_bytes_per_token_vocab": slope,
+        "intercept_bytes": my - slope * mx,
+        "plan_bytes_per_token_vocab": PLAN_BYTES_PER_ELEMENT,
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="512,1024,2048", help="sample lengths L (comma-separated)")
     ap.add_argument("--vocab", type=int, default=163840, help="target vocab V (K2.5: 163840)")
-    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the stand-in head (small: only the "
-                                                           "logits' size matters)")
+    ap.add_argument(
+        "--hidden", type=int, default=64, help="hidden size of the stand-in head (small: only the logits' size matters)"
+    )
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--out", default=None)
@@ -93,12 +105,25 @@ def main(argv=None) -> int:
 
     res = run([int(x) for x in args.lengths.split(",")], args.vocab, args.hidden, args.draft_vocab, args.ttt)
     print(f"slope {res['slope_bytes_per_token_vocab']:.2f} B per token x vocab entry (plan: {PLAN_BYTES_PER_ELEMENT})")
-    doc = {"benchmark": "online teacher memory per token x vocab entry (CPU)", "command": [sys.executable, *sys.argv],
-           "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                           "specforge": getattr(specforge, "__version__", "?"), "machine": platform.machine(),
-                           "cpus": __import__("os").cpu_count()},
-           "config": {"lengths": args.lengths, "vocab": args.vocab, "hidden": args.hidden,
-                      "draft_vocab": args.draft_vocab, "ttt": args.ttt}, **res}
+    doc = {
+        "benchmark": "online teacher memory per token x vocab entry (CPU)",
+        "command": [sys.executable, *sys.argv],
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "specforge": getattr(specforge, "__version__", "?"),
+            "machine": platform.machine(),
+            "cpus": __import__("os").cpu_count(),
+        },
+        "config": {
+            "lengths": args.lengths,
+            "vocab": args.vocab,
+            "hidden": args.hidden,
+            "draft_vocab": args.draft_vocab,
+            "ttt": args.ttt,
+        },
+        **res,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

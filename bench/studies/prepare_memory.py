@@ -9,8 +9,8 @@ RSS (``os.wait4`` rusage ``ru_maxrss``), wall time and the summary counts into
 
 Usage::
 
-    python bench/prepare_memory.py                      # 2,000 and 20,000 rows
-    python bench/prepare_memory.py --rows 2000 20000 60000
+    python bench/studies/prepare_memory.py                      # 2,000 and 20,000 rows
+    python bench/studies/prepare_memory.py --rows 2000 20000 60000
 
 Scope: the stand-in tokenizer (byte-level ids, so more tokens per row than K2.5's tiktoken);
 the question is growth with the file, not K2.5's absolute numbers.
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "prepare_memory.json"
 
 _WORDS = (
@@ -149,14 +149,8 @@ def _environment() -> dict:
             continue
     try:
         git = ["git", "-C", str(REPO)]
-        sha = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                [*git, "status", "--porcelain"], capture_output=True, text=True
-            ).stdout.strip()
-        )
+        sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
     except OSError:
         sha, dirty = "", None
     return {
@@ -176,11 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="prepare-memory-") as tmp:
-        runs = [
-            measure(rows, Path(tmp), shuffle=shuffle)
-            for rows in args.rows
-            for shuffle in (True, False)
-        ]
+        runs = [measure(rows, Path(tmp), shuffle=shuffle) for rows in args.rows for shuffle in (True, False)]
     for run in runs:
         print(f"{run['rows_in']:>7} rows  {run['input_bytes'] / 2**20:7.1f} MiB in  "
               f"{run['output_bytes'] / 2**20:7.1f} MiB out  shuffle={run['shuffle']!s:5}  "
@@ -196,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     result = {
         "benchmark": "prepare peak RSS vs input size",
-        "script": "python bench/prepare_memory.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "script": "python bench/studies/prepare_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "environment": _environment(),
         "runs": runs,

@@ -31,10 +31,10 @@ engine would, so the settings of the next GPU run are chosen on evidence:
 
 Usage::
 
-    python bench/greedy_acceptance_cpu.py                     # corpus/full x 256/exact, 300 steps
-    python bench/greedy_acceptance_cpu.py --losses corpus --draft-vocabs exact --steps 300,900 \
+    python bench/studies/greedy_acceptance_cpu.py                     # corpus/full x 256/exact, 300 steps
+    python bench/studies/greedy_acceptance_cpu.py --losses corpus --draft-vocabs exact --steps 300,900 \
         --out bench/results/greedy_acceptance_cpu_steps.json
-    python bench/greedy_acceptance_cpu.py --losses full --draft-vocabs exact --mixes 0,400 --steps 400,800 \
+    python bench/studies/greedy_acceptance_cpu.py --losses full --draft-vocabs exact --mixes 0,400 --steps 400,800 \
         --bench-sets chat,math,code --out bench/results/greedy_acceptance_cpu_mix.json
 
 Writes ``bench/results/greedy_acceptance_cpu.json``. Scope: a CPU-sized target, fp32, the
@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "greedy_acceptance_cpu.json"
 MARKER = ".specforge-kimi-bench"
 IM_END = 163586
@@ -63,7 +63,9 @@ def _prepare_work(work: Path) -> None:
     from specforge_kimi.scratch import reset_owned_dir
 
     try:
-        reset_owned_dir(work, marker=MARKER, kind="bench", owner="bench/greedy_acceptance_cpu.py", flag="--work")
+        reset_owned_dir(
+            work, marker=MARKER, kind="bench", owner="bench/studies/greedy_acceptance_cpu.py", flag="--work"
+        )
     except KimiInputError as exc:
         raise SystemExit(f"error: {exc}") from None
 
@@ -75,7 +77,7 @@ def regenerate_greedy(model, rows, *, max_new_tokens: int, batch: int = 16, pad_
 
     prompts = [prompt_part(ids, mask) for ids, mask in rows]
     new = greedy_continue(model, prompts, max_new_tokens=max_new_tokens, eos_id=IM_END, pad_id=pad_id, batch=batch)
-    return [(p + n, [0] * len(p) + [1] * len(n)) for p, n in zip(prompts, new)]
+    return [(p + n, [0] * len(p) + [1] * len(n)) for p, n in zip(prompts, new, strict=False)]
 
 
 def greedy_agreement(samples, head_w) -> float:
@@ -102,8 +104,16 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
     spec = TinySpec(seed=a.seed, **DEMO_TARGET)
     raw = write_tiny(work / f"target-{loss}-random", spec)
     t = time.monotonic()
-    pre = pretrain(str(raw), [i for i, _ in train_rows], str(work / f"target-{loss}"), seconds=1e9,
-                   max_steps=a.pretrain_steps, seed=a.seed, progress=False, loss=loss)
+    pre = pretrain(
+        str(raw),
+        [i for i, _ in train_rows],
+        str(work / f"target-{loss}"),
+        seconds=1e9,
+        max_steps=a.pretrain_steps,
+        seed=a.seed,
+        progress=False,
+        loss=loss,
+    )
     shutil.rmtree(raw)
     target_dir = work / f"target-{loss}"
     tokenizer.save_pretrained(target_dir)
@@ -113,22 +123,34 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
     regen_train = regenerate_greedy(model, train_rows, max_new_tokens=a.max_new_tokens)
     regen_held = regenerate_greedy(model, held_rows, max_new_tokens=a.max_new_tokens)
     regen_mix = regenerate_greedy(model, list(mix_rows), max_new_tokens=a.max_new_tokens) if mix_rows else []
-    regen_eval = {name: regenerate_greedy(model, rows, max_new_tokens=a.max_new_tokens)
-                  for name, rows in (eval_rows or {}).items()}
+    regen_eval = {
+        name: regenerate_greedy(model, rows, max_new_tokens=a.max_new_tokens)
+        for name, rows in (eval_rows or {}).items()
+    }
     regen_s = time.monotonic() - t
     finished = sum(r[0][-1] == IM_END for r in regen_train + regen_held) / len(regen_train + regen_held)
-    say(f"[target {loss}] {pre.steps} steps, loss {pre.first_loss:.3f} -> {pre.last_loss:.3f} ({pre_s:.0f}s); "
+    say(
+        f"[target {loss}] {pre.steps} steps, loss {pre.first_loss:.3f} -> {pre.last_loss:.3f} ({pre_s:.0f}s); "
         f"regenerated {len(regen_train)} + {len(regen_held)} answers, {len(regen_mix)} mix prompts, "
-        f"{sum(map(len, regen_eval.values()))} bench prompts ({regen_s:.0f}s, {finished:.0%} finished)")
+        f"{sum(map(len, regen_eval.values()))} bench prompts ({regen_s:.0f}s, {finished:.0%} finished)"
+    )
     del model
     torch.manual_seed(a.seed)
-    return {"dir": target_dir, "pretrain": pre, "regen_train": regen_train, "regen_held": regen_held,
-            "regen_mix": regen_mix, "regen_eval": regen_eval,
-            "seconds": {"pretrain": round(pre_s, 2), "regenerate": round(regen_s, 2)}, "finished": finished}
+    return {
+        "dir": target_dir,
+        "pretrain": pre,
+        "regen_train": regen_train,
+        "regen_held": regen_held,
+        "regen_mix": regen_mix,
+        "regen_eval": regen_eval,
+        "seconds": {"pretrain": round(pre_s, 2), "regenerate": round(regen_s, 2)},
+        "finished": finished,
+    }
 
 
-def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say,
-               mix: int = 0) -> list[dict]:
+def run_config(
+    tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say, mix: int = 0
+) -> list[dict]:
     """Capture the regenerated rows once (the corpus's, plus the first ``mix`` prompt-mix rows), then
     train and evaluate one draft per (draft, steps): on the held-out corpus answers and, per bench
     set, on the target's greedy answers to the bench's own prompts."""
@@ -137,14 +159,14 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
     import torch
     from specforge.export.checkpoint_io import resolve_training_state
 
+    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
     from specforge_kimi.demo.pipeline import DEMO_AUX_IDS, _draft_config, _load_draft, capture_samples, load_head_weight
     from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
-    from specforge_kimi.target.layer_ids import AuxLayers
-    from specforge_kimi.training.offline import train_offline
     from specforge_kimi.evaluate.simulate import add_target_greedy, simulated_acceptance
     from specforge_kimi.target.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.target.layer_ids import AuxLayers
     from specforge_kimi.target.tiny import TinySpec
-    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
+    from specforge_kimi.training.offline import train_offline
 
     target_dir = tgt["dir"]
     base = f"{target_dir.name.removeprefix('target-')}-{vocab}" + (f"-mix{mix}" if mix else "")
@@ -168,14 +190,15 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
     for n, sample in capture_samples(model, rows, aux, torch.float32):
         if n < n_train:
             torch.save(sample, feat / f"sample-{n:06d}.ckpt")
-            counts.update(x for x, m in zip(*rows[n]) if m)
+            counts.update(x for x, m in zip(*rows[n], strict=False) if m)
         else:
             held.append(sample)
     del model
     cap_s = time.monotonic() - t
     size = len(set(counts) | set(emitted_special_ids())) if vocab == "exact" else int(vocab)
-    mapping = build_vocab_mapping(counts, draft_vocab_size=size, target_vocab_size=info.vocab_size,
-                                  source={"bench": base})
+    mapping = build_vocab_mapping(
+        counts, draft_vocab_size=size, target_vocab_size=info.vocab_size, source={"bench": base}
+    )
     vm = save_vocab_mapping(mapping, cdir / "vocab_mapping.pt")
     cfgs = {"llama": cdir / "draft_config.json", "mla": cdir / "mla_draft_config.json"}
     cfgs["llama"].write_text(json.dumps(_draft_config(info.hidden_size, size, aux.specforge_ids()), indent=2))
@@ -190,46 +213,77 @@ def run_config(tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], 
             name = f"{base}-{draft_name}-{steps}"
             t = time.monotonic()
             torch.manual_seed(a.seed)
-            result = train_offline(target_dir=str(target_dir), draft_config_path=str(cfgs[draft_name]),
-                                   hidden_states_path=str(feat), vocab_mapping_path=str(vm),
-                                   output_dir=str(cdir / f"train-{draft_name}-{steps}"), max_steps=steps,
-                                   ttt_length=a.ttt_length, learning_rate=a.learning_rate, max_length=2048,
-                                   seed=a.seed, embedding_key=info.embedding_key, lm_head_key=info.lm_head_key,
-                                   chat_template="kimi-k2.5", extra_overrides={"model.torch_dtype": "float32"})
+            result = train_offline(
+                target_dir=str(target_dir),
+                draft_config_path=str(cfgs[draft_name]),
+                hidden_states_path=str(feat),
+                vocab_mapping_path=str(vm),
+                output_dir=str(cdir / f"train-{draft_name}-{steps}"),
+                max_steps=steps,
+                ttt_length=a.ttt_length,
+                learning_rate=a.learning_rate,
+                max_length=2048,
+                seed=a.seed,
+                embedding_key=info.embedding_key,
+                lm_head_key=info.lm_head_key,
+                chat_template="kimi-k2.5",
+                extra_overrides={"model.torch_dtype": "float32"},
+            )
             train_s = time.monotonic() - t
             state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
             draft = _load_draft(str(cfgs[draft_name]), str(target_dir), info.embedding_key, str(vm), state=state)
             r = simulated_acceptance(draft, head_w, held, a.eval_steps)
             per_set = {}
             for set_name in eval_sets:
-                rs = simulated_acceptance(draft, head_w, [s for s, n in zip(held, set_of) if n == set_name],
-                                          a.eval_steps)
-                per_set[set_name] = {"decode_round_acceptance_length": rs.serving_acceptance_length,
-                                     "decode_round_at_least": rs.serving_at_least, "decode_rounds": rs.serving_rounds,
-                                     "every_position_acceptance_length": rs.mean_acceptance_length,
-                                     "heldout_loss": rs.heldout_loss, "samples": set_of.count(set_name)}
+                rs = simulated_acceptance(
+                    draft, head_w, [s for s, n in zip(held, set_of, strict=False) if n == set_name], a.eval_steps
+                )
+                per_set[set_name] = {
+                    "decode_round_acceptance_length": rs.serving_acceptance_length,
+                    "decode_round_at_least": rs.serving_at_least,
+                    "decode_rounds": rs.serving_rounds,
+                    "every_position_acceptance_length": rs.mean_acceptance_length,
+                    "heldout_loss": rs.heldout_loss,
+                    "samples": set_of.count(set_name),
+                }
             acc = result.get("acc_per_position") or []
             k = max(1, min(50, len(acc) // 5))
             acc_last = [sum(x[j] for x in acc[-k:]) / k for j in range(len(acc[0]))] if acc else []
-            say(f"[{name}] draft vocab {size}: decode-round AL {r.serving_acceptance_length:.3f} "
+            say(
+                f"[{name}] draft vocab {size}: decode-round AL {r.serving_acceptance_length:.3f} "
                 f"(at least {', '.join(f'{x:.2f}' for x in r.serving_at_least)}), every-position AL "
                 f"{r.mean_acceptance_length:.3f}, teacher entropy {r.teacher_entropy:.3f}, held-out loss "
                 f"{r.heldout_loss:.3f}, train acc {', '.join(f'{x:.2f}' for x in acc_last)}; agreement {agree:.4f}; "
                 f"{train_s:.0f}s training; per set "
-                + ", ".join(f"{k} {v['decode_round_acceptance_length']:.3f}" for k, v in per_set.items()))
-            out.append({
-                "target_loss": target_dir.name.removeprefix("target-"), "draft": draft_name,
-                "architectures": json.loads(cfgs[draft_name].read_text())["architectures"],
-                "draft_vocab": vocab, "draft_vocab_size": size, "steps": steps, "mix": mix,
-                "train_samples": n_train, "per_set": per_set,
-                "distinct_trained_tokens": len(counts), "greedy_agreement": agree,
-                "decode_round_acceptance_length": r.serving_acceptance_length,
-                "decode_round_at_least": r.serving_at_least, "decode_rounds": r.serving_rounds,
-                "every_position_acceptance_length": r.mean_acceptance_length,
-                "per_step_accuracy": r.per_step_accuracy, "chains": r.chains, "heldout_loss": r.heldout_loss,
-                "teacher_entropy": r.teacher_entropy, "train_acc_per_position_last": acc_last,
-                "train_loss_first": result["losses"][0], "train_loss_last_mean": sum(result["losses"][-k:]) / k,
-                "seconds": {"capture": round(cap_s, 2), "train": round(train_s, 2)}})
+                + ", ".join(f"{k} {v['decode_round_acceptance_length']:.3f}" for k, v in per_set.items())
+            )
+            out.append(
+                {
+                    "target_loss": target_dir.name.removeprefix("target-"),
+                    "draft": draft_name,
+                    "architectures": json.loads(cfgs[draft_name].read_text())["architectures"],
+                    "draft_vocab": vocab,
+                    "draft_vocab_size": size,
+                    "steps": steps,
+                    "mix": mix,
+                    "train_samples": n_train,
+                    "per_set": per_set,
+                    "distinct_trained_tokens": len(counts),
+                    "greedy_agreement": agree,
+                    "decode_round_acceptance_length": r.serving_acceptance_length,
+                    "decode_round_at_least": r.serving_at_least,
+                    "decode_rounds": r.serving_rounds,
+                    "every_position_acceptance_length": r.mean_acceptance_length,
+                    "per_step_accuracy": r.per_step_accuracy,
+                    "chains": r.chains,
+                    "heldout_loss": r.heldout_loss,
+                    "teacher_entropy": r.teacher_entropy,
+                    "train_acc_per_position_last": acc_last,
+                    "train_loss_first": result["losses"][0],
+                    "train_loss_last_mean": sum(result["losses"][-k:]) / k,
+                    "seconds": {"capture": round(cap_s, 2), "train": round(train_s, 2)},
+                }
+            )
             shutil.rmtree(cdir / f"train-{draft_name}-{steps}")
     shutil.rmtree(feat)
     return out
@@ -251,10 +305,18 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-length", type=int, default=4)
     p.add_argument("--eval-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mixes", default="0", help="prompt-mix rows added to the training rows (specforge_kimi.data.prompt_mix, "
-                   "regenerated by the target with thinking on); a comma list trains one set of drafts per entry")
-    p.add_argument("--bench-sets", default="", help="bench prompt sets (chat,math,code) whose first --bench-prompts "
-                   "prompts are also evaluated on, answered greedily by the target as the bench asks them")
+    p.add_argument(
+        "--mixes",
+        default="0",
+        help="prompt-mix rows added to the training rows (specforge_kimi.data.prompt_mix, "
+        "regenerated by the target with thinking on); a comma list trains one set of drafts per entry",
+    )
+    p.add_argument(
+        "--bench-sets",
+        default="",
+        help="bench prompt sets (chat,math,code) whose first --bench-prompts "
+        "prompts are also evaluated on, answered greedily by the target as the bench asks them",
+    )
     p.add_argument("--bench-prompts", type=int, default=16)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -262,14 +324,13 @@ def main(argv=None) -> int:
     import torch
 
     import specforge_kimi
-    from specforge_kimi.data import corpus
-    from specforge_kimi.data import prompt_mix
-    from specforge_kimi.evaluate.bench import Prompt, builtin_prompt_set, encode_prompt
-    from specforge_kimi.data.conversation import Message
+    from specforge_kimi.data import corpus, prompt_mix
     from specforge_kimi.data.chat_template import encode_records as _rows
-    from specforge_kimi.provenance import git_commit, versions
+    from specforge_kimi.data.conversation import Message
     from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
+    from specforge_kimi.evaluate.bench import Prompt, builtin_prompt_set, encode_prompt
+    from specforge_kimi.provenance import git_commit, versions
 
     t0 = time.monotonic()
     say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))
@@ -282,9 +343,13 @@ def main(argv=None) -> int:
     held_rows = _rows(list(corpus.conversations(a.heldout_conversations, seed=HELDOUT_SEED)), tok)
     mixes = [int(x) for x in a.mixes.split(",")]
     # prompts only (mask all 0): regenerate_greedy continues each from its end, as the bench's requests are
-    mix_rows = [(ids, [0] * len(ids)) for ids in
-                (encode_prompt(Prompt(id=f"mix-{i}", messages=(Message(role="user", content=text),)), tok, thinking=True)
-                 for i, (_, text) in enumerate(prompt_mix.prompts(max(mixes), seed=a.seed)))]
+    mix_rows = [
+        (ids, [0] * len(ids))
+        for ids in (
+            encode_prompt(Prompt(id=f"mix-{i}", messages=(Message(role="user", content=text),)), tok, thinking=True)
+            for i, (_, text) in enumerate(prompt_mix.prompts(max(mixes), seed=a.seed))
+        )
+    ]
     eval_rows = {}
     for name in filter(None, a.bench_sets.split(",")):
         ps = builtin_prompt_set(name).prompts[: a.bench_prompts]
@@ -292,32 +357,46 @@ def main(argv=None) -> int:
     targets, configs = {}, []
     for loss in a.losses.split(","):
         tgt = build_target(loss, a, work, tok, train_rows, held_rows, say, mix_rows=mix_rows, eval_rows=eval_rows)
-        targets[loss] = {"pretrain_steps": tgt["pretrain"].steps, "loss_first": tgt["pretrain"].first_loss,
-                         "loss_last_mean10": tgt["pretrain"].last_loss, "finished_share": tgt["finished"],
-                         "seconds": tgt["seconds"]}
+        targets[loss] = {
+            "pretrain_steps": tgt["pretrain"].steps,
+            "loss_first": tgt["pretrain"].first_loss,
+            "loss_last_mean10": tgt["pretrain"].last_loss,
+            "finished_share": tgt["finished"],
+            "seconds": tgt["seconds"],
+        }
         for mix in mixes:
             for vocab in a.draft_vocabs.split(","):
-                configs += run_config(tgt, vocab, [int(x) for x in a.steps.split(",")], a.drafts.split(","), a, work,
-                                      say, mix=mix)
+                configs += run_config(
+                    tgt, vocab, [int(x) for x in a.steps.split(",")], a.drafts.split(","), a, work, say, mix=mix
+                )
     summary = {
         "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
-                     "draft-vocab padding (CPU)",
-        "command": ["python", *(os.path.relpath(x, REPO) if os.path.isabs(x) and x.startswith(str(REPO)) else x
-                                for x in sys.argv)],
+        "draft-vocab padding (CPU)",
+        "command": [
+            "python",
+            *(os.path.relpath(x, REPO) if os.path.isabs(x) and x.startswith(str(REPO)) else x for x in sys.argv),
+        ],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads(), "git": git_commit(), "versions": versions()},
+        "environment": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "git": git_commit(),
+            "versions": versions(),
+        },
         "settings": {k: v for k, v in vars(a).items() if k not in ("work", "out", "no_progress")},
         "targets": targets,
         "configs": configs,
         "timings_s": {"total": round(time.monotonic() - t0, 2)},
-        "what": {"decode_round_acceptance_length": "simulate.serving_rounds over the held-out regenerated "
-                                                   "answers: 1 + accepted drafts per decode round, chain top-k 1",
-                 "decode_round_at_least": "share of rounds accepting >= j+1 drafts (SGLang's histogram view)",
-                 "every_position_acceptance_length": "the chain average over every start position",
-                 "teacher_entropy": "entropy of the target's distribution restricted to the draft vocab (the "
-                                    "floor of the held-out loss); padding slots at logit 0 raise it",
-                 "greedy_agreement": "generated tokens equal to the target's argmax from the captured features"},
+        "what": {
+            "decode_round_acceptance_length": "simulate.serving_rounds over the held-out regenerated "
+            "answers: 1 + accepted drafts per decode round, chain top-k 1",
+            "decode_round_at_least": "share of rounds accepting >= j+1 drafts (SGLang's histogram view)",
+            "every_position_acceptance_length": "the chain average over every start position",
+            "teacher_entropy": "entropy of the target's distribution restricted to the draft vocab (the "
+            "floor of the held-out loss); padding slots at logit 0 raise it",
+            "greedy_agreement": "generated tokens equal to the target's argmax from the captured features",
+        },
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

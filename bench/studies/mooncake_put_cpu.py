@@ -21,8 +21,8 @@ batch (16 objects of 4096 x 2048 bf16 = 16.8 MB, from one registered host buffer
 
 Measurements, never pass/fail. The first repetition includes first-touch of the segment's pages.
 
-    python bench/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json
-    python bench/mooncake_put_cpu.py --threads 1 --clients 1,2 --out bench/results/mooncake_put_clients_cpu.json
+    python bench/studies/mooncake_put_cpu.py --out bench/results/mooncake_put_cpu.json
+    python bench/studies/mooncake_put_cpu.py --threads 1 --clients 1,2 --out bench/results/mooncake_put_clients_cpu.json
 """
 
 from __future__ import annotations
@@ -54,18 +54,41 @@ def main(argv=None) -> int:
     from specforge_kimi.online import services
 
     n, per = a.samples, a.tokens * 4 * a.hidden * 2
-    result = {"benchmark": "mooncake same-process put", "command": [sys.executable, *sys.argv], "environment": {
-        "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "processor": platform.processor() or platform.machine()},
-        "config": {"samples": n, "bytes_per_object": per, "batch_bytes": n * per, "reps": a.reps,
-                   "segment": "mounted by the putting process (segment_owner: server)", "protocol": "tcp"},
-        "threads": {}, "gil": []}
+    result = {
+        "benchmark": "mooncake same-process put",
+        "command": [sys.executable, *sys.argv],
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "config": {
+            "samples": n,
+            "bytes_per_object": per,
+            "batch_bytes": n * per,
+            "reps": a.reps,
+            "segment": "mounted by the putting process (segment_owner: server)",
+            "protocol": "tcp",
+        },
+        "threads": {},
+        "gil": [],
+    }
     segment = n * per * 2 + (256 << 20)  # two batches in flight, plus headroom
-    with tempfile.TemporaryDirectory() as tmp, \
-            services.mooncake_master(Path(tmp) / "mooncake.log", segment_bytes=segment) as mc:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        services.mooncake_master(Path(tmp) / "mooncake.log", segment_bytes=segment) as mc,
+    ):
         store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", segment,
-                         256 << 20, "tcp", "", f"127.0.0.1:{mc.rpc_port}")
+        rc = store.setup(
+            "127.0.0.1",
+            f"http://127.0.0.1:{mc.metadata_port}/metadata",
+            segment,
+            256 << 20,
+            "tcp",
+            "",
+            f"127.0.0.1:{mc.rpc_port}",
+        )
         if rc:
             raise SystemExit(f"mooncake setup failed: {rc}")
         buf = torch.randn(n * a.tokens, 4 * a.hidden).to(torch.bfloat16)
@@ -92,8 +115,11 @@ def main(argv=None) -> int:
                 for k in keys:
                     store.remove(k)
             med = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-            result["threads"][str(T)] = {"median_ms": round(med * 1e3, 1), "GB_per_s": round(n * per / med / 1e9, 2),
-                                         "all_ms": [round(t * 1e3, 1) for t in times]}
+            result["threads"][str(T)] = {
+                "median_ms": round(med * 1e3, 1),
+                "GB_per_s": round(n * per / med / 1e9, 2),
+                "all_ms": [round(t * 1e3, 1) for t in times],
+            }
             print(f"{T} thread(s): {result['threads'][str(T)]}", flush=True)
 
         for C in [int(c) for c in a.clients.split(",") if c]:
@@ -114,7 +140,7 @@ def main(argv=None) -> int:
             keys = [f"g{rep}-{i}" for i in range(n)]
             took = {}
 
-            def timed_put():
+            def timed_put(keys=keys, took=took):
                 t0 = time.perf_counter()
                 put(keys, ptrs)
                 took["s"] = time.perf_counter() - t0
@@ -128,8 +154,9 @@ def main(argv=None) -> int:
             th.join()
             for key in keys:
                 store.remove(key)
-            result["gil"].append({"put_ms": round(took["s"] * 1e3, 1),
-                                  "main_thread_progress": round(k / wall / alone, 3)})
+            result["gil"].append(
+                {"put_ms": round(took["s"] * 1e3, 1), "main_thread_progress": round(k / wall / alone, 3)}
+            )
             print(f"gil rep {rep}: {result['gil'][-1]}", flush=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     return 0
@@ -145,8 +172,15 @@ def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
     clients = []
     for _ in range(C):
         st = MooncakeDistributedStore()
-        rc = st.setup("127.0.0.1", f"http://127.0.0.1:{mc.metadata_port}/metadata", share * per * 2 + (64 << 20),
-                      64 << 20, "tcp", "", f"127.0.0.1:{mc.rpc_port}")
+        rc = st.setup(
+            "127.0.0.1",
+            f"http://127.0.0.1:{mc.metadata_port}/metadata",
+            share * per * 2 + (64 << 20),
+            64 << 20,
+            "tcp",
+            "",
+            f"127.0.0.1:{mc.rpc_port}",
+        )
         if rc:
             raise SystemExit(f"mooncake setup failed: {rc}")
         st.register_buffer(buf.data_ptr(), buf.numel() * 2)
@@ -176,7 +210,7 @@ def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
         if rep == 0:  # the bytes landed where they should
             raw = buf.view(-1).view(torch.uint8)
             for i in range(n):
-                if clients[0][0].get(keys[i]) != raw[i * per:(i + 1) * per].numpy().tobytes():
+                if clients[0][0].get(keys[i]) != raw[i * per : (i + 1) * per].numpy().tobytes():
                     raise SystemExit(f"object {keys[i]} differs after the put")
         for j, idx in enumerate(parts):
             for i in idx:
@@ -184,8 +218,11 @@ def _time_clients(C: int, n: int, per: int, buf, mc, reps: int) -> dict:
     med = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     for st, _ in clients:
         st.close()
-    return {"median_ms": round(med * 1e3, 1), "GB_per_s": round(n * per / med / 1e9, 2),
-            "all_ms": [round(t * 1e3, 1) for t in times]}
+    return {
+        "median_ms": round(med * 1e3, 1),
+        "GB_per_s": round(n * per / med / 1e9, 2),
+        "all_ms": [round(t * 1e3, 1) for t in times],
+    }
 
 
 if __name__ == "__main__":
