@@ -13,7 +13,7 @@
 # the others on what a features stage left in runs/ (so a long twin fits two device calls; the same OUT).
 # ONLINE_BENCH_JSON=FILE: the online draft's bench result from an earlier call or session on the same target and
 # prepared data, rebuilt by gpu_online_run.sh's target and data stages (the target stage rebuilds it bit for bit; the
-# data stage's greedy regeneration came out 0.013% of tokens different in the twelfth session, with SGLang's default
+# data stage's greedy regeneration came out 0.013% of tokens different on 2026-12-01, with SGLang's default
 # kernels; its REGEN_DETERMINISTIC=1 default rebuilt it bit for bit in the thirteenth; compare the data stage's
 # prepare and sha256 lines); no online export is needed then and
 # its bench is not run again.
@@ -111,7 +111,7 @@ ONLINE_CKPT=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V | tail -1)
 OFFLINE_CKPT=$(ls -d runs/offline-twin/*-step* 2>/dev/null | sort -V | tail -1)
 DRAFT_CONFIG="$RUN/rendered/draft_config.json"
 [ -f "$DRAFT_CONFIG" ] || DRAFT_CONFIG=runs/offline-twin/rendered/draft_config.json  # the same recipe renders both
-if [ -n "$OFFLINE_CKPT" ]; then  # (the online checkpoint too when this session trained it)
+if [ -n "$OFFLINE_CKPT" ]; then  # (the online checkpoint too when this box trained it)
   CUDA_VISIBLE_DEVICES=0 python3 -m specforge_kimi eval-draft --target runs/tiny-k25 \
     --draft-config "$DRAFT_CONFIG" --vocab-mapping runs/tiny-k25-data/vocab_mapping.pt \
     --aux-ids "$AUX" --checkpoints $ONLINE_CKPT "$OFFLINE_CKPT" --heldout "$(held_out_rows)" --device cuda \

@@ -26,7 +26,7 @@
 #        bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
 # REGEN_DETERMINISTIC=1 (the default) starts the regenerate server with SGLang's --enable-deterministic-inference
 # (batch-invariant kernels, pytorch sampling), so two data stages on the same target give the same data bit for bit:
-# measured on one H200 (thirteenth session, tests/gpu/RUNS.md), two such stages 0 of 3,100 rows apart, two with
+# measured on one H200 (2026-12-02, tests/gpu/RUNS.md), two such stages 0 of 3,100 rows apart, two with
 # REGEN_DETERMINISTIC=0 (SGLang's default kernels, 256 requests in flight) 31 of 3,100; about 25% slower regeneration.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -148,7 +148,7 @@ fi
 python3 -m specforge_kimi prepare "$CORPUS" --out runs/tiny-k25-data --tokenizer runs/tiny-k25 \
   --draft-vocab-size 256 --no-progress > "$OUT/prepare.out" 2>&1 || { cat "$OUT/prepare.out"; exit 1; }
 echo "prep seconds=$(( $(date +%s) - T0 ))" | tee "$OUT/prep.out"
-# what a later session compares to show it rebuilt the same data (the twin against an earlier online run);
+# what a later run compares to show it rebuilt the same data (the twin against an earlier online run);
 # the regenerated files too, so a difference can be traced to the step that made it
 sha256sum runs/tiny-k25-data/prompts.jsonl runs/tiny-k25/model-*.safetensors runs/*-regen.jsonl 2>/dev/null \
   | tee -a "$OUT/prep.out"
