@@ -72,10 +72,10 @@ def _load(path: Path) -> dict:
         raise SystemExit(f"error: {path} not found (run the measurement first; docs/sizing.md says which)") from None
 
 
-def _shape_row(pipeline: dict, tokens_per_prompt: int, transport: str = "mooncake") -> dict:
-    """The pipeline bench's row for a prompt length and transport (TP=1; the first run that has it)."""
+def _shape_row(pipeline: dict, tokens_per_prompt: int, transport: str | None = None) -> dict:
+    """A bench file's row for a prompt length (TP=1; of ``transport``, or the first run that has it)."""
     for run in pipeline["runs"]:
-        if run.get("tp", 1) != 1 or run.get("transport", "mooncake") != transport:
+        if run.get("tp", 1) != 1 or transport not in (None, run.get("transport", "mooncake")):
             continue
         for row in run["shapes"]:
             if row["tokens_per_prompt"] == tokens_per_prompt:
@@ -171,20 +171,15 @@ def _recipe_inputs() -> tuple[dict, dict]:
 
 
 def build(args) -> dict:
-    deep = _load(Path(args.pipeline))
-    shallow = _load(Path(args.depth))
+    pipeline = _load(Path(args.pipeline))
+    depths = [_load(Path(d)) for d in args.depth]
     run = _load(Path(args.online_run))
     trainer = _load(Path(args.trainer))
     length = args.tokens_per_prompt
-    fit = depth_fit(
-        [
-            (deep["config"]["layers"], _shape_row(deep, length)["plain_tokens_per_s"]),
-            (shallow["config"]["layers"], _shape_row(shallow, length)["plain_tokens_per_s"]),
-        ]
-    )
+    fit = depth_fit([(d["config"]["layers"], _shape_row(d, length)["plain_tokens_per_s"]) for d in depths])
     capture = {}
-    for transport in sorted({r.get("transport", "mooncake") for r in deep["runs"]}):
-        row = _shape_row(deep, length, transport)
+    for transport in sorted({r.get("transport", "mooncake") for r in pipeline["runs"]}):
+        row = _shape_row(pipeline, length, transport)
         capture[transport] = {
             "capture_over_plain_at_slice": row["capture_over_plain"],
             "tax_s_per_token": 1 / row["capture_tokens_per_s"] - 1 / row["plain_tokens_per_s"],
@@ -193,7 +188,9 @@ def build(args) -> dict:
         }
     perf = run["perf"]
     trainer_h200 = perf["trainer_only_tokens_per_s"]
-    slice_prefill = _shape_row(deep, length)["plain_tokens_per_s"]
+    slice_layers = pipeline["config"]["layers"]
+    (slice_depth,) = [d for d in depths if d["config"]["layers"] == slice_layers] or [pipeline]
+    slice_prefill = _shape_row(slice_depth, length)["plain_tokens_per_s"]
     slice_serial = 1 / (1 / slice_prefill + 1 / trainer_h200)
     sharing = perf["end_to_end_tokens_per_s"] / slice_serial
     bench_rows = [r for r in trainer["rows"] if r["backend"] == "flex_attention"]
@@ -201,7 +198,12 @@ def build(args) -> dict:
     slice_mem = run.get("gpu_memory", {}).get("peak_mib_per_role", {})
     result = {
         "command": ["python", "bench/sizing.py", *sys.argv[1:]],
-        "inputs": {k: getattr(args, k) for k in ("pipeline", "depth", "online_run", "trainer")},
+        "inputs": {
+            "pipeline": args.pipeline,
+            "depth": " + ".join(args.depth),
+            "online_run": args.online_run,
+            "trainer": args.trainer,
+        },
         "assumptions": ASSUMPTIONS,
         "tokens_per_prompt": length,
         "depth_fit": fit,

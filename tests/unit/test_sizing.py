@@ -30,7 +30,7 @@ def _pipeline(layers: int, plain: float, capture: dict[str, float]) -> dict:
                     "plain_tokens_per_s": plain,
                     "capture_tokens_per_s": c,
                     "capture_over_plain": c / plain,
-                    "read_gb_per_s": {"mooncake": 1.0, "cuda_ipc": 100.0}[t],
+                    "read_gb_per_s": {"mooncake": 1.0, "cuda_ipc": 100.0, "none": 0.0}[t],
                 }
             ],
         }
@@ -52,7 +52,8 @@ def test_depth_fit_splits_fixed_and_per_layer_time(sizing):
 def test_projection_end_to_end(sizing, tmp_path):
     files = {
         "pipeline": _pipeline(5, 20_000.0, {"mooncake": 16_000.0, "cuda_ipc": 19_800.0}),
-        "depth": _pipeline(3, 30_000.0, {"mooncake": 24_000.0}),
+        "deep": _pipeline(5, 20_000.0, {"none": 20_000.0}),
+        "shallow": _pipeline(3, 30_000.0, {"none": 30_000.0}),
         "online_run": {
             "perf": {"trainer_only_tokens_per_s": 10_000.0, "end_to_end_tokens_per_s": 5_000.0},
             "gpu_memory": {"peak_mib_per_role": {"trainer": 60_000}},
@@ -72,7 +73,8 @@ def test_projection_end_to_end(sizing, tmp_path):
         "--pipeline",
         str(paths["pipeline"]),
         "--depth",
-        str(paths["depth"]),
+        str(paths["deep"]),
+        str(paths["shallow"]),
         "--online-run",
         str(paths["online_run"]),
         "--trainer",
