@@ -268,12 +268,16 @@ def main(argv=None) -> int:
     p.add_argument(
         "--pipeline",
         default=str(RESULTS / "online_pipeline_k25_slice_h200.json"),
-        help="bench/online_pipeline.py on the 5-layer slice (both transports)",
+        help="bench/online_pipeline.py on the 5-layer slice (capture tax and reader rate per transport)",
     )
     p.add_argument(
         "--depth",
-        default=str(RESULTS / "online_pipeline_k25_slice3_h200.json"),
-        help="the same bench on a slice of another depth (the per-layer fit's second point)",
+        nargs=2,
+        default=[
+            str(RESULTS / "prefill_depth_k25_slice5_h200.json"),
+            str(RESULTS / "prefill_depth_k25_slice3_h200.json"),
+        ],
+        help="bench/prefill_depth.py at two depths of the slice, the same server flags (the per-layer fit)",
     )
     p.add_argument(
         "--online-run",
