@@ -61,7 +61,8 @@ import time
 import uuid
 from pathlib import Path
 
-AUX_IDS = [1, 3, 4]
+AUX_IDS = [1, 3, 4]  # SpecForge ids (captured positions 2, 4, 5); --aux-ids for targets of other depths
+SERVER_START_TIMEOUT_S = 420.0  # --server-start-timeout: a host's first INT4 prefill compiles SGLang's Marlin MoE
 QUEUE = re.compile(r"\[spec-capture-timing\] async_batch_complete samples=(\d+) queue_to_stream_ms=([\d.]+)")
 TIMING = re.compile(
     r"\[spec-capture-timing\] batch_sink samples=(\d+) objects=(\d+) bytes=(\d+) "
@@ -402,7 +403,7 @@ def run_tp(
         }
         log = workdir / f"server-{tag}.log"
         t = time.time()
-        with services.server(argv, env, log, port, timeout_s=420):
+        with services.server(argv, env, log, port, timeout_s=SERVER_START_TIMEOUT_S):
             result["server_start_s"] = round(time.time() - t, 1)
             result["server_argv"] = argv
             adapter, cfg, store, _layout = capture_tools(
@@ -468,8 +469,16 @@ def main(argv=None) -> int:
         default="sglang",
         help="reference = the CPU stand-in server (a dry run of this script, not a measurement)",
     )
+    p.add_argument("--aux-ids", default=None, help="SpecForge aux layer ids, comma-separated (default 1,3,4)")
+    p.add_argument("--server-start-timeout", type=float, default=SERVER_START_TIMEOUT_S, help="seconds to /health")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    global AUX_IDS, SERVER_START_TIMEOUT_S
+    if args.aux_ids:
+        from specforge_kimi.target.layer_ids import parse_id_list
+
+        AUX_IDS = list(parse_id_list(args.aux_ids, "--aux-ids"))
+    SERVER_START_TIMEOUT_S = args.server_start_timeout
     if args.in_flight < 1:
         p.error("--in-flight must be >= 1")
     if min(args.put_clients) < 1:

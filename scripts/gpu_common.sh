@@ -9,3 +9,35 @@ print(r.name, r.output_dir, r.gpus.per_node, ','.join(map(str, r.target.aux_laye
 
 # eval-draft takes every regenerated held-out row (48 corpus; with MIX + 48 prompt-mix + 48 bench prompts), else 48 corpus
 held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
+
+# launch_measured RECIPE RUN OUT TIMEOUT_S: `specforge-kimi launch RECIPE --no-bench` with the GPU memory of every
+# process sampled every 2 s (OUT/gpu_mem_samples.csv), then what is left on the GPUs and in the process table
+# (gpu_after.csv, procs_after.txt), the run's logs, `run-report` (OUT/online_run.json) and the export's
+# config (OUT/export-sglang/). Writes "launch rc=N" into OUT/launch.out. T0 (if set): the script's start.
+launch_measured() {
+  local RECIPE="$1" RUN="$2" OUT="$3" T="$4" T1 T2 RC SAMPLER
+  T1=$(date +%s)
+  python3 -m specforge_kimi launch "$RECIPE" --plan > "$OUT/plan.json"
+  ( while sleep 2; do
+      nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+      while IFS=', ' read -r pid mem; do
+        echo "$(date +%s),$pid,$mem,$(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null | cut -c1-160)"
+      done
+    done ) > "$OUT/gpu_mem_samples.csv" &
+  SAMPLER=$!
+  timeout --signal=INT "$T" python3 -m specforge_kimi launch "$RECIPE" --no-bench > "$OUT/launch.out" 2>&1
+  RC=$?
+  T2=$(date +%s)
+  kill $SAMPLER 2>/dev/null
+  echo "launch rc=$RC seconds=$((T2-T1)) prep_seconds=$((T1-${T0:-T1}))" | tee -a "$OUT/launch.out"
+  sleep 5
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_after.csv" 2>&1
+  nvidia-smi --query-gpu=index,memory.used --format=csv >> "$OUT/gpu_after.csv" 2>&1
+  ps -eo pid,cmd | grep -E "sglang|specforge_kimi (train|launch)|specforge_kimi.capture_server|mooncake.cli|torch.distributed.run" | grep -v grep > "$OUT/procs_after.txt"
+  for f in "$RUN"/logs/*.log; do tail -c 30000 "$f" > "$OUT/$(basename "$f")"; done
+  ls -laR "$RUN" > "$OUT/run_tree.txt" 2>&1
+  python3 -m specforge_kimi run-report "$RUN" --gpu-samples "$OUT/gpu_mem_samples.csv" --out "$OUT/online_run.json" \
+    > "$OUT/run_report.out" 2>&1
+  cp -r "$RUN/export-sglang" "$OUT/" 2>/dev/null; rm -f "$OUT"/export-sglang/*.safetensors
+  return 0
+}

@@ -32,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-. scripts/gpu_common.sh  # recipe_fields, held_out_rows
+. scripts/gpu_common.sh  # recipe_fields, held_out_rows, launch_measured
 T="${1:-420}"
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
 read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") \
@@ -157,26 +157,7 @@ else
   [ -f runs/tiny-k25-data/prompts.jsonl ] || { echo "STAGE=train needs a prep stage's runs/tiny-k25-data" >&2; exit 2; }
   rm -rf "$RUN"
 fi
-T1=$(date +%s)
-python3 -m specforge_kimi launch "$RECIPE" --plan > "$OUT/plan.json"
-( while sleep 2; do
-    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
-    while IFS=', ' read -r pid mem; do
-      echo "$(date +%s),$pid,$mem,$(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null | cut -c1-160)"
-    done
-  done ) > "$OUT/gpu_mem_samples.csv" &
-SAMPLER=$!
-timeout --signal=INT "$T" python3 -m specforge_kimi launch "$RECIPE" --no-bench > "$OUT/launch.out" 2>&1
-RC=$?
-T2=$(date +%s)
-kill $SAMPLER 2>/dev/null
-echo "launch rc=$RC seconds=$((T2-T1)) prep_seconds=$((T1-T0))" | tee -a "$OUT/launch.out"
-sleep 5
-nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_after.csv" 2>&1
-nvidia-smi --query-gpu=index,memory.used --format=csv >> "$OUT/gpu_after.csv" 2>&1
-ps -eo pid,cmd | grep -E "sglang|specforge_kimi (train|launch)|specforge_kimi.capture_server|mooncake.cli|torch.distributed.run" | grep -v grep > "$OUT/procs_after.txt"
-for f in "$RUN"/logs/*.log; do tail -c 30000 "$f" > "$OUT/$(basename "$f")"; done
-ls -laR "$RUN" > "$OUT/run_tree.txt" 2>&1
+launch_measured "$RECIPE" "$RUN" "$OUT" "$T"
 CKPTS=$(ls -d "$RUN/$NAME"-step* 2>/dev/null | sort -V)
 if [ -n "$CKPTS" ]; then
   python3 -m specforge_kimi eval-draft --target runs/tiny-k25 --draft-config "$RUN/rendered/draft_config.json" \
@@ -184,8 +165,5 @@ if [ -n "$CKPTS" ]; then
     --heldout "$(held_out_rows)" --device cuda --out "$OUT/eval_draft.json" \
     $([ -s runs/heldout-regen.jsonl ] && echo --heldout-file runs/heldout-regen.jsonl) > "$OUT/eval_draft.out" 2>&1
 fi
-python3 -m specforge_kimi run-report "$RUN" --gpu-samples "$OUT/gpu_mem_samples.csv" --out "$OUT/online_run.json" \
-  > "$OUT/run_report.out" 2>&1
 cat "$OUT/run_report.out" "$OUT/eval_draft.out" 2>/dev/null | grep -v Warning | tail -60
-cp -r "$RUN/export-sglang" "$OUT/" 2>/dev/null; rm -f "$OUT"/export-sglang/*.safetensors
 mkdir -p /tmp/online-run && cp "$OUT"/online_run.json "$OUT"/eval_draft.json /tmp/online-run/ 2>/dev/null; true

@@ -1,6 +1,8 @@
 """SGLang 0.5.14 spec-capture (aux + last hidden written into Mooncake) == our reference hooks.
 
-What runs: a tiny K2.5 checkpoint, a Mooncake master on loopback, a text-only capture server
+What runs: a tiny K2.5 checkpoint (or, with ``SPECFORGE_KIMI_PARITY_TARGET=k25-int4``, one at K2.5's
+width with K2.5's INT4 routed experts, the reference computing on the same weights dequantized by
+compressed-tensors), a Mooncake master on loopback, a text-only capture server
 (:mod:`specforge_kimi.capture_server`, SGLang patched with SpecForge's spec-capture patch) at
 TP=1 / TP=2 / TP=8 with FlashInfer all-reduce fusion off / on, and at TP=8 with expert parallelism (EP=8)
 and with attention data parallelism (8 groups). Capture requests go through SpecForge's
@@ -50,17 +52,40 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC = dict(
-    layers=8,
-    hidden=512,
-    heads=8,
-    experts=8,
-    experts_per_token=8,
-    moe_intermediate=256,
-    dense_intermediate=1024,
-    q_lora_rank=1536,
-    seed=0,
-)
+#: ``SPECFORGE_KIMI_PARITY_TARGET`` picks the target: ``tiny`` (hidden 512, bf16 experts) or ``k25-int4``:
+#: K2.5's width (hidden 7168, 64 MLA heads, moe_intermediate 2048, dense 18432) with its INT4 routed experts
+#: (compressed-tensors pack-quantized, group 32: SGLang serves them through its compressed-tensors WNA16 Marlin
+#: MoE) -- 5 layers, 8 experts each, every token to all 8 (the routing-flip argument below), so what differs
+#: from the reference is the capture and SGLang's INT4 kernels, not which experts a bf16 rounding picked.
+TARGETS = {
+    "tiny": dict(
+        layers=8,
+        hidden=512,
+        heads=8,
+        experts=8,
+        experts_per_token=8,
+        moe_intermediate=256,
+        dense_intermediate=1024,
+        q_lora_rank=1536,
+        seed=0,
+    ),
+    "k25-int4": dict(
+        layers=5,
+        hidden=7168,
+        heads=64,
+        experts=8,
+        experts_per_token=8,
+        moe_intermediate=2048,
+        dense_intermediate=18432,
+        q_lora_rank=1536,
+        seed=0,
+        int4_experts=True,
+    ),
+}
+TARGET = os.environ.get("SPECFORGE_KIMI_PARITY_TARGET", "tiny")
+SPEC = TARGETS[TARGET]
+#: SpecForge ids: SGLang's default for the 8-layer tiny; K2.5's slice taps positions 2, 3, 4 of its 5 layers.
+AUX_IDS = {"tiny": None, "k25-int4": (1, 2, 3)}[TARGET]
 #: 40 prompts, 16..1024 tokens; each capture request carries <= MAX_BATCH_TOKENS tokens.
 LENGTHS = (
     16,
@@ -143,6 +168,7 @@ LOG_EVIDENCE = {
     "fusion_disabled_globally": "FlashInfer allreduce fusion disabled globally",
     "fusion_comm_unavailable": "FlashInfer comm not available",
     "spec_capture_sink_connected": "spec-capture mooncake sink connected",
+    "int4_marlin_moe": "CompressedTensorsWNA16MarlinMoEMethod",
 }
 FUSION_FALLBACK_KEYS = (
     "fusion_api_unavailable",
@@ -216,14 +242,16 @@ def _versions() -> dict:
 def tiny_k25(tmp_path_factory) -> Path:
     from specforge_kimi.target.tiny import TinySpec, write_tiny
 
-    return write_tiny(tmp_path_factory.mktemp("parity") / "tiny-k25", TinySpec(**SPEC))
+    # K2.5's width is generated (and quantized) on the GPU: seconds instead of minutes of CPU randn
+    device = "cuda" if SPEC.get("int4_experts") and _gpu_count() else "cpu"
+    return write_tiny(tmp_path_factory.mktemp("parity") / f"{TARGET}-k25", TinySpec(**SPEC), device=device)
 
 
 @pytest.fixture(scope="module")
 def aux_layers():
     from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
 
-    ids = default_specforge_ids(SPEC["layers"])  # (1, 3, 4): SGLang shifts to positions (2, 4, 5)
+    ids = AUX_IDS or default_specforge_ids(SPEC["layers"])  # tiny: (1, 3, 4) -> SGLang positions (2, 4, 5)
     return ids, AuxLayers.from_specforge(ids, SPEC["layers"])
 
 
@@ -735,6 +763,7 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
     _SUMMARY.setdefault("date_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     _SUMMARY.setdefault("versions", _versions())
     _SUMMARY.setdefault("gpus", _gpu_names())
+    _SUMMARY.setdefault("target", TARGET)
     _SUMMARY.setdefault("tiny_spec", SPEC)
     _SUMMARY.setdefault("aux_specforge_ids", list(aux_ids))
     _SUMMARY.setdefault("aux_hf_positions", list(aux.positions))
@@ -841,6 +870,8 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
     run["status"] = "passed" if not failures and not fusion_problem else "failed"
     _write_summary(out_dir)
     assert ev["multimodal_forced_off"]["count"], "the capture server did not force enable_multimodal=False"
+    if SPEC.get("int4_experts"):
+        assert ev["int4_marlin_moe"]["count"], "the server did not take the compressed-tensors WNA16 Marlin MoE path"
     assert not fusion_problem, fusion_problem
     assert not failures, f"{len(failures)} parity failures, first: {failures[:5]}"
 

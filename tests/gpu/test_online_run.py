@@ -22,11 +22,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from gpu_checks import METADATA_BOUND, gpu_leftovers
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-METADATA_BOUND = 256  # bytes per trained token; measured 64 on H200x2 (tests/gpu/RUNS.md)
 
 
 def test_online_run(tmp_path):
@@ -63,22 +63,3 @@ def test_online_run(tmp_path):
     assert not apps, apps
     assert not held, held
     assert not (out / "procs_after.txt").read_text().strip()
-
-
-def gpu_leftovers(text: str) -> tuple[list[str], list[str], int]:
-    """Read the script's ``gpu_after.csv`` (``nvidia-smi --query-compute-apps=pid,used_memory`` then
-    ``--query-gpu=index,memory.used``, each with its csv header): compute processes still listed, GPUs
-    whose memory is not 0 MiB, and how many GPUs were listed -- for any number of GPUs."""
-    apps, held, gpus, section = [], [], 0, None
-    for line in (ln.strip() for ln in text.splitlines()):
-        if line.startswith("pid"):
-            section = "apps"
-        elif line.startswith("index"):
-            section = "gpus"
-        elif line and section == "apps":
-            apps.append(line)
-        elif line and section == "gpus":
-            gpus += 1
-            if line.split(",")[1].strip() != "0 MiB":
-                held.append(line)
-    return apps, held, gpus

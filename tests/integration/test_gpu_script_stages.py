@@ -203,3 +203,34 @@ def test_twin_against_an_earlier_online_bench(tmp_path):
     summary = json.loads((tmp_path / "o" / "offline_twin.json").read_text())
     assert summary["online_bench_from"] == str(earlier) and summary["online"]["acceptance_length"] == 2.45
     assert summary["offline"]["acceptance_length"] == 2.5 and summary["within_3_percent"] is True
+
+
+def test_real_width_target_stage_writes_the_slice_and_train_needs_data(tmp_path):
+    box, env = _sandbox(tmp_path)
+    env.update(STAGE="target", OUT=str(tmp_path / "out"))
+    res = subprocess.run(
+        ["bash", "scripts/gpu_real_width.sh"], cwd=box, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    (tiny,) = (c for c in _calls(tmp_path) if c["cmd"] == "tiny")
+    a = tiny["args"]
+    assert a[0] == "runs/k25-slice" and "--int4-experts" in a
+    got = {k: a[a.index(k) + 1] for k in ("--layers", "--hidden", "--heads", "--experts", "--moe-intermediate")}
+    assert got == {
+        "--layers": "5",
+        "--hidden": "7168",
+        "--heads": "64",
+        "--experts": "384",
+        "--moe-intermediate": "2048",
+    }
+    assert a[a.index("--init-device") + 1] == "cuda"
+    assert [c["args"] for c in _calls(tmp_path) if c["cmd"] == "inspect"] == [["runs/k25-slice"]]
+    res = subprocess.run(
+        ["bash", "scripts/gpu_real_width.sh"],
+        cwd=box,
+        env={**env, "STAGE": "train"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "needs a data stage's runs/k25-slice-data" in res.stderr

@@ -1,18 +1,12 @@
-"""The online GPU test's check (d) reads ``gpu_after.csv`` for any number of GPUs (CPU: text only)."""
+"""The online GPU tests' check (d) reads ``gpu_after.csv`` for any number of GPUs (CPU: text only)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from gpu_checks import gpu_leftovers
 
 
 def _leftovers():
-    spec = importlib.util.spec_from_file_location("gpu_online_run_test", REPO / "tests" / "gpu" / "test_online_run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.gpu_leftovers
+    return gpu_leftovers
 
 
 def test_clean_eight_gpu_box():
