@@ -62,9 +62,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from specforge_kimi.provenance import versions
-    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.target.checkpoint import read_config, text_config_dict
 
-    info = inspect_target(args.target)
+    cfg = read_config(args.target)  # config only: a depth view's files may hold more layers than it serves
+    text = text_config_dict(cfg)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows = [time_shape(args.url, n, length, args.reps) for n, length in shapes]
     out = {
@@ -74,11 +75,11 @@ def main(argv=None) -> int:
         "platform": platform.platform(),
         "config": {
             "target": args.target,
-            "layers": info.num_layers,
-            "hidden": info.hidden_size,
-            "experts": info.text.get("n_routed_experts"),
-            "experts_per_token": info.text.get("num_experts_per_tok"),
-            "quantization": info.quantization,
+            "layers": text["num_hidden_layers"],
+            "hidden": text["hidden_size"],
+            "experts": text.get("n_routed_experts"),
+            "experts_per_token": text.get("num_experts_per_tok"),
+            "quantization": (text.get("quantization_config") or {}).get("format"),
             "url": args.url,
         },
         "runs": [{"tp": 1, "transport": "none", "shapes": rows}],

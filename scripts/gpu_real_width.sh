@@ -2,14 +2,13 @@
 # The real-width rehearsal on one H200 (recipes/kimi-k25-slice-h200.yaml): Kimi-K2.5's width and INT4 experts,
 # 5 layers, co-located capture server + one trainer rank. The pinned stack on PYTHONPATH (GPU bundle) and this
 # checkout's src/. Writes logs and JSON under ${OUT:-/tmp/real-width}.
-#   STAGE=depth   a 3-layer slice (2 MoE layers of 384 INT4 experts) written, served with the data stage's flags,
-#                 its plain prefill timed (bench/prefill_depth.py: the fit's shallow point), then deleted (the box's
-#                 64 GiB disk holds one slice at a time; run it before STAGE=target)
 #   STAGE=target  write the slice (random weights generated and INT4-quantized on the GPU by compressed-tensors)
 #   STAGE=data    the slice's plain prefill timed on the data server (the fit's deep point), then N_PROMPTS (400)
 #                 chat/math/code prompts of specforge_kimi.data.prompt_mix answered by the slice
 #                 through SGLang (greedy, MAX_TOKENS 512 new tokens, thinking on, unfinished answers kept: a random
 #                 target rarely stops), then prepare (draft vocab 32,000)
+#   STAGE=depth   the slice's first 3 layers (2 MoE layers; its own files, hard-linked, config saying 3 layers) served
+#                 with the data stage's flags, plain prefill timed (bench/prefill_depth.py: the fit's shallow point)
 #   STAGE=train   specforge-kimi launch RECIPE --no-bench (GPU memory sampled per process), run-report, what is
 #                 left on the GPU afterwards
 #   STAGE=bench   bench/online_pipeline.py on the slice: capture/plain prefill at SHAPES
@@ -29,7 +28,7 @@ read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECI
 TARGET=$(python3 -c "import sys; from specforge_kimi.online.recipes import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
 DATA=$(python3 -c "import sys, os; from specforge_kimi.online.recipes import load_recipe as l; print(os.path.dirname(l(sys.argv[1]).data.prompts_path))" "$RECIPE")
 STAGE="${STAGE:-all}"
-case "$STAGE" in all|depth|target|data|train|bench) ;; *) echo "STAGE must be all, depth, target, data, train or bench, not $STAGE" >&2; exit 2;; esac
+case "$STAGE" in all|target|data|depth|train|bench) ;; *) echo "STAGE must be all, target, data, depth, train or bench, not $STAGE" >&2; exit 2;; esac
 stage() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
 PORT=31998
 write_slice() {  # dir layers log
@@ -48,17 +47,6 @@ start_server() {  # dir log: a text-only server with the flags regeneration uses
   echo "server for $1 up after $(( $(date +%s) - T0 )) s"
 }
 stop_server() { kill -INT -- -$SRV 2>/dev/null; sleep 5; kill -KILL -- -$SRV 2>/dev/null; wait $SRV 2>/dev/null; }
-
-if stage depth; then
-  rm -rf runs/k25-slice3
-  write_slice runs/k25-slice3 3 "$OUT/depth_target.out"
-  start_server runs/k25-slice3 "$OUT/depth_server.log" > "$OUT/depth.out"
-  python3 bench/prefill_depth.py --url "http://127.0.0.1:$PORT" --target runs/k25-slice3 --shapes "${DEPTH_SHAPES:-4x4096,16x1024}" \
-    --out "$OUT/prefill_depth_k25_slice3_h200.json" >> "$OUT/depth.out" 2>&1
-  echo "prefill_depth rc=$?" >> "$OUT/depth.out"; cat "$OUT/depth.out"
-  stop_server
-  rm -rf runs/k25-slice3
-fi
 
 if stage target; then
   rm -rf "$TARGET"
@@ -90,6 +78,27 @@ PY
   python3 -m specforge_kimi prepare runs/slice-mix-regen.jsonl --out "$DATA" --tokenizer "$TARGET" \
     --draft-vocab-size 32000 --no-progress > "$OUT/prepare.out" 2>&1 || { tail -30 "$OUT/prepare.out"; exit 1; }
   tail -5 "$OUT/prepare.out"
+fi
+
+if stage depth; then
+  # the slice's first 3 layers, read from its own files (hard links: no disk, no writing): config.json says 3
+  # layers and SGLang's loader skips the tensors of layers beyond them
+  [ -f "$TARGET/config.json" ] || { echo "STAGE=depth needs a target stage's $TARGET" >&2; exit 2; }
+  rm -rf runs/k25-slice3 && mkdir runs/k25-slice3 && ln "$TARGET"/* runs/k25-slice3/ 2>/dev/null
+  rm runs/k25-slice3/config.json
+  python3 - "$TARGET/config.json" runs/k25-slice3/config.json <<'PY' || exit 1
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg["text_config"]["num_hidden_layers"] = 3
+cfg["specforge_kimi_tiny"]["layers"] = 3
+json.dump(cfg, open(sys.argv[2], "w"), indent=2)
+PY
+  start_server runs/k25-slice3 "$OUT/depth_server.log" > "$OUT/depth.out"
+  python3 bench/prefill_depth.py --url "http://127.0.0.1:$PORT" --target runs/k25-slice3 --shapes "${DEPTH_SHAPES:-4x4096,16x1024}" \
+    --out "$OUT/prefill_depth_k25_slice3_h200.json" >> "$OUT/depth.out" 2>&1
+  echo "prefill_depth rc=$?" >> "$OUT/depth.out"; cat "$OUT/depth.out"
+  stop_server
+  rm -rf runs/k25-slice3
 fi
 
 if stage train; then
