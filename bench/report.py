@@ -5,11 +5,17 @@ Usage::
     python bench/report.py                        # bench/results -> bench/REPORT.md, bench/plots/
     python bench/report.py --results DIR --out DIR/REPORT.md --plots DIR/plots
 
-Every number in the report is read from a results file, and each section names its files. A
-file is recognised by its content:
+Every number in the report is read from a results file, and each section names its files. The report opens
+with a headline table: the current figure per metric and its file, chosen by ``HEADLINE`` below (each metric
+names its files in order of preference; the first present one is read, none present says "not measured yet").
+The sections after it show the current files; the files ``SUPERSEDED`` names (superseded measurements and
+failed experiments, each with its reason) and acceptance runs that failed their threshold go to an appendix at
+the end: one line each with its reason, then their tables, so no number leaves the report. When a new
+measurement lands, edit those two places. A file is recognised by its content:
 
 - acceptance (``specforge-kimi bench``'s ``bench_result.json``: ``"benchmark": "acceptance"``);
-- capture parity (``"test": "tests/gpu/test_capture_parity.py"``);
+- capture parity (``"test": "tests/gpu/test_capture_parity.py"``; a summary's ``target``, ``tiny`` or
+  ``k25-int4`` = K2.5's width with INT4 experts, is shown on its rows);
 - data preparation memory (``bench/studies/prepare_memory.py``: ``"benchmark": "prepare peak RSS vs input size"``);
 - regenerate against SGLang (``tests/gpu/test_regenerate_sglang.py`` summary: ``regenerate_stdout``);
 - the online teacher's memory on the CPU (``bench/studies/teacher_memory_cpu.py``: ``"benchmark": "online teacher
@@ -21,7 +27,13 @@ file is recognised by its content:
 - online pipeline (``bench/online_pipeline.py``: ``baseline_capture_over_plain`` + ``runs``):
   capture overhead per TP and batch shape; with its ``online_run`` part (from ``specforge-kimi
   run-report``) also pipeline efficiency and per-role GPU memory peaks. Files from its CPU dry run
-  (``"engine": "reference"``) are named but not tabulated: they are not measurements;
+  (``"engine": "reference"``) are named but not tabulated: they are not measurements. A file whose
+  ``config.hidden`` is K2.5's 7168 (the real-width slice) has a section of its own, capture / plain per
+  transport (``runs[].transport``: ``mooncake`` or ``cuda_ipc``) and shape;
+- plain prefill of a running server (``bench/prefill_depth.py``: ``"benchmark": "plain prefill of a running
+  server (bench/prefill_depth.py)"``), per slice depth;
+- the K2.5 sizing projection (``bench/sizing.py``'s ``sizing_k25.json``: ``depth_fit`` + ``capture`` +
+  ``slice_run`` + ``recipes`` + ``torchspec``);
 - tiny target pretraining (``specforge-kimi tiny --pretrain``'s ``pretrain.json``: ``corpus`` +
   ``train`` + ``heldout``), its repeatability (``bench/studies/pretrain_repro.py``: ``modes`` + ``config``) and
   the choice between candidate targets (``specforge-kimi target-text``: ``candidates`` + ``chosen``);
@@ -54,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +115,297 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# what is current: edit HEADLINE and SUPERSEDED when a measurement lands (NOTES.md "Measurements" names the
+# current figure per area, "History" the superseded ones; tests/gpu/RUNS.md has each run)
+# --------------------------------------------------------------------------------------------
+K25_HIDDEN = 7168
+
+
+def _spec_run(d: dict, config: dict | None = None) -> dict:
+    """The speculative run of ``config`` (the threshold's), else the first."""
+    runs = d["speculative"]
+    return next((r for r in runs if config and r.get("config") == config), runs[0])
+
+
+def _read_acceptance(d: dict) -> str:
+    th = d["threshold"]
+    per = ", ".join(f"{k} {v['acceptance_length']:.3f}" for k, v in _spec_run(d, th.get("config"))["sets"].items())
+    verdict = "passed" if th["passed"] else "FAILED"
+    return f"**{th['acceptance_length']:.3f}** (threshold {th['min_acceptance_length']} {verdict}; {per})"
+
+
+def _read_twin(d: dict) -> str:
+    on, off = d["online"]["acceptance_length"], d["offline"]["acceptance_length"]
+    return f"**{d['offline_vs_online_relative']:+.1%}** (offline twin {off:.3f} vs online draft {on:.3f})"
+
+
+def _read_speedup(d: dict) -> str:
+    run = _spec_run(d, (d.get("threshold") or {}).get("config"))
+    spec, base = run["overall"]["output_tok_per_s"], d["baseline"]["overall"]["output_tok_per_s"]
+    return f"**{run['speedup']['overall']:.2f}x** ({spec:.1f} vs {base:.1f} output tok/s without speculation)"
+
+
+def _read_capture(d: dict) -> str:
+    runs = [r for r in d["runs"] if r.get("shapes")]
+    several_tp = len({r.get("tp") for r in runs}) > 1
+    parts = []
+    for r in runs:
+        label = " ".join(
+            x
+            for x in (
+                f"TP={r.get('tp')}" if several_tp else "",
+                r.get("transport", ""),
+                f"{r['put_clients']} put clients" if r.get("put_clients", 1) > 1 else "",
+            )
+            if x
+        )
+        shapes = ", ".join(
+            f"{s['batch']}x{s['tokens_per_prompt']} **{s['capture_over_plain']:.2f}x**" for s in r["shapes"]
+        )
+        parts.append(f"{label}: {shapes}" if label else shapes)
+    return "; ".join(parts)
+
+
+def _read_e2e_run(d: dict) -> str:
+    e, t = d["perf"]["end_to_end_tokens_per_s"], d["perf"]["trainer_only_tokens_per_s"]
+    return f"**{e / t:.2f}** ({e:,.0f} trained tok/s end to end vs {t:,.0f} trainer-only)"
+
+
+def _read_e2e_sizing(d: dict) -> str:
+    s = d["slice_run"]
+    return (
+        f"**{s['end_to_end_over_slowest_stage']:.2f}** ({s['end_to_end_tokens_per_s']:,.0f} trained tok/s end to "
+        f"end; plain prefill {s['slice_prefill_tokens_per_s']:,.0f}, trainer-only {s['trainer_only_tokens_per_s']:,.0f})"
+    )
+
+
+def _read_disk(d: dict) -> str:
+    tokens = (d.get("ledger") or {}).get("trained_tokens")
+    return f"**{d['metadata_bytes_per_trained_token']:.1f} B** ({_num(tokens, '{:,}')} trained tokens)"
+
+
+def _read_trainer_plan(d: dict) -> str:
+    rows = [r for r in d["rows"] if "error" not in r]
+    ratios = [r["measured_over_plan"] for r in rows]
+    slack = [r["peak_reserved_gib"] - r["peak_allocated_gib"] for r in rows]
+    lengths: dict[str, list[int]] = {}
+    for r in rows:
+        lengths.setdefault(r["backend"], []).append(r["length"])
+    what = ", ".join(f"{b} {min(v)}-{max(v)}" for b, v in lengths.items())
+    return (
+        f"**{min(ratios):.2f}-{max(ratios):.2f}x** peak allocated / plan ({len(rows)} lengths: {what} tokens); "
+        f"reserved {min(slack):.1f}-{max(slack):.1f} GiB above allocated"
+    )
+
+
+def _read_projection(d: dict, recipe: str = "8xb200") -> str:
+    name, r = next((n, r) for n, r in d["recipes"].items() if recipe in n)
+    ts = d["torchspec"]["tokens_per_s_per_gpu"]
+    per = "; ".join(
+        f"{t} **{p['end_to_end_tokens_per_s_per_gpu']:,.0f}** ({p['end_to_end_tokens_per_s_per_gpu'] / ts:.2f}x)"
+        for t, p in r["transports"].items()
+    )
+    return f"{per} tok/s per GPU ({name}, {r['gpus']}, slowest stage {r['slowest_stage']}); TorchSpec {ts:,.0f}"
+
+
+#: The headline table, one row per metric: ``(metric, candidates)``, each candidate ``(file, reader, how the
+#: number is read)`` in order of preference. The first candidate present in the results is read; a row whose
+#: files are all absent says "not measured yet". A headline file must not be in SUPERSEDED (a test checks).
+HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
+    (
+        "acceptance length",
+        [
+            (
+                "acceptance_online_draft_echo_tp1_h200.json",
+                _read_acceptance,
+                "`threshold.acceptance_length`: SGLang's token-weighted AL at EAGLE-3 3/1/4 over the threshold's "
+                "sets (64 prompts), greedy; the online-trained draft on the tiny echo-rule target, TP=1, one H200",
+            )
+        ],
+    ),
+    (
+        "offline twin vs online draft (acceptance length)",
+        [
+            (
+                "offline_twin_echo_tp1_h200.json",
+                _read_twin,
+                "`offline_vs_online_relative`: the same recipe trained by SpecForge's offline trainer on features "
+                "the same capture server wrote to disk, against the online draft",
+            )
+        ],
+    ),
+    (
+        "speedup",
+        [
+            (
+                "acceptance_offline_twin_echo_baseline_tp1_h200.json",
+                _read_speedup,
+                "`speedup.overall` of the speculative run at the threshold's config: output tok/s at 3/1/4 over "
+                "the same server without "
+                "speculation (concurrency 4, CUDA graphs off on both); the offline twin's draft (the online "
+                "draft's bench ran without a baseline)",
+            )
+        ],
+    ),
+    (
+        "capture / plain prefill",
+        [
+            (
+                "online_pipeline_k25_slice_h200.json",
+                _read_capture,
+                "`runs[].shapes[].capture_over_plain` per transport and batch: the K2.5-width slice (hidden "
+                "7168, INT4 experts), TP=1, one H200, compact passthrough",
+            ),
+            (
+                "online_pipeline_tp1_h200_compact_headline.json",
+                _read_capture,
+                "`runs[].shapes[].capture_over_plain`: through SpecForge's producer, compact passthrough, tiny "
+                "random-weight target (hidden 512), TP=1, one H200; medians of 5",
+            ),
+        ],
+    ),
+    (
+        "end-to-end / slowest stage",
+        [
+            (
+                "sizing_k25.json",
+                _read_e2e_sizing,
+                "`slice_run.end_to_end_over_slowest_stage`: the K2.5-width slice's co-located run against the "
+                "slower of its plain prefill and its trainer-only rate",
+            ),
+            (
+                "online_run_k25_slice_h200.json",
+                _read_e2e_run,
+                "`perf.end_to_end_tokens_per_s` / `perf.trainer_only_tokens_per_s` (the run-report's one stage "
+                "rate): the K2.5-width slice's co-located run, one H200",
+            ),
+            (
+                "online_run_echo_tp1_h200.json",
+                _read_e2e_run,
+                "`perf.end_to_end_tokens_per_s` / `perf.trainer_only_tokens_per_s` (the trainer is the slowest "
+                "stage there): co-located online run, tiny echo-rule target, TP=1, one H200",
+            ),
+        ],
+    ),
+    (
+        "bytes on disk per trained token",
+        [
+            (
+                "online_run_k25_slice_h200.json",
+                _read_disk,
+                "`metadata_bytes_per_trained_token`: the run directory besides checkpoints and export over "
+                "trained tokens (features live in Mooncake); the K2.5-width slice's run",
+            ),
+            (
+                "online_run_echo_tp1_h200.json",
+                _read_disk,
+                "`metadata_bytes_per_trained_token`: the run directory besides checkpoints and export over "
+                "trained tokens (features live in Mooncake); tiny echo-rule target, 3,000 steps",
+            ),
+        ],
+    ),
+    (
+        "trainer memory vs plan",
+        [
+            (
+                "trainer_memory_k25_b200_h200.json",
+                _read_trainer_plan,
+                "`rows[].measured_over_plan`: one trainer rank's peak `torch.cuda` allocated memory over "
+                "`recipes.trainer_terms`, SpecForge's own step at the 8xB200 recipe's sizes on one H200",
+            )
+        ],
+    ),
+    (
+        "projected end-to-end tok/s per GPU, 8xB200 (vs TorchSpec 1.1k)",
+        [
+            (
+                "sizing_k25.json",
+                _read_projection,
+                "`recipes[kimi-k25-8xb200-lowered].transports[].end_to_end_tokens_per_s_per_gpu` over "
+                "`torchspec.tokens_per_s_per_gpu`: a projection from the slice's measurements and the stated "
+                "`assumptions` (TP efficiency, GPU speed), not a measurement",
+            )
+        ],
+    ),
+]
+
+_ECHO_RUN = "online_run_echo_tp1_h200.json on 2026-12-01"
+_ECHO_TARGET = "tiny_target_pretrain_echo_h200.json on 2026-12-01"
+_ECHO_SELECT = "target_select_echo_h200.json on 2026-12-01"
+_ECHO_ONLINE = "acceptance_online_draft_echo_tp1_h200.json on 2026-12-01"
+_ECHO_TWIN = "acceptance_offline_twin_echo_tp1_h200.json on 2026-12-01"
+_ECHO_PAIR = "offline_twin_echo_tp1_h200.json on 2026-12-01"
+_ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
+#: Files taken out of the main sections into the appendix, each with its one-line reason: a file NOTES.md's
+#: History names and no current Measurements paragraph cites (a file both cite stays in the main sections), and
+#: failed experiments. A value ``(reason, sections)`` takes the file out of those sections only (the section ids of
+#: ``_sections``). An acceptance run below its threshold goes to the appendix without an entry here; an entry adds
+#: its context.
+#: Named by History but kept in the main sections, because a current Measurements paragraph cites them:
+#: online_pipeline_h200x2_{unpatched,patched}.json (the only TP=2 capture-overhead measurement, SpecForge's patch
+#: vs our 0001), online_run_h200x2.json (SGLang's memory outside its static pool), and
+#: online_run_{4800,taps}_tp1_h200_eval_draft.json (the deep vs SGLang-default taps comparison).
+SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
+    # acceptance through SGLang
+    "acceptance_online_draft_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on corpus text (2026-11-30)",
+    "acceptance_online_draft_regen_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on regenerated "
+    "data (2026-11-30, late)",
+    "acceptance_online_draft_tp1_h200.json": f"superseded by {_ECHO_ONLINE}: the first TP=1 run's draft (180 s target)",
+    "acceptance_offline_twin_tp1_h200.json": f"superseded by {_ECHO_TWIN}: the first TP=1 run's twin (180 s target)",
+    "acceptance_online_draft_sharp_tp1_h200.json": f"superseded by {_ECHO_ONLINE}: the bf16 target (time-bound, "
+    "not rebuildable)",
+    "acceptance_offline_twin_sharp_tp1_h200.json": f"superseded by {_ECHO_TWIN}: the bf16 target's twin",
+    "acceptance_offline_twin_taps_tp1_h200.json": f"superseded by {_ECHO_TWIN}: the deep-taps run's twin",
+    # below the 3.0 threshold (the appendix says so by itself); what each was for
+    "acceptance_online_draft_taps_tp1_h200.json": "deep aux taps on the step-bounded target (2026-12-01): no "
+    "measurable difference from SGLang's default taps (NOTES.md Measurements, acceptance)",
+    "acceptance_online_draft_4800_tp1_h200.json": "4,800 online steps on the step-bounded target (2026-12-01): the "
+    "default-taps side of the deep-taps comparison",
+    "acceptance_mla_offline_tp1_h200.json": "the MLA draft on the first TP=1 run's features (2026-12-01), 3.2% behind "
+    "the Llama-style twin; the comparison stays current (mla_vs_llama_engine_tp1_h200.json)",
+    # the same data, two drafts
+    "offline_twin_tp1_h200.json": f"superseded by {_ECHO_PAIR}: the first TP=1 twin (+2.1%)",
+    "offline_twin_sharp_tp1_h200.json": f"superseded by {_ECHO_PAIR}: the bf16 target's twin (+0.09%)",
+    "offline_twin_taps_tp1_h200.json": f"superseded by {_ECHO_PAIR}: the deep-taps twin (-0.6%)",
+    # draft evaluation
+    "eval_online_vs_offline_tp1_h200.json": f"superseded by {_ECHO_EVAL}: the first TP=1 run's pair",
+    "eval_online_vs_offline_sharp_tp1_h200.json": f"superseded by {_ECHO_EVAL}: the bf16 target's pair",
+    "eval_online_vs_offline_taps_tp1_h200.json": f"superseded by {_ECHO_EVAL}: the deep-taps pair",
+    "online_run_tp1_h200_eval_draft.json": f"superseded by {_ECHO_RUN}: the first TP=1 run (180 s target)",
+    "online_run_mix_tp1_h200_eval_draft.json": f"superseded by {_ECHO_RUN}: the prompt-mix run "
+    "(non-deterministic 180 s target)",
+    "online_run_sharp_tp1_h200_eval_draft.json": f"superseded by {_ECHO_RUN}: the bf16 target",
+    "online_run_h200x2_eval_draft.json": "superseded by online_run_regen_h200x2_eval_draft.json on 2026-11-30 "
+    "(late): the TP=2 run on corpus text",
+    # online runs (trainer view)
+    "online_run_tp1_h200.json": f"superseded by {_ECHO_RUN}: the first TP=1 run (180 s target)",
+    "online_run_mix_tp1_h200.json": f"superseded by {_ECHO_RUN}: the prompt-mix run (non-deterministic 180 s target)",
+    "online_run_sharp_tp1_h200.json": f"superseded by {_ECHO_RUN}: the bf16 target",
+    "online_run_4800_tp1_h200.json": f"superseded by {_ECHO_RUN}: 4,800 steps on the step-bounded target",
+    "online_run_taps_tp1_h200.json": f"superseded by {_ECHO_RUN}: deep aux taps on the step-bounded target",
+    # tiny targets and their selection
+    "tiny_target_pretrain_h200x2.json": f"superseded by {_ECHO_TARGET}: the TP=2 corpus-text run's target",
+    "tiny_target_pretrain_120s_h200x2.json": f"superseded by {_ECHO_TARGET}: the TP=2 regenerated-data run's target",
+    "tiny_target_pretrain_180s_h200.json": f"superseded by {_ECHO_TARGET}: the first TP=1 run's 180 s target",
+    "tiny_target_pretrain_180s_h200_mix.json": f"superseded by {_ECHO_TARGET}: the prompt-mix run's target "
+    "(non-deterministic)",
+    "tiny_target_pretrain_step1200_h200.json": f"superseded by {_ECHO_TARGET}: the step-bounded target",
+    "tiny_target_pretrain_step1200_rebuild_h200.json": f"superseded by {_ECHO_TARGET}: the step-bounded target "
+    "rebuilt for the deep-taps run",
+    "tiny_target_pretrain_rules_h200.json": f"superseded by {_ECHO_TARGET}: the words-rule target (never trained on)",
+    "target_select_step1200_h200.json": f"superseded by {_ECHO_SELECT}: the step-bounded target",
+    "target_select_step1200_rebuild_h200.json": f"superseded by {_ECHO_SELECT}: the step-bounded target, rebuilt",
+    "target_select_rules_h200.json": f"superseded by {_ECHO_SELECT}: the words-rule target",
+    # capture overhead: the capture/plain rows only; its breakdown stays current
+    "online_pipeline_tp1_h200_compact.json": (
+        "superseded by online_pipeline_tp1_h200_compact_headline.json on 2026-12-01: its capture / plain rows "
+        "are the producer with SpecForge's lists, before compact (its breakdown stays in the main sections)",
+        ("capture_overhead",),
+    ),
+}
+
+
 def classify(data: Any) -> str:
     """The kind of a results file (see the module docstring), ``unknown`` otherwise."""
     if not isinstance(data, dict):
@@ -113,8 +417,12 @@ def classify(data: Any) -> str:
         return bench
     if bench == "prepare peak RSS vs input size":
         return "prepare_memory"
+    if isinstance(bench, str) and bench.startswith("plain prefill of a running server"):
+        return "prefill_depth"
     if "baseline_capture_over_plain" in data and isinstance(data.get("runs"), list):
-        return "online_pipeline"
+        return "online_pipeline_k25" if (data.get("config") or {}).get("hidden") == K25_HIDDEN else "online_pipeline"
+    if {"depth_fit", "capture", "slice_run", "recipes", "torchspec"} <= data.keys():
+        return "sizing"
     if data.get("test") == "tests/gpu/test_capture_parity.py":
         return "capture_parity"
     if "regenerate_stdout" in data:
@@ -213,7 +521,7 @@ def _tabled(
     return out + _table(header, rows) + [""] + (tail or [])
 
 
-def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
+def section_acceptance(files: list[tuple[str, dict]], plots: Path | None) -> list[str]:
     out = ["## Acceptance length through SGLang EAGLE-3", ""]
     if not files:
         return out + [
@@ -291,6 +599,8 @@ def section_acceptance(files: list[tuple[str, dict]], plots: Path) -> list[str]:
         ),
         "",
     ]
+    if plots is None:
+        return out
     plt = _plt()
     sets = sorted({k for _, b in bars for k in b})
     fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
@@ -414,8 +724,14 @@ def section_planned(kind: str, files: list[tuple[str, dict]], online: list[tuple
     out = [f"## {title}", ""]
     if not files and not online:
         return out + [f"Not measured yet: {what}", ""]
+    bare = []
     for name, res in online:
+        if kind != "capture_overhead" and res.get("engine") != "reference" and not res.get("online_run"):
+            bare.append(name)
+            continue
         out += _online_rows(kind, name, res)
+    if bare:
+        out += [", ".join(f"`{n}`" for n in bare) + ": no `online_run` part (run them with `--run-report`).", ""]
     for name, res in files:
         rows = res.get("rows") or []
         keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -428,12 +744,19 @@ def section_planned(kind: str, files: list[tuple[str, dict]], online: list[tuple
     return out
 
 
-def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[str]:
+def section_capture_parity(files: list[tuple[str, dict]], plots: Path | None) -> list[str]:
     out = ["## Capture parity (SGLang spec-capture vs fp32 transformers reference)", ""]
     if not files:
         return out + ["Not measured yet: `tests/gpu/test_capture_parity.py --run-gpu`.", ""]
+    out += [
+        "Target `tiny`: the tiny K2.5 (hidden 512, bf16 experts); `k25-int4` "
+        "(`SPECFORGE_KIMI_PARITY_TARGET=k25-int4`): K2.5's width with its INT4 routed experts, fewer layers.",
+        "",
+    ]
     rows, series = [], []
     for name, res in files:
+        spec = res.get("tiny_spec") or {}
+        target = f"{res.get('target', 'tiny')} {spec.get('layers')}L/{spec.get('hidden')}h"
         for label, run in (res.get("runs") or {}).items():
             w = run.get("worst") or {}
             aux = [v for k, v in w.items() if k.startswith("aux")]
@@ -446,6 +769,7 @@ def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[s
             rows.append(
                 [
                     name,
+                    target,
                     label,
                     run.get("status"),
                     _num(run.get("startup_s"), "{:.0f}"),
@@ -474,6 +798,7 @@ def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[s
         *_table(
             [
                 "file",
+                "target",
                 "run",
                 "status",
                 "startup s",
@@ -487,7 +812,7 @@ def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[s
         ),
         "",
     ]
-    if series:
+    if series and plots is not None:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for label, xs, ys in series:
@@ -505,12 +830,12 @@ def section_capture_parity(files: list[tuple[str, dict]], plots: Path) -> list[s
     return out
 
 
-def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[str]:
+def section_prepare_memory(files: list[tuple[str, dict]], plots: Path | None) -> list[str]:
     out = ["## Data preparation memory (`specforge-kimi prepare`)", ""]
     if not files:
         return out + ["Not measured yet: `python bench/studies/prepare_memory.py`.", ""]
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    plt = _plt() if plots is not None else None
+    fig, ax = plt.subplots(figsize=(6.5, 3.5)) if plt else (None, None)
     for name, res in files:
         runs = res.get("runs") or []
         out += [
@@ -533,7 +858,7 @@ def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[s
             ),
             "",
         ]
-        for shuffle in (True, False):
+        for shuffle in (True, False) if ax else ():
             rs = [r for r in runs if r["shuffle"] == shuffle]
             ax.plot(
                 [r["rows_in"] for r in rs],
@@ -548,6 +873,8 @@ def section_prepare_memory(files: list[tuple[str, dict]], plots: Path) -> list[s
                 ls="--",
                 label=f"streaming peak, shuffle={shuffle}",
             )
+    if plt is None:
+        return out
     ax.set(xscale="log", xlabel="rows", ylabel="MiB", title="prepare peak memory vs input size")
     ax.legend(fontsize=6)
     fig.tight_layout()
@@ -1089,7 +1416,8 @@ def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str,
                 rows.append(
                     [
                         n,
-                        f"tp{run.get('tp')}, {run.get('put_clients', 1)} put client(s)",
+                        f"tp{run.get('tp')}, {run.get('put_clients', 1)} put client(s)"
+                        + (f", {run['transport']}" if run.get("transport") else ""),
                         f"{sh['batch']}x{sh['tokens_per_prompt']}",
                         *[
                             (v.get(k) or {}).get("post_ms")
@@ -1253,44 +1581,346 @@ def section_engine_pairs(twins: list[tuple[str, dict]], engines: list[tuple[str,
     )
 
 
-def build_report(results_dir: Path, out_md: Path, plots: Path) -> str:
-    """Write ``out_md`` and the plots; return the Markdown."""
+def section_k25_pipeline(files: list[tuple[str, dict]]) -> list[str]:
+    out = [
+        "## Capture overhead at K2.5 width (real-width slice)",
+        "",
+        "`bench/online_pipeline.py` on a slice of K2.5 (`STAGE=bench bash scripts/gpu_real_width.sh`): K2.5's "
+        "width (hidden 7168) and INT4 routed experts, fewer layers; capture / plain prefill per transport "
+        "(`runs[].transport`; a run without one used Mooncake) and batch shape, and with the file's `online_run` "
+        "part the slice's co-located run.",
+        "",
+    ]
+    if not files:
+        return out + [
+            "Not measured yet: `STAGE=bench bash scripts/gpu_real_width.sh` after its train stage, committed as "
+            "`bench/results/online_pipeline_k25_slice_h200.json`.",
+            "",
+        ]
+    for name, res in files:
+        if res.get("engine") == "reference":
+            out += [
+                f"`{name}` is a CPU dry run of `bench/online_pipeline.py` (stand-in server), not a measurement.",
+                "",
+            ]
+            continue
+        cfg = res.get("config") or {}
+        rows = []
+        for run in res.get("runs") or []:
+            transport, tp = run.get("transport", "mooncake"), f"tp{run.get('tp')}"
+            if run.get("error"):
+                rows.append([transport, tp, "error: " + run["error"][:80], "-", "-", "-", "-", "-", "-"])
+            for sh in run.get("shapes") or []:
+                rows.append(
+                    [
+                        transport,
+                        tp,
+                        f"{sh.get('batch')}x{sh.get('tokens_per_prompt')}",
+                        _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
+                        _num(sh.get("capture_tokens_per_s"), "{:.0f}"),
+                        _num(sh.get("capture_over_plain"), "{:.2f}x"),
+                        _num(sh.get("feature_bytes_per_token"), "{:.0f}"),
+                        _num(sh.get("capture_write_gb_per_s"), "{:.2f}"),
+                        _num(sh.get("read_gb_per_s"), "{:.2f}"),
+                    ]
+                )
+        out += [
+            f"`{name}` (`{' '.join(res.get('command') or []) or 'command not recorded'}`): "
+            f"{cfg.get('layers')} layers, hidden {cfg.get('hidden')}.",
+            "",
+            *_table(
+                [
+                    "transport",
+                    "TP",
+                    "batch x tokens",
+                    "plain prefill tok/s",
+                    "capture tok/s",
+                    "capture / plain",
+                    "feature B/token",
+                    "write GB/s",
+                    "read GB/s",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        if res.get("online_run"):
+            out += _online_rows("pipeline_efficiency", name, res) + _online_rows("trainer_memory", name, res)
+    return out
+
+
+def section_prefill_depth(files: list[tuple[str, dict]]) -> list[str]:
+    def rows(n, r):
+        cfg = r.get("config") or {}
+        return [
+            [
+                n,
+                cfg.get("layers"),
+                cfg.get("hidden"),
+                f"{cfg.get('experts')} ({cfg.get('experts_per_token')} per token)",
+                cfg.get("quantization") or "none",
+                run.get("tp"),
+                f"{sh.get('batch')}x{sh.get('tokens_per_prompt')}",
+                _num(sh.get("plain_tokens_per_s"), "{:.0f}"),
+                sh.get("reps"),
+            ]
+            for run in r.get("runs") or []
+            for sh in run.get("shapes") or []
+        ]
+
+    return _tabled(
+        "Plain prefill by depth (K2.5-width slices)",
+        "`bench/prefill_depth.py`: `POST /generate` of batches of random token ids (one new token) against a "
+        "running server, the median of the timed calls after one warm-up; two depths of the slice served with "
+        "the same flags give `bench/sizing.py` its fixed and per-MoE-layer prefill time.",
+        files,
+        "`STAGE=depth` and `STAGE=data bash scripts/gpu_real_width.sh` (the 3- and 5-layer slices), committed as "
+        "`bench/results/prefill_depth_k25_slice{3,5}_h200.json`.",
+        ["file", "layers", "hidden", "routed experts", "quantization", "TP", "batch x tokens", "plain tok/s", "reps"],
+        rows,
+    )
+
+
+def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
+    out = [
+        "## Projected K2.5 run (`bench/sizing.py`)",
+        "",
+        "A projection, not a measurement: the K2.5-width slice's measurements (plain prefill at two depths, the "
+        "capture tax per transport, the slice's co-located run, the trainer bench) carried to 61 layers and to "
+        "each shipped K2.5 recipe under the file's stated `assumptions` (model: docs/sizing.md), beside "
+        "TorchSpec's published K2.5 run.",
+        "",
+    ]
+    if not files:
+        return out + [
+            "Not measured yet: the real-width rehearsal (`scripts/gpu_real_width.sh`), its results committed "
+            "under bench/results/, then `python bench/sizing.py`.",
+            "",
+        ]
+    for name, res in files:
+        ts = (res.get("torchspec") or {}).get("tokens_per_s_per_gpu")
+        inputs = [x for v in (res.get("inputs") or {}).values() for x in str(v).split(" + ")]
+        rows = []
+        for recipe, r in (res.get("recipes") or {}).items():
+            m = r.get("memory_per_gpu_gib") or {}
+            for transport, t in (r.get("transports") or {}).items():
+                e2e = t.get("end_to_end_tokens_per_s_per_gpu")
+                rows.append(
+                    [
+                        recipe,
+                        r.get("gpus"),
+                        r.get("tp"),
+                        _num(r.get("prefill_tokens_per_s_per_gpu"), "{:,.0f}"),
+                        _num(r.get("trainer_tokens_per_s_per_gpu"), "{:,.0f}"),
+                        r.get("slowest_stage"),
+                        transport,
+                        _num(e2e, "{:,.0f}"),
+                        _num(e2e / ts if e2e and ts else None, "{:.2f}x"),
+                        f"{_num(t.get('feature_gb_per_s_per_node'), '{:.2f}')} "
+                        f"({_num(t.get('transport_readers_gb_per_s_per_node'), '{:.1f}')})",
+                        t.get("transport_bound"),
+                        _num(t.get("gpu_hours_per_1b_tokens"), "{:,.0f}"),
+                        f"{_num(m.get('server_pool'), '{:.0f}')} + {_num(m.get('trainer_plan'), '{:.0f}')} "
+                        f"of {_num(m.get('gpu'), '{:.0f}')}",
+                    ]
+                )
+        out += [
+            f"`{name}` (inputs: {', '.join(f'`{Path(x).name}`' for x in inputs) or '-'}; "
+            f"{res.get('tokens_per_prompt')}-token prompts):",
+            "",
+            *_table(
+                [
+                    "recipe",
+                    "GPUs",
+                    "TP",
+                    "prefill tok/s per GPU",
+                    "trainer tok/s per GPU",
+                    "slowest",
+                    "transport",
+                    "end-to-end tok/s per GPU",
+                    "vs TorchSpec",
+                    "features GB/s per node (transport carries)",
+                    "transport bound",
+                    "GPU-hours per 1B tokens",
+                    "GiB per GPU: server pool + trainer plan of GPU",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        fit, sl = res.get("depth_fit") or {}, res.get("slice_run") or {}
+        k25 = fit.get("k25_s_per_token_one_h200")
+        out += [
+            "- depth fit: "
+            + ", ".join(
+                f"{_num(p.get('plain_tokens_per_s'), '{:,.0f}')} tok/s at {p.get('layers')} layers"
+                for p in fit.get("points") or []
+            )
+            + f" -> {_num((fit.get('fixed_s_per_token') or 0) * 1e6, '{:.2f}')} us per token fixed + "
+            f"{_num((fit.get('per_moe_layer_s_per_token') or 0) * 1e6, '{:.2f}')} us per MoE layer; "
+            f"{_num(1 / k25 if k25 else None, '{:,.0f}')} tok/s for 61 layers on one H200",
+            "- capture tax per token: "
+            + ", ".join(
+                f"{t} {_num((c.get('tax_s_per_token') or 0) * 1e6, '{:.1f}')} us (capture / plain "
+                f"{_num(c.get('capture_over_plain_at_slice'), '{:.2f}')} at the slice, one reader "
+                f"{_num(c.get('read_gb_per_s'), '{:.2f}')} GB/s)"
+                for t, c in (res.get("capture") or {}).items()
+            ),
+            f"- the slice's co-located run: trainer-only {_num(sl.get('trainer_only_tokens_per_s'), '{:,.0f}')} "
+            f"tok/s, end-to-end {_num(sl.get('end_to_end_tokens_per_s'), '{:,.0f}')} tok/s, plain prefill "
+            f"{_num(sl.get('slice_prefill_tokens_per_s'), '{:,.0f}')} tok/s; "
+            f"{_num(sl.get('end_to_end_over_slowest_stage'), '{:.2f}')} of its slowest stage, sharing efficiency "
+            f"{_num(sl.get('sharing_efficiency'), '{:.2f}')}",
+            f"- TorchSpec: {_num(ts, '{:,.0f}')} tok/s per GPU "
+            f"({_num((res.get('torchspec') or {}).get('tokens'), '{:,.0f}')} tokens in "
+            f"{_num((res.get('torchspec') or {}).get('gpu_hours'), '{:,}')} GPU-hours)",
+            *[
+                f"- assumed, {k}: "
+                + ", ".join(f"{kk} {vv}" for kk, vv in v.items() if kk != "why")
+                + (f" ({v['why']})" if v.get("why") else "")
+                for k, v in (res.get("assumptions") or {}).items()
+                if isinstance(v, dict)
+            ],
+            "",
+        ]
+    return out
+
+
+def section_headline(by_name: dict[str, dict], headline=None) -> list[str]:
+    """The current figure per metric, read from the first present file of each ``HEADLINE`` row."""
+    rows = []
+    for metric, candidates in HEADLINE if headline is None else headline:
+        present = next(((f, read, how) for f, read, how in candidates if f in by_name), None)
+        if present is None:
+            names = " or ".join(f"`{f}`" for f, _, _ in candidates)
+            rows.append([metric, "not measured yet", candidates[0][2], names])
+            continue
+        f, read, how = present
+        try:
+            figure = read(by_name[f])
+        except Exception as exc:  # a file of an unexpected shape: say so, keep the report
+            figure = f"could not be read: {type(exc).__name__}: {exc}"
+        preferred = [g for g, _, _ in candidates[: [c[0] for c in candidates].index(f)]]
+        where = f"`{f}`" + (f" ({', '.join(f'`{g}`' for g in preferred)} not measured yet)" if preferred else "")
+        rows.append([metric, figure, how, where])
+    return [
+        "## Headline: the current figure per metric",
+        "",
+        "Each row is read from the file named beside it (`HEADLINE` in bench/report.py picks it; where a row "
+        "names several files, the first one present is read). The details follow in the sections below.",
+        "",
+        *_table(["metric", "current figure", "how it is read", "file"], rows),
+        "",
+    ]
+
+
+def _sections(plots: Path | None) -> list[tuple[str, tuple[str, ...], Callable[..., list[str]]]]:
+    """The report's sections in order: (section id, the kinds whose files it shows, renderer of those lists)."""
+    return [
+        ("acceptance", ("acceptance",), lambda a: section_acceptance(a, plots)),
+        *[
+            (k, (k, "online_pipeline"), lambda f, o, k=k: section_planned(k, f, o))
+            for k in ("capture_overhead", "pipeline_efficiency", "trainer_memory")
+        ],
+        ("k25_pipeline", ("online_pipeline_k25",), section_k25_pipeline),
+        ("prefill_depth", ("prefill_depth",), section_prefill_depth),
+        ("sizing", ("sizing",), section_sizing),
+        ("capture_parity", ("capture_parity",), lambda a: section_capture_parity(a, plots)),
+        ("prepare_memory", ("prepare_memory",), lambda a: section_prepare_memory(a, plots)),
+        ("regenerate", ("regenerate",), section_regenerate),
+        ("bench_test", ("bench_test",), section_bench_test),
+        ("trainer_step_memory", ("trainer_step_memory",), section_trainer_step_memory),
+        ("tiny_target", ("tiny_target",), section_tiny_targets),
+        ("pretrain_repro", ("pretrain_repro",), section_pretrain_repro),
+        ("target_select", ("target_select",), section_target_select),
+        ("online_run", ("online_run",), section_online_runs),
+        ("eval_draft", ("eval_draft",), section_eval_draft),
+        ("engine_pairs", ("offline_twin", "mla_vs_llama_engine"), section_engine_pairs),
+        ("draft_parity", ("draft_parity",), section_draft_parity),
+        ("cpu_simulated", ("mla_vs_llama", "greedy_acceptance"), section_cpu_simulated),
+        ("fault_drills", ("fault_drills",), section_fault_drills),
+        ("mooncake_put", ("mooncake_put",), section_mooncake_put),
+        ("teacher_memory", ("teacher_memory",), section_teacher_memory),
+        (
+            "capture_time",
+            ("online_pipeline", "online_pipeline_k25", "passthrough_cpu"),
+            lambda p, k, c: section_capture_time(p + k, c),
+        ),
+    ]
+
+
+def withdrawn(name: str, data: dict, section: str, superseded: dict | None = None) -> str | None:
+    """Why ``name`` leaves ``section`` for the appendix (its ``SUPERSEDED`` entry, a failed acceptance
+    threshold), or None: it is current there."""
+    entry = (SUPERSEDED if superseded is None else superseded).get(name)
+    if isinstance(entry, tuple):
+        entry = entry[0] if section in entry[1] else None
+    th = data.get("threshold") if data.get("benchmark") == "acceptance" else None
+    failed = (
+        f"AL {_fmt(th.get('acceptance_length'))} below its {th.get('min_acceptance_length')} threshold"
+        if isinstance(th, dict) and th.get("passed") is False
+        else None
+    )
+    if entry and failed:
+        return f"{entry}; {failed}"
+    return entry or (f"failed experiment: {failed}" if failed else None)
+
+
+def build_report(results_dir: Path, out_md: Path, plots: Path, superseded: dict | None = None) -> str:
+    """Write ``out_md`` and the plots; return the Markdown. ``superseded`` replaces ``SUPERSEDED`` (tests)."""
     plots.mkdir(parents=True, exist_ok=True)
     kinds = load_results(results_dir)
     try:
         shown = out_md.parent.resolve().relative_to(Path.cwd().resolve()) / results_dir.name
     except ValueError:
         shown = results_dir
+    by_name = {n: d for k, v in kinds.items() if k != "unreadable" for n, d in v}
     lines = [
         "# specforge-kimi benchmark report",
         "",
         f"Generated by `python bench/report.py` from `{shown}/*.json` "
-        f"({sum(len(v) for v in kinds.values())} files). Do not edit by hand; rerun the command.",
+        f"({sum(len(v) for v in kinds.values())} files). Do not edit by hand; rerun the command. The headline "
+        "gives the current figure per metric; the sections after it show the current files; superseded "
+        "results and failed experiments are in the appendix at the end, each with its reason.",
         "",
+        *section_headline(by_name),
     ]
-    lines += section_acceptance(kinds.get("acceptance", []), plots)
-    for kind in ("capture_overhead", "pipeline_efficiency", "trainer_memory"):
-        lines += section_planned(kind, kinds.get(kind, []), kinds.get("online_pipeline", []))
-    lines += section_capture_parity(kinds.get("capture_parity", []), plots)
-    lines += section_prepare_memory(kinds.get("prepare_memory", []), plots)
-    lines += section_regenerate(kinds.get("regenerate", []))
-    lines += section_bench_test(kinds.get("bench_test", []))
-    lines += section_trainer_step_memory(kinds.get("trainer_step_memory", []))
-    lines += section_tiny_targets(kinds.get("tiny_target", []))
-    lines += section_pretrain_repro(kinds.get("pretrain_repro", []))
-    lines += section_target_select(kinds.get("target_select", []))
-    lines += section_online_runs(kinds.get("online_run", []))
-    lines += section_eval_draft(kinds.get("eval_draft", []))
-    lines += section_engine_pairs(kinds.get("offline_twin", []), kinds.get("mla_vs_llama_engine", []))
-    lines += section_draft_parity(kinds.get("draft_parity", []))
-    lines += section_cpu_simulated(kinds.get("mla_vs_llama", []), kinds.get("greedy_acceptance", []))
-    lines += section_fault_drills(kinds.get("fault_drills", []))
-    lines += section_mooncake_put(kinds.get("mooncake_put", []))
-    lines += section_teacher_memory(kinds.get("teacher_memory", []))
-    lines += section_capture_time(kinds.get("online_pipeline", []), kinds.get("passthrough_cpu", []))
+    reasons: dict[str, list[str]] = {}
+    later: list[str] = []
+    appendix = {sid: render for sid, _, render in _sections(None)}
+    for sid, ks, render in _sections(plots):
+        current, old = [], []
+        for k in ks:
+            files = kinds.get(k, [])
+            why = {n: withdrawn(n, d, sid, superseded) for n, d in files}
+            current.append([(n, d) for n, d in files if not why[n]])
+            old.append([(n, d) for n, d in files if why[n]])
+            for n, r in why.items():
+                if r and r not in reasons.setdefault(n, []):
+                    reasons[n].append(r)
+        section = render(*current)
+        if not any(current) and any(old):
+            section[2:2] = ["Every file of this section is superseded or failed: see the appendix.", ""]
+        lines += section
+        if any(old):
+            # the appendix's tables, headings one level down (its renderers get no plots folder)
+            later += [("### " + x[3:]) if x.startswith("## ") else x for x in appendix[sid](*old)]
     other = kinds.get("unknown", []) + kinds.get("unreadable", [])
     if other:
         lines += ["## Unrecognised results files", "", *[f"- `{n}`" for n, _ in other], ""]
+    if reasons:
+        lines += [
+            "## Appendix: superseded results and failed experiments",
+            "",
+            "Out of the sections above (`SUPERSEDED` in bench/report.py, and acceptance runs below their "
+            "threshold), one line each with its reason; their tables follow, so every number stays here.",
+            "",
+            *[f"- `{n}`: {'; '.join(r)}" for n, r in sorted(reasons.items())],
+            "",
+            "Their tables, section by section:",
+            "",
+            *later,
+        ]
     text = "\n".join(lines)
     out_md.write_text(text)
     return text

@@ -685,7 +685,9 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "## Unrecognised results files" not in md
     assert "| target_select.json | 1 | 2000 | - | 1.700 | 1.500 | 1.900 | 0.600 | yes |" in md
-    assert "| tiny_target_pretrain_120s_h200x2.json | 8L/512h | cuda | 1283 |" in md
+    # superseded files (NOTES.md History) are tabulated in the appendix, not in their main sections
+    assert "| tiny_target_pretrain_120s_h200x2.json | 8L/512h | cuda | 1283 |" in _appendix(md)
+    assert "tiny_target_pretrain_120s_h200x2.json" not in _section(md, "Tiny targets")
     assert "| online_run_regen_h200x2.json | 900 | 1800 | 0 | 492414 |" in md
     assert "| online_run_regen_h200x2_eval_draft.json | tiny-k25-tp2-step900 | corpus seed 20000 | 1.483 |" in md
     assert "| full | llama | 49 | 300 | 3.100 | 0.90 / 0.70 / 0.50 | 3.200 |" in md
@@ -695,7 +697,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
         "| draft_logits_parity_h200.json | LlamaForCausalLMEagle3 | triton | 768 | 0.99999 | 0.38% | 0.993 | 28.7 | yes | 0 |"
         in md
     )
-    assert "| offline_twin_tp1_h200.json | online | offline twin | 2.714 | 2.770 | +2.1% | yes |" in md
+    assert "| offline_twin_tp1_h200.json | online | offline twin | 2.714 | 2.770 | +2.1% | yes |" in _appendix(md)
     assert "| mla_vs_llama_engine_tp1_h200.json | Llama-style | MLA | 2.770 | 2.681 | -3.2% | - |" in md
     # a twin against an earlier call's online bench says so; one that benched both sides does not
     pairs = md.split("## Same data, two drafts", 1)[1].split("\n## ", 1)[0]
@@ -714,7 +716,9 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
         in md
     )
     assert "| pretrain_repro_h200.json | 1b6c33f | NVIDIA H200 | default | 300 / 300 | 2.739 / 2.495 |" in md
-    assert "| online_run_mix_tp1_h200_eval_draft.json | tiny-k25-tp1-step2400 | prompt_mix/chat | 16 | 2.342 |" in md
+    assert "| online_run_mix_tp1_h200_eval_draft.json | tiny-k25-tp1-step2400 | prompt_mix/chat | 16 | 2.342 |" in (
+        _appendix(md)
+    )
     assert "| mooncake_put_cpu.json | 2 | 268 | 1 | 50.100 | 5.360 |" in md
     timing = md.split("## Where a capture call's time goes", 1)[1]
     assert (
@@ -726,6 +730,307 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     # a file of neither shape stays unrecognised rather than landing in these sections
     (results / "odd.json").write_text(json.dumps({"online": 1, "offline": 2, "command": "something else"}))
     assert "- `odd.json`" in report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+
+
+def _section(md: str, title: str) -> str:
+    """The main section ``## title`` (its first occurrence; the appendix's copies are ``###``)."""
+    return md.split(f"\n## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _appendix(md: str) -> str:
+    return md.split("\n## Appendix: superseded results and failed experiments", 1)[1]
+
+
+def _copy_results(results: Path, *names: str) -> None:
+    results.mkdir(exist_ok=True)
+    for name in names:
+        (results / name).write_text((REPO / "bench" / "results" / name).read_text())
+
+
+def _headline_row(md: str, metric: str) -> str:
+    head = _section(md, "Headline: the current figure per metric")
+    (row,) = [r for r in head.splitlines() if r.startswith(f"| {metric}")]
+    return row
+
+
+def _k25_pipeline(transports: dict[str, float], run_report: dict | None = None) -> dict:
+    """bench/online_pipeline.py's output on the K2.5-width slice (config.hidden 7168, runs with a transport)."""
+    out = {
+        "command": ["python3", "bench/online_pipeline.py", "--target", "runs/k25-slice"],
+        "engine": "sglang",
+        "config": {"target": "runs/k25-slice", "layers": 5, "hidden": 7168},
+        "baseline_capture_over_plain": {"tp1": {"64x1024": 0.55, "16x4096": 0.91}},
+        "runs": [
+            {
+                "tp": 1,
+                "transport": t,
+                "shapes": [
+                    {
+                        "batch": 4,
+                        "tokens_per_prompt": 4096,
+                        "plain_tokens_per_s": 20000.0,
+                        "capture_tokens_per_s": 20000.0 * ratio,
+                        "capture_over_plain": ratio,
+                        "feature_bytes_per_token": 57344.0,
+                        "capture_write_gb_per_s": 1.5,
+                        "read_gb_per_s": 2.0,
+                    }
+                ],
+            }
+            for t, ratio in transports.items()
+        ],
+    }
+    if run_report:
+        out["online_run"] = run_report
+    return out
+
+
+def _prefill_depth(layers: int, plain: float) -> dict:
+    return {
+        "benchmark": "plain prefill of a running server (bench/prefill_depth.py)",
+        "command": ["python3", "bench/prefill_depth.py"],
+        "config": {
+            "target": f"runs/k25-slice{layers}",
+            "layers": layers,
+            "hidden": 7168,
+            "experts": 384,
+            "experts_per_token": 8,
+            "quantization": "int4-experts",
+            "url": "http://127.0.0.1:31998",
+        },
+        "runs": [
+            {
+                "tp": 1,
+                "transport": "none",
+                "shapes": [
+                    {
+                        "batch": 4,
+                        "tokens_per_prompt": 4096,
+                        "tokens": 16384,
+                        "reps": 3,
+                        "seconds": [1.0, 1.0, 1.0],
+                        "plain_tokens_per_s": plain,
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def test_report_headline_reads_the_current_files(tmp_path):
+    """Each headline row is read from the file it names; capture / plain and the slice's figures move to the K2.5-width
+    files once they exist; sizing_k25.json (as bench/sizing.py writes it) gives the projection row."""
+    report = _report_module()
+    results = tmp_path / "results"
+    _copy_results(
+        results,
+        "acceptance_online_draft_echo_tp1_h200.json",
+        "offline_twin_echo_tp1_h200.json",
+        "acceptance_offline_twin_echo_baseline_tp1_h200.json",
+        "online_pipeline_tp1_h200_compact_headline.json",
+        "online_run_echo_tp1_h200.json",
+        "trainer_memory_k25_b200_h200.json",
+    )
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert md.index("## Headline") < md.index("## Acceptance length")
+    assert _headline_row(md, "acceptance length").startswith(
+        "| acceptance length | **3.258** (threshold 3.0 passed; structured 3.472, chat 3.223, math 3.219, code 3.111) |"
+    )
+    assert _headline_row(md, "acceptance length").endswith("| `acceptance_online_draft_echo_tp1_h200.json` |")
+    assert "| **+0.8%** (offline twin 3.284 vs online draft 3.258) |" in _headline_row(md, "offline twin vs online")
+    assert "| **2.11x** (548.3 vs 259.9 output tok/s without speculation) |" in _headline_row(md, "speedup")
+    capture = _headline_row(md, "capture / plain prefill")
+    assert "| 64x1024 **0.73x**, 16x4096 **0.88x** |" in capture
+    assert capture.endswith(
+        "| `online_pipeline_tp1_h200_compact_headline.json` (`online_pipeline_k25_slice_h200.json` not measured yet) |"
+    )
+    e2e = _headline_row(md, "end-to-end / slowest stage")
+    assert "| **0.92** (2,651 trained tok/s end to end vs 2,891 trainer-only) |" in e2e
+    assert e2e.endswith(
+        "`online_run_echo_tp1_h200.json` (`sizing_k25.json`, `online_run_k25_slice_h200.json` not measured yet) |"
+    )
+    assert "| **35.2 B** (494,435 trained tokens) |" in _headline_row(md, "bytes on disk per trained token")
+    assert "| **0.52-0.88x** peak allocated / plan (6 lengths: flex_attention 2048-16384, sdpa 2048-4096 tokens); " in (
+        _headline_row(md, "trainer memory vs plan")
+    )
+    assert "| not measured yet |" in _headline_row(md, "projected end-to-end tok/s per GPU, 8xB200")
+    for title in ("Capture overhead at K2.5 width", "Plain prefill by depth", "Projected K2.5 run"):
+        assert "Not measured yet" in _section(md, title), title
+
+    # the real-width files land: the K2.5-width pipeline, the two depths, the slice's run-report, bench/sizing.py
+    slice_run = json.loads((results / "online_run_echo_tp1_h200.json").read_text())
+    slice_run.update(metadata_bytes_per_trained_token=12.5, run_id="kimi-k25-slice-h200")
+    slice_run["perf"] = {**slice_run["perf"], "end_to_end_tokens_per_s": 1500.0, "trainer_only_tokens_per_s": 3000.0}
+    (results / "online_run_k25_slice_h200.json").write_text(json.dumps(slice_run))
+    online = {
+        "source": "/out/online_run.json",
+        "perf": slice_run["perf"],
+        "gpu_memory": {"peak_mib_per_role": {"capture-server": 90000, "trainer": 40000}},
+    }
+    pipeline = _k25_pipeline({"mooncake": 0.8, "cuda_ipc": 0.95}, online)
+    (results / "online_pipeline_k25_slice_h200.json").write_text(json.dumps(pipeline))
+    (results / "prefill_depth_k25_slice5_h200.json").write_text(json.dumps(_prefill_depth(5, 20000.0)))
+    (results / "prefill_depth_k25_slice3_h200.json").write_text(json.dumps(_prefill_depth(3, 30000.0)))
+    spec = importlib.util.spec_from_file_location("sizing", REPO / "bench" / "sizing.py")
+    sizing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sizing)
+    doc = tmp_path / "sizing.md"
+    doc.write_text(f"{sizing.BEGIN}\n{sizing.END}\n")
+    r = str(results)
+    assert (
+        sizing.main(
+            [
+                "--pipeline",
+                f"{r}/online_pipeline_k25_slice_h200.json",
+                "--depth",
+                f"{r}/prefill_depth_k25_slice5_h200.json",
+                f"{r}/prefill_depth_k25_slice3_h200.json",
+                "--online-run",
+                f"{r}/online_run_k25_slice_h200.json",
+                "--trainer",
+                f"{r}/trainer_memory_k25_b200_h200.json",
+                "--out",
+                f"{r}/sizing_k25.json",
+                "--doc",
+                str(doc),
+            ]  # fmt: skip
+        )
+        == 0
+    )
+    res = json.loads((results / "sizing_k25.json").read_text())
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert "## Unrecognised results files" not in md
+    capture = _headline_row(md, "capture / plain prefill")
+    assert "| mooncake: 4x4096 **0.80x**; cuda_ipc: 4x4096 **0.95x** |" in capture
+    assert capture.endswith("| `online_pipeline_k25_slice_h200.json` |")
+    assert "| **0.50** (1,500 trained tok/s end to end; plain prefill 20,000, trainer-only 3,000) |" in (
+        _headline_row(md, "end-to-end / slowest stage")
+    )
+    assert _headline_row(md, "end-to-end / slowest stage").endswith("| `sizing_k25.json` |")
+    disk = _headline_row(md, "bytes on disk per trained token")
+    assert "| **12.5 B**" in disk and disk.endswith("| `online_run_k25_slice_h200.json` |")
+    b200 = res["recipes"]["kimi-k25-8xb200-lowered"]["transports"]
+    ts = res["torchspec"]["tokens_per_s_per_gpu"]
+    moon = b200["mooncake"]["end_to_end_tokens_per_s_per_gpu"]
+    projection = _headline_row(md, "projected end-to-end tok/s per GPU, 8xB200")
+    ipc = b200["cuda_ipc"]["end_to_end_tokens_per_s_per_gpu"]
+    assert (
+        f"| cuda_ipc **{ipc:,.0f}** ({ipc / ts:.2f}x); mooncake **{moon:,.0f}** ({moon / ts:.2f}x) tok/s per GPU "
+        in (projection)
+    )
+    assert "(kimi-k25-8xb200-lowered, 1x8 B200, slowest stage " in projection and f"TorchSpec {ts:,.0f} |" in projection
+    # the K2.5-width pipeline has its own section, per transport, and stays out of the tiny-width one
+    k25 = _section(md, "Capture overhead at K2.5 width (real-width slice)")
+    assert "| mooncake | tp1 | 4x4096 | 20000 | 16000 | 0.80x | 57344 | 1.50 | 2.00 |" in k25
+    assert "| cuda_ipc | tp1 | 4x4096 | 20000 | 19000 | 0.95x | 57344 | 1.50 | 2.00 |" in k25
+    assert "| end-to-end trained tok/s | 1500.000 |" in k25 and "| trainer | 40000 |" in k25
+    assert "online_pipeline_k25_slice_h200.json" not in _section(md, "Capture overhead")
+    depth = _section(md, "Plain prefill by depth (K2.5-width slices)")
+    assert (
+        "| prefill_depth_k25_slice3_h200.json | 3 | 7168 | 384 (8 per token) | int4-experts | 1 | 4x4096 | 30000 | 3 |"
+        in (depth)
+    )
+    proj = _section(md, "Projected K2.5 run (`bench/sizing.py`)")
+    moon_row = b200["mooncake"]
+    assert "| kimi-k25-8xb200-lowered | 1x8 B200 | 8 |" in proj
+    assert f"| mooncake | {moon:,.0f} | {moon / ts:.2f}x | {moon_row['feature_gb_per_s_per_node']:.2f} (" in proj
+    assert "tok/s at 3 layers" in proj and "- assumed, tp_efficiency: 1 1.0, 8 0.7, 16 0.5 (" in proj
+    assert "| online_run_k25_slice_h200.json | 3000 |" in _section(md, "Online runs (trainer view)")
+
+
+def test_report_headline_missing_file_is_not_measured_yet(tmp_path):
+    report = _report_module()
+    results = tmp_path / "results"
+    results.mkdir()
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    head = _section(md, "Headline: the current figure per metric")
+    rows = [r for r in head.splitlines() if r.startswith("| ") and not r.startswith(("| metric", "| ---"))]
+    assert len(rows) == len(report.HEADLINE)
+    assert all(" | not measured yet | " in r for r in rows)
+    assert "| `online_pipeline_k25_slice_h200.json` or `online_pipeline_tp1_h200_compact_headline.json` |" in head
+    # a named file of an unexpected shape is said so, the report still written
+    twin = {"command": "bash scripts/gpu_offline_twin.sh", "online": {}, "offline": {}}
+    (results / "offline_twin_echo_tp1_h200.json").write_text(json.dumps(twin))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert (
+        "| offline twin vs online draft (acceptance length) | could not be read: KeyError: 'acceptance_length' |" in md
+    )
+
+
+def test_report_superseded_and_failed_go_to_the_appendix(tmp_path):
+    """A file SUPERSEDED names leaves its main section for the appendix (a line with its reason, then its table);
+    an entry scoped to sections leaves only those; an acceptance run below its threshold goes by itself."""
+    report = _report_module()
+    results = tmp_path / "results"
+    _copy_results(
+        results,
+        "tiny_target_pretrain_h200x2.json",
+        "tiny_target_pretrain_echo_h200.json",
+        "online_pipeline_tp1_h200_compact.json",
+        "online_pipeline_tp1_h200_compact_headline.json",
+        "acceptance_online_draft_echo_tp1_h200.json",
+        "acceptance_online_draft_taps_tp1_h200.json",
+    )
+    failed = json.loads((results / "acceptance_online_draft_echo_tp1_h200.json").read_text())
+    failed["threshold"] = {**failed["threshold"], "acceptance_length": 2.5, "passed": False}
+    (results / "acceptance_below.json").write_text(json.dumps(failed))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    appendix = _appendix(md)
+    main = md.split("\n## Appendix", 1)[0]
+    targets = _section(md, "Tiny targets")
+    assert "| tiny_target_pretrain_echo_h200.json |" in targets
+    assert "tiny_target_pretrain_h200x2.json" not in targets
+    assert "- `tiny_target_pretrain_h200x2.json`: superseded by tiny_target_pretrain_echo_h200.json on 2026-12-01" in (
+        appendix
+    )
+    assert "| tiny_target_pretrain_h200x2.json | 8L/512h | cuda | 622 |" in appendix.split("### Tiny targets", 1)[1]
+    # scoped: out of the capture overhead section, its breakdown still in the main one
+    assert "online_pipeline_tp1_h200_compact.json" not in _section(md, "Capture overhead")
+    assert "| online_pipeline_tp1_h200_compact_headline.json" not in _section(md, "Capture overhead")  # no file column
+    assert "`online_pipeline_tp1_h200_compact_headline.json` (" in _section(md, "Capture overhead")
+    assert "| online_pipeline_tp1_h200_compact.json | tp1, 1 put client(s) | 64x1024 |" in _section(
+        md, "Where a capture call's time goes"
+    )
+    assert "| tp1 | 64x1024 | 411095 | 260888 | 0.63x |" in appendix.split("### Capture overhead", 1)[1]
+    # below the threshold: out of the acceptance section, with the threshold as its reason
+    acceptance = _section(md, "Acceptance length through SGLang EAGLE-3")
+    assert "acceptance_online_draft_echo_tp1_h200.json" in acceptance
+    assert "acceptance_below.json" not in acceptance and "acceptance_online_draft_taps_tp1_h200.json" not in acceptance
+    assert "- `acceptance_below.json`: failed experiment: AL 2.500 below its 3.0 threshold" in appendix
+    assert (
+        "- `acceptance_online_draft_taps_tp1_h200.json`: deep aux taps on the step-bounded target (2026-12-01): no "
+        "measurable difference from SGLang's default taps (NOTES.md Measurements, acceptance); AL 2.159 below its "
+        "3.0 threshold"
+    ) in appendix
+    assert "| acceptance_below.json | tiny 8L/512h, pretrained 1400 steps | 3/1/4 | structured |" in appendix
+    assert "### Acceptance length" in appendix and "![acceptance]" not in appendix
+    assert main.count("## Appendix") == 0 and md.count("\n## Appendix") == 1
+    # a section whose every file is withdrawn says so
+    md = report.build_report(
+        results,
+        tmp_path / "REPORT.md",
+        tmp_path / "plots",
+        superseded={**report.SUPERSEDED, "tiny_target_pretrain_echo_h200.json": "superseded by X on 2026-12-03"},
+    )
+    assert "Every file of this section is superseded or failed: see the appendix." in _section(md, "Tiny targets")
+    assert "- `tiny_target_pretrain_echo_h200.json`: superseded by X on 2026-12-03" in _appendix(md)
+
+
+def test_report_headline_and_superseded_agree_with_the_committed_results(tmp_path):
+    """No headline file is superseded; every SUPERSEDED entry names a committed file; the committed results give a
+    headline without a read error, and each superseded file is listed in the appendix, out of the main sections."""
+    report = _report_module()
+    committed = {p.name for p in (REPO / "bench" / "results").glob("*.json")}
+    headline_files = {f for _, cands in report.HEADLINE for f, _, _ in cands}
+    assert not headline_files & set(report.SUPERSEDED)
+    assert set(report.SUPERSEDED) <= committed
+    md = report.build_report(REPO / "bench" / "results", tmp_path / "REPORT.md", tmp_path / "plots")
+    assert "could not be read" not in _section(md, "Headline: the current figure per metric")
+    appendix, main = _appendix(md), md.split("\n## Appendix", 1)[0]
+    for name, entry in report.SUPERSEDED.items():
+        assert f"- `{name}`: " in appendix, name
+        if isinstance(entry, str):
+            assert name not in main.split("\n## Acceptance length", 1)[1], name
 
 
 def test_structured_requests_are_prefixes_of_the_training_rows():
