@@ -10,7 +10,7 @@ run on this box before, ``STAGE=all`` does everything) and checks the run:
   - >= 200 optimizer steps, the recipe's max_steps reached, every sample trained once (SpecForge's ledger);
   - the loss falls: SpecForge's console loss, mean of the last window below the first window's (a random
     target: the draft learns the target's next-token distribution on the target's own text);
-  - checkpoints and the SGLang export written; bytes on disk per trained token stay metadata (features
+  - the final checkpoint and the SGLang export written; bytes on disk per trained token stay metadata (features
     travel through the transport only);
   - the server took the compressed-tensors INT4 MoE path; afterwards no process holds GPU memory and no
     sglang/specforge/mooncake process is left.
@@ -54,7 +54,7 @@ def test_real_width_online_run(tmp_path):
     assert led["global_step"] >= 200 and rep["last_step"] == rep["max_steps"], (led, rep["last_step"])
     assert led["duplicates"] == 0 and led["acked_not_committed"] == 0 and led["acked"] == led["acked_unique"]
     assert rep["loss_last_mean"] < rep["loss_first_mean"], (rep["loss_first_mean"], rep["loss_last_mean"])
-    assert len(rep["checkpoints"]) >= 2 and rep["export_present"]
+    assert rep["checkpoints"] and rep["export_present"]  # the recipe keeps the final checkpoint only (disk)
     assert rep["metadata_bytes_per_trained_token"] < METADATA_BOUND, rep["disk"]
     server_log = (out / "capture-server-node0.log").read_text(errors="replace")
     assert "CompressedTensorsWNA16MarlinMoEMethod" in server_log or "WNA16" in server_log
