@@ -165,6 +165,9 @@ def test_cuda_ipc_reads_equal_mooncake_reads_bit_for_bit(tmp_path):
             (out / "cuda_ipc_bitwise.json").write_text(json.dumps(summary, indent=1))
             summary["read_gb_per_s_information"] = {k: read_bytes / v / 1e9 for k, v in read_s.items() if v}
             summary["ipc_store_health"] = ipc_store.health()
+            ipc_store.close()
+            del p, m1, m2
+            torch.cuda.empty_cache()
     time.sleep(5)
     after = _compute_apps()
     summary["compute_apps_before"], summary["compute_apps_after"] = before, after

@@ -246,6 +246,8 @@ def test_written_samples_read_back_bit_for_bit(writer):
         store.get(_ref_for(results[0]))
     with pytest.raises(KeyError, match="no longer holds"):  # another process's view of the same freed sample
         _store(writer).get(_ref_for(results[0]))
+    store.close()  # drops the mapping; a later read maps the pool again
+    assert torch.equal(store.get(_ref_for(results[1]))[0]["target"][0], rows[1][1])
 
 
 def test_consume_once_store_releases_on_release(writer):
@@ -296,6 +298,16 @@ def test_full_pool_waits_for_a_release_then_fails_after_the_wait(writer):
     assert torch.equal(store.get(_ref_for(second))[0]["target"][0], _rows(big, 1)[1])
     with pytest.raises(RuntimeError, match="the whole pool is"):
         _put(writer, [(_spec("run:huge", 2000), _rows(2000, 2))])
+
+
+def test_a_batch_never_expires_its_own_slots(writer):
+    """A batch waiting for space past the lease must not reclaim the slots it just lent itself (it would answer
+    descriptors of freed slots): it waits, then fails whole."""
+    big = 600
+    threading.Timer(0.05, lambda: writer.test_clock.update(t=1000.0)).start()  # the lease runs out mid-wait
+    with pytest.raises(RuntimeError, match="full for"):
+        _put(writer, [(_spec("run:a", big), _rows(big, 0)), (_spec("run:b", big), _rows(big, 1))])
+    assert writer.lent()["expired"] == 0 and writer.lent()["samples"] == 0
 
 
 def test_a_failing_batch_lends_nothing(writer):

@@ -256,6 +256,14 @@ class CudaIpcFeatureStore(FeatureStore):
     def gc(self, *, now: float | None = None) -> dict[str, int]:
         return {"force_freed": 0, "force_freed_bytes": 0, "release_pending": 0}  # the server owns leases
 
+    def close(self) -> None:
+        """Drop this process's mappings (the pools' memory is closed when the last tensor read from it is freed)."""
+        with self._lock:
+            readers, self._readers = self._readers, {}
+            self._tables.clear()
+        for reader in readers.values():
+            reader.table.close()
+
     def health(self) -> dict[str, Any]:
         with self._lock:
             now = self._clock()

@@ -124,6 +124,7 @@ class IpcCaptureWriter:
         )
         self._lent: dict[int, _Lent] = {}
         self._by_sample: dict[str, int] = {}
+        self._batch: set[int] = set()  # slots lent to the batch being written: never expired under it
         self._next_alloc = 1
         self._stream = None
         self._closed = False
@@ -176,7 +177,7 @@ class IpcCaptureWriter:
                 freed += 1
         now = self._clock()
         for slot, lent in list(self._lent.items()):
-            if now - lent.since > self.lease_s:
+            if now - lent.since > self.lease_s and slot not in self._batch:
                 logger.warning(
                     "cuda_ipc pool %s: sample %s held slot %d for %.0f s, past the %.0f s lease, without a release; "
                     "reclaimed (a trainer that stopped before acknowledging it, or a capture nobody adopted)",
@@ -309,6 +310,7 @@ class IpcCaptureWriter:
                     slot, offset, alloc_id = self._lend(sample_id, total)
                     waited += time.perf_counter() - w
                     made.append(slot)
+                    self._batch.add(slot)
                     places, feats = {}, {}
                     at = offset
                     for (name, tensor), nbytes in zip(named, sizes, strict=True):
@@ -336,6 +338,8 @@ class IpcCaptureWriter:
                     self._free(slot)
             self.stats["failed"] += len(samples)
             raise
+        finally:
+            self._batch.clear()
         if timing:
             done = time.perf_counter()
             logger.info(
