@@ -188,3 +188,28 @@ def test_stale_pools_are_removed_after_a_run(tmp_path):
     assert all(os.path.exists(p) for p in left) and len(list(Path(tp.ipc_dir(r)).glob("*.json"))) == 1
     assert len(tp.remove_stale_pools(r)) == 1
     assert not any(os.path.exists(p) for p in left) and not list(Path(tp.ipc_dir(r)).glob("*.json"))
+
+
+def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
+    """doctor with a cuda_ipc recipe: a ``cuda_ipc transport`` check (SGLang 0005, peer access) instead of the
+    Mooncake master's; on this CPU box's unpatched sglang it fails naming 0005, with a fix."""
+    from specforge_kimi.online import doctor, setup_patches
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    checks = {c.name: c for c in doctor.run_checks(str(path))}
+    assert "mooncake master" not in checks
+    ipc = checks["cuda_ipc transport"]
+    assert ipc.status == "fail" and "0005-spec-capture-cuda-ipc.patch" in ipc.detail and "setup" in ipc.fix
+    monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
+    (ok,) = doctor.check_cuda_ipc(load_recipe(path))
+    assert ok.status == "ok" and "pool 1.00 GiB on GPU 0" in ok.detail
+
+
+def test_trainer_ranks_map_pools_on_their_own_gpu(monkeypatch):
+    from specforge_kimi.transport.store import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert str(rank_device()) == "cuda:3"
