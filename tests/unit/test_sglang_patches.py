@@ -461,25 +461,31 @@ def test_cuda_ipc_sink_routes_samples_to_the_pool(patched_site, tmp_path, monkey
 
 @pytest.mark.parametrize("transport", ["mooncake", "cuda_ipc"])
 def test_cuda_ipc_keeps_captured_rows_where_they_are(patched_site, monkeypatch, transport):
-    """0005 in the scheduler: with cuda_ipc ``copy_to_cpu`` leaves the hidden states on the device and
-    ``_append_spec_capture_states`` hands the sink views of the batch's rows (no host copy); with mooncake both
-    behave as before (async D2H; one host tensor per batch, cached on the logits output)."""
+    """0005 in the scheduler: with cuda_ipc ``copy_to_cpu`` leaves the hidden states on the device, giving them
+    storage of their own on the forward's stream (a clone: the sink reads them beside the next forward), and
+    ``_append_spec_capture_states`` hands the sink views of those rows (cloning first when no ``copy_to_cpu`` ran:
+    the non-overlap scheduler); with mooncake both behave as before (async D2H; one host tensor per batch, cached on
+    the logits output)."""
     import types
 
     import torch
 
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_TRANSPORT", transport)
     _load(patched_site, monkeypatch, "sglang.srt.spec_capture_sink", "sglang/srt/spec_capture_sink.py")
-    utils = _load(patched_site, monkeypatch, "patched_managers_utils", "sglang/srt/managers/utils.py")
-    moved = []
+    utils = _load(patched_site, monkeypatch, "sglang.srt.managers.utils", "sglang/srt/managers/utils.py")
+    calls = []
 
-    class Rows:  # records .to() (the D2H) instead of doing it
+    class Rows:  # records .to() (the D2H) and .clone() instead of doing them
         def __init__(self, name):
             self.name = name
 
         def to(self, *a, **k):
-            moved.append(self.name)
+            calls.append(("to", self.name))
             return self
+
+        def clone(self):
+            calls.append(("clone", self.name))
+            return Rows(self.name + "'")
 
     logits = types.SimpleNamespace(
         hidden_states=Rows("hidden_states"), last_hidden_states=Rows("last_hidden_states"), next_token_logprobs=None
@@ -488,7 +494,11 @@ def test_cuda_ipc_keeps_captured_rows_where_they_are(patched_site, monkeypatch, 
         logits_output=logits, next_token_ids=torch.zeros(2), copy_done=types.SimpleNamespace(record=lambda: None)
     )
     result.copy_to_cpu(return_logprob=False, return_hidden_states=True)
-    assert moved == ([] if transport == "cuda_ipc" else ["last_hidden_states", "hidden_states"])
+    if transport == "cuda_ipc":
+        assert calls == [("clone", "hidden_states"), ("clone", "last_hidden_states")] and logits._spec_capture_owned
+        assert logits.hidden_states.name == "hidden_states'"
+    else:
+        assert calls == [("to", "last_hidden_states"), ("to", "hidden_states")]
 
     brp = _load(
         patched_site,
@@ -496,25 +506,33 @@ def test_cuda_ipc_keeps_captured_rows_where_they_are(patched_site, monkeypatch, 
         "patched_brp_0005",
         "sglang/srt/managers/scheduler_components/batch_result_processor.py",
     )
-    hidden, last = torch.randn(12, 6), torch.randn(12, 2)
-    out = types.SimpleNamespace(hidden_states=hidden, last_hidden_states=last)
     this = types.SimpleNamespace(output_streamer=types.SimpleNamespace(ps=types.SimpleNamespace(attn_tp_rank=0)))
-    reqs = []
-    offset = 0
-    for n in (5, 7):
-        req = types.SimpleNamespace(
-            origin_input_ids=list(range(n)),
-            spec_capture={"features": {"aux": "hidden_state", "last_hidden": "target"}},
-            spec_capture_aux=[],
-            spec_capture_last_hidden=[],
-        )
-        offset = brp.SchedulerBatchResultProcessor._append_spec_capture_states(
-            this, req=req, logits_output=out, hidden_state_offset=offset
-        )
-        reqs.append(req)
-    assert offset == 12
-    assert torch.equal(reqs[1].spec_capture_aux[0], hidden[5:12]) and torch.equal(
-        reqs[1].spec_capture_last_hidden[0], last[5:]
-    )
-    assert reqs[0].spec_capture_aux[0].data_ptr() == hidden.data_ptr()  # a view of the batch's rows
-    assert hasattr(out, "_spec_capture_aux_cpu") == (transport == "mooncake")
+
+    def append(out):
+        reqs, offset = [], 0
+        for n in (5, 7):
+            req = types.SimpleNamespace(
+                origin_input_ids=list(range(n)),
+                spec_capture={"features": {"aux": "hidden_state", "last_hidden": "target"}},
+                spec_capture_aux=[],
+                spec_capture_last_hidden=[],
+            )
+            offset = brp.SchedulerBatchResultProcessor._append_spec_capture_states(
+                this, req=req, logits_output=out, hidden_state_offset=offset
+            )
+            reqs.append(req)
+        assert offset == 12
+        return reqs
+
+    hidden, last = torch.randn(12, 6), torch.randn(12, 2)
+    for owned in (False, True):
+        out = types.SimpleNamespace(hidden_states=hidden, last_hidden_states=last)
+        if owned:
+            out._spec_capture_owned = True  # copy_to_cpu ran (overlap scheduler)
+        reqs = append(out)
+        assert torch.equal(reqs[1].spec_capture_aux[0], hidden[5:12])
+        assert torch.equal(reqs[1].spec_capture_last_hidden[0], last[5:])
+        assert hasattr(out, "_spec_capture_aux_cpu") == (transport == "mooncake")
+        if transport == "cuda_ipc":  # views of the batch's own rows: the clone, unless copy_to_cpu made it
+            assert reqs[0].spec_capture_aux[0].data_ptr() == out.hidden_states.data_ptr()
+            assert (out.hidden_states is hidden) == owned and (out.last_hidden_states is last) == owned
