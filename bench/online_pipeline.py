@@ -537,6 +537,8 @@ def transport_comparison(runs: list[dict]) -> list[dict]:
                 "plain_tokens_per_s": sh["plain_tokens_per_s"],
                 "read_gb_per_s": sh["read_gb_per_s"],
                 "features_sha256": sh.get("features_sha256"),
+                "server_gpu_mib": sum((run.get("server_gpu_mib") or {}).values()) or None,
+                "pool_bytes": (run.get("pool") or {}).get("nbytes"),
             }
     out = []
     for (tp, shape), by in sorted(rows.items()):
