@@ -33,6 +33,16 @@ put over that many store clients (our SGLang patch 0003, ``SGLANG_SPEC_CAPTURE_P
 compactly, as a recipe with ``server.compact_passthrough: true`` does; refused when our SpecForge patch 0002
 (or, for the SGLang engine, SGLang patch 0004) is not applied.
 
+``--transport mooncake,cuda_ipc`` measures each feature transport in the same run, one server per TP size and
+transport (each started with it: ``cuda_ipc`` servers carry ``SGLANG_SPEC_CAPTURE_TRANSPORT=cuda_ipc`` and a pool of
+``--ipc-pool-gib``; SGLang patch 0005), the same seeded prompts on each: capture/plain prefill, the read rate
+(``cuda_ipc``: our ``CudaIpcFeatureStore.get`` mapping the server's pool by CUDA IPC in this process and copying
+each sample into fresh tensors on GPU 0), the pool's bytes and the server's GPU memory (nvidia-smi). Every shape
+entry names its ``"transport"`` beside ``capture_over_plain``; ``transport_comparison`` sets them side by side with
+the read-rate ratio and whether the features of the first measured round hashed equal on both (two servers with
+SGLang's default kernels: information, not a test -- ``tests/gpu/test_cuda_ipc.py`` is the bit-for-bit check).
+A ``cuda_ipc`` server's sink logs ``ipc_sink`` timings (reclaim, wait for pool space, copy issue, copy wait).
+
 ``--breakdown`` also splits a capture call's time per shape (``bench_breakdown``): the same
 ``/generate`` body SpecForge's producer builds, JSON-encoded on the client (timed apart) and posted
 as bytes, in five variants posted in turn: ``plain`` (no ``spec_capture``), ``bookkeeping``
@@ -68,6 +78,13 @@ TIMING = re.compile(
     r"\[spec-capture-timing\] batch_sink samples=(\d+) objects=(\d+) bytes=(\d+) "
     r"materialize_ms=([\d.]+) register_ms=([\d.]+) put_ms=([\d.]+) total_ms=([\d.]+)"
 )
+
+
+TIMING_IPC = re.compile(
+    r"\[spec-capture-timing\] ipc_sink samples=(\d+) bytes=(\d+) reclaim_ms=([\d.]+) wait_ms=([\d.]+) "
+    r"issue_ms=([\d.]+) copy_wait_ms=([\d.]+) total_ms=([\d.]+)"
+)
+TRANSPORTS = ("mooncake", "cuda_ipc")
 
 
 def _post(url: str, body: dict, timeout: float = 600.0):
@@ -135,10 +152,25 @@ def _capture(adapter, cfg, prompts, tag: str) -> list:
     return refs
 
 
-def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, log: Path) -> dict:
+def _feature_hash(h, tensors: dict) -> None:
+    """Feed a sample's features, by name, into the hash ``h`` (their raw bytes, wherever they live)."""
+    import torch
+
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+
+
+def bench_shape(
+    url: str, adapter, cfg, store, n: int, length: int, reps: int, log: Path, transport: str = "mooncake"
+) -> dict:
+    import hashlib
+
     prompts = _prompts(n, length, seed=length * 1000 + n)
     tokens = n * length
     plain_s, capture_s, read_s, fbytes = [], [], [], []
+    digest = None
     log_start = log.stat().st_size if log.exists() else 0
     for rep in range(reps + 1):
         t = time.perf_counter()
@@ -149,13 +181,20 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
         dt_cap = time.perf_counter() - t
         for ref in refs:
             store.adopt(ref)
-        t = time.perf_counter()
+        dt_read = 0.0
         nbytes = 0
+        h = hashlib.sha256() if rep == 1 else None
         for ref in refs:
+            t = time.perf_counter()
             tensors, handle = store.get(ref)
+            dt_read += time.perf_counter() - t  # the store's get returns once its copies are done
             nbytes += sum(int(v.numel() * v.element_size()) for v in tensors.values())
             store.release(handle)
-        dt_read = time.perf_counter() - t
+            if h is not None:
+                _feature_hash(h, tensors)
+            del tensors
+        if h is not None:
+            digest = h.hexdigest()
         _free(store, refs)
         if rep == 0:
             continue  # warm-up
@@ -163,11 +202,13 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
         capture_s.append(dt_cap)
         read_s.append(dt_read)
         fbytes.append(nbytes)
-    sink = [tuple(float(x) for x in m.groups()) for m in TIMING.finditer(log.read_text(errors="replace")[log_start:])]
-    sink_tot = {
-        k: sum(s[i] for s in sink) / (reps + 1)
-        for i, k in enumerate(("samples", "objects", "bytes", "materialize_ms", "register_ms", "put_ms", "total_ms"))
-    }
+    pattern, keys = (
+        (TIMING_IPC, ("samples", "bytes", "reclaim_ms", "wait_ms", "issue_ms", "copy_wait_ms", "total_ms"))
+        if transport == "cuda_ipc"
+        else (TIMING, ("samples", "objects", "bytes", "materialize_ms", "register_ms", "put_ms", "total_ms"))
+    )
+    sink = [tuple(float(x) for x in m.groups()) for m in pattern.finditer(log.read_text(errors="replace")[log_start:])]
+    sink_tot = {k: sum(s[i] for s in sink) / (reps + 1) for i, k in enumerate(keys)}
     p, c, r = statistics.median(plain_s), statistics.median(capture_s), statistics.median(read_s)
     fb = statistics.median(fbytes)
     return {
@@ -180,7 +221,9 @@ def bench_shape(url: str, adapter, cfg, store, n: int, length: int, reps: int, l
         "read_s": read_s,
         "plain_tokens_per_s": tokens / p,
         "capture_tokens_per_s": tokens / c,
+        "transport": transport,
         "capture_over_plain": p / c,
+        "features_sha256": digest,  # the first measured round's reads, every sample's features in order
         "feature_bytes_per_token": fb / tokens,
         "capture_write_gb_per_s": fb / c / 1e9,
         "read_gb_per_s": fb / r / 1e9,
@@ -361,6 +404,8 @@ def run_tp(
     in_flight: int = 1,
     put_clients: int = 1,
     breakdown: bool = False,
+    transport: str = "mooncake",
+    ipc_pool_gib: float = 8.0,
 ) -> dict:
     from specforge_kimi.online import services
     from specforge_kimi.online.capture_server import capture_server_argv, capture_server_env
@@ -368,8 +413,13 @@ def run_tp(
 
     port = services.free_ports(1)[0]
     longest = max(length for _, length in shapes)
-    result: dict = {"tp": tp, "put_clients": put_clients}
-    tag = f"tp{tp}" + (f"-put{put_clients}" if put_clients > 1 else "")
+    result: dict = {"tp": tp, "put_clients": put_clients, "transport": transport}
+    tag = (
+        f"tp{tp}"
+        + (f"-put{put_clients}" if put_clients > 1 else "")
+        + (f"-{transport}" if transport != "mooncake" else "")
+    )
+    ipc_dir = workdir / f"ipc-{tag}"
     with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30) as mc:
         argv = capture_server_argv(
             target,
@@ -401,9 +451,20 @@ def run_tp(
             **capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
             "SGLANG_SPEC_CAPTURE_TIMING": "1",
         }
+        ipc_store = None
+        if transport == "cuda_ipc":
+            from specforge_kimi.transport.store import CudaIpcFeatureStore
+
+            env.update(
+                SGLANG_SPEC_CAPTURE_TRANSPORT="cuda_ipc",
+                SGLANG_SPEC_CAPTURE_IPC_POOL_BYTES=str(int(ipc_pool_gib * (1 << 30))),
+                SGLANG_SPEC_CAPTURE_IPC_DIR=str(ipc_dir),
+            )
+            device = "cpu" if engine == "reference" else "cuda:0"  # the reference server's pool is shared memory
+            ipc_store = CudaIpcFeatureStore(store_id=f"bench-{tag}", pool_dir=ipc_dir, device=device)
         log = workdir / f"server-{tag}.log"
         t = time.time()
-        with services.server(argv, env, log, port, timeout_s=SERVER_START_TIMEOUT_S):
+        with services.server(argv, env, log, port, timeout_s=SERVER_START_TIMEOUT_S) as proc:
             result["server_start_s"] = round(time.time() - t, 1)
             result["server_argv"] = argv
             adapter, cfg, store, _layout = capture_tools(
@@ -413,9 +474,17 @@ def run_tp(
                 hidden=info.hidden_size,
                 vocab=info.vocab_size,
                 run_id=f"bench-{tag}",
+                store=ipc_store,
             )
             url = f"http://127.0.0.1:{port}"
-            result["shapes"] = [bench_shape(url, adapter, cfg, store, n, length, reps, log) for n, length in shapes]
+            result["shapes"] = [
+                bench_shape(url, adapter, cfg, store, n, length, reps, log, transport) for n, length in shapes
+            ]
+            result["server_gpu_mib"] = _gpu_mib(services.group_pids(proc.pid))
+            if transport == "cuda_ipc":
+                pool = json.loads(next(ipc_dir.glob("*.json")).read_text())
+                result["pool"] = {k: pool.get(k) for k in ("pool_id", "backend", "nbytes", "device", "alloc_conf")}
+                result["reader"] = store.health()
             if in_flight > 1:
                 for shape, (n, length) in zip(result["shapes"], shapes, strict=False):
                     shape["in_flight"] = bench_in_flight(url, adapter, cfg, store, n, length, reps, in_flight)
@@ -428,7 +497,59 @@ def run_tp(
                         if full
                         else None
                     )
+    if transport == "cuda_ipc":
+        from specforge_kimi.transport.pool import remove_stale
+
+        result["stale_pools_removed"] = remove_stale(ipc_dir)  # the stopped server's pool file and slot table
     return result
+
+
+def _gpu_mib(pids) -> dict:
+    """nvidia-smi's used GPU memory (MiB) of each of ``pids`` that holds any."""
+    import subprocess
+
+    try:
+        res = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out = {}
+    for line in res.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in set(pids):
+            out[pid.strip()] = int(mib.strip() or 0)
+    return out
+
+
+def transport_comparison(runs: list[dict]) -> list[dict]:
+    """Per TP size and shape, each transport's capture/plain and read rate side by side (runs with one put client)."""
+    rows: dict = {}
+    for run in runs:
+        if run.get("error") or run.get("put_clients", 1) != 1:
+            continue
+        for sh in run.get("shapes") or []:
+            key = (run["tp"], f"{sh['batch']}x{sh['tokens_per_prompt']}")
+            rows.setdefault(key, {})[run.get("transport", "mooncake")] = {
+                "capture_over_plain": sh["capture_over_plain"],
+                "plain_tokens_per_s": sh["plain_tokens_per_s"],
+                "read_gb_per_s": sh["read_gb_per_s"],
+                "features_sha256": sh.get("features_sha256"),
+                "server_gpu_mib": sum((run.get("server_gpu_mib") or {}).values()) or None,
+                "pool_bytes": (run.get("pool") or {}).get("nbytes"),
+            }
+    out = []
+    for (tp, shape), by in sorted(rows.items()):
+        row = {"tp": tp, "shape": shape, **by}
+        if "mooncake" in by and "cuda_ipc" in by:
+            row["read_rate_cuda_ipc_over_mooncake"] = by["cuda_ipc"]["read_gb_per_s"] / by["mooncake"]["read_gb_per_s"]
+            hashes = (by["mooncake"]["features_sha256"], by["cuda_ipc"]["features_sha256"])
+            row["features_hash_equal"] = None if None in hashes else hashes[0] == hashes[1]
+        out.append(row)
+    return out
 
 
 def main(argv=None) -> int:
@@ -461,7 +582,19 @@ def main(argv=None) -> int:
         help="the producer calls (capture, in-flight) send passthrough compactly, as a recipe with "
         "server.compact_passthrough: true does (our SpecForge 0002 + SGLang 0004; refused if missing)",
     )
-    p.add_argument("--run-report", default=None, help="online_run.json from specforge-kimi run-report")
+    p.add_argument(
+        "--transport",
+        default="mooncake",
+        help="comma-separated feature transports to measure, each on its own server: mooncake, cuda_ipc",
+    )
+    p.add_argument("--ipc-pool-gib", type=float, default=8.0, help="the cuda_ipc server's pool (GiB)")
+    p.add_argument(
+        "--run-report",
+        nargs="+",
+        default=None,
+        help="online_run.json from specforge-kimi run-report; TRANSPORT=PATH (e.g. cuda_ipc=runs/x.json) names "
+        "the transport its run used (a bare path: mooncake)",
+    )
     p.add_argument("--workdir", default="/tmp/online-pipeline-bench")
     p.add_argument(
         "--engine",
@@ -483,6 +616,9 @@ def main(argv=None) -> int:
         p.error("--in-flight must be >= 1")
     if min(args.put_clients) < 1:
         p.error("--put-clients must be >= 1")
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or any(t not in TRANSPORTS for t in transports):
+        p.error(f"--transport takes a comma-separated subset of {', '.join(TRANSPORTS)}")
 
     import torch
 
@@ -521,6 +657,8 @@ def main(argv=None) -> int:
             "reps": args.reps,
             "in_flight": args.in_flight,
             "put_clients": args.put_clients,
+            "transports": transports,
+            "ipc_pool_gib": args.ipc_pool_gib if "cuda_ipc" in transports else None,
             "breakdown": args.breakdown,
             "compact_passthrough": args.compact_passthrough,
             "server_max_pending_capture_batches": int(os.environ.get("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
@@ -537,36 +675,62 @@ def main(argv=None) -> int:
         "runs": [],
     }
     for tp in args.tp:
-        for clients in args.put_clients:
-            try:
-                out["runs"].append(
-                    run_tp(
-                        args.target,
-                        tp,
-                        shapes,
-                        args.reps,
-                        work,
-                        info,
-                        args.engine,
-                        args.in_flight,
-                        clients,
-                        args.breakdown,
+        for transport in transports:
+            # put clients split Mooncake puts: a cuda_ipc server runs once per TP size
+            for clients in args.put_clients if transport == "mooncake" else [1]:
+                try:
+                    out["runs"].append(
+                        run_tp(
+                            args.target,
+                            tp,
+                            shapes,
+                            args.reps,
+                            work,
+                            info,
+                            args.engine,
+                            args.in_flight,
+                            clients,
+                            args.breakdown,
+                            transport,
+                            args.ipc_pool_gib,
+                        )
                     )
-                )
-            except Exception as exc:  # record and go on with the next run
-                out["runs"].append({"tp": tp, "put_clients": clients, "error": f"{type(exc).__name__}: {exc}"})
-            Path(args.out).write_text(json.dumps(out, indent=2))
-    if args.run_report and Path(args.run_report).is_file():
-        rep = json.loads(Path(args.run_report).read_text())
+                except Exception as exc:  # record and go on with the next run
+                    out["runs"].append(
+                        {
+                            "tp": tp,
+                            "put_clients": clients,
+                            "transport": transport,
+                            "error": f"{type(exc).__name__}: {exc}",
+                        }
+                    )
+                out["transport_comparison"] = transport_comparison(out["runs"])
+                Path(args.out).write_text(json.dumps(out, indent=2))
+    reports = {}
+    for item in args.run_report or []:
+        transport, sep, path = item.partition("=")
+        if not sep or transport not in TRANSPORTS:
+            transport, path = "mooncake", item
+        reports[transport] = path
+    for transport, path in reports.items():
+        if not Path(path).is_file():
+            continue
+        rep = json.loads(Path(path).read_text())
         perf = rep.get("perf", {})
         online = {
-            "source": args.run_report,
+            "source": path,
+            "transport": transport,
             "perf": perf,
             "gpu_memory": rep.get("gpu_memory"),
             "ledger": rep.get("ledger"),
             "metadata_bytes_per_trained_token": rep.get("metadata_bytes_per_trained_token"),
         }
-        caps = [s["capture_tokens_per_s"] for r in out["runs"] if r.get("tp") == 2 for s in r.get("shapes", [])]
+        caps = [
+            s["capture_tokens_per_s"]
+            for r in out["runs"]
+            if r.get("tp") == 2 and r.get("transport", "mooncake") == transport
+            for s in r.get("shapes", [])
+        ]
         stages = {
             k: v
             for k, v in {
@@ -578,12 +742,15 @@ def main(argv=None) -> int:
         if perf.get("end_to_end_tokens_per_s") and stages:
             online["slowest_stage"] = min(stages, key=stages.get)
             online["end_to_end_over_slowest_stage"] = perf["end_to_end_tokens_per_s"] / min(stages.values())
-        out["online_run"] = online
+        out.setdefault("online_runs", {})[transport] = online
+        if transport == "mooncake" or "online_run" not in out:
+            out["online_run"] = online  # what bench/report.py reads
     Path(args.out).write_text(json.dumps(out, indent=2))
     for r in out["runs"]:
         for s in r.get("shapes", []):
             print(
-                f"tp{r['tp']} put clients {r.get('put_clients', 1)} {s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
+                f"tp{r['tp']} {r.get('transport', 'mooncake')} put clients {r.get('put_clients', 1)} "
+                f"{s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
                 f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
                 f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
                 f"read {s['read_gb_per_s']:.2f} GB/s"
@@ -608,7 +775,14 @@ def main(argv=None) -> int:
                     f"{f['capture_tokens_per_s']:.0f} tok/s, ratio {f['capture_over_plain']:.2f}"
                 )
         if "error" in r:
-            print(f"tp{r['tp']}: {r['error']}")
+            print(f"tp{r['tp']} {r.get('transport', 'mooncake')}: {r['error']}")
+    for row in out.get("transport_comparison") or []:
+        if "read_rate_cuda_ipc_over_mooncake" in row:
+            print(
+                f"tp{row['tp']} {row['shape']}: capture/plain mooncake {row['mooncake']['capture_over_plain']:.2f}, "
+                f"cuda_ipc {row['cuda_ipc']['capture_over_plain']:.2f}; read cuda_ipc / mooncake "
+                f"{row['read_rate_cuda_ipc_over_mooncake']:.1f}x; features hash equal: {row['features_hash_equal']}"
+            )
     return 0
 
 

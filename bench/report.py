@@ -637,8 +637,10 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
         base = res.get("baseline_capture_over_plain") or {}
         for run in res.get("runs") or []:
             # --put-clients N (> 1): the sink split its puts over N store clients (SGLang patch 0003)
-            tpl = f"tp{run.get('tp')}" + (
-                f", {run['put_clients']} put clients" if run.get("put_clients", 1) > 1 else ""
+            tpl = (
+                f"tp{run.get('tp')}"
+                + (f", {run['put_clients']} put clients" if run.get("put_clients", 1) > 1 else "")
+                + (f", {run['transport']}" if run.get("transport", "mooncake") != "mooncake" else "")
             )
             if run.get("error"):
                 rows.append([tpl, "-", "error: " + run["error"][:80], "-", "-", "-", "-", "-", "-"])

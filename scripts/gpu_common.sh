@@ -34,6 +34,8 @@ launch_measured() {
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$OUT/gpu_after.csv" 2>&1
   nvidia-smi --query-gpu=index,memory.used --format=csv >> "$OUT/gpu_after.csv" 2>&1
   ps -eo pid,cmd | grep -E "sglang|specforge_kimi (train|launch)|specforge_kimi.capture_server|mooncake.cli|torch.distributed.run" | grep -v grep > "$OUT/procs_after.txt"
+  # cuda_ipc: what a pool leaves (pool files under the run's ipc/, slot tables in /dev/shm) must be gone
+  { ls "$RUN/ipc" 2>/dev/null; ls /dev/shm 2>/dev/null | grep '^sfk-ipc-'; } > "$OUT/ipc_after.txt"
   for f in "$RUN"/logs/*.log; do tail -c 30000 "$f" > "$OUT/$(basename "$f")"; done
   ls -laR "$RUN" > "$OUT/run_tree.txt" 2>&1
   python3 -m specforge_kimi run-report "$RUN" --gpu-samples "$OUT/gpu_mem_samples.csv" --out "$OUT/online_run.json" \

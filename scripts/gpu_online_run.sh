@@ -20,7 +20,9 @@
 # two fit separate device calls); STAGE=target and STAGE=data split prep further (step 1, then step 2
 # on the target a target stage left), for targets pretrained longer than one call allows; the
 # default runs all.
-# usage: [RECIPE=recipes/...yaml] [STAGE=all|prep|target|data|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [TARGET_SEEDS="0 1"]
+# TRANSPORT=cuda_ipc runs step 3 with the recipe's server.transport set to it (a copy of the recipe in OUT): features
+# go from the capture server's GPU pool to the trainer ranks by CUDA IPC (issue 25); the default keeps the recipe's.
+# usage: [RECIPE=recipes/...yaml] [TRANSPORT=mooncake|cuda_ipc] [STAGE=all|prep|target|data|train] [PRETRAIN_S=60] [PRETRAIN_STEPS=10000] [TARGET_SEEDS="0 1"]
 #        [PRETRAIN_BATCH=32] [PRETRAIN_LR=2e-3] [PRETRAIN_PRECISION=fp32|bf16] [PRETRAIN_SCHEDULE=constant|cosine] [PRETRAIN_LOSS=full|corpus]
 #        [PRETRAIN_PROMPT_RULES=0] [PRETRAIN_PROMPT_RULE=echo|words] [REGENERATE=0|1] [MIX=0] [REGEN_DETERMINISTIC=1|0]
 #        bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
@@ -35,6 +37,15 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 . scripts/gpu_common.sh  # recipe_fields, held_out_rows, launch_measured
 T="${1:-420}"
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
+if [ -n "${TRANSPORT:-}" ]; then  # the same recipe on another feature transport
+  python3 - "$RECIPE" "$TRANSPORT" "$OUT/recipe-$TRANSPORT.yaml" <<'PY' || exit 2
+import sys, yaml
+raw = yaml.safe_load(open(sys.argv[1]))
+raw["server"]["transport"] = sys.argv[2]
+open(sys.argv[3], "w").write(yaml.safe_dump(raw, sort_keys=False))
+PY
+  RECIPE="$OUT/recipe-$TRANSPORT.yaml"
+fi
 read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 STAGE="${STAGE:-all}"

@@ -37,6 +37,13 @@ imports transformers/specforge lazily. The seams:
    reach a surviving rank before torchrun's SIGTERM does: :data:`PEER_LOST`); the producer waits
    for the resumed consumer instead, and if the keeper cannot resume it exits and the supervisor
    stops the run. Real training errors are always published.
+8. The cuda_ipc feature transport (:mod:`specforge_kimi.transport`): with ``SPECFORGE_KIMI_TRANSPORT=cuda_ipc``
+   (set by a recipe with ``server.transport: cuda_ipc`` for every role) SpecForge's online feature store
+   (``training.disaggregated._mooncake_store``, looked up at call time) is our
+   :class:`~specforge_kimi.transport.store.CudaIpcFeatureStore`; and the producer's
+   ``SGLangServerCaptureAdapter._ref_from_result`` carries a capture's ``cuda_ipc`` descriptor into the ref
+   (``metadata["cuda_ipc"]``, ``cudaipc://`` URI). Without the variable, and for results without a
+   descriptor, both are SpecForge's own.
 """
 
 from __future__ import annotations
@@ -221,6 +228,47 @@ def _install_restartable_consumer_failure() -> None:
     StreamingRefChannel.mark_consumer_failed = mark_consumer_failed
 
 
+def _install_cuda_ipc_transport() -> None:
+    from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
+    from specforge.training import disaggregated
+
+    original_store = disaggregated._mooncake_store
+    if not getattr(original_store, _WRAPPED_FLAG, False):
+
+        @functools.wraps(original_store)
+        def _mooncake_store(cfg, *, retain_on_release: bool = False):
+            from specforge_kimi.transport import TRANSPORT_ENV, TRANSPORTS
+
+            transport = os.environ.get(TRANSPORT_ENV) or "mooncake"
+            if transport not in TRANSPORTS:
+                raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected one of {', '.join(TRANSPORTS)}")
+            if transport == "cuda_ipc" and getattr(cfg, "mode", None) == "online":
+                from specforge_kimi.transport.store import CudaIpcFeatureStore
+
+                return CudaIpcFeatureStore.from_env(
+                    store_id=os.environ.get("DISAGG_STORE_ID", cfg.run_id), retain_on_release=retain_on_release
+                )
+            return original_store(cfg, retain_on_release=retain_on_release)
+
+        setattr(_mooncake_store, _WRAPPED_FLAG, True)
+        disaggregated._mooncake_store = _mooncake_store
+
+    original_ref = SGLangServerCaptureAdapter._ref_from_result
+    if not getattr(original_ref, _WRAPPED_FLAG, False):
+
+        @functools.wraps(original_ref)
+        def _ref_from_result(self, task, result, capture):
+            ref = original_ref(self, task, result, capture)
+            if isinstance(result, dict) and "cuda_ipc" in result:
+                from specforge_kimi.transport.descriptor import with_descriptor
+
+                ref = with_descriptor(ref, result["cuda_ipc"])
+            return ref
+
+        setattr(_ref_from_result, _WRAPPED_FLAG, True)
+        SGLangServerCaptureAdapter._ref_from_result = _ref_from_result
+
+
 def register_all() -> None:
     """Run every registration step once per process."""
     global _DONE
@@ -239,4 +287,5 @@ def register_all() -> None:
     register_mla_draft()
     _install_outage_wait()
     _install_restartable_consumer_failure()
+    _install_cuda_ipc_transport()
     _DONE = True

@@ -6,6 +6,13 @@ same GPUs), under SpecForge's supervisor. Same drills and checks as the CPU ones
     the run finishes, every prompt trained exactly once (SpecForge's ledger);
   - a trainer rank crashes right after a checkpoint -> consumer keeper resumes consumer-only;
   - Mooncake master SIGKILLed -> the run stops within ``STOP_BOUND_S``, nothing left.
+With ``server.transport: cuda_ipc`` (issue 25; no Mooncake master, features in the server's GPU pool):
+  - a trainer rank SIGKILLed right after a checkpoint while it holds mapped, unacknowledged slots -> consumer
+    keeper: the resumed consumer reads them again from the pool, every prompt trained exactly once;
+  - the capture server SIGKILLed while slots are lent -> the run stops within ``STOP_BOUND_S``;
+  each then with no compute process left on the GPU (nvidia-smi), no slot reclaimed by its lease, and nothing of
+  the pool left once the launch's cleanup (``transport.pool.remove_stale``) ran. ~2-3 min each on one H200
+  (``SPECFORGE_KIMI_DRILL_TP=1``), mostly the server's start.
 Outcomes go to ``$SPECFORGE_KIMI_GPU_OUT/fault_drills.jsonl``. A small random-weight target and
 200 corpus conversations keep each drill to a server start plus seconds of training.
 ``SPECFORGE_KIMI_DRILL_TP=1`` runs each drill on one GPU (TP=1 server, 1 trainer rank), the first
@@ -50,7 +57,7 @@ def inputs(tmp_path_factory):
     return root, target
 
 
-def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None):
+def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None, transport: str = "mooncake"):
     def build():
         from specforge_kimi.online.launch import build_colocated_plan
         from specforge_kimi.online.recipes import Recipe, render
@@ -65,6 +72,7 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
         raw["server"]["port"] = port
         raw["trainer"].update(max_steps=1000, save_interval=save_interval)
         raw["gpus"]["per_node"] = TP
+        raw["server"]["transport"] = transport
         raw["data"] = {
             "prompts_path": str(root / "data" / "prompts.jsonl"),
             "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt"),
@@ -143,3 +151,62 @@ def test_mooncake_master_killed(tmp_path, inputs):
     )
     _record("mooncake master SIGKILL", res)
     check_stopped(res, dp=TP)
+
+
+def _compute_apps() -> list[str]:
+    import subprocess
+
+    res = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return [ln for ln in res.stdout.splitlines() if ln.strip() and ln.split(",")[0].strip() != str(os.getpid())]
+
+
+def _check_cuda_ipc_after(name: str, res: dict) -> None:
+    """No GPU memory held by anything the drill started, no lease expiry, nothing of the pool left after cleanup."""
+    import time
+
+    from specforge_kimi.transport.pool import remove_stale
+    from specforge_kimi.transport.slots import shm_dir
+
+    time.sleep(5)
+    apps = _compute_apps()
+    server = (res["out"] / "logs" / "capture-server-node0.log").read_text(errors="replace")
+    removed = remove_stale(res["out"] / "ipc")  # what launch does when its run ends
+    out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
+    with open(out / "fault_drills.jsonl", "a") as f:
+        f.write(json.dumps({"drill": name, "compute_apps_after": apps, "stale_pools_removed": removed}) + "\n")
+    assert "cuda_ipc pool" in server and "past the" not in server
+    assert not apps, apps
+    assert not list((res["out"] / "ipc").glob("*.json"))
+    refs = (res["out"] / "control" / "refs.jsonl").read_text().splitlines()
+    pools = {json.loads(r)["metadata"]["cuda_ipc"]["pool"] for r in refs}
+    assert pools and not [p for pool in pools for p in shm_dir().glob(f"sfk-ipc-{pool}.*")]
+
+
+def test_cuda_ipc_trainer_crash_with_mapped_slots(tmp_path, inputs):
+    res = drill(
+        tmp_path,
+        lambda _spawned: ["fault_consumer"],
+        _build(tmp_path / "run", inputs, save_interval=1, resilience={"consumer_restarts": 1}, transport="cuda_ipc"),
+        edit_plan=inject_consumer_crash,
+        wait_s=600,
+    )
+    name = "cuda_ipc: trainer rank crash at a checkpoint with mapped slots, consumer keeper"
+    _record(name, res)
+    assert (tmp_path / "crashed").is_file()
+    check_recovered(res, dp=TP)
+    _check_cuda_ipc_after(name, res)
+
+
+def test_cuda_ipc_capture_server_killed_with_slots_lent(tmp_path, inputs):
+    res = drill(
+        tmp_path,
+        kill_server_child("specforge_kimi.capture_server"),
+        _build(tmp_path / "run", inputs, save_interval=50, resilience=None, transport="cuda_ipc"),
+        wait_s=600,
+    )
+    name = "cuda_ipc: capture server SIGKILL with slots lent"
+    _record(name, res)
+    check_stopped(res, dp=TP)
+    _check_cuda_ipc_after(name, res)

@@ -11,6 +11,10 @@ launch`` with Mooncake + TP=2 capture server + producer + 2 trainer ranks on GPU
   c. bytes written under the run directory besides checkpoints/export/rendered configs stay under
      ``METADATA_BOUND`` per trained token (features travel through Mooncake only);
   d. afterwards no compute process holds GPU memory and no sglang/specforge/mooncake process is left.
+Parametrized by the feature transport (issue 25): ``mooncake`` runs the recipe as it is; ``cuda_ipc`` runs it with
+``server.transport: cuda_ipc`` (``TRANSPORT`` for the script): no Mooncake master in the plan, every ref a
+``cudaipc://`` descriptor, no slot reclaimed by its lease, nothing of the pool left in the run dir or /dev/shm.
+Select one with ``-k mooncake`` / ``-k cuda_ipc``; each is one launch (~5 min on one H200 after a prep stage).
 Writes everything the script writes to ``$SPECFORGE_KIMI_GPU_OUT`` (or a tmp dir).
 """
 
@@ -29,7 +33,8 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_online_run(tmp_path):
+@pytest.mark.parametrize("transport", ["mooncake", "cuda_ipc"])
+def test_online_run(tmp_path, transport):
     out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
     # STAGE / PRETRAIN_S / REGENERATE pass through to the script (see its header)
@@ -37,7 +42,7 @@ def test_online_run(tmp_path):
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_online_run.sh"), launch_timeout],
         cwd=ROOT,
-        env={**os.environ, "OUT": str(out)},
+        env={**os.environ, "OUT": str(out), "TRANSPORT": transport},
         capture_output=True,
         text=True,
         timeout=580,
@@ -63,3 +68,20 @@ def test_online_run(tmp_path):
     assert not apps, apps
     assert not held, held
     assert not (out / "procs_after.txt").read_text().strip()
+    if transport == "cuda_ipc":
+        _check_cuda_ipc(out)
+
+
+def _check_cuda_ipc(out: Path) -> None:
+    from specforge_kimi.online.recipes import load_recipe
+
+    recipe = load_recipe(out / "recipe-cuda_ipc.yaml")
+    assert recipe.server.transport == "cuda_ipc"
+    assert "mooncake.cli" not in (out / "plan.json").read_text()
+    run = Path(recipe.output_dir) if Path(recipe.output_dir).is_absolute() else ROOT / recipe.output_dir
+    refs = [json.loads(line) for line in (run / "control" / "refs.jsonl").read_text().splitlines()]
+    assert refs and all(r["feature_store_uri"].startswith("cudaipc://") and "cuda_ipc" in r["metadata"] for r in refs)
+    server = (run / "logs" / "capture-server-node0.log").read_text(errors="replace")  # the whole log
+    assert "cuda_ipc pool" in server and "past the" not in server  # the pool was made; no slot hit its lease
+    assert not (out / "ipc_after.txt").read_text().strip(), (out / "ipc_after.txt").read_text()
+

@@ -23,12 +23,14 @@ def cpu_plan(
     resilience: dict | None = None,
     dp: int = 1,
     compact_specforge: Path | None = None,
+    transport: str = "mooncake",
 ):
     """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``.
 
     ``compact_specforge``: a directory holding a SpecForge package patched by ``specforge-kimi
     setup``; the recipe turns ``server.compact_passthrough`` on and the producer and trainer ranks
-    import SpecForge from there."""
+    import SpecForge from there. ``transport``: the recipe's ``server.transport`` (``cuda_ipc``: the
+    reference server writes into a cuda_ipc pool on its shared-memory backend, no Mooncake master)."""
     from specforge_kimi.online.launch import build_colocated_plan
     from specforge_kimi.online.recipes import Recipe, render
     from specforge_kimi.online.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
@@ -57,6 +59,7 @@ def cpu_plan(
     )
     raw["trainer"].update(max_steps=steps, save_interval=save_interval, max_length=256)
     raw["server"]["compact_passthrough"] = compact_specforge is not None  # off: SpecForge's JSON lists
+    raw["server"]["transport"] = transport
     raw["data"] = {
         "prompts_path": str(root / "data" / "prompts.jsonl"),
         "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt"),

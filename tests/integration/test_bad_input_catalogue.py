@@ -245,6 +245,33 @@ CASES = {
         "memory split does not fit",
         None,
     ),
+    "recipe: cuda_ipc across nodes": (
+        lambda t, d: [
+            "recipe",
+            "validate",
+            _recipe(
+                t,
+                lambda r: (
+                    r["server"].update(transport="cuda_ipc", host="10.0.0.1"),
+                    r["gpus"].update(nnodes=2),
+                    r["trainer"].update(consumer_state_dir="/local/state"),
+                ),
+            ),
+        ],
+        "cuda_ipc is single-node",
+        None,
+    ),
+    "recipe: cuda_ipc with server restarts": (
+        lambda t, d: [
+            "recipe",
+            "validate",
+            _recipe(
+                t, lambda r: (r["server"].update(transport="cuda_ipc"), r.update(resilience={"server_restarts": 2}))
+            ),
+        ],
+        "cannot restart a lost capture server",
+        None,
+    ),
     "export-check: not a draft": (lambda t, d: ["export-check", str(d)], "LlamaForCausalLMEagle3", None),
     "launch: port already taken": (lambda t, d: ["launch", _busy_port_recipe(t)], "is already in use", "run/logs"),
     "setup: not a SpecForge checkout": (

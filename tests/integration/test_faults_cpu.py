@@ -38,10 +38,12 @@ from online_cpu import cpu_plan
 pytestmark = pytest.mark.slow
 
 
-def _build(tmp_path: Path, save_interval: int = 2, resilience: dict | None = None, dp: int = 1):
+def _build(
+    tmp_path: Path, save_interval: int = 2, resilience: dict | None = None, dp: int = 1, transport: str = "mooncake"
+):
     def build():
         plan, recipe, _rendered, _target = cpu_plan(
-            tmp_path, steps=200, save_interval=save_interval, resilience=resilience, dp=dp
+            tmp_path, steps=200, save_interval=save_interval, resilience=resilience, dp=dp, transport=transport
         )
         return plan, recipe, tmp_path / "data" / "prompts.jsonl"
 
@@ -104,3 +106,46 @@ def test_trainer_crash_resumed_from_checkpoint(tmp_path, dp):
     # the loss curve continues where the checkpoint left off: the next logged step is 4, after the resume
     assert re.search(rf"^step {KILL_AFTER_STEP + 1}:", log[resumed:], re.M)
     assert not re.search(rf"^step {KILL_AFTER_STEP}:", log[resumed:], re.M)
+
+
+# -- the cuda_ipc transport (recipe server.transport: cuda_ipc; the reference server's shared-memory pool) ---------
+def _pool_files(out: Path) -> list[Path]:
+    """The pool files under the run's ipc dir and their slot tables / shared-memory files in /dev/shm."""
+    import json
+
+    found = []
+    for f in (out / "ipc").glob("*.json"):
+        info = json.loads(f.read_text())
+        found += [f, *(Path(p) for p in (info["slots_path"], info["handle"].get("path")) if p and Path(p).exists())]
+    return found
+
+
+def test_cuda_ipc_capture_server_killed(tmp_path):
+    """The server dies with its pool while slots are lent to the trainer: a clean, bounded stop; what its
+    SIGKILL left (pool file, slot table, shared-memory pool) is what ``launch`` removes at the end."""
+    from specforge_kimi.transport.pool import remove_stale
+
+    res = drill(tmp_path, kill_service("reference_server"), _build(tmp_path, transport="cuda_ipc"))
+    record("cuda_ipc: capture server SIGKILL with slots lent", res)
+    check_stopped(res)
+    left = _pool_files(res["out"])
+    assert len(left) == 3, left  # SIGKILL: no cleanup ran
+    assert len(remove_stale(res["out"] / "ipc")) == 1 and not any(p.exists() for p in left)
+
+
+def test_cuda_ipc_trainer_crash_replays_from_the_pool(tmp_path):
+    """A trainer rank SIGKILLed (right after its step-3 checkpoint) while it holds mapped, unacknowledged slots:
+    the consumer keeper resumes it and it reads those samples again from the server's pool (they were released
+    only at acknowledged optimizer steps); every prompt trained exactly once, no slot reaches its lease."""
+    res = drill(
+        tmp_path,
+        lambda _spawned: ["fault_consumer"],
+        _build(tmp_path, save_interval=1, resilience={"consumer_restarts": 1}, transport="cuda_ipc"),
+        edit_plan=inject_consumer_crash,
+    )
+    record("cuda_ipc: trainer rank crash at a checkpoint with mapped slots, consumer keeper", res)
+    assert (tmp_path / "crashed").is_file(), "the injected crash did not happen"
+    check_recovered(res)
+    server = (res["out"] / "logs" / "capture-server-node0.log").read_text()
+    assert "'expired': 0" in server and "past the" not in server, server[-2000:]
+    assert not _pool_files(res["out"])  # the server's clean stop removed its files

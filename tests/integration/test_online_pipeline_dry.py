@@ -214,3 +214,37 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     # one discard per post; the three writing variants each removed one attempt per sample
     k = len(mod.BREAKDOWN_VARIANTS)
     assert len(discards) == k * 3 and all(discards[i::k] == [2] * 3 for i in (2, 3, 4))
+
+
+def test_both_transports_in_one_run(tmp_path, pipeline):
+    """``--transport mooncake,cuda_ipc``: one server per transport (the reference server's cuda_ipc pool is shared
+    memory), the same seeded prompts on each; every shape names its transport beside ``capture_over_plain``, the
+    comparison sets them side by side, and the reads of the two transports hash equal (the stand-in's features
+    are deterministic, so this compares the transports' bytes)."""
+    mod, target, out = pipeline
+    args = ["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32,1x64", "--reps", "1"]
+    args += [
+        "--transport",
+        "mooncake,cuda_ipc",
+        "--ipc-pool-gib",
+        "0.25",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--out",
+        str(out),
+    ]
+    assert mod.main(args) == 0
+    res = json.loads(out.read_text())
+    assert [(r["tp"], r["transport"], "error" in r) for r in res["runs"]] == [
+        (1, "mooncake", False),
+        (1, "cuda_ipc", False),
+    ]
+    ipc = res["runs"][1]
+    assert all(sh["transport"] == "cuda_ipc" and sh["capture_over_plain"] > 0 for sh in ipc["shapes"])
+    assert ipc["pool"]["backend"] == "shm" and ipc["pool"]["nbytes"] == 1 << 28
+    assert ipc["reader"]["reads"] == 2 * (2 + 1) and ipc["stale_pools_removed"] == []  # a clean stop removed its files
+    rows = res["transport_comparison"]
+    assert [r["shape"] for r in rows] == ["1x64", "2x32"]
+    assert all(r["features_hash_equal"] is True and r["read_rate_cuda_ipc_over_mooncake"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        mod.main([*args[:-1], str(tmp_path / "y.json"), "--transport", "rdma"])

@@ -21,6 +21,7 @@ LAYERS = [
     {"data"},
     {"target"},
     {"drafts"},
+    {"transport"},
     {"registration", ""},  # "" = the package's own __init__ (register() lazily imports registration)
     {"training"},
     {"online"},

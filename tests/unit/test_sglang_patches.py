@@ -326,3 +326,213 @@ def test_drift_error_names_the_file_that_fails(tmp_path):
         pytest.raises(KimiInputError, match=r"spec-capture.patch does not apply to \S*/schedule_batch.py:"),
     ):
         sp.run(argparse.Namespace(specforge_checkout=CHECKOUT, check=True, no_sglang=False))
+
+
+def _load(patched_site, monkeypatch, name: str, rel: str):
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, patched_site / rel)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cuda_ipc_gaps_clear_on_the_patched_sglang(patched_site, tmp_path):
+    """0005 in the stack: ``cuda_ipc_gaps`` (the launch preflight for ``server.transport: cuda_ipc``) is empty, and
+    the earlier patches still read as applied (0005 edits lines 0004 wrote: read as a stack, not alone)."""
+    from specforge_kimi.online import setup_patches as sp
+
+    assert sp.cuda_ipc_gaps(sglang_site=patched_site) == []
+    assert not any(g.startswith("0004-") for g in sp.compact_passthrough_gaps(sglang_site=patched_site))
+    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    stack = [capture, *sp.our_sglang_patches()]
+    site = sp._scratch_copy(sp.sglang_root(), {f for p in stack for f in sp._files(p, 2)}, tmp_path / "to0004")
+    for p in stack[:-1]:
+        sp.apply(sp.classify(p, site, 2))
+    assert [g.split(" ")[0] for g in sp.cuda_ipc_gaps(sglang_site=site)] == [sp.CUDA_IPC_SGLANG_PATCH]
+
+
+def test_cuda_ipc_sink_routes_samples_to_the_pool(patched_site, tmp_path, monkeypatch):
+    """The patched sink with a cuda_ipc pool (the CPU backend of specforge_kimi's writer in the GPU pool's place):
+    samples go to the pool, read back bit for bit through SpecForge-side store, passthrough in every 0004 form;
+    a request naming ``transport: mooncake`` still goes to Mooncake; a server without a pool refuses cuda_ipc."""
+    import base64
+
+    import numpy as np
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+
+    from specforge_kimi.online import services
+    from specforge_kimi.transport.descriptor import with_descriptor
+    from specforge_kimi.transport.store import CudaIpcFeatureStore
+    from specforge_kimi.transport.writer import IpcCaptureWriter
+
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_TRANSPORT", "cuda_ipc")
+    sink_mod = _load(patched_site, monkeypatch, "sglang.srt.spec_capture_sink", "sglang/srt/spec_capture_sink.py")
+    assert sink_mod.states_on_gpu()
+    length = 50
+    gen = torch.Generator().manual_seed(3)
+    rows = [
+        (
+            torch.randn(length, 24, generator=gen).to(torch.bfloat16),
+            torch.randn(length, 8, generator=gen).to(torch.bfloat16),
+        )
+        for _ in range(3)
+    ]
+    mask = [i % 2 for i in range(length)]
+
+    def spec(sample_id, **extra):
+        return {
+            "store_id": "t",
+            "sample_id": sample_id,
+            "gen": 1,
+            "features": {"aux": "hidden_state", "last_hidden": "target"},
+            "passthrough": [
+                {"name": "input_ids", "data": list(range(length)), "shape": [1, length], "dtype": "int64"},
+                {
+                    "name": "loss_mask",
+                    "data_b64": base64.b64encode(np.asarray(mask, dtype="<u1").tobytes()).decode(),
+                    "data_dtype": "uint8",
+                    "shape": [1, length],
+                    "dtype": "int64",
+                },
+                {"name": "attention_mask", "fill": 1, "shape": [1, length], "dtype": "int64"},
+            ],
+            **extra,
+        }
+
+    with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=256 << 20) as mc:
+        for k, v in {
+            "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{mc.metadata_port}/metadata",
+            "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{mc.rpc_port}",
+            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(128 << 20),
+            "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20),
+        }.items():
+            monkeypatch.setenv(k, v)
+        sink = sink_mod.SpecCaptureSink([1, 3, 4])
+        sink._ipc = IpcCaptureWriter(pool_bytes=8 << 20, pool_dir=tmp_path / "ipc", device="cpu")
+        try:
+            samples = [
+                (spec("a"), *rows[0]),
+                (spec("m", transport="mooncake"), *rows[1]),
+                (spec("b"), *rows[2]),
+            ]
+            results = sink.put_samples(samples)
+            assert [("cuda_ipc" in r) for r in results] == [True, False, True]
+            assert all(r["aux_layer_ids"] == [1, 3, 4] for r in results)
+            store = CudaIpcFeatureStore(store_id="t", pool_dir=tmp_path / "ipc")
+            from specforge.runtime.contracts import FeatureSpec, SampleRef
+
+            for (sp_, aux, last), res in zip(samples, results, strict=True):
+                if "cuda_ipc" not in res:
+                    continue
+                specs = {
+                    n: FeatureSpec(name=n, shape=tuple(m["shape"]), dtype=m["dtype"])
+                    for n, m in res["features"].items()
+                }
+                ref = SampleRef(sp_["sample_id"], "r", None, "x", {n: n for n in specs}, specs, "eagle3")
+                out, _ = store.get(with_descriptor(ref, res["cuda_ipc"]))
+                assert torch.equal(out["hidden_state"][0], aux) and torch.equal(out["target"][0], last)
+                assert out["loss_mask"].tolist() == [mask] and out["attention_mask"].sum() == length
+            reader = MooncakeDistributedStore()
+            reader.setup(
+                "127.0.0.1",
+                os.environ["MOONCAKE_METADATA_SERVER"],
+                0,
+                32 << 20,
+                "tcp",
+                "",
+                os.environ["MOONCAKE_MASTER_SERVER_ADDR"],
+            )
+            assert reader.get("t/m/g1/hidden_state") == rows[1][0].contiguous().view(torch.uint8).numpy().tobytes()
+            assert reader.get("t/a/g1/hidden_state") in (b"", None)  # pool samples never reach Mooncake
+        finally:
+            sink._ipc.close()
+        plain = sink_mod.SpecCaptureSink([1, 3, 4])
+        with pytest.raises(RuntimeError, match="no cuda_ipc pool"):
+            plain.put_samples([(spec("c", transport="cuda_ipc"), *rows[0])])
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_TRANSPORT", "rdma")
+    bad = _load(patched_site, monkeypatch, "sglang.srt.spec_capture_sink", "sglang/srt/spec_capture_sink.py")
+    with pytest.raises(ValueError, match="mooncake or cuda_ipc"):
+        bad.maybe_init_sink(type("A", (), {"enable_spec_capture": True, "spec_capture_aux_layer_ids": [1]})())
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "cuda_ipc"])
+def test_cuda_ipc_keeps_captured_rows_where_they_are(patched_site, monkeypatch, transport):
+    """0005 in the scheduler: with cuda_ipc ``copy_to_cpu`` leaves the hidden states on the device, giving them
+    storage of their own on the forward's stream (a clone: the sink reads them beside the next forward), and
+    ``_append_spec_capture_states`` hands the sink views of those rows (cloning first when no ``copy_to_cpu`` ran:
+    the non-overlap scheduler); with mooncake both behave as before (async D2H; one host tensor per batch, cached on
+    the logits output)."""
+    import types
+
+    import torch
+
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_TRANSPORT", transport)
+    _load(patched_site, monkeypatch, "sglang.srt.spec_capture_sink", "sglang/srt/spec_capture_sink.py")
+    utils = _load(patched_site, monkeypatch, "sglang.srt.managers.utils", "sglang/srt/managers/utils.py")
+    calls = []
+
+    class Rows:  # records .to() (the D2H) and .clone() instead of doing them
+        def __init__(self, name):
+            self.name = name
+
+        def to(self, *a, **k):
+            calls.append(("to", self.name))
+            return self
+
+        def clone(self):
+            calls.append(("clone", self.name))
+            return Rows(self.name + "'")
+
+    logits = types.SimpleNamespace(
+        hidden_states=Rows("hidden_states"), last_hidden_states=Rows("last_hidden_states"), next_token_logprobs=None
+    )
+    result = utils.GenerationBatchResult(
+        logits_output=logits, next_token_ids=torch.zeros(2), copy_done=types.SimpleNamespace(record=lambda: None)
+    )
+    result.copy_to_cpu(return_logprob=False, return_hidden_states=True)
+    if transport == "cuda_ipc":
+        assert calls == [("clone", "hidden_states"), ("clone", "last_hidden_states")] and logits._spec_capture_owned
+        assert logits.hidden_states.name == "hidden_states'"
+    else:
+        assert calls == [("to", "last_hidden_states"), ("to", "hidden_states")]
+
+    brp = _load(
+        patched_site,
+        monkeypatch,
+        "patched_brp_0005",
+        "sglang/srt/managers/scheduler_components/batch_result_processor.py",
+    )
+    this = types.SimpleNamespace(output_streamer=types.SimpleNamespace(ps=types.SimpleNamespace(attn_tp_rank=0)))
+
+    def append(out):
+        reqs, offset = [], 0
+        for n in (5, 7):
+            req = types.SimpleNamespace(
+                origin_input_ids=list(range(n)),
+                spec_capture={"features": {"aux": "hidden_state", "last_hidden": "target"}},
+                spec_capture_aux=[],
+                spec_capture_last_hidden=[],
+            )
+            offset = brp.SchedulerBatchResultProcessor._append_spec_capture_states(
+                this, req=req, logits_output=out, hidden_state_offset=offset
+            )
+            reqs.append(req)
+        assert offset == 12
+        return reqs
+
+    hidden, last = torch.randn(12, 6), torch.randn(12, 2)
+    for owned in (False, True):
+        out = types.SimpleNamespace(hidden_states=hidden, last_hidden_states=last)
+        if owned:
+            out._spec_capture_owned = True  # copy_to_cpu ran (overlap scheduler)
+        reqs = append(out)
+        assert torch.equal(reqs[1].spec_capture_aux[0], hidden[5:12])
+        assert torch.equal(reqs[1].spec_capture_last_hidden[0], last[5:])
+        assert hasattr(out, "_spec_capture_aux_cpu") == (transport == "mooncake")
+        if transport == "cuda_ipc":  # views of the batch's own rows: the clone, unless copy_to_cpu made it
+            assert reqs[0].spec_capture_aux[0].data_ptr() == out.hidden_states.data_ptr()
+            assert (out.hidden_states is hidden) == owned and (out.last_hidden_states is last) == owned

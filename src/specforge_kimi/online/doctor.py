@@ -3,7 +3,8 @@
 Scope: read-only checks, each with a fix. Versions against the pins; our SpecForge patch and
 SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recipe also the
 target checkpoint (config vs recipe, tensor names and shapes against the config), Mooncake
-reachability and GPU count/memory against the recipe's budget. Nothing is started or written.
+reachability (or, with ``server.transport: cuda_ipc``, SGLang patch 0005 and peer access to GPU 0) and GPU
+count/memory against the recipe's budget. Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
 """
 
@@ -264,6 +265,30 @@ def check_mooncake(recipe) -> list[Check]:
     ]
 
 
+def check_cuda_ipc(recipe) -> list[Check]:
+    """``server.transport: cuda_ipc``: SGLang patch 0005 applied, and every GPU of the node reaching GPU 0."""
+    from specforge_kimi.online.launch import node_gpus
+    from specforge_kimi.online.setup_patches import cuda_ipc_gaps
+    from specforge_kimi.online.transport_plan import peer_access_problem, pool_bytes
+
+    problems = cuda_ipc_gaps()
+    if not problems:
+        peer = peer_access_problem(node_gpus(recipe.gpus.per_node))
+        problems = [peer] if peer else []
+    return [
+        Check(
+            "cuda_ipc transport",
+            "fail" if problems else "ok",
+            "; ".join(problems)
+            or f"SGLang patch 0005 applied; pool {pool_bytes(recipe) / 2**30:.2f} GiB on GPU 0"
+            + (", every GPU reaches it by peer access" if recipe.gpus.per_node > 1 else ""),
+            "specforge-kimi setup --specforge-checkout /path/to/SpecForge, or server.transport: mooncake"
+            if problems
+            else "",
+        )
+    ]
+
+
 def check_gpu_budget(recipe) -> list[Check]:
     import torch
 
@@ -302,7 +327,8 @@ def run_checks(recipe_path: str | None) -> list[Check]:
         except KimiInputError as exc:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
-        checks += check_target(recipe) + check_mooncake(recipe) + check_gpu_budget(recipe)
+        transport = check_mooncake(recipe) if recipe.server.transport == "mooncake" else check_cuda_ipc(recipe)
+        checks += check_target(recipe) + transport + check_gpu_budget(recipe)
     return checks
 
 

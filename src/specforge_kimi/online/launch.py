@@ -11,7 +11,10 @@ readiness, stops everything if any child fails, forwards Ctrl-C/TERM/HUP and tea
 groups (grace, then SIGKILL). Every role writes its own log under ``<output_dir>/logs``. The
 memory split is checked when the recipe loads; nothing starts if it does not fit. After a clean
 finish the newest checkpoint is exported for SGLang and the recipe's acceptance bench runs
-(``bench:`` section); below its ``min_acceptance_length`` the command exits 1.
+(``bench:`` section); below its ``min_acceptance_length`` the command exits 1. With
+``server.transport: cuda_ipc`` no Mooncake master starts (the features go through the server's GPU pool),
+the preflight also wants SGLang patch 0005 and, at TP > 1, peer access from every GPU to GPU 0, and what a
+killed server's pool left behind is removed when the run ends.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def build_colocated_plan(
     gpus = node_gpus(recipe.gpus.per_node)
     mc = recipe.mooncake
     services = []
-    if node_rank == 0:
+    mooncake = recipe.server.transport == "mooncake"
+    if node_rank == 0 and mooncake:
         services.append(
             ServiceSpec(
                 command=CommandSpec("mooncake", tuple(_py(launch["mooncake_master"], python)), {}),
@@ -174,8 +178,7 @@ def build_colocated_plan(
         services=tuple(services),
         managed_root=str(out / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
         managed_ports=(
-            mc.rpc_port,
-            mc.metadata_port,
+            *((mc.rpc_port, mc.metadata_port) if mooncake else ()),
             recipe.server.port,
             *([res.keeper_port] if res.segment_owner == "keeper" else []),
         )
@@ -212,6 +215,30 @@ def preflight(plan) -> None:
             "run specforge-kimi setup --specforge-checkout /path/to/SpecForge"
         )
     compact_preflight(plan)
+    cuda_ipc_preflight(plan)
+
+
+def cuda_ipc_preflight(plan) -> None:
+    """With ``server.transport: cuda_ipc`` (the capture server carries the variable), refuse to start unless
+    SGLang patch 0005 is applied and, with more than one GPU, every GPU reaches GPU 0 (the pool) by peer access."""
+    from specforge_kimi.transport import SERVER_TRANSPORT_ENV
+
+    server = [s for s in plan.services if s.command.env.get(SERVER_TRANSPORT_ENV) == "cuda_ipc"]
+    if not server:
+        return
+    from specforge_kimi.online.setup_patches import cuda_ipc_gaps
+    from specforge_kimi.online.transport_plan import peer_access_problem
+
+    gaps = cuda_ipc_gaps()
+    if gaps:
+        raise KimiInputError(
+            "server.transport is cuda_ipc, but " + "; ".join(gaps) + ". Run specforge-kimi setup "
+            "--specforge-checkout /path/to/SpecForge, or set server.transport: mooncake in the recipe"
+        )
+    gpus = server[0].command.env.get("CUDA_VISIBLE_DEVICES", "")
+    problem = peer_access_problem(gpus)
+    if problem:
+        raise KimiInputError(problem)
 
 
 def compact_preflight(plan) -> None:
@@ -308,7 +335,12 @@ def run(args) -> int:
         return 0
     preflight(plan)
     print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
-    rc = run_plan(plan, managed_preflight=lambda _plan: None)
+    from specforge_kimi.online.transport_plan import remove_stale_pools
+
+    try:
+        rc = run_plan(plan, managed_preflight=lambda _plan: None)
+    finally:
+        remove_stale_pools(recipe)  # cuda_ipc: a killed server's pool file and slot table
     if rc != 0:
         return rc
     if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared

@@ -85,9 +85,10 @@ def producer_body(adapter, tasks, *, compact: bool) -> dict:
     return body
 
 
-def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vocab: int, run_id: str):
+def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vocab: int, run_id: str, store=None):
     """SpecForge's producer transport for one capture server, as its online producer builds it:
-    ``(SGLangServerCaptureAdapter, CaptureConfig, MooncakeFeatureStore, eagle3 server layout)``."""
+    ``(SGLangServerCaptureAdapter, CaptureConfig, MooncakeFeatureStore, eagle3 server layout)``; ``store``
+    another feature store in the Mooncake one's place (the cuda_ipc one: ``transport.store``)."""
     from specforge.algorithms.eagle3.providers import create_registration
     from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
     from specforge.inference.capture import CaptureConfig
@@ -112,7 +113,8 @@ def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vo
         target_hidden_size=hidden,
         target_vocab_size=vocab,
     )
-    store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mooncake))
+    if store is None:
+        store = MooncakeFeatureStore(store_id=run_id, setup_kwargs=mooncake_reader_setup_kwargs(mooncake))
     adapter = SGLangServerCaptureAdapter(
         url,
         store,

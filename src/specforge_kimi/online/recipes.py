@@ -81,6 +81,25 @@ class ServerSection(_Strict):
         "`specforge-kimi setup`; the launch refuses to start when either is missing). Measured on one H200 (TP=1, "
         "NOTES.md): saves 30-35 ms on the server and 15 ms of client encoding per 65,536-token capture call",
     )
+    transport: Literal["mooncake", "cuda_ipc"] = Field(
+        default="mooncake",
+        description="How captured features reach the trainer ranks: mooncake (GPU -> host -> Mooncake over loopback "
+        "TCP -> host -> GPU; any topology) or cuda_ipc (one GPU pool the capture server owns, mapped by CUDA IPC "
+        "by every rank of the node, device-to-device copies; one node, needs SGLang patch 0005; "
+        "online.transport_plan says where it is refused). docs/online.md 'Feature transports' says when to use which",
+    )
+    ipc_pool_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="cuda_ipc: the pool on the capture writer's GPU (GPU 0), GiB; must hold one optimizer window of "
+        "max_length samples plus the producer's 8 in flight at a 0.8 watermark; unset: that, rounded up (>= 1 GiB)",
+    )
+    ipc_lease_s: float = Field(
+        default=1800,
+        gt=0,
+        description="cuda_ipc: seconds a lent sample may stay unacknowledged before the server logs and reclaims "
+        "its slot (a resumed consumer replays unacknowledged samples from the pool, so keep it above a resume)",
+    )
 
 
 class MooncakeSection(_Strict):
@@ -211,6 +230,12 @@ class Recipe(_Strict):
             raise ValueError(
                 "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
             )
+        if self.server.transport == "cuda_ipc":
+            from specforge_kimi.online.transport_plan import refusal
+
+            why = refusal(self)
+            if why:
+                raise ValueError(why)
         plan = memory_plan(self)
         if not plan["fits"]:
             raise ValueError(f"memory split does not fit: {plan['why']}")
@@ -267,15 +292,21 @@ def memory_plan(r: Recipe) -> dict:
     """Per-GPU memory estimate (GiB) for server and trainer, and whether they fit.
 
     server = mem_fraction_static x GPU memory, must hold weights/TP + kv_tokens x KV bytes;
-    trainer = the sum of :func:`trainer_terms` + ``trainer.reserve_gib``.
+    trainer = the sum of :func:`trainer_terms` + ``trainer.reserve_gib``; with ``server.transport: cuda_ipc``
+    also each rank's prefetched samples, and on the capture writer's GPU the pool and the captured rows
+    waiting for the sink come out of the trainer's room (:func:`transport_plan.memory_terms`).
     """
+    from specforge_kimi.online.transport_plan import memory_terms
+
     g, t, s, tr = r.gpus, r.target, r.server, r.trainer
     weights = t.weights_gib / r.tp
     kv = s.kv_tokens * t.kv_bytes_per_token / GIB
     server_pool = s.mem_fraction_static * g.memory_gib
     terms = trainer_terms(r)
-    trainer = sum(terms.values()) / GIB + tr.reserve_gib
+    ipc = memory_terms(r)
+    trainer = (sum(terms.values()) + ipc["prefetch"]) / GIB + tr.reserve_gib
     trainer_room = (1 - s.mem_fraction_static) * g.memory_gib
+    writer_room = trainer_room - (ipc["pool"] + ipc["server_rows"]) / GIB
     why = []
     if weights + kv > server_pool:
         why.append(
@@ -284,7 +315,20 @@ def memory_plan(r: Recipe) -> dict:
         )
     if trainer > trainer_room:
         why.append(f"trainer peak ~{trainer:.1f} GiB > {trainer_room:.1f} GiB left beside the server")
+    elif trainer > writer_room:
+        why.append(
+            f"trainer peak ~{trainer:.1f} GiB > {writer_room:.1f} GiB left on GPU 0 beside the server, its cuda_ipc "
+            f"pool ({ipc['pool'] / GIB:.1f} GiB) and captured rows ({ipc['server_rows'] / GIB:.1f} GiB)"
+        )
+    cuda_ipc = {
+        "ipc_pool_gib": round(ipc["pool"] / GIB, 2),
+        "server_capture_rows_gib": round(ipc["server_rows"] / GIB, 2),
+        "trainer_ipc_prefetch_gib": round(ipc["prefetch"] / GIB, 2),
+        "writer_gpu_trainer_room_gib": round(writer_room, 2),
+    }
     return {
+        "transport": s.transport,
+        **(cuda_ipc if s.transport == "cuda_ipc" else {}),
         "server_weights_gib": round(weights, 2),
         "server_kv_gib": round(kv, 2),
         "server_pool_gib": round(server_pool, 2),
@@ -370,20 +414,22 @@ def _mooncake(r: Recipe):
 
 def server_env(r: Recipe) -> dict[str, str]:
     """The capture server's environment: SpecForge's managed-local Mooncake settings + our plugin."""
+    from specforge_kimi.online import transport_plan
     from specforge_kimi.online.capture_server import capture_server_env
 
     env = capture_server_env(_mooncake(r), put_clients=r.server.capture_put_clients)
     if r.mooncake.host != "127.0.0.1":
         env["MOONCAKE_METADATA_SERVER"] = f"http://{r.mooncake.host}:{r.mooncake.metadata_port}/metadata"
         env["MOONCAKE_MASTER_SERVER_ADDR"] = f"{r.mooncake.host}:{r.mooncake.rpc_port}"
-    return {**env, "SPECFORGE_PLUGINS": "specforge_kimi"}
+    return {**env, **transport_plan.server_env(r), "SPECFORGE_PLUGINS": "specforge_kimi"}
 
 
 def process_env(r: Recipe) -> dict[str, str]:
     """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
+    from specforge_kimi.online import transport_plan
     from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
 
-    env = {"SPECFORGE_PLUGINS": "specforge_kimi"}
+    env = {"SPECFORGE_PLUGINS": "specforge_kimi", **transport_plan.process_env(r)}
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
     return env
@@ -444,6 +490,10 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
             },
         },
     }
+    from specforge_kimi.online.transport_plan import runtime_config
+
+    if runtime_config(r):  # cuda_ipc: the producer pauses on bytes before the GPU pool fills
+        cfg["runtime"] = runtime_config(r)
     from specforge.config import Config
 
     Config.model_validate(cfg)  # SpecForge's own schema: unknown/invalid fields fail here

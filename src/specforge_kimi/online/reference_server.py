@@ -17,7 +17,10 @@ greedy token SGLang's capture requests ask for (``max_new_tokens: 1``).
     python -m specforge_kimi.online.reference_server --model-path DIR --spec-capture-aux-layer-ids 1 3 4 \
         --host 127.0.0.1 --port 30000 [--dtype float32]
 
-Mooncake settings come from the same ``MOONCAKE_*`` environment variables as the real sink.
+Mooncake settings come from the same ``MOONCAKE_*`` environment variables as the real sink. With
+``SGLANG_SPEC_CAPTURE_TRANSPORT=cuda_ipc`` (and the pool variables of :mod:`specforge_kimi.transport`) the
+samples go into a cuda_ipc pool instead, through the very writer SGLang patch 0005 calls, on its shared-memory
+backend (this server runs on the CPU): everything of that transport but the CUDA handle, on a CPU machine.
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ class ReferenceCapture:
         self.requests = 0
         self.samples = 0
         self.passthrough_forms: Counter = Counter()  # how the passthrough values came (logged per request)
+        from specforge_kimi.transport.writer import IpcCaptureWriter
+
+        self.ipc = IpcCaptureWriter.from_env(device="cpu")  # None unless the transport is cuda_ipc
 
     def store(self):
         if self._store is None:
@@ -126,6 +132,21 @@ class ReferenceCapture:
             hidden = text_decoder(self.model)(input_ids=ids, use_cache=False).last_hidden_state
             next_token = int(self.model.lm_head(hidden[:, -1]).argmax(-1))
         artifacts = {"aux": out["aux"], "last_hidden": out["last"]}
+        if self.ipc is not None and self.ipc.wants(spec):
+            for item in spec.get("passthrough") or []:
+                self.passthrough_forms[next((k for k in PASSTHROUGH_FORMS if k in item), "?")] += 1
+            unknown = set(spec.get("features") or {}) - set(artifacts)
+            if unknown:
+                raise ValueError(f"unknown capture artifact {sorted(unknown)[0]!r}")
+            (result,) = self.ipc.put_samples(
+                [(spec, out["aux"][0].to(self.dtype), out["last"][0].to(self.dtype))],
+                passthrough_tensor=lambda item: passthrough_tensor(item, input_ids),
+                aux_layer_ids=self.aux_layer_ids,
+            )
+            self.samples += 1
+            return result, next_token
+        if spec.get("transport") == "cuda_ipc":
+            raise ValueError("spec_capture asked for transport cuda_ipc, but this server has no cuda_ipc pool")
         store_id, sample_id = str(spec["store_id"]), str(spec["sample_id"])
         gen = int(spec.get("gen", 1))
         keys, tensors, feats = [], [], {}
@@ -269,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     backend = ReferenceCapture(args.model_path, args.spec_capture_aux_layer_ids, args.dtype)
+    import signal
+    import sys
+
+    # SIGTERM (the launch's teardown) exits through the finally below and atexit: a cuda_ipc pool's files go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = ThreadingHTTPServer((args.host, args.port), make_handler(backend))
     logger.info(
         "reference capture server on http://%s:%d (ids %s -> positions %s, %s)",

@@ -260,10 +260,32 @@ def compact_passthrough_gaps(
         except KimiInputError as e:
             gaps.append(f"{patch.name}: {e}")
             continue
-        status = classify(patch, site, strip)
-        if status.state != "applied":
-            gaps.append(f"{patch.name} is not applied to {site} ({status.state})")
+        state = _sglang_state(patch, site) if strip == 2 else classify(patch, site, strip).state
+        if state != "applied":
+            gaps.append(f"{patch.name} is not applied to {site} ({state})")
     return gaps
+
+
+def _sglang_state(patch: Path, site: Path) -> str:
+    """One of our SGLang patches' state read as part of the stack (a later patch editing the same lines keeps an
+    earlier one from reversing alone)."""
+    return {s.patch.name: s.state for s in classify_stack(our_sglang_patches(), site)}[patch.name]
+
+
+#: the SGLang patch ``server.transport: cuda_ipc`` needs (the capture server's pool)
+CUDA_IPC_SGLANG_PATCH = "0005-spec-capture-cuda-ipc.patch"
+
+
+def cuda_ipc_gaps(*, sglang_site: Path | None = None) -> list[str]:
+    """What keeps ``server.transport: cuda_ipc`` from working on the installed (or given) SGLang: one line when
+    SGLang patch 0005 is not applied (empty when it is). Without it the server ignores the transport and writes
+    to Mooncake, so a launch checks this first (``launch.preflight``)."""
+    try:
+        site = sglang_site or sglang_root()
+    except KimiInputError as e:
+        return [f"{CUDA_IPC_SGLANG_PATCH}: {e}"]
+    state = _sglang_state(patches_root() / "sglang" / SGLANG_PIN / CUDA_IPC_SGLANG_PATCH, site)
+    return [] if state == "applied" else [f"{CUDA_IPC_SGLANG_PATCH} is not applied to {site} ({state})"]
 
 
 def load_patched_specforge_module(rel: str, scratch: Path):

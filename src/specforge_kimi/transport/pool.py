@@ -1,0 +1,296 @@
+"""The cuda_ipc pool's memory: allocated once by the capture server, exported once, mapped once per reader.
+
+Scope: one host. Two backends behind one interface:
+
+- ``cuda``: one ``torch.empty(N, uint8)`` on the writer's GPU, exported with ``UntypedStorage._share_cuda_()``
+  (a CUDA IPC handle of the allocation, plus torch's refcount file) and opened by a reader with
+  ``UntypedStorage._new_shared_cuda`` on the reader's *own* device: CUDA maps the allocation into that
+  device's address space and enables peer access to the writer's GPU (``cudaIpcMemLazyEnablePeerAccess``), so
+  a trainer rank on another GPU of the node reads it over NVLink and no rank creates a context on the
+  writer's GPU. The exporting process cannot open its own handle; readers are other processes.
+- ``shm``: a file under ``/dev/shm`` mapped by both sides, for the CPU stand-in capture server
+  (:mod:`specforge_kimi.online.reference_server`), so everything but the CUDA handle runs on a CPU machine.
+
+The pool file ``<dir>/<pool_id>.json`` names the memory, the slot table, the writer's pid (with its start time,
+so a reused pid is not taken for the writer) and the lease; it is written once, atomically, before the server
+answers its first request. A reader refuses a pool whose writer is gone: its features are lost with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from specforge_kimi.transport.slots import SlotTable, shm_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolInfo:
+    """The content of a pool file."""
+
+    pool_id: str
+    backend: str  # cuda | shm
+    nbytes: int
+    slots_path: str
+    pid: int
+    pid_start: str | None
+    lease_s: float
+    created: float
+    device: dict[str, Any]  # cuda: the writer's {"index", "uuid", "name"}; shm: {}
+    handle: dict[str, Any]  # cuda: {"share": the _share_cuda_ tuple, bytes as base64}; shm: {"path"}
+    alloc_conf: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": 1, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> PoolInfo:
+        if raw.get("version") != 1:
+            raise ValueError(f"pool file version {raw.get('version')!r}, expected 1")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in fields})
+
+
+def pool_file(directory: str | os.PathLike, pool_id: str) -> Path:
+    return Path(directory) / f"{pool_id}.json"
+
+
+def write_pool_file(directory: str | os.PathLike, info: PoolInfo) -> Path:
+    """Atomically (write, then rename) so a reader never sees half a file."""
+    path = pool_file(directory, info.pool_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info.to_json(), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def read_pool_file(directory: str | os.PathLike, pool_id: str) -> PoolInfo:
+    path = pool_file(directory, pool_id)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"cuda_ipc pool {pool_id}: no pool file {path} (is {directory} the capture server's "
+            "SGLANG_SPEC_CAPTURE_IPC_DIR, and is that server still running?)"
+        )
+    return PoolInfo.from_json(json.loads(path.read_text()))
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22), None where unavailable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2 :].split()[19]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def alive(pid: int, start: str | None) -> bool:
+    """Whether process ``pid`` runs and is the one that started at ``start`` (when known)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return start is None or process_start(pid) in (None, start)
+
+
+def _encode(value: Any) -> Any:
+    return {"b64": base64.b64encode(value).decode()} if isinstance(value, bytes) else value
+
+
+def _decode(value: Any) -> Any:
+    return base64.b64decode(value["b64"]) if isinstance(value, dict) and "b64" in value else value
+
+
+def create_memory(pool_id: str, nbytes: int, device) -> tuple[Any, str, dict, dict]:
+    """The writer's pool: ``(uint8 tensor of nbytes, backend, handle, device info)``."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        memory = torch.empty(int(nbytes), dtype=torch.uint8, device=torch.device("cuda", index))
+        share = memory.untyped_storage()._share_cuda_()
+        props = torch.cuda.get_device_properties(index)
+        info = {"index": index, "uuid": str(getattr(props, "uuid", "")), "name": props.name}
+        return memory, "cuda", {"share": [_encode(x) for x in share]}, info
+    if device.type != "cpu":
+        raise ValueError(f"cuda_ipc pools live on a CUDA device (or the CPU stand-in), not {device}")
+    import numpy as np
+
+    path = shm_dir() / f"sfk-ipc-{pool_id}.pool"
+    mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(int(nbytes),))
+    return torch.from_numpy(mm), "shm", {"path": str(path)}, {}
+
+
+def open_memory(info: PoolInfo, device):
+    """A reader's mapping of ``info``'s pool as a uint8 tensor (on ``device`` for the CUDA backend)."""
+    import torch
+
+    if info.backend == "shm":
+        import numpy as np
+
+        mm = np.memmap(info.handle["path"], dtype=np.uint8, mode="r+", shape=(int(info.nbytes),))
+        return torch.from_numpy(mm)
+    if info.backend != "cuda":
+        raise ValueError(f"cuda_ipc pool {info.pool_id}: unknown backend {info.backend!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"cuda_ipc pool {info.pool_id} is GPU memory; map it on a CUDA device, not {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _check_peer_access(info, index)
+    share = [_decode(x) for x in info.handle["share"]]
+    # (device, handle, size, offset, ref-counter handle, ref-counter offset, event handle, event sync): opened
+    # on the reader's own device; no event to wait for (the slot table orders writer and reader)
+    _dev, handle, size, offset, rc_handle, rc_offset, ev_handle, _ev_sync = share
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, handle, size, offset, rc_handle, rc_offset, ev_handle, False
+        )
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"cuda_ipc pool {info.pool_id}: cannot open the capture server's CUDA IPC handle on cuda:{index} "
+            f"({exc}); the allocator config of the server was {info.alloc_conf!r} (expandable segments need "
+            "CAP_SYS_PTRACE or the same user) -- use server.transport: mooncake where this cannot work"
+        ) from exc
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
+
+
+def _check_peer_access(info: PoolInfo, index: int) -> None:
+    """When the writer's GPU is visible here and is not ``index``, ``index`` must reach it by peer access."""
+    import torch
+
+    uuid = info.device.get("uuid")
+    if not uuid:
+        return
+    for j in range(torch.cuda.device_count()):
+        if str(getattr(torch.cuda.get_device_properties(j), "uuid", "")) == uuid:
+            if j != index and not torch.cuda.can_device_access_peer(index, j):
+                raise RuntimeError(
+                    f"cuda_ipc pool {info.pool_id} lives on cuda:{j}, which cuda:{index} cannot reach by peer "
+                    "access (no P2P between these GPUs): use server.transport: mooncake"
+                )
+            return
+
+
+class PoolReader:
+    """One process's mapping of one pool: the memory, the slot table, the writer's liveness."""
+
+    ALIVE_CHECK_S = 1.0
+
+    def __init__(self, info: PoolInfo, device) -> None:
+        self.info = info
+        self.memory = open_memory(info, device)
+        self.table = SlotTable.attach(info.slots_path)
+        self.is_cuda = info.backend == "cuda"
+        self._checked = 0.0
+        self._streams = threading.local()
+
+    def check_alive(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.ALIVE_CHECK_S:
+            return
+        if not alive(self.info.pid, self.info.pid_start):
+            raise RuntimeError(
+                f"the capture server (pid {self.info.pid}) that owned cuda_ipc pool {self.info.pool_id} is gone; "
+                "the features it held for unacknowledged samples went with it"
+            )
+        self._checked = now
+
+    def _stream(self, device):
+        import torch
+
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(device=device)
+        return stream
+
+    def read(self, desc, specs: Mapping[str, tuple[tuple[int, ...], Any]], names: Iterable[str], device) -> dict:
+        """Copy ``names`` of the sample ``desc`` places into fresh tensors on ``device``; ``specs`` gives each
+        one's (shape, torch dtype). ``KeyError`` when the slot no longer holds the sample (before or after the
+        copy: a slot reclaimed during the copy is refused, not half read)."""
+        import contextlib
+
+        import torch
+
+        self.check_alive()
+        if self.table.current(desc.slot) != desc.alloc_id:
+            raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} no longer holds alloc {desc.alloc_id}")
+        device = torch.device(device)
+        on_gpu = device.type == "cuda"
+        stream = self._stream(device) if on_gpu and self.is_cuda else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        out = {}
+        with ctx:
+            for name in names:
+                offset, nbytes = desc.features[name]
+                shape, dtype = specs[name]
+                view = self.memory[offset : offset + nbytes].view(dtype)
+                if view.numel() != _numel(shape):
+                    raise ValueError(
+                        f"cuda_ipc feature {name!r}: {nbytes} bytes in the pool, spec {tuple(shape)} {dtype}"
+                    )
+                dst = torch.empty(tuple(shape), dtype=dtype, device=device)
+                dst.copy_(view.view(tuple(shape)), non_blocking=stream is not None)
+                out[name] = dst
+        if stream is not None:
+            stream.synchronize()
+            consumer = torch.cuda.default_stream(device)
+            for t in out.values():
+                # allocated on our stream, used next on the default one (SpecForge's collate and step): the
+                # allocator must not hand the block to our next read before that use is done
+                t.record_stream(consumer)
+        # without a stream every copy above touched the host, and those copies are synchronous
+        if self.table.current(desc.slot) != desc.alloc_id:
+            raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} was reclaimed during the read")
+        return out
+
+    def release(self, desc) -> bool:
+        return self.table.release(desc.slot, desc.alloc_id)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def remove_pool_files(info: PoolInfo, directory: str | os.PathLike | None = None) -> None:
+    """Remove the slot table, the shared-memory file (``shm``) and, with ``directory``, the pool file."""
+    paths = [Path(info.slots_path)]
+    if info.backend == "shm":
+        paths.append(Path(info.handle["path"]))
+    if directory is not None:
+        paths.append(pool_file(directory, info.pool_id))
+    for p in paths:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale(directory: str | os.PathLike) -> list[str]:
+    """Remove what pools of dead writers left under ``directory`` (and in ``/dev/shm``): a capture server
+    killed without its cleanup leaves them. Returns the pool ids removed; live pools are kept."""
+    removed = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.glob("*.json")):
+        try:
+            info = PoolInfo.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if not alive(info.pid, info.pid_start):
+            remove_pool_files(info, directory)
+            removed.append(info.pool_id)
+    return removed

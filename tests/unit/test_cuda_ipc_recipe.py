@@ -1,0 +1,215 @@
+"""``server.transport: cuda_ipc`` in a recipe: refused where it cannot work (one line naming why), the pool and
+the producer's byte watermarks sized from the recipe and counted in the memory plan, the environment of each
+role, the launch plan without a Mooncake master, and the launch preflight."""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.online import transport_plan as tp
+from specforge_kimi.online.recipes import GIB, Recipe, load_recipe, memory_plan, render
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def _raw(name: str = "tiny-k25-tp1-h200.yaml", **server) -> dict:
+    raw = copy.deepcopy(yaml.safe_load((RECIPES / name).read_text()))
+    raw["server"].update(transport="cuda_ipc", **server)
+    return raw
+
+
+def _load(tmp_path, raw) -> Recipe:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_recipe(path)
+
+
+def test_mooncake_stays_the_default():
+    for path in sorted(RECIPES.glob("*.yaml")):
+        r = load_recipe(path)
+        assert r.server.transport == "mooncake" and memory_plan(r)["transport"] == "mooncake"
+        assert "ipc_pool_gib" not in memory_plan(r) and tp.memory_terms(r) == {
+            "pool": 0,
+            "server_rows": 0,
+            "prefetch": 0,
+        }
+        assert tp.server_env(r) == {} and tp.process_env(r) == {} and tp.runtime_config(r) == {}
+
+
+@pytest.mark.parametrize(
+    "mutate, msg",
+    [
+        (lambda r: r["gpus"].update(nnodes=2), "single-node"),
+        (lambda r: r["server"].update(extra_args=["--enable-dp-attention", "--dp-size", "2"]), "DP attention"),
+        (lambda r: r["server"].update(extra_args=["--dp=2"]), "DP attention"),
+        (lambda r: r.update(resilience={"server_restarts": 1}), "cannot restart a lost capture server"),
+        (lambda r: r.update(resilience={"segment_owner": "keeper"}), "has none"),
+        (lambda r: r["server"].update(capture_put_clients=2), "capture_put_clients"),
+        (lambda r: r["server"].update(ipc_pool_gib=0.01), "below the"),
+        (lambda r: r["server"].update(ipc_lease_s=0), "ipc_lease_s"),
+        (lambda r: r["server"].update(transport="nvlink"), "transport"),
+    ],
+)
+def test_refused_with_one_line(tmp_path, mutate, msg):
+    raw = _raw()
+    mutate(raw)
+    if raw["gpus"].get("nnodes", 1) > 1:  # the multi-node rules of the mooncake recipe still apply first
+        raw["server"]["host"] = "10.0.0.1"
+        raw["trainer"]["consumer_state_dir"] = "/local/state"
+    with pytest.raises(KimiInputError, match=msg) as exc:
+        _load(tmp_path, raw)
+    assert "\n" not in str(exc.value)
+
+
+def test_pool_watermarks_and_memory_plan(tmp_path):
+    r = _load(tmp_path, _raw())
+    s = tp.sample_bytes(r)
+    assert tp.feature_bytes_per_token(r) == 4 * 512 * 2 + 24 and s == 1024 * (4 * 512 * 2 + 24)
+    # one window (1 rank x batch 1) + the producer's 8 in flight, at 0.8
+    assert tp.min_pool_bytes(r) == int(9 * s / 0.8) + 1
+    assert tp.pool_bytes(r) == GIB  # the 1 GiB floor for this tiny recipe
+    high, low = tp.watermarks(r)
+    assert high == int(0.8 * GIB) - 8 * s and low == int(0.75 * high)
+    assert high >= tp.optimizer_window(r) * s  # the consumer's window always fits under the watermark
+    plan = memory_plan(r)
+    assert plan["transport"] == "cuda_ipc" and plan["ipc_pool_gib"] == 1.0 and plan["fits"]
+    base = memory_plan(load_recipe(RECIPES / "tiny-k25-tp1-h200.yaml"))
+    assert plan["trainer_peak_gib"] == pytest.approx(base["trainer_peak_gib"] + 4 * s / GIB, abs=0.01)
+    rows = 2 * 16384 * 4 * 512 * 2  # 2 pending batches of SGLang's 16,384-token max prefill
+    assert plan["writer_gpu_trainer_room_gib"] == pytest.approx(base["trainer_room_gib"] - 1 - rows / GIB, abs=0.01)
+    # an explicit pool is taken as given; the K2.5 B200 recipe's default: 8 ranks' window + 8 in flight of 4k samples
+    assert tp.pool_bytes(_load(tmp_path, _raw(ipc_pool_gib=3))) == 3 * GIB
+    k25 = _load(tmp_path, _raw("kimi-k25-8xb200-lowered.yaml"))
+    assert tp.sample_bytes(k25) == 4096 * 57_368 and tp.optimizer_window(k25) == 8
+    assert tp.min_pool_bytes(k25) <= tp.pool_bytes(k25) < tp.min_pool_bytes(k25) + GIB // 4
+    assert memory_plan(k25)["fits"]
+
+
+def test_a_pool_that_does_not_fit_beside_the_trainer_is_refused(tmp_path):
+    """The B300 recipe (16k-token samples) fits with Mooncake; its pool and captured rows on GPU 0 do not."""
+    assert memory_plan(load_recipe(RECIPES / "kimi-k25-8xb300.yaml"))["fits"]
+    with pytest.raises(KimiInputError, match="left on GPU 0 beside the server, its cuda_ipc pool"):
+        _load(tmp_path, _raw("kimi-k25-8xb300.yaml"))
+
+
+def test_rendered_roles_and_specforge_config(tmp_path):
+    from specforge_kimi import transport
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    r = Recipe.model_validate(raw)
+    out = render(r, tmp_path / "rendered")  # SpecForge's Config validates the runtime section
+    server, env = out["launch"]["server_env"], out["launch"]["env"]
+    assert server[transport.SERVER_TRANSPORT_ENV] == "cuda_ipc"
+    assert server[transport.POOL_BYTES_ENV] == str(GIB) and float(server[transport.LEASE_ENV]) == 1800
+    assert server[transport.POOL_DIR_ENV] == env[transport.READER_DIR_ENV] == str(tmp_path / "run" / "ipc")
+    assert env[transport.TRANSPORT_ENV] == "cuda_ipc" and env["CLONE_ON_FETCH"] == "0"
+    high, low = tp.watermarks(r)
+    assert out["specforge_config"]["runtime"] == {
+        "resident_high_watermark_bytes": high,
+        "resident_low_watermark_bytes": low,
+    }
+    from specforge.config import Config
+    from specforge.runtime.control_plane.flow_control import FlowControlLimits
+
+    cfg = Config.model_validate(out["specforge_config"])
+    assert cfg.runtime.resident_high_watermark_bytes == high
+    FlowControlLimits(high_watermark_refs=256, high_watermark_bytes=high, low_watermark_bytes=low)
+
+
+def test_launch_plan_has_no_mooncake_master(tmp_path):
+    from specforge_kimi.online.launch import build_colocated_plan
+
+    raw = _raw("tiny-k25-tp2-h200x2.yaml")
+    raw["output_dir"] = str(tmp_path / "run")
+    r = Recipe.model_validate(raw)
+    plan = build_colocated_plan(r, render(r, tmp_path / "rendered"), python=sys.executable)
+    assert [s.command.label for s in plan.services] == ["capture-server"]
+    assert plan.managed_ports == (r.server.port,)
+    assert plan.services[0].command.env["SGLANG_SPEC_CAPTURE_TRANSPORT"] == "cuda_ipc"
+    assert all(c.env["SPECFORGE_KIMI_TRANSPORT"] == "cuda_ipc" for c in plan.commands)
+    mooncake = Recipe.model_validate({**raw, "server": {**raw["server"], "transport": "mooncake"}})
+    assert [s.command.label for s in build_colocated_plan(mooncake, render(mooncake, tmp_path / "r2")).services][0] == (
+        "mooncake"
+    )
+
+
+def test_launch_preflight_wants_patch_0005(tmp_path, monkeypatch):
+    from specforge_kimi.online import launch, setup_patches
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    r = Recipe.model_validate(raw)
+    plan = launch.build_colocated_plan(r, render(r, tmp_path / "rendered"), python=sys.executable)
+    monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: ["0005-spec-capture-cuda-ipc.patch is not applied"])
+    with pytest.raises(KimiInputError, match="server.transport is cuda_ipc, but 0005"):
+        launch.cuda_ipc_preflight(plan)
+    monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
+    launch.cuda_ipc_preflight(plan)  # one GPU: no peer-access question
+
+
+def _fake_python(tmp_path, output: str, rc: int = 0) -> str:
+    script = tmp_path / "fake-python"
+    script.write_text(f"#!/bin/sh\necho '{output}'\nexit {rc}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_peer_access_answers(tmp_path):
+    assert tp.peer_access_problem("0") is None and tp.peer_access_problem("") is None
+    assert tp.peer_access_problem("0,1,2", _fake_python(tmp_path, "|3")) is None
+    assert "GPU(s) 2 of" in tp.peer_access_problem("0,1,2", _fake_python(tmp_path, "2|3"))
+    assert "2 of the 3 GPUs" in tp.peer_access_problem("0,1,2", _fake_python(tmp_path, "|2"))
+    assert "could not check" in tp.peer_access_problem("0,1", _fake_python(tmp_path, "", rc=1))
+
+
+def test_stale_pools_are_removed_after_a_run(tmp_path):
+    """What a SIGKILLed server leaves (pool file, slot table, shared-memory file) goes at the launch's end."""
+    import subprocess
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    r = Recipe.model_validate(raw)
+    code = (
+        "import os, sys; from specforge_kimi.transport.writer import IpcCaptureWriter; "
+        "w = IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=sys.argv[1], device='cpu'); "
+        "print(w.info.slots_path, w.info.handle['path'], flush=True); os._exit(0)"  # no cleanup, as after SIGKILL
+    )
+    out = subprocess.run([sys.executable, "-c", code, tp.ipc_dir(r)], capture_output=True, text=True, check=True)
+    left = out.stdout.split()
+    assert all(os.path.exists(p) for p in left) and len(list(Path(tp.ipc_dir(r)).glob("*.json"))) == 1
+    assert len(tp.remove_stale_pools(r)) == 1
+    assert not any(os.path.exists(p) for p in left) and not list(Path(tp.ipc_dir(r)).glob("*.json"))
+
+
+def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
+    """doctor with a cuda_ipc recipe: a ``cuda_ipc transport`` check (SGLang 0005, peer access) instead of the
+    Mooncake master's; on this CPU box's unpatched sglang it fails naming 0005, with a fix."""
+    from specforge_kimi.online import doctor, setup_patches
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    checks = {c.name: c for c in doctor.run_checks(str(path))}
+    assert "mooncake master" not in checks
+    ipc = checks["cuda_ipc transport"]
+    assert ipc.status == "fail" and "0005-spec-capture-cuda-ipc.patch" in ipc.detail and "setup" in ipc.fix
+    monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
+    (ok,) = doctor.check_cuda_ipc(load_recipe(path))
+    assert ok.status == "ok" and "pool 1.00 GiB on GPU 0" in ok.detail
+
+
+def test_trainer_ranks_map_pools_on_their_own_gpu(monkeypatch):
+    from specforge_kimi.transport.store import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert str(rank_device()) == "cuda:3"
