@@ -241,7 +241,7 @@ def add_capture_parser(sub) -> None:
         "capture-features",
         help="capture a recipe's prompts to SpecForge offline feature files through the recipe's capture server",
     )
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="recipe YAML (recipes/*.yaml): target, server flags, data and draft")
     p.add_argument("--out", required=True, help="new directory for sample-NNNNNN.ckpt files")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.set_defaults(func=run_capture)
@@ -261,7 +261,7 @@ def add_train_parser(sub) -> None:
         help="train a recipe's draft offline (SpecForge's trainer, in-process) on "
         "feature files, e.g. from capture-features; then export for SGLang",
     )
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="recipe YAML (recipes/*.yaml): target, server flags, data and draft")
     p.add_argument("--features", required=True, help="directory of SpecForge offline .ckpt feature files")
     p.add_argument("--out", required=True, help="output directory (checkpoints, export-sglang/)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's max_steps)")
