@@ -201,9 +201,16 @@ class Progress:
         self._lines = 0
         self._bar = None
         if enabled and is_terminal(self.stream):
+            import shutil
+
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream, dynamic_ncols=True)
+            # the terminal's size, or 100 x 24 where it reports none (a pty without a size, where tqdm
+            # would otherwise draw nothing)
+            size = shutil.get_terminal_size((100, 24))
+            self._bar = tqdm(
+                total=total, desc=desc, unit=unit, file=self.stream, ncols=min(size.columns, 160), nrows=size.lines
+            )
 
     def retotal(self, total: float) -> None:
         """The stage's total turned out to be ``total`` (e.g. a time budget allows fewer steps)."""
@@ -224,10 +231,13 @@ class Progress:
         n = min(n, self.total)
         self.postfix.update(postfix)
         if self._bar is not None:
-            self._bar.update(n - self.n)
-            self.n = n
             if postfix:
-                self._bar.set_postfix_str(_fmt_postfix(self.postfix), refresh=True)
+                self._bar.set_postfix_str(_fmt_postfix(self.postfix), refresh=False)
+            if n != self.n:
+                self._bar.update(n - self.n)  # redraws (at most every 0.1 s)
+            elif postfix:
+                self._bar.refresh()
+            self.n = n
             return
         self.n = n
         frac = n / self.total if self.total else 1.0

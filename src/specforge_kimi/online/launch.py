@@ -206,9 +206,11 @@ def preflight(plan) -> None:
     if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
         raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
+        from specforge_kimi.online.setup_patches import GET_CHECKOUT
+
         raise KimiInputError(
-            "the installed sglang lacks SpecForge's spec-capture patch; "
-            "run specforge-kimi setup --specforge-checkout /path/to/SpecForge"
+            "the installed sglang lacks SpecForge's spec-capture patch; run specforge-kimi setup "
+            f"--specforge-checkout DIR with a SpecForge checkout: {GET_CHECKOUT}"
         )
     compact_preflight(plan)
 
