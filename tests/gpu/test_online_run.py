@@ -10,7 +10,9 @@ launch`` with Mooncake + TP=2 capture server + producer + 2 trainer ranks on GPU
      checkpoint (SpecForge's per-step console loss is a noisy single-batch value);
   c. bytes written under the run directory besides checkpoints/export/rendered configs stay under
      ``METADATA_BOUND`` per trained token (features travel through Mooncake only);
-  d. afterwards no compute process holds GPU memory and no sglang/specforge/mooncake process is left.
+  d. afterwards no compute process holds GPU memory and no sglang/specforge/mooncake process is left;
+  e. launch's status line, SpecForge's TensorBoard events (the recipe's default tracking) and
+     run-report's plots (loss, acceptance, throughput, GPU memory per role).
 Writes everything the script writes to ``$SPECFORGE_KIMI_GPU_OUT`` (or a tmp dir).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -63,6 +66,13 @@ def test_online_run(tmp_path):
     assert not apps, apps
     assert not held, held
     assert not (out / "procs_after.txt").read_text().strip()
+    # e: what the user watches (issue 27): launch's status line (launch.out is not a terminal: a line per
+    # change, at most one a minute), SpecForge's TensorBoard events from the recipe's default tracking,
+    # run-report's plots beside its JSON
+    assert re.search(r"^step \d+/\d+ \(\d+%\) \| loss [0-9.]+ \| accept ", (out / "launch.out").read_text(), re.M)
+    assert "events.out.tfevents" in (out / "run_tree.txt").read_text()
+    for name in ("loss", "acceptance", "throughput", "gpu_memory"):
+        assert (out / f"run_{name}.png").is_file(), name
 
 
 def gpu_leftovers(text: str) -> tuple[list[str], list[str], int]:
