@@ -344,27 +344,15 @@ def run_demo(s: DemoSettings) -> dict:
     inp = prepare_inputs(s, say, lap)
     log = inp.out / "specforge.log"
     # from the first draft on, SpecForge's own output (metric dicts, notices, bars) goes to the log only
-    steps = _StepBar()
+    from specforge_kimi.online.progress import StepLines
+
+    steps = StepLines()  # the training bar follows SpecForge's own step lines
     with console.output_to_log(log, on_line=steps):
         return _train_evaluate_export(s, inp, say, lap, timings, t0, log, steps)
 
 
-class _StepBar:
-    """The training stage's bar, moved by SpecForge's own ``step N: {...}`` lines as they are printed."""
-
-    def __init__(self) -> None:
-        self.bar = None
-
-    def __call__(self, line: str) -> None:
-        from specforge_kimi.online.progress import parse_step_line
-
-        row = parse_step_line(line) if self.bar is not None else None
-        if row is not None and "loss" in row:
-            self.bar.set(row["step"], loss=f"{row['loss']:.3f}")
-
-
 def _train_evaluate_export(
-    s: DemoSettings, inp: DemoInputs, say, lap, timings: dict, t0: float, log: Path, steps: _StepBar
+    s: DemoSettings, inp: DemoInputs, say, lap, timings: dict, t0: float, log: Path, steps
 ) -> dict:
     """The demo's steps 4-6: the untrained draft, SpecForge's training, evaluation, export and the summary."""
     import torch

@@ -66,6 +66,19 @@ def consumer_steps(log_text: str) -> list[dict]:
     return out
 
 
+class StepLines:
+    """A line callback (:func:`console.output_to_log`'s ``on_line``) that moves a :class:`console.Progress`
+    bar by SpecForge's own ``step N: {...}`` lines as they are printed, with their loss as the postfix."""
+
+    def __init__(self, bar=None) -> None:
+        self.bar = bar
+
+    def __call__(self, line: str) -> None:
+        row = parse_step_line(line) if self.bar is not None else None
+        if row is not None and "loss" in row:
+            self.bar.set(row["step"], loss=f"{row['loss']:.3f}")
+
+
 def per_position(row: dict, stem: str) -> list[float]:
     """``row[f"{stem}_0"], row[f"{stem}_1"], ...`` (SpecForge's per-TTT-position metrics)."""
     out, i = [], 0
