@@ -73,6 +73,7 @@ T1=$(date +%s)
 CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi train-offline "$RECIPE" --features runs/features-offline \
   --out runs/offline-twin > "$OUT/train_offline.out" 2>&1
 echo "train-offline rc=$? seconds=$(( $(date +%s) - T1 ))" | tee -a "$OUT/train_offline.out"
+cp runs/offline-twin/specforge.log "$OUT/train_offline_specforge.log" 2>/dev/null  # SpecForge's per-step lines
 CUDA_VISIBLE_DEVICES=$LAST_GPU python3 -m specforge_kimi bench "${BENCH[@]}" --no-baseline --draft runs/offline-twin/export-sglang \
   --out runs/bench-offline > "$OUT/bench_offline.out" 2>&1
 echo "bench offline rc=$?" | tee -a "$OUT/bench_offline.out"

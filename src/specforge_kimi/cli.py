@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from specforge_kimi.errors import KimiInputError, validation_summary
@@ -89,14 +90,45 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_layer_ids(args: argparse.Namespace) -> int:
     from specforge_kimi.target.layer_ids import ENGINES, AuxLayers, parse_id_list
 
-    aux = AuxLayers.from_engine(args.engine, parse_id_list(args.ids, "layer-ids"), args.num_layers)
-    table = {"captured_positions": list(aux.positions)}
+    given = parse_id_list(args.ids, "layer-ids")
+    aux = AuxLayers.from_engine(args.engine, given, args.num_layers)
+    # a recipe (and SpecForge's config) takes SpecForge ids: the ids as given when they are SpecForge's or
+    # SGLang's own, else the SpecForge view of the captured positions
+    recipe_ids = list(given) if args.engine in ("specforge", "sglang") else aux.specforge_ids()
+    views: dict[str, list[int] | str] = {}
     for engine in ENGINES:
         try:
-            table[engine] = aux.to_engine(engine)
+            views[engine] = aux.to_engine(engine)
         except KimiInputError as exc:
-            table[engine] = f"unreachable: {exc}"
-    print(json.dumps(table, indent=2))
+            views[engine] = f"unreachable: {exc}"
+    if args.json:
+        print(
+            json.dumps(
+                {"recipe_aux_layer_ids": recipe_ids, "captured_positions": list(aux.positions), **views}, indent=2
+            )
+        )
+        return 0
+
+    def ids(v) -> str:
+        return ",".join(map(str, v)) if isinstance(v, list) else v
+
+    rows = [
+        ("recipe target.aux_layer_ids (SpecForge ids)", ids(recipe_ids)),
+        ("captured positions = HF hidden_states indices", ids(list(aux.positions))),
+        ("SGLang --spec-capture-aux-layer-ids", ids(recipe_ids)),
+        ("vLLM ids", ids(views["vllm"])),
+        ("exported drafts' eagle_aux_hidden_state_layer_ids", ids(views["sglang"])),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"aux layers of a {args.num_layers}-layer target, given as {args.engine} ids {ids(list(given))}:")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    same = (
+        f" ({ids(list(aux.positions))} captures the same layers: SGLang shifts a list that starts at 1 by +1)"
+        if recipe_ids[0] == 1
+        else ""
+    )
+    print(f"put [{', '.join(map(str, recipe_ids))}] into the recipe's target.aux_layer_ids{same}")
     return 0
 
 
@@ -160,11 +192,72 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+#: ``--help`` lists the commands by stage; a command missing here is listed under "other"
+COMMAND_GROUPS = {
+    "data": ("prepare", "regenerate"),
+    "train": ("setup", "doctor", "recipe", "launch", "watch", "train"),
+    "evaluate": ("bench", "run-report", "export-check"),
+    "tools": ("inspect", "layer-ids", "capture-features", "train-offline"),
+    "tiny / dev (tiny targets, the CPU demo)": ("demo", "tiny", "eval-draft", "target-text"),
+}
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's help ends with its default unless it states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or action.default == []
+            or not (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+
+def _group_commands(p: argparse.ArgumentParser, sub) -> None:
+    """Move the command list of ``--help`` into stage groups (:data:`COMMAND_GROUPS`)."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    sub._choices_actions.clear()  # the flat list argparse would print
+    width = max(map(len, helps)) + 2
+    listed: set[str] = set()
+    lines = ["commands, by stage (specforge-kimi COMMAND --help for each one's arguments):"]
+    for group, names in (*COMMAND_GROUPS.items(), ("other", tuple(sorted(helps)))):
+        names = [n for n in names if n in helps and n not in listed]
+        if not names:
+            continue
+        lines.append(f"  {group}:")
+        for n in names:
+            lines += textwrap.wrap(
+                helps[n], 110, initial_indent=f"    {n:<{width}}", subsequent_indent=" " * (4 + width)
+            )
+        listed.update(names)
+    p.epilog = "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from specforge_kimi import __version__
     from specforge_kimi.demo import prompt_rules  # light: the rule names for --pretrain-prompt-rule
 
-    p = argparse.ArgumentParser(prog="specforge-kimi", description="Kimi-K2.5 EAGLE-3 drafts with SpecForge")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(
+        prog="specforge-kimi",
+        description="Kimi-K2.5 EAGLE-3 drafts with SpecForge: data, the online run, evaluation and export.",
+    )
+    p.add_argument("--version", action="version", version=f"specforge-kimi {__version__}")
+    sub = p.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser, help="one of the commands below"
+    )
 
     t = sub.add_parser("tiny", help="write a tiny random Kimi-K2.5 checkpoint (K2.5 names and nesting)")
     t.add_argument("out_dir", help="new directory for the checkpoint (config, safetensors, tokenizer)")
@@ -173,10 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the TP size you test)")
     t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (K2.5: 384)")
     t.add_argument("--experts-per-token", type=int, default=2, help="top-k routing (K2.5: 8)")
-    t.add_argument("--moe-intermediate", type=int, default=256)
-    t.add_argument("--dense-intermediate", type=int, default=1024)
-    t.add_argument("--q-lora-rank", type=int, default=1536)
-    t.add_argument("--vocab", type=int, default=163840)
+    t.add_argument("--moe-intermediate", type=int, default=256, help="routed expert intermediate size (K2.5: 2048)")
+    t.add_argument("--dense-intermediate", type=int, default=1024, help="layer 0's dense MLP size (K2.5: 18432)")
+    t.add_argument("--q-lora-rank", type=int, default=1536, help="MLA query low-rank size (K2.5: 1536)")
+    t.add_argument("--vocab", type=int, default=163840, help="vocabulary (K2.5: 163840; must hold K2.5's special ids)")
     t.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     t.add_argument(
         "--int4-experts",
@@ -264,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="whose convention the ids are in",
     )
     lid.add_argument("--num-layers", type=int, default=61, help="target decoder layers (K2.5: 61)")
+    lid.add_argument("--json", action="store_true", help="every convention as JSON instead of the table")
     lid.set_defaults(func=_cmd_layer_ids)
 
     e = sub.add_parser("export-check", help="check an exported SGLang draft against what its loader needs")
@@ -285,7 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_cmd_train)
 
     rc = sub.add_parser("recipe", help="validate a recipe or render it to SpecForge config + launch commands")
-    rc.add_argument("action", choices=("validate", "render"))
+    rc.add_argument(
+        "action",
+        choices=("validate", "render"),
+        help="validate: schema + per-GPU memory split (writes nothing); render: write the SpecForge config, "
+        "draft config and launch.json",
+    )
     rc.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
     rc.add_argument("--out", default=None, help="render directory (default: OUTPUT_DIR/rendered)")
     rc.set_defaults(func=_cmd_recipe)
@@ -301,7 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also stop tiny-target pretraining after this many steps (0: the time budget only)",
     )
     d.add_argument("--seed", type=int, default=0, help="seed of the tiny target and the training")
-    d.add_argument("--no-progress", action="store_true", help="no progress bars (SpecForge still logs its steps)")
+    d.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="print nothing but errors (SpecForge's own output still goes to OUT/specforge.log)",
+    )
     d.set_defaults(func=_cmd_demo)
 
     for name in (
@@ -309,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
         "data.regenerate",
         "online.setup_patches",
         "online.launch",
+        "online.progress",
         "online.doctor",
         "evaluate.bench",
         "demo.draft_eval",
@@ -321,10 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError:
             continue
         module.add_parser(sub)
+    _group_commands(p, sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from specforge_kimi.console import quiet_known_notices
+
+    quiet_known_notices()  # two import-time notices of the stack that say nothing about a run (console.KNOWN_NOTICES)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:2]):
         # argparse's REMAINDER drops leading options ("train -c run.yaml"); hand them over whole

@@ -10,7 +10,9 @@ launch`` with Mooncake + TP=2 capture server + producer + 2 trainer ranks on GPU
      checkpoint (SpecForge's per-step console loss is a noisy single-batch value);
   c. bytes written under the run directory besides checkpoints/export/rendered configs stay under
      ``METADATA_BOUND`` per trained token (features travel through Mooncake only);
-  d. afterwards no compute process holds GPU memory and no sglang/specforge/mooncake process is left.
+  d. afterwards no compute process holds GPU memory and no sglang/specforge/mooncake process is left;
+  e. launch's status line, SpecForge's TensorBoard events (the recipe's default tracking) and
+     run-report's plots (loss, acceptance, throughput, GPU memory per role).
 Parametrized by the feature transport (issue 25): ``mooncake`` runs the recipe as it is; ``cuda_ipc`` runs it with
 ``server.transport: cuda_ipc`` (``TRANSPORT`` for the script): no Mooncake master in the plan, every ref a
 ``cudaipc://`` descriptor, no slot reclaimed by its lease, nothing of the pool left in the run dir or /dev/shm.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -68,6 +71,13 @@ def test_online_run(tmp_path, transport):
     assert not apps, apps
     assert not held, held
     assert not (out / "procs_after.txt").read_text().strip()
+    # e: what the user watches (issue 27): launch's status line (launch.out is not a terminal: a line per
+    # change, at most one a minute), SpecForge's TensorBoard events from the recipe's default tracking,
+    # run-report's plots beside its JSON
+    assert re.search(r"^step \d+/\d+ \(\d+%\) \| loss [0-9.]+ \| accept ", (out / "launch.out").read_text(), re.M)
+    assert "events.out.tfevents" in (out / "run_tree.txt").read_text()
+    for name in ("loss", "acceptance", "throughput", "gpu_memory"):
+        assert (out / f"run_{name}.png").is_file(), name
     if transport == "cuda_ipc":
         _check_cuda_ipc(out)
 
@@ -84,4 +94,3 @@ def _check_cuda_ipc(out: Path) -> None:
     server = (run / "logs" / "capture-server-node0.log").read_text(errors="replace")  # the whole log
     assert "cuda_ipc pool" in server and "past the" not in server  # the pool was made; no slot hit its lease
     assert not (out / "ipc_after.txt").read_text().strip(), (out / "ipc_after.txt").read_text()
-

@@ -74,8 +74,17 @@ def test_capture_features_round_trip(tmp_path, capsys):
         )
         == 0
     )
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
+    out = cap.out
     assert json.loads(out[out.rindex("\n{\n") + 1 :])["steps"] == 3
+    # SpecForge's per-step dicts go to its log; the console has a progress line per quarter and the summary
+    log = (tmp_path / "offline" / "specforge.log").read_text()
+    assert [line.split(":")[0] for line in log.splitlines() if line.startswith("step ")] == [
+        "step 1",
+        "step 2",
+        "step 3",
+    ]
+    assert "{'" not in out + cap.err and "train-offline: done, 3/3 step (100%)" in cap.err
     assert check_sglang_export(tmp_path / "offline" / "export-sglang", target_dir=target)["captured_positions"] == [
         2,
         4,

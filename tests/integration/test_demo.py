@@ -1,6 +1,7 @@
 """The embedded demo end to end at reduced size: loss falls, simulated acceptance rises, export sound."""
 
 import json
+import re
 
 import pytest
 
@@ -10,7 +11,7 @@ from specforge_kimi.errors import KimiInputError
 
 
 @pytest.mark.slow
-def test_demo_small(tmp_path):
+def test_demo_small(tmp_path, capfd):
     out = tmp_path / "demo"
     # a step-bounded target: a 25 s budget gave 38 or 39 steps by machine load, and the draft's gain was
     # +0.09 on one such target, +0.68 on another (60 steps: +0.24); 100 steps gave +0.47 and +0.52
@@ -21,9 +22,9 @@ def test_demo_small(tmp_path):
         pretrain_steps=100,
         train_conversations=240,
         heldout_conversations=24,
-        progress=False,
     )
     result = run_demo(s)
+    console = capfd.readouterr()
     on_disk = json.loads((out / "demo_result.json").read_text())
     assert on_disk["train"]["steps"] == 120 == len(on_disk["train"]["losses"])
     assert on_disk["target"]["pretrain_steps"] == 100
@@ -35,6 +36,16 @@ def test_demo_small(tmp_path):
     summary = check_sglang_export(out / "export-sglang", target_dir=out / "target")
     assert summary["captured_positions"] == [2, 3, 4]
     assert (out / "export-sglang" / "provenance.json").is_file()
+    # the console (not a terminal here): a line per stage and a few plain progress lines, no carriage
+    # return, no SpecForge metric dict, no import-time notice; SpecForge's per-step lines are in its log
+    text = console.out + console.err
+    assert "\r" not in text and "{'" not in text and "flash_attn" not in text, text[-3000:]
+    lines = text.splitlines()
+    assert len(lines) < 40, lines
+    assert any(line.startswith("[5/6] train: done, 120/120 step (100%), loss ") for line in lines), lines
+    assert any(line.startswith("[2/6] pretrain: done, 100/100 step (100%)") for line in lines), lines
+    log = (out / "specforge.log").read_text()
+    assert len(re.findall(r"^step \d+: \{", log, re.M)) == 120
 
 
 def test_demo_refuses_foreign_directory(tmp_path):

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from online_cpu import cpu_plan
 
+from specforge_kimi.online.progress import consumer_steps
+
 pytestmark = pytest.mark.slow
 
 STEPS = 6
@@ -60,5 +62,5 @@ def test_compact_run_trains_from_compact_captures(compact_run):
     producer = (logs / "producer.log").read_text(errors="replace")
     assert re.search(r"drive_producer returning produced=\d+ prompts_failed=0", producer), producer[-2000:]
     consumer = (logs / "consumer-node0.log").read_text(errors="replace")
-    losses = [float(m) for m in re.findall(r"^step \d+: \{.*?'loss': ([0-9.e-]+)", consumer, re.M)]
+    losses = [row["loss"] for row in consumer_steps(consumer)]
     assert len(losses) == STEPS and all(x == x and x > 0 for x in losses), consumer[-2000:]

@@ -91,3 +91,53 @@ def test_cli_json_and_exit_code(tiny_dir, tmp_path, capsys):
     rc = doctor.run(argparse.Namespace(recipe=str(_recipe_for(tiny_dir, tmp_path)), json=True))
     out = json.loads(capsys.readouterr().out)
     assert rc == (1 if any(c["status"] == "fail" for c in out) else 0)
+
+
+def test_cpu_mooncake_build_fails_on_a_cuda_host():
+    cpu = {doctor.MOONCAKE_CPU: "0.3.13.post1"}
+    c = doctor.check_mooncake_build(cpu, "13.0")
+    assert c.status == "fail" and "CPU build" in c.detail
+    assert "pip uninstall -y mooncake-transfer-engine-non-cuda" in c.fix
+    assert "mooncake-transfer-engine-cuda13==0.3.14" in c.fix and "bootstrap.sh --gpu" in c.fix
+    c12 = doctor.check_mooncake_build(cpu, "12.8")
+    assert c12.status == "fail" and "'mooncake-transfer-engine==0.3.13.post1'" in c12.fix
+    assert doctor.check_mooncake_build(cpu, None).status == "ok"  # a CPU host
+
+
+def test_mooncake_build_must_match_torchs_cuda():
+    cu13 = {"mooncake-transfer-engine-cuda13": "0.3.14"}
+    assert doctor.check_mooncake_build(cu13, "13.0").status == "ok"
+    wrong = doctor.check_mooncake_build(cu13, "12.8")
+    assert wrong.status == "fail" and "wrong CUDA build" in wrong.detail and "mooncake-transfer-engine==" in wrong.fix
+    both = doctor.check_mooncake_build({**cu13, doctor.MOONCAKE_CPU: "0.3.13.post1"}, "13.0")
+    assert both.status == "fail" and "share the `mooncake` package" in both.detail
+    assert doctor.check_mooncake_build({}, "13.0").status == "fail"
+    assert doctor.check_mooncake_build(cu13, None).status == "warn"
+
+
+def test_mooncake_pins_are_pyprojects_extras():
+    import tomllib
+
+    extras = tomllib.loads((RECIPE.parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, pin, extra in doctor.MOONCAKE_FOR_CUDA.values():
+        assert extras[extra] == [f"{name}=={pin}"]
+    assert extras["cpu"] == [doctor.MOONCAKE_CPU]
+
+
+def test_tracking_package_checked(tmp_path, monkeypatch):
+    from specforge_kimi.online.recipes import load_recipe
+
+    recipe = load_recipe(RECIPE)
+    assert recipe.tracking.report_to == "tensorboard"
+    (c,) = doctor.check_tracking(recipe)
+    assert c.status == "ok" and c.detail.endswith(f"({recipe.output_dir}/runs)")  # tensorboard ships with SpecForge
+    raw = yaml.safe_load(RECIPE.read_text())
+    raw["tracking"] = {"report_to": "swanlab"}
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "swanlab" else real(name, *a))
+    (c,) = doctor.check_tracking(load_recipe(p))
+    assert c.status == "fail" and "pip install swanlab" in c.fix and "report_to: none" in c.fix

@@ -167,7 +167,14 @@ def evaluate(
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval-draft", help="simulated acceptance of checkpoints on held-out corpus conversations")
+    p = sub.add_parser(
+        "eval-draft",
+        help="tiny targets only: simulated acceptance of checkpoints on held-out corpus conversations",
+        description="Scope: tiny or small targets that fit one device in transformers (the target is loaded and "
+        "captured here, no SGLang); Llama-style EAGLE-3 drafts. Scores the untrained draft and each checkpoint "
+        "(simulated chain acceptance, top-k 1, greedy; SpecForge's held-out loss). For a real K2.5 draft use "
+        "`specforge-kimi bench` (SGLang's own speculation).",
+    )
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--draft-config", required=True, help="the draft config JSON the run trained")
     p.add_argument("--vocab-mapping", required=True, help="prepare's vocab_mapping.pt")

@@ -11,6 +11,11 @@ exported in SGLang's format with K2.5's ``eagle_config`` and provenance and chec
 loss curve (PNG), simulated acceptance length (:mod:`simulate`) before and after training on
 held-out samples, the export path. The online path (SGLang capture -> Mooncake) replaces the
 hook capture on GPUs; everything downstream of the features is the same SpecForge code.
+
+Console (:mod:`console`): one line per stage and one progress bar for each long one (pretraining,
+capture, training with its live loss), sized to its real total; plain lines when the console is not
+a terminal. From the first draft on, SpecForge's own output (its per-step metric dicts, its notices)
+goes to ``<out>/specforge.log`` only; the training bar reads its loss from those lines.
 """
 
 from __future__ import annotations
@@ -170,12 +175,12 @@ def capture_samples(
     """Yield ``(row index, sample)`` for ``rows`` in the demo's capture order (sorted by length,
     batches of ``batch``): SpecForge offline-format samples captured with the reference hooks."""
     import torch
-    from tqdm import tqdm
 
+    from specforge_kimi.console import Progress
     from specforge_kimi.target.capture import capture
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    bar = tqdm(total=len(rows), desc=desc, disable=not progress)
+    bar = Progress(desc, len(rows), unit="row", enabled=progress)
     for b in range(0, len(order), batch):
         idx = order[b : b + batch]
         T = max(len(rows[i][0]) for i in idx)
@@ -248,6 +253,7 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
         seconds=s.pretrain_seconds,
         seed=s.seed,
         progress=s.progress,
+        desc="[2/6] pretrain",
         **({"max_steps": s.pretrain_steps} if s.pretrain_steps > 0 else {}),
     )
     shutil.rmtree(random_dir)
@@ -324,22 +330,39 @@ def load_head_weight(target_dir, info):
 
 def run_demo(s: DemoSettings) -> dict:
     """Run the demo; returns (and writes ``demo_result.json``) the measured results."""
-    import torch
+    from specforge_kimi import console
 
-    from specforge_kimi.drafts.export import export_run_draft
-    from specforge_kimi.evaluate.simulate import simulated_acceptance
-    from specforge_kimi.provenance import versions
-    from specforge_kimi.training.offline import train_offline
-
+    console.quiet_known_notices()
     t0 = time.monotonic()
     timings: dict[str, float] = {}
-    say = print if s.progress else (lambda *a, **k: None)
+    say = console.say if s.progress else (lambda *a, **k: None)
 
     def lap(name: str, since: float) -> float:
         timings[name] = round(time.monotonic() - since, 2)
         return time.monotonic()
 
     inp = prepare_inputs(s, say, lap)
+    log = inp.out / "specforge.log"
+    # from the first draft on, SpecForge's own output (metric dicts, notices, bars) goes to the log only
+    from specforge_kimi.online.progress import StepLines
+
+    steps = StepLines()  # the training bar follows SpecForge's own step lines
+    with console.output_to_log(log, on_line=steps):
+        return _train_evaluate_export(s, inp, say, lap, timings, t0, log, steps)
+
+
+def _train_evaluate_export(
+    s: DemoSettings, inp: DemoInputs, say, lap, timings: dict, t0: float, log: Path, steps
+) -> dict:
+    """The demo's steps 4-6: the untrained draft, SpecForge's training, evaluation, export and the summary."""
+    import torch
+
+    from specforge_kimi.console import Progress
+    from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi.evaluate.simulate import simulated_acceptance
+    from specforge_kimi.provenance import versions
+    from specforge_kimi.training.offline import train_offline
+
     out, spec, pre, target_dir, info, aux = inp.out, inp.spec, inp.pretrain, inp.target_dir, inp.info, inp.aux
     feat_dir, feat_dtype, held, vm_path, draft_cfg_path, head_w = (
         inp.feat_dir,
@@ -360,23 +383,28 @@ def run_demo(s: DemoSettings) -> dict:
     t = lap("eval_before", t)
 
     # 5. SpecForge's own EAGLE-3 training
-    say(f"[5/6] SpecForge EAGLE-3 training, {s.steps} steps (TTT length {s.ttt_length})")
-    result = train_offline(
-        target_dir=str(target_dir),
-        draft_config_path=str(draft_cfg_path),
-        hidden_states_path=str(feat_dir),
-        vocab_mapping_path=str(vm_path),
-        output_dir=str(out / "train"),
-        max_steps=s.steps,
-        ttt_length=s.ttt_length,
-        learning_rate=s.learning_rate,
-        max_length=2048,
-        seed=s.seed,
-        embedding_key=info.embedding_key,
-        lm_head_key=info.lm_head_key,
-        chat_template="kimi-k2.5",
-        extra_overrides={"model.torch_dtype": str(feat_dtype).replace("torch.", "")},
-    )
+    say(f"[5/6] SpecForge EAGLE-3 training, {s.steps} steps (TTT length {s.ttt_length}); its log: {log}")
+    steps.bar = Progress("[5/6] train", s.steps, unit="step", enabled=s.progress)
+    try:
+        result = train_offline(
+            target_dir=str(target_dir),
+            draft_config_path=str(draft_cfg_path),
+            hidden_states_path=str(feat_dir),
+            vocab_mapping_path=str(vm_path),
+            output_dir=str(out / "train"),
+            max_steps=s.steps,
+            ttt_length=s.ttt_length,
+            learning_rate=s.learning_rate,
+            max_length=2048,
+            seed=s.seed,
+            embedding_key=info.embedding_key,
+            lm_head_key=info.lm_head_key,
+            chat_template="kimi-k2.5",
+            extra_overrides={"model.torch_dtype": str(feat_dtype).replace("torch.", "")},
+        )
+    finally:
+        steps.bar.close()
+        steps.bar = None
     losses = result["losses"]
     t = lap("train", t)
     from specforge.export.checkpoint_io import resolve_training_state
@@ -465,9 +493,16 @@ def run_demo(s: DemoSettings) -> dict:
     (out / "demo_result.json").write_text(json.dumps(summary, indent=2))
     say(f"[6/6] exported SGLang draft: {export_dir}")
     say(
-        f"held-out loss {before.heldout_loss:.3f} -> {after.heldout_loss:.3f}; training loss {first:.3f} -> "
-        f"{last:.3f} (mean of first/last {k} steps); simulated acceptance length "
-        f"{before.mean_acceptance_length:.3f} -> {after.mean_acceptance_length:.3f} (+{gain:.3f}), over decode "
-        f"rounds {before.serving_acceptance_length:.3f} -> {after.serving_acceptance_length:.3f}; curve {out / 'loss_curve.png'}; results {out / 'demo_result.json'}; {summary['timings_s']['total']:.0f}s"
+        f"result: held-out loss {before.heldout_loss:.3f} -> {after.heldout_loss:.3f}, training loss {first:.3f} -> "
+        f"{last:.3f} (mean of the first/last {k} steps)"
+    )
+    say(
+        f"        simulated acceptance length {before.mean_acceptance_length:.3f} -> "
+        f"{after.mean_acceptance_length:.3f} (+{gain:.3f}); over decode rounds "
+        f"{before.serving_acceptance_length:.3f} -> {after.serving_acceptance_length:.3f}"
+    )
+    say(
+        f"        {out / 'demo_result.json'}, {out / 'loss_curve.png'}; SpecForge's log {log}; "
+        f"{summary['timings_s']['total']:.0f}s"
     )
     return summary

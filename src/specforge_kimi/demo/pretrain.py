@@ -62,8 +62,10 @@ def pretrain(
     loss: str = "full",
     deterministic: bool = True,
     precision: str = "fp32",
+    desc: str = "pretrain tiny target",
 ) -> PretrainResult:
     """Train ``model_dir``'s text model on ``sequences`` for at most ``seconds``; write ``out_dir``.
+    ``progress``: one bar labelled ``desc`` (:class:`console.Progress`), sized to the steps the budget allows.
 
     ``deterministic``: run under ``torch.use_deterministic_algorithms(True)`` (cuBLAS workspace
     pinned), so that a step-bounded run repeats bit for bit on the same device and software. Without
@@ -118,6 +120,7 @@ def pretrain(
             loss=loss,
             precision=precision,
             clock_schedule=not deterministic,
+            desc=desc,
         )
     finally:
         torch.use_deterministic_algorithms(prev_det[0], warn_only=prev_det[1])
@@ -139,11 +142,12 @@ def _pretrain(
     loss,
     precision,
     clock_schedule,
+    desc,
 ) -> PretrainResult:
     import torch
     import torch.nn.functional as F
-    from tqdm import tqdm
 
+    from specforge_kimi.console import Progress
     from specforge_kimi.target.checkpoint import inspect_target, load_text_model
     from specforge_kimi.target.tiny import TinySpec, write_tiny
 
@@ -174,7 +178,9 @@ def _pretrain(
     sink = math.log(info.vocab_size - len(used)) if loss == "full" and info.vocab_size > len(used) else None
     losses: list[float] = []
     start = time.monotonic()
-    bar = tqdm(total=max_steps, desc="pretrain tiny target", disable=not progress, unit="step")
+    # sized to the steps the budget allows: max_steps, or fewer when the time budget ends first (re-estimated
+    # every step from the rate so far; exact at the end)
+    bar = Progress(desc, max_steps, unit="step", enabled=progress)
     step = 0
 
     def schedule_fraction() -> float:
@@ -206,8 +212,10 @@ def _pretrain(
         opt.step()
         losses.append(step_loss.item())
         step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        elapsed = time.monotonic() - start
+        bar.retotal(min(max_steps, max(step + 1, int(step * seconds / elapsed))) if elapsed < seconds else step)
+        bar.update(1, loss=f"{losses[-1]:.3f}")
+    bar.retotal(step)
     bar.close()
     with torch.no_grad():
         model.model.embed_tokens.weight[used_t] = embed.detach()

@@ -202,9 +202,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("targets", nargs="+", help="target directories (written by `specforge-kimi tiny`)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--corpus-prompts", type=int, default=48)
-    p.add_argument("--mix-prompts", type=int, default=48)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--corpus-prompts", type=int, default=48, help="selection prompts from the corpus (none a bench prompt)"
+    )
+    p.add_argument("--mix-prompts", type=int, default=48, help="selection prompts from the chat/math/code prompt mix")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     p.add_argument("--out", default=None, help="write the JSON here")
     p.set_defaults(func=run)
 

@@ -910,19 +910,27 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--prompts-file", action="append", default=[], help="extra JSONL prompt set (name = file stem)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per server before measuring")
     p.add_argument("--no-thinking", action="store_true", help="generation prompt <think></think> (instant mode)")
     p.add_argument("--no-baseline", action="store_true", help="skip the server without speculation (no speedup)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--attention-backend", default="triton")
-    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--tp", type=int, default=1, help="SGLang --tp-size of both servers")
+    p.add_argument("--attention-backend", default="triton", help="SGLang --attention-backend")
+    p.add_argument(
+        "--mem-fraction-static", type=float, default=None, help="SGLang --mem-fraction-static (default: SGLang's own)"
+    )
     p.add_argument(
         "--context-length", type=int, default=None, help="default: min(target, draft max_position_embeddings)"
     )
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--disable-allreduce-fusion", action="store_true")
+    p.add_argument(
+        "--disable-cuda-graph", action="store_true", help="SGLang --disable-cuda-graph (faster start, slower decode)"
+    )
+    p.add_argument(
+        "--disable-allreduce-fusion",
+        action="store_true",
+        help="SGLang --enforce-disable-flashinfer-allreduce-fusion (TP > 1)",
+    )
     p.add_argument(
         "--server-arg",
         action="append",
@@ -931,7 +939,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--port", type=int, default=None, help="default: a free port")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to become healthy")
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     p.add_argument("--standin-tokenizer", action="store_true", help="stand-in tokenizer (tiny targets)")
     p.add_argument("--skip-draft-check", action="store_true", help="do not run export-check on a Llama draft")

@@ -5,9 +5,12 @@ mode). Sources, all SpecForge's own: the consumer log's ``step N: {...}`` lines 
 metrics), the consumer ledger ``consumer-state/consumer.sqlite`` (``committed`` = refs the
 consumer accepted with their ``num_tokens``; ``acked`` = samples whose optimizer step became
 durable; ``marker.global_step``), the checkpoint directories ``<run_id>-step<N>`` and the export.
-Disk: every byte under the run directory except checkpoints, the export and the rendered
-configs, per trained token -- features travel through Mooncake, so this is metadata (refs, ledger,
-logs). Optionally the per-process GPU-memory samples ``scripts/gpu_online_run.sh`` records.
+Disk: every byte under the run directory except checkpoints, the export, the rendered
+configs and this command's own ``run-report/``, per trained token -- features travel through
+Mooncake, so this is metadata (refs, ledger, logs). GPU memory per role from the per-process samples
+``launch`` records (``logs/gpu_mem_samples.csv``, :mod:`online.gpu_memory`) or ``--gpu-samples``. The
+JSON goes to ``--out`` (default ``<run_dir>/run-report/run_report.json``), the plots
+(:mod:`run_plots`) beside it.
 
     specforge-kimi run-report runs/tiny-k25-tp2 [--gpu-samples gpu_mem_samples.csv] [--out report.json]
 """
@@ -15,32 +18,20 @@ logs). Optionally the per-process GPU-memory samples ``scripts/gpu_online_run.sh
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.online.ledger import ledger
+from specforge_kimi.online.progress import consumer_steps
 
-_STEP = re.compile(r"^step (\d+): (\{.*\})\s*$", re.M)
+#: where ``run-report`` writes its JSON and plots by default: ``<run_dir>/run-report/``
+REPORT_DIR = "run-report"
 
 
-def consumer_steps(log_text: str) -> list[dict]:
-    """``[{"step": N, **metrics}]`` from SpecForge's console lines (dict reprs of floats)."""
-    import ast
-
-    out, seen = [], set()
-    for m in _STEP.finditer(log_text):
-        if int(m.group(1)) in seen:  # one line per step (rank 0), also if several ranks print
-            continue
-        seen.add(int(m.group(1)))
-        try:
-            metrics = ast.literal_eval(m.group(2))
-        except (ValueError, SyntaxError):
-            continue
-        out.append(
-            {"step": int(m.group(1)), **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
-        )
-    return out
+def run_steps(run: Path) -> list[dict]:
+    """SpecForge's logged steps of every consumer log of the run (``logs/consumer-node*.log``)."""
+    logs = sorted((run / "logs").glob("consumer-node*.log"))
+    return consumer_steps("\n".join(p.read_text(errors="replace") for p in logs))
 
 
 def disk_bytes(run_dir: Path, run_id: str) -> dict:
@@ -49,6 +40,8 @@ def disk_bytes(run_dir: Path, run_id: str) -> dict:
     for p in run_dir.rglob("*"):
         if p.is_file() and not p.is_symlink():
             top = p.relative_to(run_dir).parts[0]
+            if top == REPORT_DIR:  # this command's own output, not the run's
+                continue
             by_entry[top] = by_entry.get(top, 0) + p.stat().st_size
     excluded = {k for k in by_entry if k.startswith(f"{run_id}-step") or k in ("export-sglang", "rendered")}
     return {
@@ -59,27 +52,12 @@ def disk_bytes(run_dir: Path, run_id: str) -> dict:
 
 
 def gpu_memory(samples_csv: Path) -> dict:
-    """Peak MiB per role from ``time,pid,used_mib,cmdline`` samples."""
+    """Peak MiB per role from ``time,pid,used_mib,cmdline`` samples (:mod:`online.gpu_memory`)."""
+    from specforge_kimi.online.gpu_memory import read_samples, role_of
+
     peaks: dict[str, int] = {}
-    per_pid: dict[str, int] = {}
-    for line in samples_csv.read_text(errors="replace").splitlines():
-        parts = line.split(",", 3)
-        if len(parts) < 4 or not parts[2].strip().isdigit():
-            continue
-        pid, mib, cmd = parts[1].strip(), int(parts[2]), parts[3]
-        role = (
-            "capture-server"
-            if ("capture_server" in cmd or "sglang" in cmd)
-            else "trainer"
-            if "--role consumer" in cmd
-            else "producer"
-            if "--role producer" in cmd
-            else "mooncake"
-            if "mooncake" in cmd
-            else "other"
-        )
-        per_pid[pid] = max(per_pid.get(pid, 0), mib)
-        key = f"{role}:{pid}"
+    for _t, pid, mib, cmd in read_samples(samples_csv):
+        key = f"{role_of(cmd)}:{pid}"
         peaks[key] = max(peaks.get(key, 0), mib)
     by_role: dict[str, int] = {}
     for key, mib in peaks.items():
@@ -130,8 +108,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
 
     cfg = yaml.safe_load(rendered.read_text())
     run_id = cfg["run_id"]
-    logs = sorted((run / "logs").glob("consumer-node*.log"))
-    steps = consumer_steps("\n".join(p.read_text(errors="replace") for p in logs))
+    steps = run_steps(run)
     losses = [s["loss"] for s in steps if "loss" in s]
     k = max(1, min(20, len(losses) // 5)) if losses else 0
     led = ledger(run)
@@ -168,25 +145,62 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
         ),
     }
     out["perf"] = perf(steps, led)
-    if gpu_samples and Path(gpu_samples).is_file():
-        out["gpu_memory"] = gpu_memory(Path(gpu_samples))
+    samples = default_gpu_samples(run, gpu_samples)
+    if samples is not None:
+        out["gpu_memory"] = gpu_memory(samples)
+        out["gpu_samples"] = str(samples)
     return out
 
 
+def default_gpu_samples(run: Path, given: str | None) -> Path | None:
+    """``given``, else the samples ``launch`` records (``logs/gpu_mem_samples.csv``), if the file exists."""
+    from specforge_kimi.online.gpu_memory import SAMPLES_CSV
+
+    path = Path(given) if given else run / "logs" / SAMPLES_CSV
+    return path if path.is_file() else None
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("run-report", help="summarize an online run directory (steps, loss, ledger, disk, memory)")
+    p = sub.add_parser(
+        "run-report",
+        help="summarize an online run directory (steps, loss, ledger, disk, memory) and plot it",
+        description="Reads the run back from what SpecForge wrote (consumer log, ledger, checkpoints) and writes "
+        "run_report.json with PNG plots beside it: loss, per-position acceptance, trained tokens/s, GPU memory per role.",
+    )
     p.add_argument("run_dir", help="the recipe's output_dir")
-    p.add_argument("--gpu-samples", default=None, help="nvidia-smi samples CSV taken during the run (per-role peaks)")
-    p.add_argument("--out", default=None, help="write the JSON here too")
+    p.add_argument(
+        "--gpu-samples",
+        default=None,
+        help="per-process GPU-memory samples CSV (time,pid,used_mib,cmdline) "
+        "(default: RUN_DIR/logs/gpu_mem_samples.csv, which launch records when nvidia-smi is there)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the JSON file to write; the plots go beside it (default: RUN_DIR/run-report/run_report.json)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="write the JSON only")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    res = report(args.run_dir, gpu_samples=args.gpu_samples)
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
+    run_dir = Path(args.run_dir)
+    res = report(run_dir, gpu_samples=args.gpu_samples)
+    out = Path(args.out) if args.out else run_dir / REPORT_DIR / "run_report.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.no_plots:
+        from specforge_kimi.evaluate.run_plots import plot_run
+
+        res["plots"] = plot_run(
+            run_steps(run_dir),
+            res["perf"].get("tokens_per_step"),
+            out.parent,
+            title=res["run_id"],
+            gpu_samples=res.get("gpu_samples"),
+        )
+    out.write_text(json.dumps(res, indent=2))
     brief = {k: v for k, v in res.items() if k not in ("losses", "disk")}
     brief["disk_metadata_bytes"] = res["disk"]["metadata"]
+    brief["report_json"] = str(out)
     print(json.dumps(brief, indent=2))
     return 0

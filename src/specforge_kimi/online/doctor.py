@@ -17,6 +17,14 @@ from pathlib import Path
 
 PINS = {"specforge": "0.2.0", "sglang": "0.5.14", "torch": "2.11.0", "transformers": "5.8.1"}
 MOONCAKE_DISTS = ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda"
+#: Mooncake's build for the CUDA major version torch was built for, pinned (pyproject's extras gpu / gpu-cu12)
+MOONCAKE_FOR_CUDA = {
+    "13": ("mooncake-transfer-engine-cuda13", "0.3.14", "gpu"),
+    "12": ("mooncake-transfer-engine", "0.3.13.post1", "gpu-cu12"),
+}
+#: the package each SpecForge tracker (recipes' tracking.report_to) imports
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab", "mlflow": "mlflow"}
 
 
 @dataclass
@@ -50,18 +58,89 @@ def check_versions() -> list[Check]:
             )
         )
     found = {d: _version(d) for d in MOONCAKE_DISTS}
-    have = {d: v for d, v in found.items() if v}
-    out.append(
-        Check(
-            "mooncake",
-            "ok" if have else "fail",
-            json.dumps(have) if have else "no mooncake distribution",
-            ""
-            if have
-            else "pip install mooncake-transfer-engine-cuda13 (GPU hosts) or mooncake-transfer-engine-non-cuda (CPU)",
-        )
-    )
+    out.append(check_mooncake_build({d: v for d, v in found.items() if v}, _torch_cuda()))
     return out
+
+
+def _torch_cuda() -> str | None:
+    """torch's CUDA version when this host has usable GPUs, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.version.cuda if torch.cuda.is_available() else None
+
+
+def check_mooncake_build(have: dict[str, str], cuda: str | None) -> Check:
+    """The installed Mooncake build(s) against the host: ``have`` maps installed distributions to versions,
+    ``cuda`` is torch's CUDA version on a host with GPUs (None without). A CUDA host needs the CUDA build for
+    torch's CUDA (the CPU build cannot move GPU tensors); a CPU host the CPU build."""
+    fix_gpu = "bash scripts/bootstrap.sh --gpu"
+    if not have:
+        return Check(
+            "mooncake",
+            "fail",
+            "no mooncake distribution",
+            f"{fix_gpu} (GPU hosts) or pip install {MOONCAKE_CPU} (CPU)",
+        )
+    detail = json.dumps(have)
+    if len(have) > 1:
+        return Check(
+            "mooncake",
+            "fail",
+            f"{detail}: several Mooncake builds share the `mooncake` package, whichever was installed last wins",
+            f"pip uninstall -y {' '.join(sorted(have))}, then {fix_gpu} (GPU hosts) or pip install {MOONCAKE_CPU}",
+        )
+    (dist,) = have
+    if cuda is None:
+        if dist == MOONCAKE_CPU:
+            return Check("mooncake", "ok", f"{detail} (CPU build, no GPUs here)")
+        return Check(
+            "mooncake",
+            "warn",
+            f"{detail}: a CUDA build on a host without usable GPUs",
+            f"fine on a node whose GPUs are not visible now; a CPU-only machine needs pip install {MOONCAKE_CPU}",
+        )
+    major = cuda.split(".")[0]
+    want = MOONCAKE_FOR_CUDA.get(major)
+    if want is None:
+        return Check(
+            "mooncake",
+            "fail",
+            f"{detail}; torch is built for CUDA {cuda}, Mooncake has builds for CUDA 12 and 13 only",
+            "install torch 2.11.0 for CUDA 12 or 13",
+        )
+    name, pin, extra = want
+    if dist == name:
+        return Check("mooncake", "ok", f"{detail} (CUDA {major} build; torch CUDA {cuda})")
+    what = "the CPU build" if dist == MOONCAKE_CPU else f"{dist} (the wrong CUDA build)"
+    return Check(
+        "mooncake",
+        "fail",
+        f"{detail}: {what} on a host with GPUs and torch CUDA {cuda}; GPU tensors need {name}",
+        f"pip uninstall -y {dist} && pip install '{name}=={pin}' (or pip install -e '.[{extra}]'); or {fix_gpu}",
+    )
+
+
+def check_tracking(recipe) -> list[Check]:
+    """The package of the recipe's tracker (``tracking.report_to``), which SpecForge imports in the trainer."""
+    import importlib.util
+
+    report_to = recipe.tracking.report_to
+    package = TRACKER_PACKAGES.get(report_to)
+    if package is None:
+        return [Check("tracking", "ok", f"report_to {report_to}")]
+    if importlib.util.find_spec(package) is None:
+        return [
+            Check(
+                "tracking",
+                "fail",
+                f"report_to {report_to}, but {package} is not installed (the trainer would stop at its first step)",
+                f"pip install {package}, or set tracking: {{report_to: none}} in the recipe",
+            )
+        ]
+    where = f"{recipe.output_dir}/runs" if report_to == "tensorboard" else report_to
+    return [Check("tracking", "ok", f"report_to {report_to} ({where})")]
 
 
 def _sha256(path: Path) -> str:
@@ -119,7 +198,7 @@ def check_patches() -> list[Check]:
                 "sglang spec-capture patch",
                 "fail",
                 "sglang.srt.spec_capture_sink is missing",
-                "specforge-kimi setup --specforge-checkout /path/to/SpecForge (at a6b6b023)",
+                f"specforge-kimi setup --specforge-checkout DIR, DIR a SpecForge checkout: {setup_patches.GET_CHECKOUT}",
             )
         )
     return out
@@ -328,7 +407,7 @@ def run_checks(recipe_path: str | None) -> list[Check]:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
         transport = check_mooncake(recipe) if recipe.server.transport == "mooncake" else check_cuda_ipc(recipe)
-        checks += check_target(recipe) + transport + check_gpu_budget(recipe)
+        checks += check_target(recipe) + transport + check_gpu_budget(recipe) + check_tracking(recipe)
     return checks
 
 

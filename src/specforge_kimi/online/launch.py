@@ -20,7 +20,6 @@ killed server's pool left behind is removed when the run ends.
 from __future__ import annotations
 
 import os
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -210,9 +209,11 @@ def preflight(plan) -> None:
     if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
         raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
+        from specforge_kimi.online.setup_patches import GET_CHECKOUT
+
         raise KimiInputError(
-            "the installed sglang lacks SpecForge's spec-capture patch; "
-            "run specforge-kimi setup --specforge-checkout /path/to/SpecForge"
+            "the installed sglang lacks SpecForge's spec-capture patch; run specforge-kimi setup "
+            f"--specforge-checkout DIR with a SpecForge checkout: {GET_CHECKOUT}"
         )
     compact_preflight(plan)
     cuda_ipc_preflight(plan)
@@ -299,8 +300,11 @@ def export_latest(recipe, rendered: dict) -> Path:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="co-located online run of a recipe on this node (server + Mooncake + trainer)")
-    p.add_argument("recipe")
+    p = sub.add_parser(
+        "launch",
+        help="co-located online run of a recipe on this node (server + Mooncake + trainer), with a live status line",
+    )
+    p.add_argument("recipe", help="recipe YAML (recipes/*.yaml); its output_dir receives configs, logs, checkpoints")
     p.add_argument(
         "--node-rank",
         type=int,
@@ -313,9 +317,36 @@ def add_parser(sub) -> None:
         help="multi-node: this node's address the others reach "
         "(default on node 0: the recipe's server.host; required on the others)",
     )
-    p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what would run (commands, environments, logs, the SpecForge config, the memory split) as one "
+        "JSON document and exit; writes nothing",
+    )
     p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no status line while the run trains (`specforge-kimi watch OUTPUT_DIR` shows it from elsewhere)",
+    )
     p.set_defaults(func=run)
+
+
+def plan_document(recipe, rendered: dict, plan) -> dict:
+    """What ``launch --plan`` prints: the supervisor's plan, the SpecForge and draft configs and the
+    memory split, with the directory ``launch`` would render them into (nothing is written)."""
+    import json
+
+    rendered_dir = Path(recipe.output_dir) / "rendered"
+    return {
+        "recipe": recipe.name,
+        "rendered_dir": str(rendered_dir),
+        "written": False,
+        "plan": json.loads(plan.render()),
+        "specforge_config": rendered["specforge_config"],
+        "draft_config": recipe.trainer.draft,
+        "memory_plan": rendered["launch"]["memory_plan"],
+    }
 
 
 def run(args) -> int:
@@ -325,23 +356,38 @@ def run(args) -> int:
     from specforge_kimi.online.recipes import load_recipe, render
 
     recipe = load_recipe(args.recipe)
-    rendered = render(recipe, Path(recipe.output_dir) / "rendered")
+    rendered = render(recipe, Path(recipe.output_dir) / "rendered", write=not args.plan)
     plan = build_colocated_plan(
         recipe, rendered, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host
     )
     if args.plan:
-        print(plan.render())
-        print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
+        print(json.dumps(plan_document(recipe, rendered, plan), indent=2))
         return 0
     preflight(plan)
-    print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
+    out = Path(recipe.output_dir)
+    print(
+        f"starting {', '.join(s.command.label for s in plan.services)}, then "
+        f"{', '.join(c.label for c in plan.commands)} (TP={recipe.tp}, {recipe.gpus.per_node} trainer ranks per node); "
+        f"logs: {out / 'logs'}",
+        flush=True,
+    )
+    from contextlib import nullcontext
+
+    from specforge_kimi.online.gpu_memory import SAMPLES_CSV, GpuSampler
+    from specforge_kimi.online.progress import LiveProgress
+
+    # node 0's per-process GPU memory for run-report (SpecForge records none); the status line reads
+    # SpecForge's own files
+    sampler = GpuSampler(out / "logs" / SAMPLES_CSV) if args.node_rank == 0 else nullcontext()
     from specforge_kimi.online.transport_plan import remove_stale_pools
 
     try:
-        rc = run_plan(plan, managed_preflight=lambda _plan: None)
+        with sampler, nullcontext() if args.no_progress else LiveProgress(out):
+            rc = run_plan(plan, managed_preflight=lambda _plan: None)
     finally:
         remove_stale_pools(recipe)  # cuda_ipc: a killed server's pool file and slot table
     if rc != 0:
+        print(f"the run stopped with exit code {rc}; the first failing role's log is under {out / 'logs'}", flush=True)
         return rc
     if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared
         print(f"node {args.node_rank}: training done; node 0 exports the draft and runs the bench", flush=True)

@@ -67,3 +67,33 @@ def ledger(run_dir: Path) -> dict:
         "global_step": int(marker.get("global_step", 0) or 0),
         "feature_bytes_trained": sum(int(committed[s].get("estimated_bytes", 0)) for s in set(acked) if s in committed),
     }
+
+
+def counts(run_dir: Path) -> dict:
+    """The ledger's running totals, cheap enough to poll while the run writes it: trained (acked)
+    samples and their tokens, committed refs, durable step. SQL only (SQLite's JSON functions), so a
+    poll of a long run does not parse every ref; ``{"present": False}`` before SpecForge made it."""
+    db = ledger_db(run_dir)
+    if not db.is_file():
+        return {"present": False}
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
+        try:
+            acked = con.execute("select count(*) from acked").fetchone()[0]
+            committed = con.execute("select count(*) from committed").fetchone()[0]
+            tokens = con.execute(
+                "select coalesce(sum(json_extract(c.ref_json, '$.num_tokens')), 0) "
+                "from acked a join committed c on c.sample_id = a.sample_id"
+            ).fetchone()[0]
+            row = con.execute("select v from marker where k = 'global_step'").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:  # tables not created yet, or a writer holding the schema lock
+        return {"present": False}
+    return {
+        "present": True,
+        "acked": int(acked),
+        "committed": int(committed),
+        "trained_tokens": int(tokens),
+        "global_step": int(row[0]) if row and row[0] is not None else 0,
+    }

@@ -243,7 +243,7 @@ def add_capture_parser(sub) -> None:
         "capture-features",
         help="capture a recipe's prompts to SpecForge offline feature files through the recipe's capture server",
     )
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="recipe YAML (recipes/*.yaml): target, server flags, data and draft")
     p.add_argument("--out", required=True, help="new directory for sample-NNNNNN.ckpt files")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.set_defaults(func=run_capture)
@@ -263,7 +263,7 @@ def add_train_parser(sub) -> None:
         help="train a recipe's draft offline (SpecForge's trainer, in-process) on "
         "feature files, e.g. from capture-features; then export for SGLang",
     )
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="recipe YAML (recipes/*.yaml): target, server flags, data and draft")
     p.add_argument("--features", required=True, help="directory of SpecForge offline .ckpt feature files")
     p.add_argument("--out", required=True, help="output directory (checkpoints, export-sglang/)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's max_steps)")
@@ -293,24 +293,51 @@ def run_train(args) -> int:
     gradient accumulation = the recipe's trainer ranks) and, on a GPU, attention backend as the
     recipe's online run."""
     import json
-    import sys
 
-    from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi import console
+    from specforge_kimi.online.progress import StepLines
     from specforge_kimi.online.recipes import load_recipe, render
-    from specforge_kimi.target.layer_ids import AuxLayers
-    from specforge_kimi.training.offline import _cuda_available, train_offline
 
     recipe = load_recipe(args.recipe)
     _check_inputs(recipe, args.features)
     rendered = render(recipe, os.path.join(args.out, "rendered"))
     model = rendered["specforge_config"]["model"]
+    max_steps = args.steps or recipe.trainer.max_steps
+    log = os.path.join(args.out, "specforge.log")
+    print(f"training offline, {max_steps} steps; SpecForge's own output: {log}", flush=True)
+    steps = StepLines()
+    with console.output_to_log(log, on_line=steps):
+        steps.bar = console.Progress("train-offline", max_steps, unit="step")
+        result = _train_and_export(recipe, args.features, args.out, model["draft_model_config"], max_steps)
+        steps.bar.close()
+    k = max(1, min(50, len(result["losses"]) // 5))
+    summary = {
+        "steps": len(result["losses"]),
+        "loss_first_mean": sum(result["losses"][:k]) / k,
+        "loss_last_mean": sum(result["losses"][-k:]) / k,
+        "checkpoint_dir": result["checkpoint_dir"],
+        "export_dir": result["export_dir"],
+        "specforge_log": log,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _train_and_export(recipe, features: str, out: str, draft_config: str, max_steps: int) -> dict:
+    """SpecForge's offline trainer on ``features``, then the SGLang export of its last checkpoint."""
+    import sys
+
+    from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.training.offline import _cuda_available, train_offline
+
     result = train_offline(
         target_dir=recipe.target.path,
-        draft_config_path=model["draft_model_config"],
-        hidden_states_path=args.features,
+        draft_config_path=draft_config,
+        hidden_states_path=features,
         vocab_mapping_path=recipe.data.vocab_mapping_path,
-        output_dir=args.out,
-        max_steps=args.steps or recipe.trainer.max_steps,
+        output_dir=out,
+        max_steps=max_steps,
         ttt_length=recipe.trainer.ttt_length,
         learning_rate=recipe.trainer.learning_rate,
         max_length=recipe.trainer.max_length,
@@ -326,27 +353,18 @@ def run_train(args) -> int:
             else {"model.torch_dtype": "float32"}
         ),
     )
-    export_dir = os.path.join(args.out, "export-sglang")
+    export_dir = os.path.join(out, "export-sglang")
     export_run_draft(
         result["checkpoint_dir"],
-        model["draft_model_config"],
+        draft_config,
         export_dir,
         vocab_mapping_path=recipe.data.vocab_mapping_path,
         target_dir=recipe.target.path,
         aux=AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers),
         command=sys.argv,
-        extra={"offline_features": os.path.abspath(args.features)},
+        extra={"offline_features": os.path.abspath(features)},
     )
-    k = max(1, min(50, len(result["losses"]) // 5))
-    summary = {
-        "steps": len(result["losses"]),
-        "loss_first_mean": sum(result["losses"][:k]) / k,
-        "loss_last_mean": sum(result["losses"][-k:]) / k,
-        "checkpoint_dir": result["checkpoint_dir"],
-        "export_dir": export_dir,
-    }
-    print(json.dumps(summary, indent=2))
-    return 0
+    return {**result, "export_dir": export_dir}
 
 
 def add_parser(sub) -> None:

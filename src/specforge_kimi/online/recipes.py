@@ -175,6 +175,28 @@ class BenchSection(_Strict):
     draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens")
 
 
+class TrackingSection(_Strict):
+    """SpecForge's own ``tracking`` section (``specforge.config.TrackingConfig``), passed through as is."""
+
+    report_to: Literal["none", "wandb", "tensorboard", "swanlab", "mlflow"] = Field(
+        default="tensorboard",
+        description="SpecForge's tracking.report_to: the tracker its trainer (consumer rank 0) logs every "
+        "training.log_interval step to, besides the consumer log. tensorboard (the default here; SpecForge's is "
+        "none) writes <output_dir>/runs/events.out.tfevents.*; none turns tracking off",
+    )
+    wandb_project: str | None = Field(default=None, description="W&B project (SpecForge's default: specforge)")
+    wandb_name: str | None = Field(default=None, description="W&B run name (SpecForge's default: the run id)")
+    wandb_key: str | None = Field(default=None, description="W&B API key (better: WANDB_API_KEY in the environment)")
+    wandb_offline: bool = Field(default=False, description="W&B offline mode (sync later with `wandb sync`)")
+    wandb_dir: str | None = Field(default=None, description="W&B's local directory")
+    swanlab_project: str | None = Field(default=None, description="SwanLab project")
+    swanlab_name: str | None = Field(default=None, description="SwanLab run name")
+    swanlab_key: str | None = Field(default=None, description="SwanLab API key")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI")
+    mlflow_experiment_name: str | None = Field(default=None, description="MLflow experiment")
+    mlflow_run_name: str | None = Field(default=None, description="MLflow run name")
+
+
 class Recipe(_Strict):
     name: str = Field(description="Run id")
     output_dir: str = Field(description="Run directory (refs, ledger, logs, checkpoints)")
@@ -186,6 +208,7 @@ class Recipe(_Strict):
     data: DataSection
     bench: BenchSection
     resilience: ResilienceSection = ResilienceSection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -471,6 +494,7 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
             # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
             "log_interval": 10,
         },
+        "tracking": r.tracking.model_dump(exclude_none=True),
         "deployment": {
             "mode": "disaggregated",
             "trainer": {
@@ -510,18 +534,22 @@ def _master_argv(r: Recipe) -> list[str]:
     ]
 
 
-def render(r: Recipe, out_dir: str | Path) -> dict:
-    """Write draft config, SpecForge config and a launch sheet under ``out_dir``; return them."""
+def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
+    """Write draft config, SpecForge config and a launch sheet under ``out_dir``; return them.
+    ``write=False`` returns the same (paths under ``out_dir``) and writes nothing."""
     import json
 
     import yaml
 
     o = Path(out_dir)
-    o.mkdir(parents=True, exist_ok=True)
+    if write:
+        o.mkdir(parents=True, exist_ok=True)
     draft_path = o / "draft_config.json"
-    draft_path.write_text(json.dumps(r.trainer.draft, indent=2))
+    if write:
+        draft_path.write_text(json.dumps(r.trainer.draft, indent=2))
     cfg = specforge_config(r, str(draft_path))
-    (o / "specforge_run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if write:
+        (o / "specforge_run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     sheet = {
         "env": process_env(r),
         "server_env": server_env(r),
@@ -558,7 +586,8 @@ def render(r: Recipe, out_dir: str | Path) -> dict:
         ],
         "memory_plan": memory_plan(r),
     }
-    (o / "launch.json").write_text(json.dumps(sheet, indent=2))
+    if write:
+        (o / "launch.json").write_text(json.dumps(sheet, indent=2))
     return {
         "specforge_config": cfg,
         "launch": sheet,

@@ -27,6 +27,11 @@ SPECFORGE_PIN_COMMIT = "a6b6b023"
 SPECFORGE_PIN = "0.2.0"
 SGLANG_PIN = "0.5.14"
 CAPTURE_PATCH = Path("patches/sglang/v0.5.14/spec-capture.patch")  # inside a SpecForge checkout
+#: where a checkout at the pinned commit comes from (errors and doctor name it)
+GET_CHECKOUT = (
+    f"git clone https://github.com/sgl-project/SpecForge && git -C SpecForge checkout {SPECFORGE_PIN_COMMIT} "
+    "(or bash scripts/bootstrap.sh --gpu, which fetches it and runs setup)"
+)
 
 
 @dataclass
@@ -215,8 +220,8 @@ def plan(checkout: str | None, *, sglang: bool, sglang_site: Path | None = None)
     if sglang:
         if not checkout:
             raise KimiInputError(
-                "SGLang's capture patch ships only in a SpecForge checkout: pass --specforge-checkout "
-                "(or --no-sglang to patch SpecForge alone)"
+                "SGLang's capture patch ships only in a SpecForge checkout: pass --specforge-checkout DIR "
+                f"(or --no-sglang to patch SpecForge alone); get one with {GET_CHECKOUT}"
             )
         capture = Path(checkout) / CAPTURE_PATCH
         if not capture.is_file():
