@@ -286,6 +286,17 @@ def add_parser(sub) -> None:
         help="multi-node: this node's address the others reach "
         "(default on node 0: the recipe's server.host; required on the others)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in the recipe's output_dir from its newest complete checkpoint "
+        "(every service restarted; what was acknowledged after the checkpoint is captured again; docs/online.md)",
+    )
+    p.add_argument(
+        "--stop-stale",
+        action="store_true",
+        help="with --resume: stop processes the previous attempt left (SIGTERM, then SIGKILL) instead of refusing",
+    )
     p.add_argument("--plan", action="store_true", help="print the plan (commands, env, logs) and exit")
     p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
     p.set_defaults(func=run)
@@ -298,6 +309,12 @@ def run(args) -> int:
     from specforge_kimi.online.recipes import load_recipe, render
 
     recipe = load_recipe(args.recipe)
+    if args.stop_stale and not args.resume:
+        raise KimiInputError("--stop-stale goes with --resume")
+    if not args.plan:
+        from specforge_kimi.online.inputs import require_inputs
+
+        require_inputs(recipe)  # target, tokenizer, prompts, vocab mapping, lengths: one line each, nothing started
     rendered = render(recipe, Path(recipe.output_dir) / "rendered")
     plan = build_colocated_plan(
         recipe, rendered, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host
@@ -306,9 +323,22 @@ def run(args) -> int:
         print(plan.render())
         print(json.dumps({"memory_plan": rendered["launch"]["memory_plan"]}, indent=2))
         return 0
-    preflight(plan)
-    print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in plan.services), flush=True)
-    rc = run_plan(plan, managed_preflight=lambda _plan: None)
+    from specforge_kimi.online.resume import run_attempts
+
+    def attempt(p) -> int:
+        print("starting: " + "; ".join(shlex.join(s.command.argv[:6]) + " ..." for s in p.services), flush=True)
+        return run_plan(p, managed_preflight=lambda _plan: None)
+
+    rc = run_attempts(
+        recipe,
+        plan,
+        attempt,
+        resume=args.resume,
+        stop_stale=args.stop_stale,
+        restarts=recipe.resilience.run_restarts,
+        check=preflight,
+        say=lambda m: print(m, flush=True),
+    )
     if rc != 0:
         return rc
     if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared
