@@ -2,7 +2,8 @@
 
 Scope: read-only checks, each with a fix. Versions against the pins; our SpecForge patch and
 SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recipe also the
-target checkpoint (config vs recipe, tensor names and shapes against the config), Mooncake
+target checkpoint (config vs recipe, tensor names and shapes against the config), its data files
+(tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.online.inputs`), Mooncake
 reachability and GPU count/memory against the recipe's budget. Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
 """
@@ -237,6 +238,16 @@ def _check_int4(path, info, tp: int) -> Check:
     )
 
 
+def check_inputs(recipe) -> list[Check]:
+    """The recipe's data files against the target and each other (:mod:`specforge_kimi.online.inputs`)."""
+    from specforge_kimi.online import inputs
+
+    problems = inputs.check_inputs(recipe)
+    if not problems:
+        return [Check("recipe inputs", "ok", "target, tokenizer, prompts, vocab mapping and max_length agree")]
+    return [Check("recipe inputs", "fail", line, "fix the file or the recipe field it names") for line in problems]
+
+
 def check_mooncake(recipe) -> list[Check]:
     import urllib.error
     import urllib.request
@@ -302,7 +313,7 @@ def run_checks(recipe_path: str | None) -> list[Check]:
         except KimiInputError as exc:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
-        checks += check_target(recipe) + check_mooncake(recipe) + check_gpu_budget(recipe)
+        checks += check_target(recipe) + check_inputs(recipe) + check_mooncake(recipe) + check_gpu_budget(recipe)
     return checks
 
 
