@@ -1086,7 +1086,7 @@ def section_mooncake_restart(files: list[tuple[str, dict]]) -> list[str]:
                 n,
                 (r.get("environment") or {}).get("mooncake"),
                 r.get("down_s"),
-                " / ".join(str(x) for x in m.get("down_put_s") or []),
+                m.get("down_put_s"),
                 m.get("master_restart_listen_s"),
                 m.get("first_put_after_restart_s"),
                 m.get("pre_kill_object_exists_after_restart"),
