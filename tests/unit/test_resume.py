@@ -449,3 +449,29 @@ def test_resume_run_restarts_policy(tmp_path, monkeypatch, statuses, progress, r
     assert len(seen) == runs and rc == statuses[runs - 1]
     assert calls[0]["resume"] is False and calls[0]["stop_stale"] is False
     assert all(c["resume"] and c["stop_stale"] for c in calls[1:])
+
+
+def test_resume_run_report_reads_every_attempt(tmp_path):
+    """``run-report`` on a resumed run: the steps of every attempt's log, a retrained step as the later attempt
+    logged it; set-aside checkpoint directories are not checkpoints."""
+    import yaml
+
+    from specforge_kimi.evaluate.run_report import report
+
+    run = tmp_path / "run"
+    (run / "rendered").mkdir(parents=True)
+    (run / "rendered" / "specforge_run.yaml").write_text(yaml.safe_dump({"run_id": RUN, "training": {"max_steps": 6}}))
+
+    def log(d: str, steps: dict[int, float]) -> None:
+        (run / d).mkdir()
+        (run / d / "consumer-node0.log").write_text("".join(f"step {s}: {{'loss': {v}}}\n" for s, v in steps.items()))
+
+    log("logs", {1: 5.0, 2: 4.0, 3: 3.0, 4: 9.0})  # killed after step 4; checkpoint 3
+    log("logs-attempt2", {4: 2.5, 5: 2.0, 6: 1.5})
+    _save(run, 3)
+    _save(run, 6)
+    (run / f"{RUN}-step6").rename(run / f"{RUN}-step6.abandoned-attempt2")
+    _save(run, 6)
+    rep = report(run)
+    assert rep["losses"] == [5.0, 4.0, 3.0, 2.5, 2.0, 1.5] and rep["last_step"] == 6
+    assert rep["checkpoints"] == [f"{RUN}-step3", f"{RUN}-step6"]

@@ -121,6 +121,19 @@ def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
     return out
 
 
+def _attempt_steps(run: Path) -> list[dict]:
+    """The consumer's steps over every attempt of the run (``logs/``, then ``logs-attempt2/``, ... of
+    ``launch --resume``); a step trained again by a later attempt counts as that attempt logged it (it is the
+    one the final weights hold)."""
+    dirs = [run / "logs"] + sorted(run.glob("logs-attempt*"), key=lambda p: int(p.name.rsplit("attempt", 1)[1]))
+    by_step: dict[int, dict] = {}
+    for d in dirs:
+        logs = sorted(d.glob("consumer-node*.log"))
+        for s in consumer_steps("\n".join(p.read_text(errors="replace") for p in logs)):
+            by_step[s["step"]] = s
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     run = Path(run_dir)
     rendered = run / "rendered" / "specforge_run.yaml"
@@ -130,14 +143,14 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
 
     cfg = yaml.safe_load(rendered.read_text())
     run_id = cfg["run_id"]
-    logs = sorted((run / "logs").glob("consumer-node*.log"))
-    steps = consumer_steps("\n".join(p.read_text(errors="replace") for p in logs))
+    steps = _attempt_steps(run)
     losses = [s["loss"] for s in steps if "loss" in s]
     k = max(1, min(20, len(losses) // 5)) if losses else 0
     led = ledger(run)
     disk = disk_bytes(run, run_id)
+    step_dir = re.compile(rf"^{re.escape(run_id)}-step(\d+)$")  # not the *.abandoned-attemptK a --resume set aside
     ckpts = sorted(
-        (p.name for p in run.glob(f"{run_id}-step*") if (p / "training_state.pt").is_file()),
+        (p.name for p in run.glob(f"{run_id}-step*") if step_dir.match(p.name) and (p / "training_state.pt").is_file()),
         key=lambda n: int(n.rsplit("step", 1)[1]),
     )
     out = {
