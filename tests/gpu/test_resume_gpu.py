@@ -84,6 +84,18 @@ def _write(name: str, res: dict) -> None:
     path.write_text(json.dumps(doc, indent=1))
 
 
+def _checked(name: str, run: Run, rc: int, **extra) -> dict:
+    """``check_run``'s numbers (or its failure) with ``extra``, written to the results file, then asserted."""
+    try:
+        assert rc == 0, (run.root / f"attempt{run.attempts}.log").read_text()[-3000:]
+        res = {**check_run(run, prompts=PROMPTS, quantum=1, save_interval=SAVE), **extra}
+    except AssertionError as exc:
+        _write(name, {"failed": str(exc)[:4000], "rc": rc, "seed": run.seed, "record": run.record(), **extra})
+        raise
+    _write(name, res)
+    return res
+
+
 def test_resume_gpu_kill_twice(tmp_path, inputs):
     run = _run(tmp_path, inputs)
     first = run.rng.choice([k for k in range(SAVE + 1, 3 * SAVE) if k % SAVE])
@@ -93,10 +105,8 @@ def test_resume_gpu_kill_twice(tmp_path, inputs):
     second = (first // SAVE) * SAVE + SAVE * run.rng.choice([2, 3])
     run.kill_at("during", second, resume=True)
     rc = run.finish()
-    assert rc == 0, (run.root / f"attempt{run.attempts}.log").read_text()[-3000:]
-    res = check_run(run, prompts=PROMPTS, quantum=1, save_interval=SAVE)
-    res.update(kill_steps=[first, second], phases=[k["phase"] for k in run.kills])
-    _write("SIGKILL of every process group, twice (between checkpoints; during a checkpoint write), --resume", res)
+    name = "SIGKILL of every process group, twice (between checkpoints; during a checkpoint write), --resume"
+    _checked(name, run, rc, kill_steps=[first, second], phases=[k["phase"] for k in run.kills])
 
 
 def test_resume_gpu_mooncake_master_killed(tmp_path, inputs):
@@ -119,17 +129,18 @@ def test_resume_gpu_mooncake_master_killed(tmp_path, inputs):
     for pid in master:
         os.kill(pid, 9)
     rc = run.wait(proc)
-    assert rc == 0, (run.root / "attempt1.log").read_text()[-3000:]
     ends = [e for e in run.events() if e.get("event") == "attempt_end"]
-    assert len(ends) == 2 and ends[0]["rc"] != 0 and ends[1]["rc"] == 0, ends
-    stop_s = ends[0]["t"] - killed
-    assert 0 < stop_s < STOP_BOUND_S, stop_s
-    res = check_run(run, prompts=PROMPTS, quantum=1, save_interval=SAVE)
-    res.update(
+    stop_s = ends[0]["t"] - killed if ends else None
+    res = _checked(
+        "Mooncake master SIGKILL, resilience.run_restarts 1",
+        run,
+        rc,
         kill_step=step,
-        stop_s=round(stop_s, 1),
+        stop_s=round(stop_s, 1) if stop_s is not None else None,
         stop_bound_s=STOP_BOUND_S,
+        attempt_statuses=[e["rc"] for e in ends],
         time_to_first_resumed_step_s=round(run.first_step_at[2] - killed, 1) if 2 in run.first_step_at else None,
     )
-    _write("Mooncake master SIGKILL, resilience.run_restarts 1", res)
+    assert len(ends) == 2 and ends[0]["rc"] != 0 and ends[1]["rc"] == 0, ends
+    assert 0 < stop_s < STOP_BOUND_S, stop_s
     assert res["attempts"][0]["ledger_step_before"] >= step

@@ -11,7 +11,9 @@ readiness, stops everything if any child fails, forwards Ctrl-C/TERM/HUP and tea
 groups (grace, then SIGKILL). Every role writes its own log under ``<output_dir>/logs``. The
 memory split is checked when the recipe loads; nothing starts if it does not fit. After a clean
 finish the newest checkpoint is exported for SGLang and the recipe's acceptance bench runs
-(``bench:`` section); below its ``min_acceptance_length`` the command exits 1.
+(``bench:`` section); below its ``min_acceptance_length`` the command exits 1. The recipe's input files are
+checked first (:mod:`inputs`); an output_dir an earlier launch used is refused unless ``--resume`` continues
+that run (:mod:`resume`, which also restarts a failed attempt under ``resilience.run_restarts``).
 """
 
 from __future__ import annotations
