@@ -9,8 +9,8 @@ descriptors of every process carrying the run's mark (``online.run_guard``), GPU
 Flat, stated: the first :data:`WARMUP_FRACTION` of the steps are warm-up (allocator pools, caches, the
 first checkpoint) and not judged. The rest is split in thirds by step; a series' *rise* is the median of its
 last third minus the median of its first third (medians: a swing of the samples in flight is not a trend; a
-leak shows as a rise of about two thirds of what it added over the judged steps). Flat when ``|rise|`` stays
-within its bound:
+leak shows as a rise of about two thirds of what it added over the judged steps). Flat when the rise stays
+within its bound (a fall is reported, not failed: memory given back is no leak):
 
 - host RSS of a process: max(64 MiB, 5% of its median);
 - GPU memory of a process: max(256 MiB, 2% of its median);
@@ -55,7 +55,7 @@ def role(cmdline: str) -> str:
         return "torchrun"
     if "--role consumer" in cmdline:
         return "trainer-rank"
-    if "capture_server" in cmdline or "sglang" in cmdline:
+    if "capture_server" in cmdline or "reference_server" in cmdline or "sglang" in cmdline:
         return "capture-server"
     return "other"
 
@@ -215,7 +215,7 @@ def verdicts(samples: list[dict], total_steps: int) -> dict[str, dict]:
             "rise": r,
             "drift": drift(judged),
             "bound": bound,
-            "flat": abs(r) <= bound,
+            "flat": r <= bound,
         }
     return out
 

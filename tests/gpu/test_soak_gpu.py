@@ -4,7 +4,7 @@ corpus conversations, 3 prompt epochs (each captured again), checkpoints every 1
 ``tests/soak.py`` samples, every 2 s, the host RSS and open file descriptors of every process of the run, the
 GPU memory of each, and the Mooncake master's allocated bytes and key count. After the first 20% of the
 steps (warm-up) each series must stay flat within the bound ``tests/soak.py`` states (the rise of its median
-from the first to the last third of the judged steps); every sample trained once (SpecForge's ledger).
+from the first to the last third of the judged steps; a fall is no leak); every sample trained once (SpecForge's ledger).
 
 Writes ``$SPECFORGE_KIMI_GPU_OUT/soak_tp1_h200.json`` (samples, per-series drift, bound, verdict) and
 ``soak_tp1_h200.png`` beside it. Expected wall time ~8 min in one device call: ~20 s of inputs, ~90 s of

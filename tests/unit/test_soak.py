@@ -45,6 +45,8 @@ def test_a_leak_above_the_bound_fails():
     for i, sample in enumerate(leak):
         sample["mooncake_keys"] += i * 10  # features never released: ~2,000 keys more by the end
     assert not verdicts(leak, 5000)["mooncake_keys"]["flat"]
+    falling = verdicts(_samples(lambda s: base - s * 64 * 1024), 5000)["trainer-rank:11/rss_bytes"]
+    assert falling["flat"] and falling["rise"] < -falling["bound"]  # memory given back: reported, not a leak
 
 
 def test_roles_by_command_line():
