@@ -251,20 +251,21 @@ def reconcile(out: Path, *, run_id: str, quantum: int, world_size: int, ledger: 
             "cannot be told; start it again in a new output_dir"
         )
     incomplete: dict[str, str] = {}
-    complete: list[tuple[int, Path]] = []
-    for step, path in steps:
+    s, ckpt = 0, None
+    # newest first: every directory past the ledger's step (a complete one there is a contradiction), then down
+    # to the first complete one; older checkpoints are not read
+    for step, path in reversed(steps):
         why = checkpoint_problem(path, run_id=run_id, step=step, world_size=world_size)
-        if why is None:
-            complete.append((step, path))
-        else:
+        if why is not None:
             incomplete[path.name] = why
-    ahead = [(s, p) for s, p in complete if s > m]
-    if ahead:
-        raise KimiInputError(
-            f"checkpoint {ahead[0][1].name} is complete but the ledger's durable step is {m}: SpecForge acknowledges "
-            "a step before checkpointing it, so ledger and checkpoint do not describe one run; refusing to guess"
-        )
-    s, ckpt = complete[-1] if complete else (0, None)
+        elif step > m:
+            raise KimiInputError(
+                f"checkpoint {path.name} is complete but the ledger's durable step is {m}: SpecForge acknowledges "
+                "a step before checkpointing it, so ledger and checkpoint do not describe one run; refusing to guess"
+            )
+        else:
+            s, ckpt = step, path
+            break
     kept = tuple(acked[: s * quantum])
     return ResumePoint(
         step=s,
