@@ -36,11 +36,13 @@ def _consumer_log(out: Path, attempt: int) -> Path:
 
 
 def steps_logged(text: str) -> dict[int, dict]:
-    """``{step: metrics}`` from SpecForge's ``step N: {...}`` console lines (first line of each step)."""
+    """``{step: metrics}`` from SpecForge's ``step N: {...}`` console lines (the first intact one of each step).
+    With two ranks both print each line into one log, and their writes can interleave mid-line: the pattern
+    is not anchored to lines, and a dict cut by the other rank's line does not match (no brace inside)."""
     import ast
 
     out: dict[int, dict] = {}
-    for m in re.finditer(r"^step (\d+): (\{.*\})\s*$", text, re.M):
+    for m in re.finditer(r"step (\d+): (\{[^{}]*\})", text):
         step = int(m.group(1))
         if step not in out:
             try:
