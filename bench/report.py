@@ -44,6 +44,10 @@ measurement lands, edit those two places. A file is recognised by its content:
 - fault drills (``"benchmark": "fault drills"``);
 - the capture sink's Mooncake put on the CPU (``bench/studies/mooncake_put_cpu.py``: ``"benchmark": "mooncake
   same-process put"``);
+- a Mooncake master restart on the CPU (``bench/studies/mooncake_master_restart_cpu.py``: ``"benchmark":
+  "mooncake master restart"``);
+- whole-run resume drills and the soak on one H200 (``tests/gpu/test_resume_gpu.py``, ``tests/gpu/test_soak_gpu.py``:
+  ``"benchmark": "whole-run resume drills (issue 26)"`` / ``"soak (issue 26)"``);
 - where a capture call's time goes: ``bench/online_pipeline.py --breakdown`` shapes and
   ``bench/studies/passthrough_cpu.py`` (``"benchmark": "capture passthrough request path"``);
 - draft logits parity (``tests/gpu/test_draft_logits_parity.py``'s summary: per architecture
@@ -439,6 +443,12 @@ def classify(data: Any) -> str:
         return "mooncake_put"
     if bench == "capture passthrough request path":
         return "passthrough_cpu"
+    if bench == "mooncake master restart":
+        return "mooncake_restart"
+    if bench == "whole-run resume drills (issue 26)":
+        return "resume_drills"
+    if bench == "soak (issue 26)":
+        return "soak"
     if isinstance(bench, str) and bench.startswith("MLA vs Llama-style"):
         return "mla_vs_llama"
     if isinstance(bench, str) and bench.startswith("EAGLE-3 draft acceptance on the tiny target's own greedy text"):
@@ -1397,6 +1407,107 @@ def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
     )
 
 
+def section_mooncake_restart(files: list[tuple[str, dict]]) -> list[str]:
+    def rows(n, r):
+        m = r.get("summary") or {}
+        return [
+            [
+                n,
+                (r.get("environment") or {}).get("mooncake"),
+                r.get("down_s"),
+                m.get("down_put_s"),
+                m.get("master_restart_listen_s"),
+                m.get("first_put_after_restart_s"),
+                m.get("pre_kill_object_exists_after_restart"),
+                m.get("pre_kill_object_get_after_restart_rc"),
+            ]
+        ]
+
+    return _tabled(
+        "Mooncake master restart (CPU)",
+        "`bench/studies/mooncake_master_restart_cpu.py`: the master SIGKILLed and started again on its ports; the "
+        "clients re-mount by themselves, but the objects put before are gone.",
+        files,
+        "`python bench/studies/mooncake_master_restart_cpu.py --out bench/results/mooncake_master_restart_cpu.json`.",
+        [
+            "file",
+            "mooncake",
+            "down s",
+            "put while down s",
+            "restart listen s",
+            "first put after s",
+            "old exists",
+            "old get rc",
+        ],
+        rows,
+    )
+
+
+def section_resume(drills: list[tuple[str, dict]], soaks: list[tuple[str, dict]]) -> list[str]:
+    def drill_rows(n, r):
+        out = []
+        for name, d in (r.get("drills") or {}).items():
+            for a in d.get("attempts") or []:
+                out.append(
+                    [
+                        n,
+                        name,
+                        a.get("attempt"),
+                        a.get("resumed_from_step"),
+                        a.get("ledger_step_before"),
+                        a.get("recaptured_acked"),
+                        d.get("lost"),
+                        d.get("duplicates"),
+                        a.get("time_to_first_resumed_step_s") or d.get("time_to_first_resumed_step_s"),
+                        d.get("stop_s"),
+                    ]
+                )
+        return out
+
+    def soak_rows(n, r):
+        return [
+            [
+                n,
+                r.get("steps"),
+                name,
+                _num(v.get("median"), "{:.4g}"),
+                _num(v.get("rise"), "{:.4g}"),
+                _num(v.get("bound"), "{:.4g}"),
+                v.get("flat"),
+            ]
+            for name, v in sorted((r.get("verdicts") or {}).items())
+        ]
+
+    return _tabled(
+        "Whole-run resume drills",
+        "`tests/gpu/test_resume_gpu.py`: every process group SIGKILLed (or the Mooncake master), then `--resume`; "
+        "lost / duplicated from SpecForge's ledger; time from the kill to the resumed attempt's first step.",
+        drills,
+        "`python3 -m pytest tests/gpu/test_resume_gpu.py --run-gpu` on one H200.",
+        [
+            "file",
+            "drill",
+            "attempt",
+            "from step",
+            "ledger step",
+            "captured again",
+            "lost",
+            "duplicated",
+            "kill -> step s",
+            "stop s",
+        ],
+        drill_rows,
+    ) + _tabled(
+        "Soak",
+        "`tests/gpu/test_soak_gpu.py`: each series' rise (median of the last third minus the first, after warm-up) "
+        "against its bound (`tests/soak.py`).",
+        soaks,
+        "`python3 -m pytest tests/gpu/test_soak_gpu.py --run-gpu` on one H200.",
+        ["file", "steps", "series", "median", "rise", "bound", "flat"],
+        soak_rows,
+    )
+
+
 def section_capture_time(pipelines: list[tuple[str, dict]], cpu: list[tuple[str, dict]]) -> list[str]:
     out = [
         "## Where a capture call's time goes",
@@ -1842,6 +1953,8 @@ def _sections(plots: Path | None) -> list[tuple[str, tuple[str, ...], Callable[.
         ("cpu_simulated", ("mla_vs_llama", "greedy_acceptance"), section_cpu_simulated),
         ("fault_drills", ("fault_drills",), section_fault_drills),
         ("mooncake_put", ("mooncake_put",), section_mooncake_put),
+        ("mooncake_restart", ("mooncake_restart",), section_mooncake_restart),
+        ("resume", ("resume_drills", "soak"), section_resume),
         ("teacher_memory", ("teacher_memory",), section_teacher_memory),
         (
             "capture_time",

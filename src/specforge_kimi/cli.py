@@ -144,6 +144,10 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     if args.action == "validate":
+        if args.check_files:  # the data files against the target and each other (online.inputs), one line each
+            from specforge_kimi.online.inputs import require_inputs
+
+            require_inputs(recipe)
         print(json.dumps({"name": recipe.name, "tp": recipe.tp, "memory_plan": memory_plan(recipe)}, indent=2))
         return 0
     out = render(recipe, args.out or f"{recipe.output_dir}/rendered")
@@ -387,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rc.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
     rc.add_argument("--out", default=None, help="render directory (default: OUTPUT_DIR/rendered)")
+    rc.add_argument(
+        "--check-files",
+        action="store_true",
+        help="validate: also check that the target, its tokenizer, the prompts and the vocab mapping exist and "
+        "agree (vocab, special ids, draft vocab, max_length within the server's context)",
+    )
     rc.set_defaults(func=_cmd_recipe)
 
     d = sub.add_parser("demo", help="CPU demo: tiny K2.5 -> features -> SpecForge EAGLE-3 training -> export")

@@ -44,6 +44,26 @@ imports transformers/specforge lazily. The seams:
    ``SGLangServerCaptureAdapter._ref_from_result`` carries a capture's ``cuda_ipc`` descriptor into the ref
    (``metadata["cuda_ipc"]``, ``cudaipc://`` URI). Without the variable, and for results without a
    descriptor, both are SpecForge's own.
+
+Whole-run resume (``specforge-kimi launch RECIPE --resume``, :mod:`specforge_kimi.online.resume`) needs
+three more (9-11), installed in every run from its first attempt:
+
+9. SpecForge's online prompt plan (``specforge.launch._iter_epoch_online_prompt_batches``): every prompt
+   gets a deterministic task id, ``epoch{e:04d}-prompt{i:012d}`` (SpecForge's own multi-epoch form, now
+   also for one epoch, where SpecForge mints a random ``task-<uuid>`` per producer run), so the ledger's
+   sample ids name prompts across attempts. With ``SPECFORGE_KIMI_RESUME_SKIP`` naming a file of task
+   ids (one a line: the samples trained into the checkpoint a resumed attempt starts from), those
+   prompts are left out of the plan; the rest keep their order.
+10. SpecForge's ``RefDistributor.__init__`` on a fresh channel (``SPECFORGE_KIMI_RESUME_FRESH_CHANNEL=1``,
+   set for a resumed attempt, whose control directory is new): it still skips the released sample ids,
+   but does not "repair" the channel's consumed counter from them -- that repair is for a consumer
+   restarted on the same channel; on a new one it marks consumed what was never published there, which
+   turns the producer's backpressure off.
+11. SpecForge's ``CheckpointManager.save``: after SpecForge wrote a checkpoint (``torch.save`` + rename,
+    no fsync, ``-latest`` re-pointed by remove + symlink), every rank fsyncs its own file, then rank 0
+    fsyncs the shared one and writes ``specforge_kimi_complete.json`` (step, run id, world size, every
+    file's size) atomically and fsynced. ``--resume`` loads only checkpoints with that marker whose files
+    still have those sizes, so a checkpoint the node died writing is never loaded.
 """
 
 from __future__ import annotations
@@ -269,6 +289,170 @@ def _install_cuda_ipc_transport() -> None:
         SGLangServerCaptureAdapter._ref_from_result = _ref_from_result
 
 
+RESUME_SKIP_ENV = "SPECFORGE_KIMI_RESUME_SKIP"
+FRESH_CHANNEL_ENV = "SPECFORGE_KIMI_RESUME_FRESH_CHANNEL"
+CHECKPOINT_COMPLETE = "specforge_kimi_complete.json"
+CHECKPOINT_COMPLETE_FORMAT = "specforge-kimi/checkpoint-complete/v1"
+
+
+def prompt_task_id(epoch: int, index: int) -> str:
+    """The task id seam 9 gives prompt ``index`` of ``epoch`` (SpecForge's multi-epoch form)."""
+    return f"epoch{epoch:04d}-prompt{index:012d}"
+
+
+_SKIP_CACHE: dict[str, frozenset[str]] = {}
+
+
+def _resume_skip_ids() -> frozenset[str]:
+    path = os.environ.get(RESUME_SKIP_ENV)
+    if not path:
+        return frozenset()
+    if path not in _SKIP_CACHE:
+        with open(path, encoding="utf-8") as f:
+            _SKIP_CACHE[path] = frozenset(line.strip() for line in f if line.strip())
+    return _SKIP_CACHE[path]
+
+
+def _install_deterministic_prompt_ids() -> None:
+    import specforge.launch as sf_launch
+
+    original = sf_launch._iter_epoch_online_prompt_batches
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def _iter_epoch_online_prompt_batches(prompts, epoch, prompt_epochs, *, seed=0, batch_size=4096):
+        skip = _resume_skip_ids()
+        batch, skipped = [], 0
+        for index in sf_launch._epoch_prompt_indices(prompts, epoch, seed=seed):
+            item = sf_launch._epoch_online_prompt(prompts[index], index, epoch, prompt_epochs)
+            if "task_id" not in item:
+                item = {**item, "task_id": prompt_task_id(epoch, index)}
+            if item["task_id"] in skip:
+                skipped += 1
+                continue
+            batch.append(item)
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+        if skip:
+            import logging
+
+            logging.getLogger("specforge_kimi").warning(
+                "resume: epoch %d: left out %d prompts already trained into the checkpoint this attempt resumes",
+                epoch,
+                skipped,
+            )
+
+    setattr(_iter_epoch_online_prompt_batches, _WRAPPED_FLAG, True)
+    sf_launch._iter_epoch_online_prompt_batches = _iter_epoch_online_prompt_batches
+
+
+def _install_fresh_channel_distributor() -> None:
+    from specforge.runtime.data_plane.ref_distributor import RefDistributor
+
+    original = RefDistributor.__init__
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, skip_ids=None, **kwargs):  # noqa: N807
+        if os.environ.get(FRESH_CHANNEL_ENV) != "1":
+            return original(self, *args, skip_ids=skip_ids, **kwargs)
+        original(self, *args, skip_ids=None, **kwargs)  # no consumed-counter repair on a new channel
+        self._skip = set(skip_ids or ())
+
+    setattr(__init__, _WRAPPED_FLAG, True)
+    RefDistributor.__init__ = __init__
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _mark_checkpoint_complete(ckpt_dir: str, *, run_id: str, step: int, world_size: int) -> None:
+    """Rank 0, once every rank's file is on disk: fsync the files, then write the completion marker
+    (temp file, fsync, rename, fsync of the directories)."""
+    import json
+    import time
+
+    files = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        if name.endswith(".pt") and os.path.isfile(path):
+            _fsync(path)
+            files[name] = os.path.getsize(path)
+    record = {
+        "format": CHECKPOINT_COMPLETE_FORMAT,
+        "run_id": run_id,
+        "step": int(step),
+        "world_size": int(world_size),
+        "files": files,
+        "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    tmp = os.path.join(ckpt_dir, f".{CHECKPOINT_COMPLETE}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, CHECKPOINT_COMPLETE))
+    _fsync(ckpt_dir)
+    _fsync(os.path.dirname(os.path.abspath(ckpt_dir)))  # the step directory's entry and -latest
+
+
+def _install_checkpoint_completion() -> None:
+    from specforge.training.checkpoint import CheckpointManager
+
+    original = CheckpointManager.save
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    def _gather_errors(err: str) -> list[str]:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            errs = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            return [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+        return [f"rank 0: {err}"] if err else []
+
+    @functools.wraps(original)
+    def save(self, state, step, *, rank_state=None):
+        import torch.distributed as dist
+
+        ckpt_dir = original(self, state, step, rank_state=rank_state)
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if distributed else 0
+        world = dist.get_world_size() if distributed else 1
+        err = ""
+        try:
+            if rank_state is not None:
+                _fsync(os.path.join(ckpt_dir, self._rank_file(rank)))
+        except OSError as exc:
+            err = f"fsync failed: {exc}"
+        failures = _gather_errors(err)  # every rank's file is durable before rank 0 writes the marker
+        if not failures:
+            err = ""
+            if rank == 0:
+                try:
+                    _mark_checkpoint_complete(ckpt_dir, run_id=self.run_id, step=step, world_size=world)
+                except OSError as exc:
+                    err = f"completion marker: {exc}"
+            failures = _gather_errors(err)
+        if failures:
+            raise RuntimeError(f"checkpoint {ckpt_dir} not made durable: " + "; ".join(failures))
+        return ckpt_dir
+
+    setattr(save, _WRAPPED_FLAG, True)
+    CheckpointManager.save = save
+
+
 def register_all() -> None:
     """Run every registration step once per process."""
     global _DONE
@@ -288,4 +472,7 @@ def register_all() -> None:
     _install_outage_wait()
     _install_restartable_consumer_failure()
     _install_cuda_ipc_transport()
+    _install_deterministic_prompt_ids()
+    _install_fresh_channel_distributor()
+    _install_checkpoint_completion()
     _DONE = True

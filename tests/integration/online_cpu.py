@@ -14,6 +14,14 @@ from conftest import TEST_SPEC, prepare_corpus
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def cpu_inputs(root: Path, conversations: int = 40) -> tuple[Path, Path]:
+    """The tiny target (``TEST_SPEC``) and ``conversations`` prepared corpus conversations under ``root``."""
+    from specforge_kimi.target.tiny import TinySpec, write_tiny
+
+    target = write_tiny(root / "k25", TinySpec(**TEST_SPEC))
+    return target, prepare_corpus(root, conversations, "--standin-tokenizer")
+
+
 def cpu_plan(
     root: Path,
     *,
@@ -24,20 +32,20 @@ def cpu_plan(
     dp: int = 1,
     compact_specforge: Path | None = None,
     transport: str = "mooncake",
+    inputs: tuple[Path, Path] | None = None,
 ):
     """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``.
 
     ``compact_specforge``: a directory holding a SpecForge package patched by ``specforge-kimi
     setup``; the recipe turns ``server.compact_passthrough`` on and the producer and trainer ranks
     import SpecForge from there. ``transport``: the recipe's ``server.transport`` (``cuda_ipc``: the
-    reference server writes into a cuda_ipc pool on its shared-memory backend, no Mooncake master)."""
+    reference server writes into a cuda_ipc pool on its shared-memory backend, no Mooncake master).
+    ``inputs``: ``(target, data dir)`` of :func:`cpu_inputs` to reuse (default: written under ``root``)."""
     from specforge_kimi.online.launch import build_colocated_plan
     from specforge_kimi.online.recipes import Recipe, render
     from specforge_kimi.online.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
 
-    target = write_tiny(root / "k25", TinySpec(**TEST_SPEC))
-    prepare_corpus(root, conversations, "--standin-tokenizer")
+    target, data = inputs or cpu_inputs(root, conversations)
 
     raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
     raw["output_dir"] = str(root / "run")
@@ -60,10 +68,7 @@ def cpu_plan(
     raw["trainer"].update(max_steps=steps, save_interval=save_interval, max_length=256)
     raw["server"]["compact_passthrough"] = compact_specforge is not None  # off: SpecForge's JSON lists
     raw["server"]["transport"] = transport
-    raw["data"] = {
-        "prompts_path": str(root / "data" / "prompts.jsonl"),
-        "vocab_mapping_path": str(root / "data" / "vocab_mapping.pt"),
-    }
+    raw["data"] = {"prompts_path": str(data / "prompts.jsonl"), "vocab_mapping_path": str(data / "vocab_mapping.pt")}
     recipe = Recipe.model_validate(raw)
     rendered = render(recipe, Path(recipe.output_dir) / "rendered")  # where `launch` renders it
     # CPU trainer: fp32 features and weights, DDP on gloo instead of FSDP (cpu_shims.py says why)

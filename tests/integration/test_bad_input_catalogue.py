@@ -43,7 +43,34 @@ def _copy_tiny(tiny_dir, tmp, edit=None, drop_weights=False):
     return str(out)
 
 
-def _busy_port_recipe(tmp):
+def _launchable_recipe(tmp, tiny_dir, mutate=None):
+    """The tiny recipe on the session's tiny target with prepared data: `launch` gets past its input check."""
+    from conftest import TEST_SPEC, prepare_corpus
+
+    data = prepare_corpus(tmp, 4, "--standin-tokenizer")
+
+    def edit(r):
+        r["output_dir"] = str(tmp / "run")
+        r["target"].update(
+            path=str(tiny_dir),
+            num_layers=TEST_SPEC["layers"],
+            hidden_size=TEST_SPEC["hidden"],
+            num_attention_heads=TEST_SPEC["heads"],
+            aux_layer_ids=[1, 3, 4],
+        )
+        r["gpus"]["per_node"] = 1
+        r["trainer"]["draft"].update(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, draft_vocab_size=256
+        )
+        r["trainer"]["max_length"] = 256
+        r["data"] = {"prompts_path": str(data / "prompts.jsonl"), "vocab_mapping_path": str(data / "vocab_mapping.pt")}
+        if mutate:
+            mutate(r)
+
+    return _recipe(tmp, edit)
+
+
+def _busy_port_recipe(tmp, tiny_dir):
     from specforge_kimi.online.services import free_ports
 
     s = socket.socket()
@@ -51,7 +78,13 @@ def _busy_port_recipe(tmp):
     s.listen()
     _busy_port_recipe.sock = s  # keep it bound for the test's lifetime
     port = s.getsockname()[1]
-    return _recipe(tmp, lambda r: (r["server"].update(port=port), r.update(output_dir=str(tmp / "run"))))
+    return _launchable_recipe(tmp, tiny_dir, lambda r: r["server"].update(port=port))
+
+
+def _earlier_launch_recipe(tmp, tiny_dir):
+    recipe = _launchable_recipe(tmp, tiny_dir)
+    (tmp / "run" / "supervisor").mkdir(parents=True)  # what an interrupted launch leaves
+    return recipe
 
 
 CASES = {
@@ -273,7 +306,36 @@ CASES = {
         None,
     ),
     "export-check: not a draft": (lambda t, d: ["export-check", str(d)], "LlamaForCausalLMEagle3", None),
-    "launch: port already taken": (lambda t, d: ["launch", _busy_port_recipe(t)], "is already in use", "run/logs"),
+    "launch: port already taken": (lambda t, d: ["launch", _busy_port_recipe(t, d)], "is already in use", "run/logs"),
+    "launch: the recipe's data files are missing": (
+        lambda t, d: ["launch", _recipe(t, lambda r: r.update(output_dir=str(t / "run")))],
+        "data.prompts_path",
+        "run",
+    ),
+    "launch: an earlier launch's run dir, without --resume": (
+        lambda t, d: ["launch", _earlier_launch_recipe(t, d)],
+        "launch RECIPE --resume",
+        "run/logs",
+    ),
+    "launch --resume: nothing to resume": (
+        lambda t, d: ["launch", _launchable_recipe(t, d), "--resume"],
+        "launch it without --resume",
+        "run/logs",
+    ),
+    "recipe validate --check-files: prompts tokenized for another model": (
+        lambda t, d: [
+            "recipe",
+            "validate",
+            _launchable_recipe(
+                t,
+                d,
+                lambda r: r["data"].update(prompts_path=_jsonl(t, "p.jsonl", [{"input_ids": [9], "loss_mask": [1]}])),
+            ),
+            "--check-files",
+        ],
+        "was not rendered with K2.5's chat template",
+        None,
+    ),
     "setup: not a SpecForge checkout": (
         lambda t, d: ["setup", "--specforge-checkout", str(t)],
         "is not a SpecForge checkout",

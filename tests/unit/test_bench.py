@@ -1055,3 +1055,52 @@ def test_structured_requests_are_prefixes_of_the_training_rows():
         assert mask[len(request)] == 1, rec["id"]  # the first token the target generates is trained
         modes.add(prompt.thinking)
     assert modes == {True, False}
+
+
+def test_report_resume_sections(tmp_path):
+    """The Mooncake restart study, the GPU resume drills and the soak each get their table."""
+    report = _report_module()
+    results = tmp_path / "results"
+    results.mkdir()
+    restart = {
+        "benchmark": "mooncake master restart",
+        "environment": {"mooncake": "0.3.13"},
+        "down_s": 10.0,
+        "summary": {
+            "down_put_s": [4.3],
+            "master_restart_listen_s": 1.3,
+            "first_put_after_restart_s": 1.0,
+            "pre_kill_object_exists_after_restart": 0,
+            "pre_kill_object_get_after_restart_rc": -704,
+        },
+    }
+    drills = {
+        "benchmark": "whole-run resume drills (issue 26)",
+        "drills": {
+            "kill twice": {
+                "lost": 0,
+                "duplicates": 0,
+                "attempts": [
+                    {
+                        "attempt": 2,
+                        "resumed_from_step": 20,
+                        "ledger_step_before": 23,
+                        "recaptured_acked": 3,
+                        "time_to_first_resumed_step_s": 95.0,
+                    }
+                ],
+            }
+        },
+    }
+    soak = {
+        "benchmark": "soak (issue 26)",
+        "steps": 5000,
+        "verdicts": {"trainer-rank:7/rss_bytes": {"median": 2e9, "rise": 1e6, "bound": 1e8, "flat": True}},
+    }
+    for name, doc in (("restart.json", restart), ("drills.json", drills), ("soak.json", soak)):
+        (results / name).write_text(json.dumps(doc))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert "## Unrecognised results files" not in md
+    assert "| restart.json | 0.3.13 | 10.000 | 4.30 | 1.300 | 1.000 | 0 | -704 |" in md
+    assert "| drills.json | kill twice | 2 | 20 | 23 | 3 | 0 | 0 | 95.000 | - |" in md
+    assert "| soak.json | 5000 | trainer-rank:7/rss_bytes | 2e+09 | 1e+06 | 1e+08 | yes |" in md

@@ -18,6 +18,7 @@ JSON goes to ``--out`` (default ``<run_dir>/run-report/run_report.json``), the p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
@@ -29,9 +30,16 @@ REPORT_DIR = "run-report"
 
 
 def run_steps(run: Path) -> list[dict]:
-    """SpecForge's logged steps of every consumer log of the run (``logs/consumer-node*.log``)."""
-    logs = sorted((run / "logs").glob("consumer-node*.log"))
-    return consumer_steps("\n".join(p.read_text(errors="replace") for p in logs))
+    """SpecForge's logged steps of the consumer over every attempt of the run (``logs/``, then ``logs-attempt2/``, ... of
+    ``launch --resume``); a step trained again by a later attempt counts as that attempt logged it (it is the
+    one the final weights hold)."""
+    dirs = [run / "logs"] + sorted(run.glob("logs-attempt*"), key=lambda p: int(p.name.rsplit("attempt", 1)[1]))
+    by_step: dict[int, dict] = {}
+    for d in dirs:
+        logs = sorted(d.glob("consumer-node*.log"))
+        for s in consumer_steps("\n".join(p.read_text(errors="replace") for p in logs)):
+            by_step[s["step"]] = s
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def disk_bytes(run_dir: Path, run_id: str) -> dict:
@@ -113,8 +121,9 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     k = max(1, min(20, len(losses) // 5)) if losses else 0
     led = ledger(run)
     disk = disk_bytes(run, run_id)
+    step_dir = re.compile(rf"^{re.escape(run_id)}-step(\d+)$")  # not the *.abandoned-attemptK a --resume set aside
     ckpts = sorted(
-        (p.name for p in run.glob(f"{run_id}-step*") if (p / "training_state.pt").is_file()),
+        (p.name for p in run.glob(f"{run_id}-step*") if step_dir.match(p.name) and (p / "training_state.pt").is_file()),
         key=lambda n: int(n.rsplit("step", 1)[1]),
     )
     out = {

@@ -2,7 +2,8 @@
 
 Scope: read-only checks, each with a fix. Versions against the pins; our SpecForge patch and
 SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recipe also the
-target checkpoint (config vs recipe, tensor names and shapes against the config), Mooncake
+target checkpoint (config vs recipe, tensor names and shapes against the config), its data files
+(tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.online.inputs`), Mooncake
 reachability (or, with ``server.transport: cuda_ipc``, SGLang patch 0005 and peer access to GPU 0) and GPU
 count/memory against the recipe's budget. Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
@@ -317,6 +318,16 @@ def _check_int4(path, info, tp: int) -> Check:
     )
 
 
+def check_inputs(recipe) -> list[Check]:
+    """The recipe's data files against the target and each other (:mod:`specforge_kimi.online.inputs`)."""
+    from specforge_kimi.online import inputs
+
+    problems = inputs.check_inputs(recipe)
+    if not problems:
+        return [Check("recipe inputs", "ok", "target, tokenizer, prompts, vocab mapping and max_length agree")]
+    return [Check("recipe inputs", "fail", line, "fix the file or the recipe field it names") for line in problems]
+
+
 def check_mooncake(recipe) -> list[Check]:
     import urllib.error
     import urllib.request
@@ -407,7 +418,9 @@ def run_checks(recipe_path: str | None) -> list[Check]:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
         transport = check_mooncake(recipe) if recipe.server.transport == "mooncake" else check_cuda_ipc(recipe)
-        checks += check_target(recipe) + transport + check_gpu_budget(recipe) + check_tracking(recipe)
+        checks += (
+            check_target(recipe) + check_inputs(recipe) + transport + check_gpu_budget(recipe) + check_tracking(recipe)
+        )
     return checks
 
 

@@ -14,8 +14,9 @@ such a signal it stops restarting and exits with the child.
   consumer-only online resume, which needs the producer, channel and Mooncake objects alive (they
   are: only the consumer died) and refuses unless the ledger's durable step equals the
   checkpoint's. That condition is checked first; when it does not hold the keeper exits with the
-  consumer's status and says why (a crash between checkpoints cannot be resumed in SpecForge
-  0.2.0: acknowledged samples' features are already freed). While restarts are left the consumer
+  consumer's status and says why (after a crash between checkpoints SpecForge 0.2.0 cannot resume the
+  consumer alone: acknowledged samples' features are already freed), and the run stops; ``launch
+  --resume`` (or ``resilience.run_restarts``) then resumes it whole (:mod:`specforge_kimi.online.resume`). While restarts are left the consumer
   runs with ``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``: ranks that torchrun stops with a signal
   after a sibling died do not publish ``consumer_failed`` (registration seam 7), so the producer
   is still there for the resumed consumer.
@@ -97,8 +98,8 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: tuple[P
             if ckpt is None or marker != ckpt:
                 _say(
                     f"consumer exited with {rc}; not resumable: ledger durable step {marker} != checkpoint step "
-                    f"{ckpt} (SpecForge resumes an online consumer only at a checkpointed step; lower "
-                    "trainer.save_interval to shrink that window)"
+                    f"{ckpt} (SpecForge resumes an online consumer alone only at a checkpointed step); the run "
+                    "stops: `specforge-kimi launch RECIPE --resume` (or resilience.run_restarts) resumes it whole"
                 )
                 return rc
             current = resume_argv(argv, run_dir / f"{run_id}-latest")

@@ -14,7 +14,9 @@ finish the newest checkpoint is exported for SGLang and the recipe's acceptance 
 (``bench:`` section); below its ``min_acceptance_length`` the command exits 1. With
 ``server.transport: cuda_ipc`` no Mooncake master starts (the features go through the server's GPU pool),
 the preflight also wants SGLang patch 0005 and, at TP > 1, peer access from every GPU to GPU 0, and what a
-killed server's pool left behind is removed when the run ends.
+killed server's pool left behind is removed when the run ends. The recipe's input files are checked first (:mod:`inputs`); an output_dir an earlier launch used is
+refused unless ``--resume`` continues that run (:mod:`resume`, which also restarts a failed attempt under
+``resilience.run_restarts``).
 """
 
 from __future__ import annotations
@@ -318,6 +320,17 @@ def add_parser(sub) -> None:
         "(default on node 0: the recipe's server.host; required on the others)",
     )
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in the recipe's output_dir from its newest complete checkpoint "
+        "(every service restarted; what was acknowledged after the checkpoint is captured again; docs/online.md)",
+    )
+    p.add_argument(
+        "--stop-stale",
+        action="store_true",
+        help="with --resume: stop processes the previous attempt left (SIGTERM, then SIGKILL) instead of refusing",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="print what would run (commands, environments, logs, the SpecForge config, the memory split) as one "
@@ -356,6 +369,12 @@ def run(args) -> int:
     from specforge_kimi.online.recipes import load_recipe, render
 
     recipe = load_recipe(args.recipe)
+    if args.stop_stale and not args.resume:
+        raise KimiInputError("--stop-stale goes with --resume")
+    if not args.plan:
+        from specforge_kimi.online.inputs import require_inputs
+
+        require_inputs(recipe)  # target, tokenizer, prompts, vocab mapping, lengths: one line each, nothing started
     rendered = render(recipe, Path(recipe.output_dir) / "rendered", write=not args.plan)
     plan = build_colocated_plan(
         recipe, rendered, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host
@@ -363,29 +382,41 @@ def run(args) -> int:
     if args.plan:
         print(json.dumps(plan_document(recipe, rendered, plan), indent=2))
         return 0
-    preflight(plan)
     out = Path(recipe.output_dir)
-    print(
-        f"starting {', '.join(s.command.label for s in plan.services)}, then "
-        f"{', '.join(c.label for c in plan.commands)} (TP={recipe.tp}, {recipe.gpus.per_node} trainer ranks per node); "
-        f"logs: {out / 'logs'}",
-        flush=True,
-    )
     from contextlib import nullcontext
 
     from specforge_kimi.online.gpu_memory import SAMPLES_CSV, GpuSampler
     from specforge_kimi.online.progress import LiveProgress
-
-    # node 0's per-process GPU memory for run-report (SpecForge records none); the status line reads
-    # SpecForge's own files
-    sampler = GpuSampler(out / "logs" / SAMPLES_CSV) if args.node_rank == 0 else nullcontext()
+    from specforge_kimi.online.resume import run_attempts
     from specforge_kimi.online.transport_plan import remove_stale_pools
 
-    try:
-        with sampler, nullcontext() if args.no_progress else LiveProgress(out):
-            rc = run_plan(plan, managed_preflight=lambda _plan: None)
-    finally:
-        remove_stale_pools(recipe)  # cuda_ipc: a killed server's pool file and slot table
+    def attempt(p) -> int:
+        logs = Path(p.services[0].log_path).parent if p.services else out / "logs"
+        print(
+            f"starting {', '.join(s.command.label for s in p.services)}, then "
+            f"{', '.join(c.label for c in p.commands)} (TP={recipe.tp}, {recipe.gpus.per_node} trainer ranks per "
+            f"node); logs: {logs}",
+            flush=True,
+        )
+        # node 0's per-process GPU memory for run-report (SpecForge records none); the status line reads
+        # SpecForge's own files
+        sampler = GpuSampler(logs / SAMPLES_CSV) if args.node_rank == 0 else nullcontext()
+        try:
+            with sampler, nullcontext() if args.no_progress else LiveProgress(out):
+                return run_plan(p, managed_preflight=lambda _plan: None)
+        finally:
+            remove_stale_pools(recipe)  # cuda_ipc: a killed server's pool file and slot table
+
+    rc = run_attempts(
+        recipe,
+        plan,
+        attempt,
+        resume=args.resume,
+        stop_stale=args.stop_stale,
+        restarts=recipe.resilience.run_restarts,
+        check=preflight,
+        say=lambda m: print(m, flush=True),
+    )
     if rc != 0:
         print(f"the run stopped with exit code {rc}; the first failing role's log is under {out / 'logs'}", flush=True)
         return rc

@@ -139,6 +139,7 @@ class RunTail:
         self._partial: dict[Path, bytes] = {}
         self.steps: dict[int, dict] = {}
         self._refs_offset = 0
+        self._refs_path: Path | None = None
         self.captured = 0
         self._ledger: dict = {"present": False}
         self._ledger_at = float("-inf")
@@ -157,8 +158,21 @@ class RunTail:
             data = f.read(size - offset)
         return data, offset + len(data)
 
+    def _consumer_logs(self) -> list[Path]:
+        """Every attempt's consumer logs, oldest attempt first (``logs/``, then ``launch --resume``'s
+        ``logs-attempt2/``, ...): a step a later attempt trained again is the later one's."""
+        dirs = [self.run / "logs"] + sorted(
+            self.run.glob("logs-attempt*"), key=lambda d: int(d.name.rsplit("attempt", 1)[1] or 0)
+        )
+        return [log for d in dirs for log in sorted(d.glob("consumer-node*.log"))]
+
+    def _control(self) -> Path:
+        """The newest attempt's control directory (its refs.jsonl is the current producer's)."""
+        attempts = sorted(self.run.glob("control-attempt*"), key=lambda d: int(d.name.rsplit("attempt", 1)[1] or 0))
+        return attempts[-1] if attempts else self.control
+
     def _read_logs(self) -> None:
-        for log in sorted((self.run / "logs").glob("consumer-node*.log")):
+        for log in self._consumer_logs():
             data, self._offsets[log] = self._new_bytes(log, self._offsets.get(log, 0))
             if not data:
                 continue
@@ -168,10 +182,14 @@ class RunTail:
             for line in lines:
                 row = parse_step_line(line.decode("utf-8", "replace"))
                 if row is not None:
-                    self.steps.setdefault(row["step"], row)
+                    self.steps[row["step"]] = row
 
     def _read_refs(self) -> None:
-        data, self._refs_offset = self._new_bytes(self.control / "refs.jsonl", self._refs_offset)
+        refs = self._control() / "refs.jsonl"
+        if self._refs_path is not None and refs != self._refs_path:  # a new attempt: its own channel
+            self._refs_offset, self.captured = 0, 0
+        self._refs_path = refs
+        data, self._refs_offset = self._new_bytes(refs, self._refs_offset)
         self.captured += data.count(b"\n")
 
     def _newest_checkpoint(self) -> int | None:
@@ -192,7 +210,7 @@ class RunTail:
             self._ledger, self._ledger_at = counts(self.run), now
         led = self._ledger
         snap = Snapshot(str(self.run), self.run_id, self.max_steps, captured=self.captured)
-        logs = sorted((self.run / "logs").glob("consumer-node*.log"))
+        logs = self._consumer_logs()
         if logs:
             snap.log_age_s = max(0.0, time.time() - max(p.stat().st_mtime for p in logs))
         if self.steps:

@@ -127,6 +127,13 @@ class ResilienceSection(_Strict):
         description="Consumer-only resumes after a trainer crash "
         "(SpecForge resumes only when the ledger's durable step = a checkpoint's)",
     )
+    run_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="Whole-run resumes after a failed attempt (online.resume: every service restarted, the newest "
+        "complete checkpoint loaded, what was acknowledged after it captured again): a lost Mooncake master, a crash "
+        "between checkpoints. Not after Ctrl-C/SIGTERM/SIGHUP, nor after an attempt that made no durable step",
+    )
 
 
 class TrainerSection(_Strict):
@@ -239,6 +246,8 @@ class Recipe(_Strict):
             )
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
+        if self.gpus.nnodes > 1 and self.resilience.run_restarts:
+            raise ValueError("resilience.run_restarts is single-node only (whole-run resume reads node 0's ledger)")
         if self.gpus.nnodes > 1 and self.resilience.consumer_restarts:
             raise ValueError(
                 "resilience.consumer_restarts is single-node only: the keeper reads the ledger, which "

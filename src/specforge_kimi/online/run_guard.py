@@ -1,0 +1,112 @@
+"""What of a run is still alive on this node: the launcher's lock, and the processes that carry the run's mark.
+
+Scope: one node, Linux ``/proc``. Every process ``launch`` starts carries ``SPECFORGE_KIMI_RUN_DIR=<output_dir>``
+(absolute) in its environment, and every process those start inherits it: SGLang's schedulers, torchrun's
+trainer ranks -- which run in sessions of their own, so a ``kill -9`` of the launch's process groups leaves
+them behind, blocked on a Mooncake that is gone. The launcher itself holds ``<output_dir>/launch.lock``
+(``flock``; the kernel drops it when the process dies, however it dies). ``launch --resume`` refuses while
+the lock is held or marked processes live, and stops the marked processes when asked (``--stop-stale``:
+SIGTERM, then SIGKILL after a grace period). Only the mark counts: a ``tail -f`` of a run log is not the
+run's. Processes of other users cannot be read and are not seen.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from specforge_kimi.errors import KimiInputError
+
+RUN_DIR_ENV = "SPECFORGE_KIMI_RUN_DIR"
+LOCK_FILE = "launch.lock"
+STOP_GRACE_S = 10.0
+
+_HELD: dict[str, int] = {}  # output dir -> the lock's fd, kept open for this process's life
+
+
+def acquire_lock(out: Path) -> None:
+    """Hold ``out/launch.lock`` for the rest of this process (idempotent); refuse if another process holds it."""
+    import fcntl
+
+    key = str(Path(out).resolve())
+    if key in _HELD:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(key) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise KimiInputError(
+            f"another launch of {key} is running (pid {holder}, holding {path}); stop it first (kill {holder})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[key] = fd
+
+
+def release_lock(out: Path) -> None:
+    fd = _HELD.pop(str(Path(out).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def run_processes(out: Path) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of every live process that carries ``out``'s mark (this process and its
+    ancestors excluded)."""
+    key = str(Path(out).resolve())
+    mark = f"{RUN_DIR_ENV}={key}".encode() + b"\0"
+    mine = {os.getpid()}
+    pid = os.getpid()
+    while pid > 1:  # ancestors: never stop the processes this one runs under
+        stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
+        try:
+            pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (ValueError, IndexError):
+            break
+        mine.add(pid)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        cmdline = _read(entry / "cmdline")
+        if not cmdline:  # a kernel thread or a zombie: nothing to stop
+            continue
+        if b"\0" + mark in b"\0" + _read(entry / "environ") + b"\0":
+            found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
+    return sorted(found)
+
+
+def stop(processes: list[tuple[int, str]], *, grace_s: float = STOP_GRACE_S) -> list[int]:
+    """SIGTERM each, SIGKILL what is left after ``grace_s``; returns the pids signalled. Raises if any
+    survives SIGKILL for another ``grace_s`` (e.g. stuck in the kernel)."""
+    pids = [pid for pid, _ in processes]
+
+    def alive(pid: int) -> bool:
+        stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
+        return bool(stat) and stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.1)
+        if not any(alive(p) for p in pids):
+            return pids
+    left = [p for p in pids if alive(p)]
+    raise KimiInputError(f"processes {left} of the previous attempt survive SIGKILL; the node needs attention")

@@ -1,0 +1,79 @@
+"""Test-only consumer entry for the whole-run resume drills: ``specforge_kimi train`` whose checkpoint write
+of step ``STEP`` holds still for ``SECONDS`` at ``PHASE`` (``RESUME_DRILL_SLOW_SAVE=STEP:PHASE:SECONDS``)
+after touching ``RESUME_DRILL_FLAG`` -- so the drill's outside SIGKILL of every process lands *during* that
+write. On CPU a tiny checkpoint is written in milliseconds, too fast to hit from outside; the pause only
+widens the window, the kill is the drill's. Phases, in the order a save goes:
+
+- ``rank-file``: the rank file is written to ``training_state_rank<r>.pt.tmp``, not yet renamed;
+- ``shared-file``: rank files in place, ``training_state.pt.tmp`` written, not yet renamed;
+- ``marker``: SpecForge's save is done (``training_state.pt`` in place, ``-latest`` re-pointed: SpecForge
+  itself would resume from it), registration seam 11's completion marker not yet written.
+
+Without the variable it is plain ``specforge_kimi train``.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _hold(step: int, phase: str, seconds: float) -> None:
+    flag = Path(os.environ["RESUME_DRILL_FLAG"])
+    flag.write_text(f"{step} {phase} {os.getpid()}\n")
+    time.sleep(seconds)
+
+
+def main() -> int:
+    spec = os.environ.get("RESUME_DRILL_SLOW_SAVE")
+    import specforge_kimi
+
+    specforge_kimi.register()
+    if spec:
+        step_s, phase, seconds_s = spec.split(":")
+        step, seconds = int(step_s), float(seconds_s)
+        from specforge.training.checkpoint import CheckpointManager
+
+        import specforge_kimi.registration as registration
+
+        current = {"step": None}
+        save, atomic, mark = (
+            CheckpointManager.save,
+            CheckpointManager._atomic_save,
+            registration._mark_checkpoint_complete,
+        )
+
+        def slow_save(self, state, step_, *, rank_state=None):
+            current["step"] = step_
+            try:
+                return save(self, state, step_, rank_state=rank_state)
+            finally:
+                current["step"] = None
+
+        def slow_atomic(obj, path):
+            if current["step"] != step:
+                return atomic(obj, path)
+            wanted = "training_state.pt" if phase == "shared-file" else "training_state_rank"
+            if phase not in ("rank-file", "shared-file") or not os.path.basename(path).startswith(wanted):
+                return atomic(obj, path)
+            import torch
+
+            torch.save(obj, path + ".tmp")
+            _hold(step, phase, seconds)
+            os.replace(path + ".tmp", path)
+
+        def slow_mark(ckpt_dir, **kw):
+            if phase == "marker" and kw.get("step") == step:
+                _hold(step, phase, seconds)
+            return mark(ckpt_dir, **kw)
+
+        CheckpointManager.save = slow_save
+        CheckpointManager._atomic_save = staticmethod(slow_atomic)
+        registration._mark_checkpoint_complete = slow_mark
+    from specforge_kimi.cli import main as cli_main
+
+    return cli_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
