@@ -553,6 +553,7 @@ def transport_comparison(runs: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    global AUX_IDS, SERVER_START_TIMEOUT_S
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -606,7 +607,6 @@ def main(argv=None) -> int:
     p.add_argument("--server-start-timeout", type=float, default=SERVER_START_TIMEOUT_S, help="seconds to /health")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    global AUX_IDS, SERVER_START_TIMEOUT_S
     if args.aux_ids:
         from specforge_kimi.target.layer_ids import parse_id_list
 

@@ -16,7 +16,7 @@
 #                 train stage's run-report (trainer-only and end-to-end tok/s, GPU memory per role)
 # STAGE=all runs them in that order. The first INT4 prefill on a host JIT-compiles SGLang's Marlin MoE kernel
 # (minutes; TVM_FFI_CACHE_DIR keeps it): point TVM_FFI_CACHE_DIR at a carried cache to skip it.
-# usage: [RECIPE=...] [STAGE=all|target|data|train|bench] [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
+# usage: [RECIPE=...] [TRANSPORT=mooncake|cuda_ipc (train)] [STAGE=all|target|data|depth|train|bench] [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/real-width}"; mkdir -p "$OUT"
@@ -24,6 +24,15 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 . scripts/gpu_common.sh  # recipe_fields, launch_measured
 T="${1:-540}"
 RECIPE="${RECIPE:-recipes/kimi-k25-slice-h200.yaml}"
+if [ -n "${TRANSPORT:-}" ]; then  # the same recipe on another feature transport (a copy in OUT)
+  python3 - "$RECIPE" "$TRANSPORT" "$OUT/recipe-$TRANSPORT.yaml" <<'PY' || exit 2
+import sys, yaml
+raw = yaml.safe_load(open(sys.argv[1]))
+raw["server"]["transport"] = sys.argv[2]
+open(sys.argv[3], "w").write(yaml.safe_dump(raw, sort_keys=False))
+PY
+  RECIPE="$OUT/recipe-$TRANSPORT.yaml"
+fi
 read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECIPE" >&2; exit 2; }
 TARGET=$(python3 -c "import sys; from specforge_kimi.online.recipes import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
 DATA=$(python3 -c "import sys, os; from specforge_kimi.online.recipes import load_recipe as l; print(os.path.dirname(l(sys.argv[1]).data.prompts_path))" "$RECIPE")
@@ -109,7 +118,8 @@ fi
 if stage bench; then
   [ -f "$TARGET/config.json" ] || { echo "STAGE=bench needs a target stage's $TARGET" >&2; exit 2; }
   python3 bench/online_pipeline.py --target "$TARGET" --tp 1 --shapes "${SHAPES:-16x1024,4x4096,64x1024}" \
-    --reps "${REPS:-3}" --compact-passthrough ${TRANSPORTS:+--transport $TRANSPORTS} \
+    --reps "${REPS:-3}" --compact-passthrough ${TRANSPORTS:+--transport $TRANSPORTS} ${IPC_POOL_GIB:+--ipc-pool-gib $IPC_POOL_GIB} \
+    --workdir "$OUT/pipeline" --server-start-timeout "${SERVER_WAIT_S:-480}" --aux-ids "$AUX" \
     $([ -s "$OUT/online_run.json" ] && echo --run-report "$OUT/online_run.json") \
     --out "$OUT/online_pipeline_k25_slice_h200.json" > "$OUT/online_pipeline.out" 2>&1
   echo "online_pipeline rc=$?" | tee -a "$OUT/online_pipeline.out"
