@@ -38,7 +38,9 @@ def _consumer_log(out: Path, attempt: int) -> Path:
 def steps_logged(text: str) -> dict[int, dict]:
     """``{step: metrics}`` from SpecForge's ``step N: {...}`` console lines (the first intact one of each step).
     With two ranks both print each line into one log, and their writes can interleave mid-line: the pattern
-    is not anchored to lines, and a dict cut by the other rank's line does not match (no brace inside)."""
+    is not anchored to lines, and a dict cut by the other rank's line does not match (no brace inside).
+    Keys are given without the tracker's ``train/`` prefix (SpecForge adds it when a tracker such as
+    TensorBoard, the recipes' default, is on), so ``lr`` and ``loss`` read the same either way."""
     import ast
 
     out: dict[int, dict] = {}
@@ -46,9 +48,10 @@ def steps_logged(text: str) -> dict[int, dict]:
         step = int(m.group(1))
         if step not in out:
             try:
-                out[step] = ast.literal_eval(m.group(2))
+                metrics = ast.literal_eval(m.group(2))
             except (ValueError, SyntaxError):
                 continue
+            out[step] = {k.removeprefix("train/"): v for k, v in metrics.items()}
     return out
 
 

@@ -1,6 +1,7 @@
 """``server.transport: cuda_ipc`` in a recipe: refused where it cannot work (one line naming why), the pool and
 the producer's byte watermarks sized from the recipe and counted in the memory plan, the environment of each
-role, the launch plan without a Mooncake master, and the launch preflight."""
+role, the launch plan without a Mooncake master, and the launch preflight; and Mooncake's segment given the same
+byte watermarks (and a segment too small refused)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,35 @@ def test_mooncake_stays_the_default():
             "server_rows": 0,
             "prefetch": 0,
         }
-        assert tp.server_env(r) == {} and tp.process_env(r) == {} and tp.runtime_config(r) == {}
+        assert tp.server_env(r) == {} and tp.process_env(r) == {}
+        high, low = tp.watermarks(r)  # mooncake: the producer's byte watermarks come from the segment
+        assert tp.runtime_config(r) == {"resident_high_watermark_bytes": high, "resident_low_watermark_bytes": low}
+
+
+def test_mooncake_watermark_keeps_the_segment_from_filling():
+    """At K2.5 width SpecForge's ref watermark (256) alone let 141 4k-token samples (33 GB) into a 32 GiB
+    segment on 2026-12-02. Every shipped recipe's byte watermark, plus the producer's overshoot, stays at or
+    under 0.8 of its segment (below Mooncake's 0.9 eviction), and one optimizer window always fits under it."""
+    for path in sorted(RECIPES.glob("*.yaml")):
+        r = load_recipe(path)
+        s, segment = tp.sample_bytes(r), tp.segment_bytes(r)
+        high, low = tp.watermarks(r)
+        assert high + tp.PRODUCER_OVERSHOOT_SAMPLES * s <= 0.8 * segment, path.name
+        assert tp.optimizer_window(r) * s <= high and 0 < low < high, path.name
+    k25 = load_recipe(RECIPES / "kimi-k25-slice-h200.yaml")
+    s = tp.sample_bytes(k25)
+    assert s == 4096 * 57_368
+    assert tp.watermarks(k25)[0] // s < 141  # the in-flight count that overflowed, now paused before
+
+
+def test_a_mooncake_segment_too_small_is_refused(tmp_path):
+    raw = yaml.safe_load((RECIPES / "kimi-k25-slice-h200.yaml").read_text())
+    raw.setdefault("mooncake", {})["global_segment_gib"] = 2  # < (1 window + 8) x 235 MB / 0.8 = 2.46 GiB
+    with pytest.raises(KimiInputError, match="mooncake.global_segment_gib 2 is below the 2.46 GiB") as exc:
+        _load(tmp_path, raw)
+    assert "\n" not in str(exc.value)
+    raw["mooncake"]["global_segment_gib"] = 2.5
+    assert _load(tmp_path, raw).mooncake.global_segment_gib == 2.5
 
 
 @pytest.mark.parametrize(
@@ -74,7 +103,7 @@ def test_pool_watermarks_and_memory_plan(tmp_path):
     s = tp.sample_bytes(r)
     assert tp.feature_bytes_per_token(r) == 4 * 512 * 2 + 24 and s == 1024 * (4 * 512 * 2 + 24)
     # one window (1 rank x batch 1) + the producer's 8 in flight, at 0.8
-    assert tp.min_pool_bytes(r) == int(9 * s / 0.8) + 1
+    assert tp.min_store_bytes(r) == int(9 * s / 0.8) + 1
     assert tp.pool_bytes(r) == GIB  # the 1 GiB floor for this tiny recipe
     high, low = tp.watermarks(r)
     assert high == int(0.8 * GIB) - 8 * s and low == int(0.75 * high)
@@ -89,7 +118,7 @@ def test_pool_watermarks_and_memory_plan(tmp_path):
     assert tp.pool_bytes(_load(tmp_path, _raw(ipc_pool_gib=3))) == 3 * GIB
     k25 = _load(tmp_path, _raw("kimi-k25-8xb200-lowered.yaml"))
     assert tp.sample_bytes(k25) == 4096 * 57_368 and tp.optimizer_window(k25) == 8
-    assert tp.min_pool_bytes(k25) <= tp.pool_bytes(k25) < tp.min_pool_bytes(k25) + GIB // 4
+    assert tp.min_store_bytes(k25) <= tp.pool_bytes(k25) < tp.min_store_bytes(k25) + GIB // 4
     assert memory_plan(k25)["fits"]
 
 

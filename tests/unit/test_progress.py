@@ -113,6 +113,21 @@ def test_snapshot_follows_the_files(run_dir):
     assert snap.finished and snap.eta_s is None and "finished: 20 samples trained" in status_line(snap)
 
 
+def test_ledger_read_each_poll_until_a_durable_step(run_dir):
+    """A long ledger interval still shows the first durable step at once (a short run's only chance of a
+    rate); after that the ledger waits for its interval."""
+    tail = RunTail(run_dir, ledger_every_s=3600)
+    assert tail.poll().trained == 0  # no ledger yet
+    _ledger(run_dir, [], {"a": 40}, step=0)
+    assert tail.poll().tokens_per_step is None  # a ledger without a durable step: read again next poll
+    _ledger(run_dir, ["a"], {"a": 40}, step=1)
+    snap = tail.poll()
+    assert snap.trained == 1 and snap.tokens_per_step == 40
+    _ledger(run_dir, ["a", "b"], {"a": 40, "b": 40}, step=2)
+    assert tail.poll().trained == 1  # durable step seen: the next read waits for the interval
+    assert tail.poll(force_ledger=True).trained == 2
+
+
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(KimiInputError, match="not a launched run directory"):
         RunTail(tmp_path)

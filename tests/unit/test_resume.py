@@ -475,3 +475,15 @@ def test_resume_run_report_reads_every_attempt(tmp_path):
     rep = report(run)
     assert rep["losses"] == [5.0, 4.0, 3.0, 2.5, 2.0, 1.5] and rep["last_step"] == 6
     assert rep["checkpoints"] == [f"{RUN}-step3", f"{RUN}-step6"]
+
+
+def test_drill_step_lines_read_with_and_without_a_tracker():
+    """The drills compare lr and loss across attempts; SpecForge prefixes them ``train/`` when a tracker is on
+    (the recipes' default), and an interleaved second rank's write cuts a line the reader must skip."""
+    from resume_drills import steps_logged
+
+    plain = "step 3: {'loss': 2.5, 'lr': 0.001}\n"
+    tracked = "step 3: {'train/loss': 2.5, 'train/lr': 0.001}\n"
+    assert steps_logged(plain) == steps_logged(tracked) == {3: {"loss": 2.5, "lr": 0.001}}
+    cut = "step 4: {'train/loss': 2.0, 'trstep 4: {'train/loss': 2.0, 'train/lr': 0.002}\n"
+    assert steps_logged(cut) == {4: {"loss": 2.0, "lr": 0.002}}

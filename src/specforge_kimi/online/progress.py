@@ -117,7 +117,8 @@ class Snapshot:
 
 class RunTail:
     """Follows one run directory; :meth:`poll` returns a fresh :class:`Snapshot`. Logs and refs are read
-    from where the last poll stopped; the ledger at most every ``ledger_every_s``."""
+    from where the last poll stopped; the ledger on every poll until it holds a durable step, then at most
+    every ``ledger_every_s``."""
 
     def __init__(self, run_dir: str | Path, *, ledger_every_s: float = 10.0) -> None:
         import yaml
@@ -206,7 +207,10 @@ class RunTail:
         self._read_logs()
         self._read_refs()
         now = time.monotonic()
-        if force_ledger or now - self._ledger_at >= self.ledger_every_s:
+        # until the ledger holds a durable step (tokens per step, hence tok/s, come from it) it is read on
+        # every poll: a short run would otherwise finish between two reads without ever showing a rate
+        no_durable_step = not self._ledger.get("global_step")
+        if force_ledger or no_durable_step or now - self._ledger_at >= self.ledger_every_s:
             self._ledger, self._ledger_at = counts(self.run), now
         led = self._ledger
         snap = Snapshot(str(self.run), self.run_id, self.max_steps, captured=self.captured)

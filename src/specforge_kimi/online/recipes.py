@@ -109,7 +109,12 @@ class MooncakeSection(_Strict):
     metadata_port: int = Field(default=35880, description="HTTP metadata server port")
     metrics_port: int = Field(default=35903, description="Master metrics port")
     rdma_devices: str | None = Field(default=None, description="RDMA NICs for protocol rdma")
-    global_segment_gib: float = Field(default=32, gt=0, description="Server-owned segment holding features in flight")
+    global_segment_gib: float = Field(
+        default=32,
+        gt=0,
+        description="Segment holding features in flight (the server's, or the keeper's); the producer pauses at "
+        "0.8 of it less 8 samples (online.transport_plan), and one optimizer window plus those 8 must fit",
+    )
 
 
 class ResilienceSection(_Strict):
@@ -262,12 +267,11 @@ class Recipe(_Strict):
             raise ValueError(
                 "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
             )
-        if self.server.transport == "cuda_ipc":
-            from specforge_kimi.online.transport_plan import refusal
+        from specforge_kimi.online.transport_plan import refusal, segment_refusal
 
-            why = refusal(self)
-            if why:
-                raise ValueError(why)
+        why = refusal(self) if self.server.transport == "cuda_ipc" else segment_refusal(self)
+        if why:
+            raise ValueError(why)
         plan = memory_plan(self)
         if not plan["fits"]:
             raise ValueError(f"memory split does not fit: {plan['why']}")
@@ -525,8 +529,7 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
     }
     from specforge_kimi.online.transport_plan import runtime_config
 
-    if runtime_config(r):  # cuda_ipc: the producer pauses on bytes before the GPU pool fills
-        cfg["runtime"] = runtime_config(r)
+    cfg["runtime"] = runtime_config(r)  # the producer pauses on bytes before the pool or the segment fills
     from specforge.config import Config
 
     Config.model_validate(cfg)  # SpecForge's own schema: unknown/invalid fields fail here

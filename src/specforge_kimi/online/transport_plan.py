@@ -1,5 +1,5 @@
-"""What ``server.transport: cuda_ipc`` asks of a recipe: where it cannot work, the pool's size, the producer's
-byte watermarks, the GPU memory it takes, and the environment of each role.
+"""What each feature transport asks of a recipe: where ``server.transport: cuda_ipc`` cannot work, its pool's
+size, the producer's byte watermarks (both transports), the GPU memory it takes, and the environment of each role.
 
 Scope: the recipe side of :mod:`specforge_kimi.transport`. Refused (one line each, naming why): more than one
 node (IPC handles do not cross hosts), SGLang DP attention (one capture writer per DP group, one pool each:
@@ -16,6 +16,14 @@ SpecForge's producer overshoots its watermark by up to ``producer_concurrency x 
 watermark of ``0.8 x pool - 8 S`` (low: 3/4 of it), so it pauses before the server's pool fills, and the
 server's wait for space (backpressure) is a backstop. ``ipc_pool_gib`` unset is that minimum rounded up to a
 quarter GiB (at least 1 GiB): every sample counted at ``max_length``, so real, shorter samples leave room.
+
+Mooncake. The same holds for the capture server's Mooncake segment (``mooncake.global_segment_gib``): its
+features in flight live there until acknowledged, and SpecForge's default watermark counts refs only (256 high,
+192 low), which at K2.5 width and 4k-token samples (235 MB each) is 60 GB -- more than the 32 GiB default
+segment (measured on one H200, 2026-12-02: ``BatchPut ... insufficient space`` with 141 samples in flight, the
+producer's channel failed and the run stopped; NOTES "Real width"). So a Mooncake recipe's producer gets the
+byte watermark ``0.8 x segment - 8 S`` as well (below the master's 0.9 eviction watermark), and a segment
+smaller than the window plus the overshoot at 0.8 is refused.
 
 GPU memory. The pool (on the writer's GPU, GPU 0 of the node) and, there too, up to
 ``SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES`` (2) batches of captured rows the scheduler keeps on the GPU until
@@ -52,23 +60,49 @@ def optimizer_window(r) -> int:
     return r.gpus.per_node * r.gpus.nnodes * r.trainer.batch_size
 
 
-def min_pool_bytes(r) -> int:
+def min_store_bytes(r) -> int:
+    """The least a store of features in flight (the cuda_ipc pool, the Mooncake segment) may hold: one optimizer
+    window plus the producer's overshoot, at the watermark fraction."""
     s = sample_bytes(r)
     return int((optimizer_window(r) * s + PRODUCER_OVERSHOOT_SAMPLES * s) / WATERMARK_FRACTION) + 1
 
 
+def segment_bytes(r) -> int:
+    """The Mooncake segment holding features in flight (the server's, or the keeper's: the same size)."""
+    return int(r.mooncake.global_segment_gib * GIB)
+
+
+def store_bytes(r) -> int:
+    """Bytes the recipe's transport holds features in flight in: the pool (cuda_ipc) or the segment (mooncake)."""
+    return pool_bytes(r) if r.server.transport == "cuda_ipc" else segment_bytes(r)
+
+
 def pool_bytes(r) -> int:
-    """The pool's size: ``server.ipc_pool_gib``, or :func:`min_pool_bytes` rounded up to 1/4 GiB (>= 1 GiB)."""
+    """The pool's size: ``server.ipc_pool_gib``, or :func:`min_store_bytes` rounded up to 1/4 GiB (>= 1 GiB)."""
     if r.server.ipc_pool_gib is not None:
         return int(r.server.ipc_pool_gib * GIB)
     quarter = GIB // 4
-    return max(GIB, -(-min_pool_bytes(r) // quarter) * quarter)
+    return max(GIB, -(-min_store_bytes(r) // quarter) * quarter)
 
 
 def watermarks(r) -> tuple[int, int]:
-    """SpecForge's ``runtime.resident_{high,low}_watermark_bytes`` for the producer."""
-    high = int(WATERMARK_FRACTION * pool_bytes(r)) - PRODUCER_OVERSHOOT_SAMPLES * sample_bytes(r)
+    """SpecForge's ``runtime.resident_{high,low}_watermark_bytes`` for the producer, from :func:`store_bytes`."""
+    high = int(WATERMARK_FRACTION * store_bytes(r)) - PRODUCER_OVERSHOOT_SAMPLES * sample_bytes(r)
     return high, int(0.75 * high)
+
+
+def segment_refusal(r) -> str | None:
+    """Why the recipe's Mooncake segment is too small for its features in flight, or None (mooncake only)."""
+    if r.server.transport == "cuda_ipc":
+        return None
+    need = min_store_bytes(r)
+    if segment_bytes(r) < need:
+        return (
+            f"mooncake.global_segment_gib {r.mooncake.global_segment_gib:g} is below the {need / GIB:.2f} GiB one "
+            f"optimizer window ({optimizer_window(r)} samples of up to {sample_bytes(r) / GIB:.3f} GiB) plus the "
+            f"producer's {PRODUCER_OVERSHOOT_SAMPLES} in flight needs at a {WATERMARK_FRACTION} watermark"
+        )
+    return None
 
 
 def refusal(r) -> str | None:
@@ -95,7 +129,7 @@ def refusal(r) -> str | None:
         return "resilience.segment_owner: keeper keeps a Mooncake segment; server.transport cuda_ipc has none"
     if s.capture_put_clients > 1:
         return "server.capture_put_clients splits Mooncake puts; with server.transport cuda_ipc leave it at 1"
-    need = min_pool_bytes(r)
+    need = min_store_bytes(r)
     if pool_bytes(r) < need:
         return (
             f"server.ipc_pool_gib {s.ipc_pool_gib} is below the {need / GIB:.2f} GiB one optimizer window "
@@ -120,9 +154,8 @@ def memory_terms(r) -> dict[str, int]:
 
 
 def runtime_config(r) -> dict[str, Any]:
-    """The SpecForge ``runtime:`` section the transport needs (empty for mooncake)."""
-    if r.server.transport != "cuda_ipc":
-        return {}
+    """The SpecForge ``runtime:`` section the transport needs: the producer's byte watermarks, so it pauses
+    before the pool or the segment fills (refs alone do not bound bytes)."""
     high, low = watermarks(r)
     return {"resident_high_watermark_bytes": high, "resident_low_watermark_bytes": low}
 
