@@ -47,20 +47,32 @@ def test_mooncake_stays_the_default():
         assert tp.runtime_config(r) == {"resident_high_watermark_bytes": high, "resident_low_watermark_bytes": low}
 
 
-def test_mooncake_watermark_keeps_the_segment_from_filling():
+def test_mooncake_watermark_keeps_the_segment_from_filling(tmp_path):
     """At K2.5 width SpecForge's ref watermark (256) alone let 141 4k-token samples (33 GB) into a 32 GiB
-    segment on 2026-12-02. Every shipped recipe's byte watermark, plus the producer's overshoot, stays at or
-    under 0.8 of its segment (below Mooncake's 0.9 eviction), and one optimizer window always fits under it."""
+    segment on 2026-12-02. Each shipped recipe's rendered config, given to SpecForge's own flow control, pauses
+    the producer before its max-length samples fill 0.8 of the segment (below Mooncake's 0.9 eviction), and
+    only after one optimizer window is in flight (else the consumer could never step)."""
+    from specforge.config import Config
+    from specforge.runtime.control_plane.flow_control import FlowControlLimits, ProducerFlowControl
+
     for path in sorted(RECIPES.glob("*.yaml")):
         r = load_recipe(path)
-        s, segment = tp.sample_bytes(r), tp.segment_bytes(r)
-        high, low = tp.watermarks(r)
-        assert high + tp.PRODUCER_OVERSHOOT_SAMPLES * s <= 0.8 * segment, path.name
-        assert tp.optimizer_window(r) * s <= high and 0 < low < high, path.name
+        rt = Config.model_validate(render(r, tmp_path / path.stem)["specforge_config"]).runtime
+        flow = ProducerFlowControl(
+            FlowControlLimits(
+                high_watermark_refs=rt.in_flight_high_watermark,
+                low_watermark_refs=rt.in_flight_low_watermark,
+                high_watermark_bytes=rt.resident_high_watermark_bytes,
+                low_watermark_bytes=rt.resident_low_watermark_bytes,
+            )
+        )
+        s, refs = tp.sample_bytes(r), 0
+        while not flow.should_pause(in_flight_refs=refs, resident_bytes=refs * s):
+            refs += tp.PRODUCER_OVERSHOOT_SAMPLES  # a lease the producer takes before it asks again
+        assert refs * s <= 0.8 * tp.segment_bytes(r), (path.name, refs)
+        assert refs >= tp.optimizer_window(r), (path.name, refs)
     k25 = load_recipe(RECIPES / "kimi-k25-slice-h200.yaml")
-    s = tp.sample_bytes(k25)
-    assert s == 4096 * 57_368
-    assert tp.watermarks(k25)[0] // s < 141  # the in-flight count that overflowed, now paused before
+    assert tp.sample_bytes(k25) == 4096 * 57_368 and tp.watermarks(k25)[0] // tp.sample_bytes(k25) == 108
 
 
 def test_a_mooncake_segment_too_small_is_refused(tmp_path):
