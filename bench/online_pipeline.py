@@ -40,7 +40,10 @@ transport (each started with it: ``cuda_ipc`` servers carry ``SGLANG_SPEC_CAPTUR
 each sample into fresh tensors on GPU 0), the pool's bytes and the server's GPU memory (nvidia-smi). Every shape
 entry names its ``"transport"`` beside ``capture_over_plain``; ``transport_comparison`` sets them side by side with
 the read-rate ratio and whether the features of the first measured round hashed equal on both (two servers with
-SGLang's default kernels: information, not a test -- ``tests/gpu/test_cuda_ipc.py`` is the bit-for-bit check).
+SGLang's default kernels: information, not a test -- ``tests/gpu/test_cuda_ipc.py`` is the bit-for-bit check; on
+an INT4 target they need not match at all: SGLang 0.5.14's fused Marlin MoE sets ``use_atomic_add`` for bf16 on
+compute capability >= 9 whatever ``--enable-deterministic-inference`` says, so its k-split partial sums land in
+any order).
 A ``cuda_ipc`` server's sink logs ``ipc_sink`` timings (reclaim, wait for pool space, copy issue, copy wait).
 
 ``--breakdown`` also splits a capture call's time per shape (``bench_breakdown``): the same
