@@ -20,8 +20,8 @@ quarter GiB (at least 1 GiB): every sample counted at ``max_length``, so real, s
 Mooncake. The same holds for the capture server's Mooncake segment (``mooncake.global_segment_gib``): its
 features in flight live there until acknowledged, and SpecForge's default watermark counts refs only (256 high,
 192 low), which at K2.5 width and 4k-token samples (235 MB each) is 60 GB -- more than the 32 GiB default
-segment (measured on one H200, 2026-12-02: ``BatchPut ... insufficient space`` with 141 samples in flight, the
-producer's channel failed and the run stopped; NOTES "Real width"). So a Mooncake recipe's producer gets the
+segment (seen on one H200, 2026-12-02: ``BatchPut ... insufficient space`` with 141 samples in flight, the
+producer's channel failed and the run stopped; tests/gpu/RUNS.md, NOTES "Feature transports"). So a Mooncake recipe's producer gets the
 byte watermark ``0.8 x segment - 8 S`` as well (below the master's 0.9 eviction watermark), and a segment
 smaller than the window plus the overshoot at 0.8 is refused.
 
