@@ -16,7 +16,10 @@
 #                 train stage's run-report (trainer-only and end-to-end tok/s, GPU memory per role)
 # STAGE=all runs them in that order. The first INT4 prefill on a host JIT-compiles SGLang's Marlin MoE kernel
 # (minutes; TVM_FFI_CACHE_DIR keeps it): point TVM_FFI_CACHE_DIR at a carried cache to skip it.
-# usage: [RECIPE=...] [TRANSPORT=mooncake|cuda_ipc (train)] [STAGE=all|target|data|depth|train|bench] [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
+# usage: [RECIPE=...] [TRANSPORT=mooncake|cuda_ipc [IPC_POOL_GIB=N]] [MAX_STEPS=N] [STAGE=all|target|data|depth|train|bench]
+#        [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
+# TRANSPORT / IPC_POOL_GIB / MAX_STEPS run a copy of the recipe (OUT/recipe-run.yaml) with those changed.
+# After each call: bash scripts/keep_gpu_results.sh <files_at> <date>-real-width, then commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/real-width}"; mkdir -p "$OUT"
@@ -24,14 +27,19 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 . scripts/gpu_common.sh  # recipe_fields, launch_measured
 T="${1:-540}"
 RECIPE="${RECIPE:-recipes/kimi-k25-slice-h200.yaml}"
-if [ -n "${TRANSPORT:-}" ]; then  # the same recipe on another feature transport (a copy in OUT)
-  python3 - "$RECIPE" "$TRANSPORT" "$OUT/recipe-$TRANSPORT.yaml" <<'PY' || exit 2
-import sys, yaml
+if [ -n "${TRANSPORT:-}${MAX_STEPS:-}" ]; then  # the same recipe on another transport / step count (a copy in OUT)
+  python3 - "$RECIPE" "$OUT/recipe-run.yaml" <<'PY' || exit 2
+import os, sys, yaml
 raw = yaml.safe_load(open(sys.argv[1]))
-raw["server"]["transport"] = sys.argv[2]
-open(sys.argv[3], "w").write(yaml.safe_dump(raw, sort_keys=False))
+if os.environ.get("TRANSPORT"):
+    raw["server"]["transport"] = os.environ["TRANSPORT"]
+    if os.environ["TRANSPORT"] == "cuda_ipc" and os.environ.get("IPC_POOL_GIB"):
+        raw["server"]["ipc_pool_gib"] = float(os.environ["IPC_POOL_GIB"])
+if os.environ.get("MAX_STEPS"):
+    raw["trainer"]["max_steps"] = int(os.environ["MAX_STEPS"])
+open(sys.argv[2], "w").write(yaml.safe_dump(raw, sort_keys=False))
 PY
-  RECIPE="$OUT/recipe-$TRANSPORT.yaml"
+  RECIPE="$OUT/recipe-run.yaml"
 fi
 read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECIPE" >&2; exit 2; }
 TARGET=$(python3 -c "import sys; from specforge_kimi.online.recipes import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
