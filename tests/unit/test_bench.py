@@ -1104,3 +1104,12 @@ def test_report_resume_sections(tmp_path):
     assert "| restart.json | 0.3.13 | 10.000 | 4.30 | 1.300 | 1.000 | 0 | -704 |" in md
     assert "| drills.json | kill twice | 2 | 20 | 23 | 3 | 0 | 0 | 95.000 | - |" in md
     assert "| soak.json | 5000 | trainer-rank:7/rss_bytes | 2e+09 | 1e+06 | 1e+08 | yes |" in md
+
+
+def test_committed_report_is_current(tmp_path):
+    """bench/REPORT.md is what `python bench/report.py` makes of the committed results: a result added without
+    rerunning it fails here, naming the command."""
+    report = _report_module()
+    md = report.build_report(REPO / "bench" / "results", tmp_path / "REPORT.md", tmp_path / "plots")
+    md = md.replace(f"`{REPO / 'bench' / 'results'}/*.json`", "`bench/results/*.json`", 1)
+    assert md == (REPO / "bench" / "REPORT.md").read_text(), "bench/REPORT.md is stale: run python bench/report.py"
