@@ -11,7 +11,7 @@
 #                eval-draft of both final checkpoints (held-out simulated acceptance, loss; the recipe's aux ids)
 # TWIN_STAGE=features runs the first two lines only (capture + the online draft's bench), TWIN_STAGE=rest
 # the others on what a features stage left in runs/ (so a long twin fits two device calls; the same OUT).
-# ONLINE_BENCH_JSON=FILE: the online draft's bench result from an earlier call or session on the same target and
+# ONLINE_BENCH_JSON=FILE: the online draft's bench result from an earlier call or box start on the same target and
 # prepared data, rebuilt by gpu_online_run.sh's target and data stages (the target stage rebuilds it bit for bit; the
 # data stage's greedy regeneration came out 0.013% of tokens different on 2026-12-01, with SGLang's default
 # kernels; its REGEN_DETERMINISTIC=1 default rebuilt it bit for bit in the thirteenth; compare the data stage's

@@ -6,7 +6,7 @@ default) and ``nondeterministic`` (``--no-pretrain-deterministic``). For each
 mode the JSON records both runs' steps, seconds, first/last loss and held-out numbers
 (``pretrain.json``), the first step whose loss differs, and the largest absolute difference over
 every weight of the two written checkpoints. A target that does not repeat moves every acceptance
-number measured on it between sessions, so this is the property the GPU runs rely on when they
+number measured on it between box starts, so this is the property the GPU runs rely on when they
 pin ``PRETRAIN_STEPS``. Measurements, never pass/fail.
 
     python bench/studies/pretrain_repro.py --steps 500 --device cuda --out bench/results/pretrain_repro_h200.json

@@ -2,7 +2,7 @@
 
 Scope: ``scripts/gpu_online_run.sh STAGE=target`` (target candidates spread over the box's GPUs,
 the chosen one kept) and ``scripts/gpu_offline_twin.sh TWIN_STAGE=features|rest`` (the twin split
-over two device calls). A device call lost to a script slip costs a session's GPU time, so the
+over two device calls). A device call lost to a script slip costs a budget's GPU time, so the
 shell logic is checked here with stand-ins: ``python3 -m specforge_kimi <cmd>`` and ``nvidia-smi``
 are replaced on ``PATH`` by shims that record their arguments and write the files the scripts
 read; every other ``python3`` (recipe loading) is the real interpreter. The commands themselves

@@ -48,8 +48,8 @@ def test_mooncake_stays_the_default():
 
 
 def test_mooncake_watermark_keeps_the_segment_from_filling(tmp_path):
-    """At K2.5 width SpecForge's ref watermark (256) alone let 141 4k-token samples (33 GB) into a 32 GiB
-    segment on 2026-12-02. Each shipped recipe's rendered config, given to SpecForge's own flow control, pauses
+    """At K2.5 width SpecForge's ref watermark (256) alone admits 256 x 235 MB = 60 GB of 4k-token samples
+    into a 32 GiB segment. Each shipped recipe's rendered config, given to SpecForge's own flow control, pauses
     the producer before its max-length samples fill 0.8 of the segment (hard-pinned objects are never evicted: a full one fails the put), and
     only after one optimizer window is in flight (else the consumer could never step)."""
     from specforge.config import Config

@@ -20,8 +20,8 @@ quarter GiB (at least 1 GiB): every sample counted at ``max_length``, so real, s
 Mooncake. The same holds for the capture server's Mooncake segment (``mooncake.global_segment_gib``): its
 features in flight live there until acknowledged, and SpecForge's default watermark counts refs only (256 high,
 192 low), which at K2.5 width and 4k-token samples (235 MB each) is 60 GB -- more than the 32 GiB default
-segment (seen on one H200, 2026-12-02: ``BatchPut ... insufficient space`` with 141 samples in flight, the
-producer's channel failed and the run stopped; tests/gpu/RUNS.md, NOTES "Feature transports"). So a Mooncake recipe's producer gets the
+segment, and a put into a full segment fails (``BatchPut ... insufficient space``) and the producer's channel
+with it (NOTES "Feature transports"). So a Mooncake recipe's producer gets the
 byte watermark ``0.8 x segment - 8 S`` as well (SpecForge hard-pins every object it puts, so Mooncake cannot
 evict one: a full segment fails the put; the 20% is room for the allocator's fragmentation), and a segment
 smaller than the window plus the overshoot at 0.8 is refused.
