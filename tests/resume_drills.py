@@ -41,17 +41,13 @@ def steps_logged(text: str) -> dict[int, dict]:
     is not anchored to lines, and a dict cut by the other rank's line does not match (no brace inside).
     Keys are given without the tracker's ``train/`` prefix (SpecForge adds it when a tracker such as
     TensorBoard, the recipes' default, is on), so ``lr`` and ``loss`` read the same either way."""
-    import ast
+    from specforge_kimi.online.progress import parse_step_line
 
     out: dict[int, dict] = {}
-    for m in re.finditer(r"step (\d+): (\{[^{}]*\})", text):
-        step = int(m.group(1))
-        if step not in out:
-            try:
-                metrics = ast.literal_eval(m.group(2))
-            except (ValueError, SyntaxError):
-                continue
-            out[step] = {k.removeprefix("train/"): v for k, v in metrics.items()}
+    for m in re.finditer(r"step \d+: \{[^{}]*\}", text):
+        row = parse_step_line(m.group(0))  # the console-line reader `launch` and `watch` use
+        if row is not None and row["step"] not in out:
+            out[row.pop("step")] = row
     return out
 
 

@@ -267,9 +267,9 @@ class Recipe(_Strict):
             raise ValueError(
                 "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
             )
-        from specforge_kimi.online.transport_plan import refusal, segment_refusal
+        from specforge_kimi.online.transport_plan import refusal, store_refusal
 
-        why = refusal(self) if self.server.transport == "cuda_ipc" else segment_refusal(self)
+        why = refusal(self) if self.server.transport == "cuda_ipc" else store_refusal(self)
         if why:
             raise ValueError(why)
         plan = memory_plan(self)

@@ -92,18 +92,21 @@ def watermarks(r) -> tuple[int, int]:
     return high, int(0.75 * high)
 
 
-def segment_refusal(r) -> str | None:
-    """Why the recipe's Mooncake segment is too small for its features in flight, or None (mooncake only)."""
-    if r.server.transport == "cuda_ipc":
-        return None
+def store_refusal(r) -> str | None:
+    """Why the recipe's store of features in flight (:func:`store_bytes`: the cuda_ipc pool, the Mooncake
+    segment) is too small for one optimizer window plus the producer's overshoot, or None."""
     need = min_store_bytes(r)
-    if segment_bytes(r) < need:
-        return (
-            f"mooncake.global_segment_gib {r.mooncake.global_segment_gib:g} is below the {need / GIB:.2f} GiB one "
-            f"optimizer window ({optimizer_window(r)} samples of up to {sample_bytes(r) / GIB:.3f} GiB) plus the "
-            f"producer's {PRODUCER_OVERSHOOT_SAMPLES} in flight needs at a {WATERMARK_FRACTION} watermark"
-        )
-    return None
+    if store_bytes(r) >= need:
+        return None
+    if r.server.transport == "cuda_ipc":
+        setting = f"server.ipc_pool_gib {r.server.ipc_pool_gib:g}"
+    else:
+        setting = f"mooncake.global_segment_gib {r.mooncake.global_segment_gib:g}"
+    return (
+        f"{setting} is below the {need / GIB:.2f} GiB one optimizer window ({optimizer_window(r)} samples of up to "
+        f"{sample_bytes(r) / GIB:.3f} GiB) plus the producer's {PRODUCER_OVERSHOOT_SAMPLES} in flight needs at a "
+        f"{WATERMARK_FRACTION} watermark"
+    )
 
 
 def refusal(r) -> str | None:
@@ -130,14 +133,7 @@ def refusal(r) -> str | None:
         return "resilience.segment_owner: keeper keeps a Mooncake segment; server.transport cuda_ipc has none"
     if s.capture_put_clients > 1:
         return "server.capture_put_clients splits Mooncake puts; with server.transport cuda_ipc leave it at 1"
-    need = min_store_bytes(r)
-    if pool_bytes(r) < need:
-        return (
-            f"server.ipc_pool_gib {s.ipc_pool_gib} is below the {need / GIB:.2f} GiB one optimizer window "
-            f"({optimizer_window(r)} samples of up to {sample_bytes(r) / GIB:.3f} GiB) plus the producer's "
-            f"{PRODUCER_OVERSHOOT_SAMPLES} in flight needs at a {WATERMARK_FRACTION} watermark"
-        )
-    return None
+    return store_refusal(r)
 
 
 def memory_terms(r) -> dict[str, int]:
