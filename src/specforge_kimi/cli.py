@@ -148,7 +148,10 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
             from specforge_kimi.online.inputs import require_inputs
 
             require_inputs(recipe)
-        print(json.dumps({"name": recipe.name, "tp": recipe.tp, "memory_plan": memory_plan(recipe)}, indent=2))
+        from specforge_kimi.online.transport_plan import choice
+
+        report = {"name": recipe.name, "tp": recipe.tp, "transport": choice(recipe), "memory_plan": memory_plan(recipe)}
+        print(json.dumps(report, indent=2))
         return 0
     out = render(recipe, args.out or f"{recipe.output_dir}/rendered")
     print(json.dumps(out["commands"], indent=2))

@@ -95,7 +95,8 @@ def test_launch_plan_writes_nothing_and_prints_one_json_document(tmp_path, capsy
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
     assert doc["written"] is False and doc["rendered_dir"] == str(out / "rendered")
     labels = [c["label"] for c in doc["plan"]["commands"]] + [s["command"]["label"] for s in doc["plan"]["services"]]
-    assert {"producer", "consumer", "mooncake", "capture-server"} <= set(labels)
+    assert {"producer", "consumer", "capture-server"} <= set(labels)  # cuda_ipc, the recipe's transport: no master
+    assert "mooncake" not in labels and doc["transport"]["transport"] == "cuda_ipc"
     producer = next(c for c in doc["plan"]["commands"] if c["label"] == "producer")
     assert str(out / "rendered" / "specforge_run.yaml") in " ".join(producer["argv"])
     assert doc["specforge_config"]["tracking"]["report_to"] == "tensorboard" and doc["memory_plan"]["fits"]

@@ -23,7 +23,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 def _raw(name: str = "tiny-k25-tp1-h200.yaml", **server) -> dict:
     raw = copy.deepcopy(yaml.safe_load((RECIPES / name).read_text()))
-    raw["server"].update(transport="cuda_ipc", **server)
+    raw["server"].update({"transport": "cuda_ipc", **server})
     return raw
 
 
@@ -33,10 +33,64 @@ def _load(tmp_path, raw) -> Recipe:
     return load_recipe(path)
 
 
-def test_mooncake_stays_the_default():
+#: what each shipped recipe gets: the single-node co-located ones the GPU pool, the rest Mooncake
+SHIPPED = {
+    "kimi-k25-8xb200-lowered.yaml": "cuda_ipc",
+    "kimi-k25-8xb300.yaml": "cuda_ipc",
+    "kimi-k25-slice-h200.yaml": "cuda_ipc",
+    "tiny-k25-tp1-h200.yaml": "cuda_ipc",
+    "tiny-k25-tp1-h200-mla.yaml": "cuda_ipc",
+    "kimi-k25-2x8xb300.yaml": "mooncake",
+    "tiny-k25-tp2-h200x2.yaml": "mooncake",
+    "tiny-k25-tp2-h200x2-mla.yaml": "mooncake",
+    "tiny-k25-tp8-h200x8.yaml": "mooncake",
+}
+
+
+def test_shipped_transports_and_why():
+    assert {p.name for p in RECIPES.glob("*.yaml")} == set(SHIPPED)
+    for name, want in SHIPPED.items():
+        r = load_recipe(RECIPES / name)
+        got = tp.choice(r)
+        assert r.server.transport == memory_plan(r)["transport"] == got["transport"] == want, name
+        assert got["chosen_by"] == "recipe" and "\n" not in got["why"]
+        if want == "cuda_ipc":
+            assert f"{tp.pool_bytes(r) / GIB:.2f} GiB pool" in got["why"]
+    assert "single-node" in tp.choice(load_recipe(RECIPES / "kimi-k25-2x8xb300.yaml"))["why"]
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_auto_picks_cuda_ipc_where_every_check_passes(tmp_path, name):
+    """``server.transport`` unset (= auto) gives cuda_ipc exactly where the recipe validates with it, else
+    mooncake with cuda_ipc's refusal as the reason."""
+    raw = yaml.safe_load((RECIPES / name).read_text())
+    raw["server"].pop("transport")
+    r = _load(tmp_path, raw)
+    refused = tp.refusal_as_cuda_ipc(r)
+    got = tp.choice(r)
+    assert got["chosen_by"] == "auto"
+    if refused is None:
+        assert r.server.transport == "cuda_ipc"
+    else:
+        assert r.server.transport == "mooncake" and got["why"] == "cuda_ipc would be refused: " + refused
+    # the K2.5 single-node recipes and the TP=1 ones would pick the pool by themselves; two nodes would not
+    assert (r.server.transport == "cuda_ipc") == (name != "kimi-k25-2x8xb300.yaml")
+
+
+def test_auto_falls_back_to_mooncake_when_the_pool_does_not_fit(tmp_path):
+    raw = yaml.safe_load((RECIPES / "kimi-k25-8xb300.yaml").read_text())
+    raw["server"].pop("transport")
+    raw["server"]["mem_fraction_static"] = 0.45  # GPU 0 then has no room for the trainer's plan beside a pool
+    r = _load(tmp_path, raw)
+    assert r.server.transport == "mooncake"
+    assert "left on GPU 0 beside the server, its cuda_ipc pool" in tp.choice(r)["why"]
+
+
+def test_mooncake_recipes_carry_no_pool():
     for path in sorted(RECIPES.glob("*.yaml")):
         r = load_recipe(path)
-        assert r.server.transport == "mooncake" and memory_plan(r)["transport"] == "mooncake"
+        if r.server.transport != "mooncake":
+            continue
         assert "ipc_pool_gib" not in memory_plan(r) and tp.memory_terms(r) == {
             "pool": 0,
             "server_rows": 0,
@@ -56,7 +110,9 @@ def test_mooncake_watermark_keeps_the_segment_from_filling(tmp_path):
     from specforge.runtime.control_plane.flow_control import FlowControlLimits, ProducerFlowControl
 
     for path in sorted(RECIPES.glob("*.yaml")):
-        r = load_recipe(path)
+        raw = yaml.safe_load(path.read_text())
+        raw["server"]["transport"] = "mooncake"  # every shipped recipe, on Mooncake
+        r = _load(tmp_path, raw)
         rt = Config.model_validate(render(r, tmp_path / path.stem)["specforge_config"]).runtime
         flow = ProducerFlowControl(
             FlowControlLimits(
@@ -71,12 +127,14 @@ def test_mooncake_watermark_keeps_the_segment_from_filling(tmp_path):
             refs += tp.PRODUCER_OVERSHOOT_SAMPLES  # a lease the producer takes before it asks again
         assert refs * s <= 0.8 * tp.segment_bytes(r), (path.name, refs)
         assert refs >= tp.optimizer_window(r), (path.name, refs)
-    k25 = load_recipe(RECIPES / "kimi-k25-slice-h200.yaml")
+    raw = yaml.safe_load((RECIPES / "kimi-k25-slice-h200.yaml").read_text())
+    k25 = _load(tmp_path, {**raw, "server": {**raw["server"], "transport": "mooncake"}})
     assert tp.sample_bytes(k25) == 4096 * 57_368 and tp.watermarks(k25)[0] // tp.sample_bytes(k25) == 108
 
 
 def test_a_mooncake_segment_too_small_is_refused(tmp_path):
     raw = yaml.safe_load((RECIPES / "kimi-k25-slice-h200.yaml").read_text())
+    raw["server"]["transport"] = "mooncake"
     raw.setdefault("mooncake", {})["global_segment_gib"] = 2  # < (1 window + 8) x 235 MB / 0.8 = 2.46 GiB
     with pytest.raises(KimiInputError, match="mooncake.global_segment_gib 2 is below the 2.46 GiB") as exc:
         _load(tmp_path, raw)
@@ -122,23 +180,38 @@ def test_pool_watermarks_and_memory_plan(tmp_path):
     assert high >= tp.optimizer_window(r) * s  # the consumer's window always fits under the watermark
     plan = memory_plan(r)
     assert plan["transport"] == "cuda_ipc" and plan["ipc_pool_gib"] == 1.0 and plan["fits"]
-    base = memory_plan(load_recipe(RECIPES / "tiny-k25-tp1-h200.yaml"))
+    base = memory_plan(_load(tmp_path, _raw(transport="mooncake")))
     assert plan["trainer_peak_gib"] == pytest.approx(base["trainer_peak_gib"] + 4 * s / GIB, abs=0.01)
     rows = 2 * 16384 * 4 * 512 * 2  # 2 pending batches of SGLang's 16,384-token max prefill
     assert plan["writer_gpu_trainer_room_gib"] == pytest.approx(base["trainer_room_gib"] - 1 - rows / GIB, abs=0.01)
     # an explicit pool is taken as given; the K2.5 B200 recipe's default: 8 ranks' window + 8 in flight of 4k samples
     assert tp.pool_bytes(_load(tmp_path, _raw(ipc_pool_gib=3))) == 3 * GIB
     k25 = _load(tmp_path, _raw("kimi-k25-8xb200-lowered.yaml"))
-    assert tp.sample_bytes(k25) == 4096 * 57_368 and tp.optimizer_window(k25) == 8
-    assert tp.min_store_bytes(k25) <= tp.pool_bytes(k25) < tp.min_store_bytes(k25) + GIB // 4
-    assert memory_plan(k25)["fits"]
+    s = tp.sample_bytes(k25)
+    assert s == 4096 * 57_368 and tp.optimizer_window(k25) == 8
+    # unset: two windows (16) + 8 ranks' prefetch of 4 (32) under the watermark, + the 8 in flight, at 0.8; it fits
+    # in what GPU 0 has left beside the trainer's plan, so it is taken, in quarter GiB
+    wanted = (16 + 32 + 8) * s / 0.8
+    assert tp.pool_bytes(k25) == -(-int(wanted + 1) // (GIB // 4)) * (GIB // 4) < tp.pool_room_bytes(k25)
+    assert memory_plan(k25)["fits"] and memory_plan(k25)["ipc_pool_gib"] == tp.pool_bytes(k25) / GIB
+
+
+def test_the_pool_is_capped_by_the_room_on_gpu0(tmp_path):
+    """The B300 recipe (16k-token samples, 940 MB each): the pool it would want (56 samples) does not fit beside the
+    trainer's plan, so it gets what GPU 0 has left, which still holds the minimum."""
+    r = load_recipe(RECIPES / "kimi-k25-8xb300.yaml")
+    assert tp.min_store_bytes(r) <= tp.pool_bytes(r) <= tp.pool_room_bytes(r) < tp.wanted_pool_bytes(r)
+    assert tp.pool_room_bytes(r) - tp.pool_bytes(r) < GIB // 4 and memory_plan(r)["fits"]
 
 
 def test_a_pool_that_does_not_fit_beside_the_trainer_is_refused(tmp_path):
-    """The B300 recipe (16k-token samples) fits with Mooncake; its pool and captured rows on GPU 0 do not."""
-    assert memory_plan(load_recipe(RECIPES / "kimi-k25-8xb300.yaml"))["fits"]
+    """At the B300 recipe's old split (0.45 to the server) its pool's minimum and captured rows do not fit on GPU 0
+    beside the trainer's plan: named cuda_ipc, refused; Mooncake fits."""
+    raw = _raw("kimi-k25-8xb300.yaml", mem_fraction_static=0.45)
     with pytest.raises(KimiInputError, match="left on GPU 0 beside the server, its cuda_ipc pool"):
-        _load(tmp_path, _raw("kimi-k25-8xb300.yaml"))
+        _load(tmp_path, raw)
+    raw["server"]["transport"] = "mooncake"
+    assert memory_plan(_load(tmp_path, raw))["fits"]
 
 
 def test_rendered_roles_and_specforge_config(tmp_path):

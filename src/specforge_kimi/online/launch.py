@@ -350,9 +350,12 @@ def plan_document(recipe, rendered: dict, plan) -> dict:
     memory split, with the directory ``launch`` would render them into (nothing is written)."""
     import json
 
+    from specforge_kimi.online.transport_plan import choice
+
     rendered_dir = Path(recipe.output_dir) / "rendered"
     return {
         "recipe": recipe.name,
+        "transport": choice(recipe),
         "rendered_dir": str(rendered_dir),
         "written": False,
         "plan": json.loads(plan.render()),

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from specforge_kimi.errors import KimiInputError, validation_summary
 
@@ -81,18 +81,20 @@ class ServerSection(_Strict):
         "`specforge-kimi setup`; the launch refuses to start when either is missing). Measured on one H200 (TP=1, "
         "NOTES.md): saves 30-35 ms on the server and 15 ms of client encoding per 65,536-token capture call",
     )
-    transport: Literal["mooncake", "cuda_ipc"] = Field(
-        default="mooncake",
-        description="How captured features reach the trainer ranks: mooncake (GPU -> host -> Mooncake over loopback "
-        "TCP -> host -> GPU; any topology) or cuda_ipc (one GPU pool the capture server owns, mapped by CUDA IPC "
-        "by every rank of the node, device-to-device copies; one node, needs SGLang patch 0005; "
-        "online.transport_plan says where it is refused). docs/online.md 'Feature transports' says when to use which",
+    transport: Literal["auto", "mooncake", "cuda_ipc"] = Field(
+        default="auto",
+        description="How captured features reach the trainer ranks: cuda_ipc (one GPU pool the capture server owns, "
+        "mapped by CUDA IPC by every rank of the node, device-to-device copies; one node, needs SGLang patch 0005) "
+        "or mooncake (GPU -> host -> Mooncake over TCP/RDMA -> host -> GPU; any topology). auto: cuda_ipc wherever "
+        "the recipe passes every check with it, else mooncake (online.transport_plan.choice says why; `recipe "
+        "validate` prints it). docs/online.md 'Feature transports' says when to use which",
     )
     ipc_pool_gib: float | None = Field(
         default=None,
         gt=0,
         description="cuda_ipc: the pool on the capture writer's GPU (GPU 0), GiB; must hold one optimizer window of "
-        "max_length samples plus the producer's 8 in flight at a 0.8 watermark; unset: that, rounded up (>= 1 GiB)",
+        "max_length samples plus the producer's 8 in flight at a 0.8 watermark; unset: sized from the memory plan "
+        "(two windows plus every rank's prefetch, capped at what GPU 0 has left beside the trainer's planned peak)",
     )
     ipc_lease_s: float = Field(
         default=1800,
@@ -222,6 +224,9 @@ class Recipe(_Strict):
     resilience: ResilienceSection = ResilienceSection()
     tracking: TrackingSection = TrackingSection()
 
+    _transport_chosen_by: str = PrivateAttr(default="recipe")
+    _transport_why: str = PrivateAttr(default="")
+
     @model_validator(mode="after")
     def _check(self) -> Recipe:
         from specforge_kimi.target.layer_ids import AuxLayers
@@ -276,6 +281,23 @@ class Recipe(_Strict):
         if not plan["fits"]:
             raise ValueError(f"memory split does not fit: {plan['why']}")
         return self
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve_transport(cls, data, handler):
+        """(Defined after ``_check`` so that it wraps it.) ``server.transport: auto`` (or unset): the recipe validated with cuda_ipc if it passes every check with
+        it, else with mooncake, remembering why (``transport_plan.choice``)."""
+        server = data.get("server") if isinstance(data, dict) else None
+        if not isinstance(server, dict) or server.get("transport", "auto") != "auto":
+            return handler(data)
+        try:
+            recipe = handler({**data, "server": {**server, "transport": "cuda_ipc"}})
+            why = ""
+        except ValidationError as exc:
+            recipe = handler({**data, "server": {**server, "transport": "mooncake"}})
+            why = "cuda_ipc would be refused: " + validation_summary(exc).removeprefix("Value error, ")
+        recipe._transport_chosen_by, recipe._transport_why = "auto", why
+        return recipe
 
     @property
     def tp(self) -> int:

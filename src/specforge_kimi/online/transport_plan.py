@@ -14,8 +14,16 @@ Sizing. A sample of ``max_length`` tokens takes ``S = max_length x feature bytes
 SpecForge's producer overshoots its watermark by up to ``producer_concurrency x producer_lease`` samples
 (defaults 1 x 8). So the pool must hold ``Q x S + 8 S``; the recipe's producer is given a resident-byte high
 watermark of ``0.8 x pool - 8 S`` (low: 3/4 of it), so it pauses before the server's pool fills, and the
-server's wait for space (backpressure) is a backstop. ``ipc_pool_gib`` unset is that minimum rounded up to a
-quarter GiB (at least 1 GiB): every sample counted at ``max_length``, so real, shorter samples leave room.
+server's wait for space (backpressure) is a backstop. That minimum keeps the trainer fed only in bursts: every
+rank's loader also holds its prefetched samples' slots (4 batches ahead), and a producer paused at one window
+refills only once the pool has drained. ``ipc_pool_gib`` unset is therefore sized from the memory plan: room
+for two optimizer windows plus every rank's prefetch under the watermark (plus the overshoot), capped at what
+GPU 0 has left beside the server, its captured rows and the trainer's planned peak, never below the minimum;
+rounded to a quarter GiB (at least 1 GiB), every sample counted at ``max_length``.
+
+Which transport. ``server.transport: auto`` (the default) is ``cuda_ipc`` wherever the recipe passes every
+check with it (one node, co-located, no DP attention, no server restarts or segment keeper, the pool fits on
+GPU 0) and ``mooncake`` otherwise; :func:`choice` says which and why, and ``recipe validate`` prints it.
 
 Mooncake. The same holds for the capture server's Mooncake segment (``mooncake.global_segment_gib``): its
 features in flight live there until acknowledged, and SpecForge's default watermark counts refs only (256 high,
@@ -78,12 +86,44 @@ def store_bytes(r) -> int:
     return pool_bytes(r) if r.server.transport == "cuda_ipc" else segment_bytes(r)
 
 
+def wanted_pool_bytes(r) -> int:
+    """The pool that keeps every trainer rank fed: two optimizer windows plus every rank's loader prefetch
+    resident under the producer's watermark, plus its overshoot."""
+    resident = 2 * optimizer_window(r) + LOADER_PREFETCH_BATCHES * r.trainer.batch_size * r.gpus.per_node
+    return int((resident + PRODUCER_OVERSHOOT_SAMPLES) * sample_bytes(r) / WATERMARK_FRACTION) + 1
+
+
+def server_rows_bytes(r) -> int:
+    """Captured rows the scheduler keeps on the writer's GPU until the sink has copied them (cuda_ipc)."""
+    captured = (len(r.target.aux_layer_ids) + 1) * r.target.hidden_size * 2
+    return SERVER_PENDING_BATCHES * max(SGLANG_MAX_PREFILL_TOKENS, r.trainer.max_length + 256) * captured
+
+
+def prefetch_bytes(r) -> int:
+    """A trainer rank's prefetched samples on its GPU (cuda_ipc; Mooncake keeps them on the host)."""
+    return LOADER_PREFETCH_BATCHES * r.trainer.batch_size * sample_bytes(r)
+
+
+def pool_room_bytes(r) -> int:
+    """What GPU 0 has left for the pool: the trainer's room beside the server's static pool, less the captured
+    rows and the trainer's planned peak (``recipes.trainer_terms`` + prefetch + ``trainer.reserve_gib``)."""
+    from specforge_kimi.online.recipes import trainer_terms
+
+    room = (1 - r.server.mem_fraction_static) * r.gpus.memory_gib * GIB
+    trainer = sum(trainer_terms(r).values()) + prefetch_bytes(r) + r.trainer.reserve_gib * GIB
+    return int(room - server_rows_bytes(r) - trainer)
+
+
 def pool_bytes(r) -> int:
-    """The pool's size: ``server.ipc_pool_gib``, or :func:`min_store_bytes` rounded up to 1/4 GiB (>= 1 GiB)."""
+    """The pool's size: ``server.ipc_pool_gib``, or :func:`wanted_pool_bytes` capped at :func:`pool_room_bytes`
+    and never below :func:`min_store_bytes`, in quarter GiB (>= 1 GiB)."""
     if r.server.ipc_pool_gib is not None:
         return int(r.server.ipc_pool_gib * GIB)
     quarter = GIB // 4
-    return max(GIB, -(-min_store_bytes(r) // quarter) * quarter)
+    floor = max(GIB, -(-min_store_bytes(r) // quarter) * quarter)
+    wanted = -(-wanted_pool_bytes(r) // quarter) * quarter
+    cap = max(0, pool_room_bytes(r)) // quarter * quarter
+    return max(floor, min(wanted, cap))
 
 
 def watermarks(r) -> tuple[int, int]:
@@ -141,13 +181,44 @@ def memory_terms(r) -> dict[str, int]:
     trainer rank's (all 0 for mooncake)."""
     if r.server.transport != "cuda_ipc":
         return {"pool": 0, "server_rows": 0, "prefetch": 0}
-    captured = (len(r.target.aux_layer_ids) + 1) * r.target.hidden_size * 2
-    batch_tokens = max(SGLANG_MAX_PREFILL_TOKENS, r.trainer.max_length + 256)
-    return {
-        "pool": pool_bytes(r),
-        "server_rows": SERVER_PENDING_BATCHES * batch_tokens * captured,
-        "prefetch": LOADER_PREFETCH_BATCHES * r.trainer.batch_size * sample_bytes(r),
-    }
+    return {"pool": pool_bytes(r), "server_rows": server_rows_bytes(r), "prefetch": prefetch_bytes(r)}
+
+
+def choice(r) -> dict[str, str]:
+    """The transport the recipe gets and why: ``{"transport", "chosen_by", "why"}`` (``chosen_by``: ``recipe``
+    when ``server.transport`` names it, ``auto`` when the default picked it)."""
+    chosen_by = r._transport_chosen_by
+    if r.server.transport == "cuda_ipc":
+        why = (
+            "one node, capture server and trainer ranks co-located: features stay on the GPU, copied device to "
+            f"device through a {pool_bytes(r) / GIB:.2f} GiB pool on GPU 0 (measured at K2.5 width: 0.97-0.99 of "
+            "plain prefill, Mooncake 0.65-0.82)"
+        )
+    else:
+        refused = r._transport_why or refusal_as_cuda_ipc(r)
+        why = (
+            ("cuda_ipc would be refused: " + refused.removeprefix("cuda_ipc would be refused: "))
+            if refused
+            else "named by the recipe (cuda_ipc would apply here too)"
+        )
+    return {"transport": r.server.transport, "chosen_by": chosen_by, "why": why}
+
+
+def refusal_as_cuda_ipc(r) -> str | None:
+    """Why this recipe would be refused with ``server.transport: cuda_ipc`` (the recipe checks, the memory
+    split), or None."""
+    from pydantic import ValidationError
+
+    from specforge_kimi.errors import validation_summary
+    from specforge_kimi.online.recipes import Recipe
+
+    raw = r.model_dump()
+    raw["server"]["transport"] = "cuda_ipc"
+    try:
+        Recipe.model_validate(raw)
+    except ValidationError as exc:
+        return validation_summary(exc).removeprefix("Value error, ")
+    return None
 
 
 def runtime_config(r) -> dict[str, Any]:
