@@ -655,6 +655,7 @@ def main(argv=None) -> int:
             "target": args.target,
             "layers": info.num_layers,
             "hidden": info.hidden_size,
+            "quantization": info.quantization or "bf16",  # the routed experts' format (target.checkpoint)
             "aux_specforge_ids": AUX_IDS,
             "shapes": args.shapes,
             "reps": args.reps,

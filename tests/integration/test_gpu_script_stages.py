@@ -237,15 +237,15 @@ def test_real_width_target_stage_writes_the_slice_and_train_needs_data(tmp_path)
 
 
 def test_real_width_train_stage_runs_a_copy_with_the_transport_pool_and_steps(tmp_path):
-    """``TRANSPORT=cuda_ipc IPC_POOL_GIB=8 MAX_STEPS=50 STAGE=train``: launch gets a validated copy of the slice
-    recipe with exactly those changed (the 2026-12-02 runs edited copies by hand)."""
+    """``TRANSPORT=mooncake MAX_STEPS=50 STAGE=train``: launch gets a validated copy of the slice recipe (cuda_ipc
+    as shipped) with exactly those changed (the 2026-12-02 runs edited copies by hand)."""
     import yaml
 
     box, env = _sandbox(tmp_path)
     (box / "runs" / "k25-slice-data").mkdir(parents=True)
     (box / "runs" / "k25-slice-data" / "prompts.jsonl").write_text("{}\n")
     out = tmp_path / "out"
-    env.update(STAGE="train", OUT=str(out), TRANSPORT="cuda_ipc", IPC_POOL_GIB="8", MAX_STEPS="50")
+    env.update(STAGE="train", OUT=str(out), TRANSPORT="mooncake", MAX_STEPS="50")
     res = subprocess.run(
         ["bash", "scripts/gpu_real_width.sh", "30"], cwd=box, env=env, capture_output=True, text=True, timeout=180
     )
@@ -254,9 +254,10 @@ def test_real_width_train_stage_runs_a_copy_with_the_transport_pool_and_steps(tm
     assert launches == [[str(out / "recipe-run.yaml"), "--plan"], [str(out / "recipe-run.yaml"), "--no-bench"]]
     copy = yaml.safe_load((out / "recipe-run.yaml").read_text())
     orig = yaml.safe_load((box / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
-    assert copy["server"]["transport"] == "cuda_ipc" and copy["server"]["ipc_pool_gib"] == 8.0
+    assert copy["server"]["transport"] == "mooncake" and orig["server"]["transport"] == "cuda_ipc"
+    assert "ipc_pool_gib" not in copy["server"]  # IPC_POOL_GIB is cuda_ipc's only
     assert copy["trainer"]["max_steps"] == 50 and orig["trainer"]["max_steps"] == 300
-    copy["server"].pop("transport"), copy["server"].pop("ipc_pool_gib"), copy["trainer"].pop("max_steps")
-    orig["trainer"].pop("max_steps")
+    copy["server"].pop("transport"), orig["server"].pop("transport")
+    copy["trainer"].pop("max_steps"), orig["trainer"].pop("max_steps")
     assert copy == orig
     assert "launch rc=0" in (out / "launch.out").read_text()

@@ -102,6 +102,7 @@ def test_ledger_trained_each_sample_once(online_run):
 
     rep = report(online_run["out"])
     led = rep["ledger"]
+    assert rep["transport"] == "mooncake"  # named by the run's launch sheet
     assert rep["steps_logged"] == STEPS and led["global_step"] == STEPS
     assert led["acked"] == STEPS and led["duplicates"] == 0 and led["acked_not_committed"] == 0
     assert led["trained_tokens"] > 0 and rep["checkpoints"][-1].endswith(f"step{STEPS}")

@@ -72,6 +72,7 @@ def test_in_flight_rounds_capture_every_batch(tmp_path, monkeypatch, pipeline):
     )
     res = json.loads(out.read_text())
     assert res["config"]["in_flight"] == 3 and "error" not in res["runs"][0], res["runs"][0]
+    assert res["config"]["quantization"] == "bf16"  # the tiny target's experts; an INT4 one names its format
     shape = res["runs"][0]["shapes"][0]
     assert calls == [(2, 32, 1, 3)]
     f = shape["in_flight"]

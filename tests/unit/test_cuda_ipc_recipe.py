@@ -327,3 +327,21 @@ def test_trainer_ranks_map_pools_on_their_own_gpu(monkeypatch):
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert str(rank_device()) == "cuda:3"
+
+
+def test_run_report_names_the_transport(tmp_path):
+    """``run-report`` reads the transport from the launch sheet ``launch`` renders; a sheet written before it named
+    one is read from the trainer ranks' variable."""
+    import json
+
+    from specforge_kimi.evaluate.run_report import transport
+
+    for name, want in (("tiny-k25-tp1-h200.yaml", "cuda_ipc"), ("tiny-k25-tp2-h200x2.yaml", "mooncake")):
+        run = tmp_path / name
+        render(load_recipe(RECIPES / name), run / "rendered")
+        assert transport(run) == want
+        sheet = json.loads((run / "rendered" / "launch.json").read_text())
+        sheet.pop("transport")
+        (run / "rendered" / "launch.json").write_text(json.dumps(sheet))
+        assert transport(run) == want
+    assert transport(tmp_path / "not-a-run") is None

@@ -107,6 +107,23 @@ def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
     return out
 
 
+def transport(run: Path) -> str | None:
+    """The run's feature transport, from the launch sheet ``launch`` rendered (``rendered/launch.json``): its
+    ``transport`` entry, or for a sheet written before it had one, the trainer ranks' transport variable
+    (mooncake when unset); None without a sheet."""
+    import json
+
+    from specforge_kimi.transport import TRANSPORT_ENV
+
+    sheet_path = run / "rendered" / "launch.json"
+    if not sheet_path.is_file():
+        return None
+    sheet = json.loads(sheet_path.read_text())
+    if isinstance(sheet.get("transport"), dict):
+        return sheet["transport"].get("transport")
+    return (sheet.get("env") or {}).get(TRANSPORT_ENV, "mooncake")
+
+
 def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     run = Path(run_dir)
     rendered = run / "rendered" / "specforge_run.yaml"
@@ -129,6 +146,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     out = {
         "run_dir": str(run),
         "run_id": run_id,
+        "transport": transport(run),
         "max_steps": cfg["training"].get("max_steps"),
         "steps_logged": len(steps),
         "last_step": steps[-1]["step"] if steps else 0,

@@ -575,6 +575,8 @@ def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
 
     import yaml
 
+    from specforge_kimi.online.transport_plan import choice as transport_choice
+
     o = Path(out_dir)
     if write:
         o.mkdir(parents=True, exist_ok=True)
@@ -619,6 +621,7 @@ def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
             "consumer",
         ],
         "memory_plan": memory_plan(r),
+        "transport": transport_choice(r),
     }
     if write:
         (o / "launch.json").write_text(json.dumps(sheet, indent=2))
