@@ -242,11 +242,14 @@ def project(
 
 
 def _memory(r, slice_overheads: dict) -> dict:
+    """``memory_plan`` per GPU, and the sum with the server's memory outside its pool as the slice measured it
+    (CUDA context, activations: real use). The trainer's peak scaled like the slice's nvidia-smi peak (the
+    allocator's cache included, so an upper bound) is kept beside it."""
     from specforge_kimi.online.recipes import memory_plan
 
     p = memory_plan(r)
     server_peak = p["server_pool_gib"] + slice_overheads["server_outside_pool_gib"]
-    trainer_peak = p["trainer_peak_gib"] * slice_overheads["trainer_measured_over_plan"]
+    total = server_peak + p["trainer_peak_gib"]
     return {
         "gpu": r.gpus.memory_gib,
         "server_pool": p["server_pool_gib"],
@@ -254,8 +257,9 @@ def _memory(r, slice_overheads: dict) -> dict:
         "trainer_room": p["trainer_room_gib"],
         "plan_fits": p["fits"],
         "server_peak_like_slice": server_peak,
-        "trainer_peak_like_slice": trainer_peak,
-        "peak_like_slice_fits": server_peak + trainer_peak <= r.gpus.memory_gib,
+        "server_peak_plus_trainer_plan": total,
+        "fits_with_server_overhead": total <= r.gpus.memory_gib,
+        "trainer_peak_like_slice_upper_bound": p["trainer_peak_gib"] * slice_overheads["trainer_measured_over_plan"],
     }
 
 
@@ -263,18 +267,22 @@ def _with_transport(r, transport: str):
     return r.model_copy(update={"server": r.server.model_copy(update={"transport": transport})})
 
 
-def _recipe_inputs(slice_peaks: dict) -> tuple[dict, dict, dict]:
+def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict, dict]:
     """Recipes' shapes and transports, and memory per GPU per transport: ``recipes.memory_plan`` and the plan
     corrected as the slice's run measured it (server: its peak outside the pool; trainer: its peak over plan)."""
     sys.path.insert(0, str(REPO / "src"))
     from specforge_kimi.online.recipes import load_recipe, memory_plan
 
-    sl = load_recipe(REPO / "recipes" / SLICE_RECIPE)
+    sl = _with_transport(load_recipe(REPO / "recipes" / SLICE_RECIPE), slice_transport)
     sp = memory_plan(sl)
     overheads = {
         "server_outside_pool_gib": slice_peaks["capture-server"] / 1024 - sp["server_pool_gib"],
         "trainer_measured_over_plan": slice_peaks["trainer"] / 1024 / sp["trainer_peak_gib"],
-        "slice_plan": {"server_pool": sp["server_pool_gib"], "trainer_plan": sp["trainer_peak_gib"]},
+        "slice_plan": {
+            "transport": slice_transport,
+            "server_pool": sp["server_pool_gib"],
+            "trainer_plan": sp["trainer_peak_gib"],
+        },
         "slice_measured_peak_gib": {k: v / 1024 for k, v in slice_peaks.items()},
     }
     recipes, plans = {}, {}
@@ -417,7 +425,7 @@ def torchspec_check(*, fit: dict, capture: dict, trainer_bench: dict) -> dict:
     }
 
 
-def build(results: Path, length: int) -> dict:
+def build(results: Path, length: int, argv: list[str]) -> dict:
     inputs = find_inputs(results)
     pipeline = _load(inputs["pipeline"])
     trainer_bench = _load(inputs["trainer"])
@@ -470,7 +478,7 @@ def build(results: Path, length: int) -> dict:
         t: min(1.0, max(0.0, sum(measured.get(t) or pooled) / len(measured.get(t) or pooled))) for t in TRANSPORTS
     }
     primary = slice_runs[0]
-    recipes, plans, mem_overheads = _recipe_inputs(primary["peak_gpu_mib_per_role"])
+    recipes, plans, mem_overheads = _recipe_inputs(primary["peak_gpu_mib_per_role"], primary["transport"])
     probe_int4 = None
     if inputs["int4"].exists() and inputs["bf16"].exists():
         batch = _shape_row(_load(inputs["depth"][slice_layers]), length)["batch"]
@@ -489,7 +497,7 @@ def build(results: Path, length: int) -> dict:
     )
     ts = {**TORCHSPEC, "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600)}
     return {
-        "command": ["python", "bench/sizing.py", *sys.argv[1:]],
+        "command": ["python", "bench/sizing.py", *argv],
         "measured_on": "one H200 (K2.5-width slice 2026-12-03, width probes 2026-12-02)",
         "inputs": {
             "pipeline": inputs["pipeline"].name,
@@ -521,14 +529,15 @@ def table(res: dict) -> str:
     lines = [
         "| recipe | GPUs | TP | transport | node prefill tok/s | trainer tok/s per GPU | slowest | "
         "end-to-end tok/s per GPU (no overlap) | vs TorchSpec 1.1k | features GB/s per node (readers carry) | "
-        "writer GB/s (carries) | GiB per GPU: pool + trainer plan (peak like the slice) of GPU | "
+        "writer GB/s (carries) | GiB per GPU: server pool + trainer plan (sum with the server overhead outside its pool) of GPU | "
         "wall h per 1B tokens | GPU-h per 1B tokens |",
         "| " + " | ".join(["---"] * 14) + " |",
     ]
     for name, r in res["recipes"].items():
         for t, p in r["transports"].items():
             m = p["memory_per_gpu_gib"]
-            peak = m["server_peak_like_slice"] + m["trainer_peak_like_slice"]
+            plan = "" if m["plan_fits"] else ", plan over"
+            over = "" if m["fits_with_server_overhead"] else " over"
             mark = " (recipe)" if t == r["recipe_transport"] else ""
             lines.append(
                 f"| {name} | {r['gpus']} | {r['tp']} | {t}{mark} | {r['node_prefill_tokens_per_s']:,.0f} | "
@@ -537,7 +546,8 @@ def table(res: dict) -> str:
                 f"{p['end_to_end_tokens_per_s_per_gpu'] / ts:.2f}x | "
                 f"{p['feature_gb_per_s_per_node']:.2f} ({p['transport_readers_gb_per_s_per_node']:,.0f}) | "
                 f"{p['writer_gb_per_s']:.2f} ({p['transport_writer_gb_per_s']:,.0f}) | "
-                f"{m['server_pool']:.0f} + {m['trainer_plan']:.0f} ({peak:.0f}) of {m['gpu']:.0f} | "
+                f"{m['server_pool']:.0f} + {m['trainer_plan']:.0f} ({m['server_peak_plus_trainer_plan']:.0f}{over}{plan}) "
+                f"of {m['gpu']:.0f} | "
                 f"{p['wall_hours_per_1b_tokens']:,.1f} | {p['gpu_hours_per_1b_tokens']:,.0f} |"
             )
     f = res["depth_fit"]
@@ -606,8 +616,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-prompt", type=int, default=4096, help="prompt length whose rows feed the model")
     p.add_argument("--out", default=str(RESULTS / "sizing_k25.json"))
     p.add_argument("--doc", default=str(DOC), help="markdown file whose table between the markers is rewritten")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    res = build(Path(args.results), args.tokens_per_prompt)
+    res = build(Path(args.results), args.tokens_per_prompt, argv)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     write_doc(Path(args.doc), res)
     print(table(res))
