@@ -102,6 +102,17 @@ ASSUMPTIONS = {
 }
 
 
+#: The 8xB200 headline with one assumption at a time set to its pessimistic end: (what, ASSUMPTIONS changes,
+#: overlap fraction or None for the measured one).
+SENSITIVITY = (
+    ("as projected", {}, None),
+    ("no overlap (hidden fraction 0)", {}, 0.0),
+    ("prefill no faster than on an H200", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}}, None),
+    ("TP=8 efficiency 0.5", {"tp_efficiency": {"8": 0.5}}, None),
+    ("all three", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}, "tp_efficiency": {"8": 0.5}}, 0.0),
+)
+
+
 def _load(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -189,17 +200,20 @@ def project(
     plans: dict[str, dict],
     recipes: dict[str, dict],
     feature_bytes: float,
+    assumptions: dict | None = None,
 ) -> dict:
     """The projection per recipe and applicable transport. ``capture``: per transport ``tax_s_per_token``,
-    ``read_gb_per_s`` (one reader), ``writer_gb_per_s``; ``overlap``: the hidden fraction per transport."""
+    ``read_gb_per_s`` (one reader), ``writer_gb_per_s``; ``overlap``: the hidden fraction per transport;
+    ``assumptions``: ``ASSUMPTIONS`` unless given (the sensitivity rows)."""
+    a = assumptions or ASSUMPTIONS
     out = {}
     for name, r in recipes.items():
         per_node, nnodes, kind = r["per_node"], r["nnodes"], r["kind"]
         tp = per_node * nnodes
-        eff = ASSUMPTIONS["tp_efficiency"][str(tp)]
-        prefill = eff * ASSUMPTIONS["prefill_speed_vs_h200"][kind] / fit["k25_s_per_token_one_h200"]
+        eff = a["tp_efficiency"][str(tp)]
+        prefill = eff * a["prefill_speed_vs_h200"][kind] / fit["k25_s_per_token_one_h200"]
         length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"])
-        trainer = ASSUMPTIONS["trainer_speed_vs_h200"][kind] * trainer_h200
+        trainer = a["trainer_speed_vs_h200"][kind] * trainer_h200
         per_transport = {}
         for t in r["transports"]:
             c = capture[t]
@@ -496,6 +510,30 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         feature_bytes=feature_bytes,
     )
     ts = {**TORCHSPEC, "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600)}
+    b200 = {k: v for k, v in recipes.items() if "b200" in k}
+    sensitivity = []
+    for what, change, ov in SENSITIVITY:
+        a = json.loads(json.dumps(ASSUMPTIONS))
+        for key, value in change.items():
+            a[key].update(value)
+        p = project(
+            fit=fit,
+            capture=capture,
+            trainer_bench=trainer_bench,
+            overlap={t: ov if ov is not None else h for t, h in overlap.items()},
+            plans=plans,
+            recipes=b200,
+            feature_bytes=feature_bytes,
+            assumptions=a,
+        )
+        for name, r in p.items():
+            sensitivity.append(
+                {
+                    "recipe": name,
+                    "what": what,
+                    **{t: x["end_to_end_tokens_per_s_per_gpu"] for t, x in r["transports"].items()},
+                }
+            )
     return {
         "command": ["python", "bench/sizing.py", *argv],
         "measured_on": "one H200 (K2.5-width slice 2026-12-03, width probes 2026-12-02)",
@@ -520,13 +558,32 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         "backtest": bt,
         "cross_check": [torchspec_check(fit=fit, capture=capture, trainer_bench=trainer_bench)],
         "recipes": projection,
+        "sensitivity": sensitivity,
         "torchspec": ts,
     }
 
 
 def table(res: dict) -> str:
     ts = res["torchspec"]["tokens_per_s_per_gpu"]
+    head = [
+        (n, t, p["end_to_end_tokens_per_s_per_gpu"], p["end_to_end_no_overlap_tokens_per_s_per_gpu"])
+        for n, r in res["recipes"].items()
+        if "b200" in n
+        for t, p in r["transports"].items()
+    ]
     lines = [
+        "**8xB200, co-located, projected end-to-end trained tok/s per GPU: "
+        + "; ".join(
+            f"{t} {e:,.0f} ({e / ts:.1f}x TorchSpec's {ts:,.0f}; {f:,.0f} without overlap)" for _, t, e, f in head
+        )
+        + ".** Pessimistic ends of the assumptions, one at a time (`sensitivity`): "
+        + "; ".join(
+            f"{s['what']} " + " / ".join(f"{s[t]:,.0f}" for _, t, _, _ in head)
+            for s in res["sensitivity"]
+            if s["what"] != "as projected"
+        )
+        + f" ({' / '.join(t for _, t, _, _ in head)}).",
+        "",
         "| recipe | GPUs | TP | transport | node prefill tok/s | trainer tok/s per GPU | slowest | "
         "end-to-end tok/s per GPU (no overlap) | vs TorchSpec 1.1k | features GB/s per node (readers carry) | "
         "writer GB/s (carries) | GiB per GPU: server pool + trainer plan (sum with the server overhead outside its pool) of GPU | "

@@ -161,6 +161,15 @@ def test_projection_from_hand_made_measurements(sizing, results, tmp_path):
     assert moon["transport_readers_gb_per_s_per_node"] == pytest.approx(8.0)
     assert moon["transport_writer_gb_per_s"] == pytest.approx(4.0)
     assert b200["transports"]["cuda_ipc"]["end_to_end_tokens_per_s_per_gpu"] == pytest.approx(1 / gpu_s)
+    sens = {x["what"]: x for x in res["sensitivity"]}
+    assert sens["as projected"]["mooncake"] == pytest.approx(moon["end_to_end_tokens_per_s_per_gpu"])
+    assert sens["no overlap (hidden fraction 0)"]["mooncake"] == pytest.approx(
+        moon["end_to_end_no_overlap_tokens_per_s_per_gpu"]
+    )
+    slow = a["tp_efficiency"]["8"] / (303 * US)  # prefill speed 1.0
+    slow_s = 1 / slow + 1 / trainer - 0.5 * min(1 / slow, 1 / trainer)
+    assert sens["prefill no faster than on an H200"]["mooncake"] == pytest.approx(1 / (slow_s / 8 + 5 * US) / 8)
+    assert a["prefill_speed_vs_h200"]["B200"] != 1.0  # the sensitivity run left the stated assumptions alone
     # B300 trains 16k samples: the 16384 row; two nodes: TP=16, Mooncake only, readers per node, one writer
     b300 = res["recipes"]["kimi-k25-8xb300"]
     assert b300["trainer_tokens_per_s_per_gpu"] == pytest.approx(a["trainer_speed_vs_h200"]["B300"] * 20_000)
