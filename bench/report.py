@@ -1788,7 +1788,8 @@ def section_prefill_depth(files: list[tuple[str, dict]]) -> list[str]:
         "Plain prefill by depth (K2.5-width slices)",
         "`bench/prefill_depth.py`: `POST /generate` of batches of random token ids (one new token) against a "
         "running server, the median of the timed calls after one warm-up; two depths of the slice served with "
-        "the same flags give `bench/sizing.py` its fixed and per-MoE-layer prefill time.",
+        "the same flags give `bench/sizing.py` its fixed and per-MoE-layer prefill time (with one depth, the fixed "
+        "part comes from the 16-expert width probes: docs/sizing.md).",
         files,
         "`STAGE=depth` and `STAGE=data bash scripts/gpu_real_width.sh` (the 3- and 5-layer slices), committed as "
         "`bench/results/prefill_depth_k25_slice{3,5}_h200.json`.",

@@ -93,6 +93,13 @@ ASSUMPTIONS = {
         "why": "every trainer rank reads its own samples: a node's readers carry the measured one-reader rate x "
         "its ranks (Mooncake over loopback is per-client memcpy bound); RDMA between nodes is not measured",
     },
+    "width_probe_fixed_part": {
+        "value": "with one slice depth",
+        "why": "the probes' fixed part (embedding, head, dense layer 0) stands for the slice's; the probes were "
+        "`specforge-kimi tiny` targets whose dense MLP width is not recorded (tiny's default is 1024, the slice's "
+        "18432: about 0.8 GFLOP more per token, ~1 us on an H200); if so, the slice's wider dense MLP lands in its "
+        "per-MoE-layer time (~0.3 us of ~4 us per layer): conservative, up to ~8% on the 61-layer prefill",
+    },
     "prompt_length": {
         "value": 4096,
         "why": "prefill per token is measured at 4096-token prompts and used for every recipe; the B300 recipes "
@@ -442,13 +449,8 @@ def torchspec_check(*, fit: dict, capture: dict, trainer_bench: dict) -> dict:
     }
 
 
-def build(results: Path, length: int, argv: list[str]) -> dict:
-    inputs = find_inputs(results)
-    pipeline = _load(inputs["pipeline"])
-    trainer_bench = _load(inputs["trainer"])
-    if not inputs["runs"]:
-        raise SystemExit(f"error: no online_run_k25_slice_<transport>*.json in {results}")
-    fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
+def capture_rates(pipeline: dict, length: int) -> dict:
+    """Per transport: the capture tax per token, one reader's GB/s, the writer's GB/s, bytes per token."""
     capture = {}
     for t in TRANSPORTS:
         row = _shape_row(pipeline, length, t)
@@ -461,94 +463,109 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
             "writer_gb_per_s": sink["bytes"] / sink["total_ms"] / 1e6 if sink else row["capture_write_gb_per_s"],
             "feature_bytes_per_token": row["feature_bytes_per_token"],
         }
+    return capture
+
+
+def slice_runs(paths: dict[str, list[Path]], *, slice_prefill: float, trainer_bench: dict, capture: dict) -> dict:
+    """Per transport, the slice's co-located run-reports with their stage rates measured alone (``_stage``: the
+    slice's prefill, the trainer bench at the run's sample size, the transport's tax) and overlap fraction."""
     runs: dict[str, list[dict]] = {}
-    for t, paths in inputs["runs"].items():
-        for p in paths:
+    for t, ps in paths.items():
+        for p in ps:
             run = _load(p)
-            length_run, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]))
+            length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]))
             stage = {"prefill": slice_prefill, "trainer": trainer_alone, "tax_s": capture[t]["tax_s_per_token"]}
             h = overlap_from_run(**stage, end_to_end=run["perf"]["end_to_end_tokens_per_s"])
             runs.setdefault(t, []).append(
-                {**run, "_file": p.name, "_stage": {**stage, "length": length_run}, "_overlap": h}
+                {**run, "_file": p.name, "_stage": {**stage, "length": length}, "_overlap": h}
             )
-    slice_runs = []
-    for t, rs in runs.items():
-        for r in rs:
-            perf, stage = r["perf"], r["_stage"]
-            slice_runs.append(
-                {
-                    "file": r["_file"],
-                    "transport": t,
-                    "end_to_end_tokens_per_s": perf["end_to_end_tokens_per_s"],
-                    "trainer_only_tokens_per_s": perf["trainer_only_tokens_per_s"],
-                    "trainer_alone_tokens_per_s": stage["trainer"],
-                    "slice_prefill_tokens_per_s": slice_prefill,
-                    "overlap_hidden_fraction": r["_overlap"],
-                    # against the stage rates the run itself reported (its trainer shared the GPU)
-                    "end_to_end_over_slowest_stage": perf["end_to_end_tokens_per_s"]
-                    / min(slice_prefill, perf["trainer_only_tokens_per_s"]),
-                    "peak_gpu_mib_per_role": (r.get("gpu_memory") or {}).get("peak_mib_per_role", {}),
-                }
-            )
-    measured = {t: [s["overlap_hidden_fraction"] for s in slice_runs if s["transport"] == t] for t in runs}
-    pooled = [h for hs in measured.values() for h in hs]
-    # a transport without its own run borrows the others' fraction; clipped to [0, 1] (none hidden .. all hidden)
-    overlap = {
-        t: min(1.0, max(0.0, sum(measured.get(t) or pooled) / len(measured.get(t) or pooled))) for t in TRANSPORTS
+    return runs
+
+
+def _run_summary(t: str, r: dict) -> dict:
+    perf, stage = r["perf"], r["_stage"]
+    return {
+        "file": r["_file"],
+        "transport": t,
+        "end_to_end_tokens_per_s": perf["end_to_end_tokens_per_s"],
+        "trainer_only_tokens_per_s": perf["trainer_only_tokens_per_s"],
+        "trainer_alone_tokens_per_s": stage["trainer"],
+        "slice_prefill_tokens_per_s": stage["prefill"],
+        "overlap_hidden_fraction": r["_overlap"],
+        # against the stage rates the run itself reported (its trainer shared the GPU)
+        "end_to_end_over_slowest_stage": perf["end_to_end_tokens_per_s"]
+        / min(stage["prefill"], perf["trainer_only_tokens_per_s"]),
+        "peak_gpu_mib_per_role": (r.get("gpu_memory") or {}).get("peak_mib_per_role", {}),
     }
-    primary = slice_runs[0]
+
+
+def overlap_per_transport(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """The mean hidden fraction of each transport's runs; a transport without a run borrows all runs' mean;
+    clipped to [0, 1] (none hidden .. all of the shorter stage hidden)."""
+    pooled = [r["_overlap"] for rs in runs.values() for r in rs]
+    out = {}
+    for t in TRANSPORTS:
+        hs = [r["_overlap"] for r in runs.get(t, [])] or pooled
+        out[t] = min(1.0, max(0.0, sum(hs) / len(hs)))
+    return out
+
+
+def sensitivity(project_with, recipes: dict, overlap: dict) -> list[dict]:
+    """The 8xB200 rows under each ``SENSITIVITY`` change; ``project_with(recipes, overlap, assumptions)``."""
+    out = []
+    for what, change, ov in SENSITIVITY:
+        a = json.loads(json.dumps(ASSUMPTIONS))
+        for key, value in change.items():
+            a[key].update(value)
+        b200 = {k: v for k, v in recipes.items() if "b200" in k}
+        hs = {t: ov if ov is not None else h for t, h in overlap.items()}
+        for name, r in project_with(b200, hs, a).items():
+            e2e = {t: x["end_to_end_tokens_per_s_per_gpu"] for t, x in r["transports"].items()}
+            out.append({"recipe": name, "what": what, **e2e})
+    return out
+
+
+def build(results: Path, length: int, argv: list[str]) -> dict:
+    inputs = find_inputs(results)
+    pipeline = _load(inputs["pipeline"])
+    trainer_bench = _load(inputs["trainer"])
+    if not inputs["runs"]:
+        raise SystemExit(f"error: no online_run_k25_slice_<transport>*.json in {results}")
+    fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
+    capture = capture_rates(pipeline, length)
+    runs = slice_runs(inputs["runs"], slice_prefill=slice_prefill, trainer_bench=trainer_bench, capture=capture)
+    summaries = [_run_summary(t, r) for t, rs in runs.items() for r in rs]
+    overlap = overlap_per_transport(runs)
+    primary = summaries[0]
     recipes, plans, mem_overheads = _recipe_inputs(primary["peak_gpu_mib_per_role"], primary["transport"])
     probe_int4 = None
     if inputs["int4"].exists() and inputs["bf16"].exists():
         batch = _shape_row(_load(inputs["depth"][slice_layers]), length)["batch"]
         ratio = _jsonl_rate(inputs["int4"], batch, length) / _jsonl_rate(inputs["bf16"], batch, length)
         probe_int4 = (slice_layers, ratio)
-    bt = backtest(runs=runs, slice_prefill=slice_prefill, fit=fit, probe_int4=probe_int4)
     feature_bytes = capture["mooncake"]["feature_bytes_per_token"]
-    projection = project(
-        fit=fit,
-        capture=capture,
-        trainer_bench=trainer_bench,
-        overlap=overlap,
-        plans=plans,
-        recipes=recipes,
-        feature_bytes=feature_bytes,
-    )
-    ts = {**TORCHSPEC, "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600)}
-    b200 = {k: v for k, v in recipes.items() if "b200" in k}
-    sensitivity = []
-    for what, change, ov in SENSITIVITY:
-        a = json.loads(json.dumps(ASSUMPTIONS))
-        for key, value in change.items():
-            a[key].update(value)
-        p = project(
+
+    def project_with(recipes_: dict, overlap_: dict, assumptions: dict | None = None) -> dict:
+        return project(
             fit=fit,
             capture=capture,
             trainer_bench=trainer_bench,
-            overlap={t: ov if ov is not None else h for t, h in overlap.items()},
+            overlap=overlap_,
             plans=plans,
-            recipes=b200,
+            recipes=recipes_,
             feature_bytes=feature_bytes,
-            assumptions=a,
+            assumptions=assumptions,
         )
-        for name, r in p.items():
-            sensitivity.append(
-                {
-                    "recipe": name,
-                    "what": what,
-                    **{t: x["end_to_end_tokens_per_s_per_gpu"] for t, x in r["transports"].items()},
-                }
-            )
+
+    probes = " + ".join(p.name for p in inputs["probes"].values())
     return {
         "command": ["python", "bench/sizing.py", *argv],
         "measured_on": "one H200 (K2.5-width slice 2026-12-03, width probes 2026-12-02)",
         "inputs": {
             "pipeline": inputs["pipeline"].name,
             "depth": " + ".join(p.name for p in inputs["depth"].values()),
-            "width_probes": " + ".join(p.name for p in inputs["probes"].values())
-            if "per_moe_layer_s_per_token_16_experts" in fit
-            else "",
-            "online_runs": " + ".join(s["file"] for s in slice_runs),
+            "width_probes": probes if "per_moe_layer_s_per_token_16_experts" in fit else "",
+            "online_runs": " + ".join(s["file"] for s in summaries),
             "trainer": inputs["trainer"].name,
         },
         "assumptions": ASSUMPTIONS,
@@ -556,15 +573,15 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         "feature_bytes_per_token": feature_bytes,
         "depth_fit": fit,
         "capture": capture,
-        "slice_runs": slice_runs,
+        "slice_runs": summaries,
         "slice_run": primary,
         "overlap_hidden_fraction": overlap,
         "memory_from_slice": mem_overheads,
-        "backtest": bt,
+        "backtest": backtest(runs=runs, slice_prefill=slice_prefill, fit=fit, probe_int4=probe_int4),
         "cross_check": [torchspec_check(fit=fit, capture=capture, trainer_bench=trainer_bench)],
-        "recipes": projection,
-        "sensitivity": sensitivity,
-        "torchspec": ts,
+        "recipes": project_with(recipes, overlap),
+        "sensitivity": sensitivity(project_with, recipes, overlap),
+        "torchspec": {**TORCHSPEC, "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600)},
     }
 
 
