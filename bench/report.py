@@ -279,10 +279,10 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
                 "slower of its plain prefill and its trainer-only rate",
             ),
             (
-                "online_run_k25_slice_h200.json",
+                "online_run_k25_slice_cuda_ipc_h200.json",
                 _read_e2e_run,
                 "`perf.end_to_end_tokens_per_s` / `perf.trainer_only_tokens_per_s` (the run-report's one stage "
-                "rate): the K2.5-width slice's co-located run, one H200",
+                "rate): the K2.5-width slice's co-located run on cuda_ipc, one H200",
             ),
             (
                 "online_run_echo_tp1_h200.json",
@@ -296,10 +296,10 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
         "bytes on disk per trained token",
         [
             (
-                "online_run_k25_slice_h200.json",
+                "online_run_k25_slice_cuda_ipc_h200.json",
                 _read_disk,
                 "`metadata_bytes_per_trained_token`: the run directory besides checkpoints and export over "
-                "trained tokens (features live in Mooncake); the K2.5-width slice's run",
+                "trained tokens; the K2.5-width slice's 300-step co-located run on cuda_ipc",
             ),
             (
                 "online_run_echo_tp1_h200.json",
@@ -424,7 +424,10 @@ def classify(data: Any) -> str:
     if isinstance(bench, str) and bench.startswith("plain prefill of a running server"):
         return "prefill_depth"
     if "baseline_capture_over_plain" in data and isinstance(data.get("runs"), list):
-        return "online_pipeline_k25" if (data.get("config") or {}).get("hidden") == K25_HIDDEN else "online_pipeline"
+        cfg = data.get("config") or {}
+        # the K2.5 slices (runs/k25-slice*: 384 INT4 experts); the 16-expert width probes are capture-overhead files
+        k25 = cfg.get("hidden") == K25_HIDDEN and "k25-slice" in str(cfg.get("target"))
+        return "online_pipeline_k25" if k25 else "online_pipeline"
     if {"depth_fit", "capture", "slice_run", "recipes", "torchspec"} <= data.keys():
         return "sizing"
     if data.get("test") == "tests/gpu/test_capture_parity.py":
@@ -1785,7 +1788,8 @@ def section_prefill_depth(files: list[tuple[str, dict]]) -> list[str]:
         "Plain prefill by depth (K2.5-width slices)",
         "`bench/prefill_depth.py`: `POST /generate` of batches of random token ids (one new token) against a "
         "running server, the median of the timed calls after one warm-up; two depths of the slice served with "
-        "the same flags give `bench/sizing.py` its fixed and per-MoE-layer prefill time.",
+        "the same flags give `bench/sizing.py` its fixed and per-MoE-layer prefill time (with one depth, the fixed "
+        "part comes from the 16-expert width probes: docs/sizing.md).",
         files,
         "`STAGE=depth` and `STAGE=data bash scripts/gpu_real_width.sh` (the 3- and 5-layer slices), committed as "
         "`bench/results/prefill_depth_k25_slice{3,5}_h200.json`.",
@@ -1812,12 +1816,13 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
         ]
     for name, res in files:
         ts = (res.get("torchspec") or {}).get("tokens_per_s_per_gpu")
-        inputs = [x for v in (res.get("inputs") or {}).values() for x in str(v).split(" + ")]
+        inputs = [x for v in (res.get("inputs") or {}).values() for x in str(v).split(" + ") if x]
         rows = []
         for recipe, r in (res.get("recipes") or {}).items():
             m = r.get("memory_per_gpu_gib") or {}
             for transport, t in (r.get("transports") or {}).items():
                 e2e = t.get("end_to_end_tokens_per_s_per_gpu")
+                m = t.get("memory_per_gpu_gib") or r.get("memory_per_gpu_gib") or {}
                 rows.append(
                     [
                         recipe,
@@ -1827,7 +1832,8 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
                         _num(r.get("trainer_tokens_per_s_per_gpu"), "{:,.0f}"),
                         r.get("slowest_stage"),
                         transport,
-                        _num(e2e, "{:,.0f}"),
+                        f"{_num(e2e, '{:,.0f}')} "
+                        f"({_num(t.get('end_to_end_no_overlap_tokens_per_s_per_gpu'), '{:,.0f}')})",
                         _num(e2e / ts if e2e and ts else None, "{:.2f}x"),
                         f"{_num(t.get('feature_gb_per_s_per_node'), '{:.2f}')} "
                         f"({_num(t.get('transport_readers_gb_per_s_per_node'), '{:.1f}')})",
@@ -1850,7 +1856,7 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
                     "trainer tok/s per GPU",
                     "slowest",
                     "transport",
-                    "end-to-end tok/s per GPU",
+                    "end-to-end tok/s per GPU (no overlap)",
                     "vs TorchSpec",
                     "features GB/s per node (transport carries)",
                     "transport bound",
@@ -1882,8 +1888,14 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
             f"- the slice's co-located run: trainer-only {_num(sl.get('trainer_only_tokens_per_s'), '{:,.0f}')} "
             f"tok/s, end-to-end {_num(sl.get('end_to_end_tokens_per_s'), '{:,.0f}')} tok/s, plain prefill "
             f"{_num(sl.get('slice_prefill_tokens_per_s'), '{:,.0f}')} tok/s; "
-            f"{_num(sl.get('end_to_end_over_slowest_stage'), '{:.2f}')} of its slowest stage, sharing efficiency "
-            f"{_num(sl.get('sharing_efficiency'), '{:.2f}')}",
+            f"{_num(sl.get('end_to_end_over_slowest_stage'), '{:.2f}')} of its slowest stage, "
+            f"{_num(sl.get('overlap_hidden_fraction'), '{:.2f}')} of the shorter stage hidden",
+            *[
+                f"- backtest: {b.get('what')}: predicted {_num(b.get('predicted'), '{:,.0f}')} from "
+                f"{b.get('predicted_from')}; measured {_num(b.get('measured'), '{:,.0f}')}; error "
+                f"{_num(b.get('relative_error'), '{:+.1%}')}"
+                for b in (res.get("backtest") or []) + (res.get("cross_check") or [])
+            ],
             f"- TorchSpec: {_num(ts, '{:,.0f}')} tok/s per GPU "
             f"({_num((res.get('torchspec') or {}).get('tokens'), '{:,.0f}')} tokens in "
             f"{_num((res.get('torchspec') or {}).get('gpu_hours'), '{:,}')} GPU-hours)",

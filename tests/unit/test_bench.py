@@ -847,7 +847,7 @@ def test_report_headline_reads_the_current_files(tmp_path):
     e2e = _headline_row(md, "end-to-end / slowest stage")
     assert "| **0.92** (2,651 trained tok/s end to end vs 2,891 trainer-only) |" in e2e
     assert e2e.endswith(
-        "`online_run_echo_tp1_h200.json` (`sizing_k25.json`, `online_run_k25_slice_h200.json` not measured yet) |"
+        "`online_run_echo_tp1_h200.json` (`sizing_k25.json`, `online_run_k25_slice_cuda_ipc_h200.json` not measured yet) |"
     )
     assert "| **35.2 B** (494,435 trained tokens) |" in _headline_row(md, "bytes on disk per trained token")
     assert "| **0.52-0.88x** peak allocated / plan (6 lengths: flex_attention 2048-16384, sdpa 2048-4096 tokens); " in (
@@ -861,7 +861,7 @@ def test_report_headline_reads_the_current_files(tmp_path):
     slice_run = json.loads((results / "online_run_echo_tp1_h200.json").read_text())
     slice_run.update(metadata_bytes_per_trained_token=12.5, run_id="kimi-k25-slice-h200")
     slice_run["perf"] = {**slice_run["perf"], "end_to_end_tokens_per_s": 1500.0, "trainer_only_tokens_per_s": 3000.0}
-    (results / "online_run_k25_slice_h200.json").write_text(json.dumps(slice_run))
+    (results / "online_run_k25_slice_cuda_ipc_h200.json").write_text(json.dumps(slice_run))
     online = {
         "source": "/out/online_run.json",
         "perf": slice_run["perf"],
@@ -877,26 +877,7 @@ def test_report_headline_reads_the_current_files(tmp_path):
     doc = tmp_path / "sizing.md"
     doc.write_text(f"{sizing.BEGIN}\n{sizing.END}\n")
     r = str(results)
-    assert (
-        sizing.main(
-            [
-                "--pipeline",
-                f"{r}/online_pipeline_k25_slice_h200.json",
-                "--depth",
-                f"{r}/prefill_depth_k25_slice5_h200.json",
-                f"{r}/prefill_depth_k25_slice3_h200.json",
-                "--online-run",
-                f"{r}/online_run_k25_slice_h200.json",
-                "--trainer",
-                f"{r}/trainer_memory_k25_b200_h200.json",
-                "--out",
-                f"{r}/sizing_k25.json",
-                "--doc",
-                str(doc),
-            ]  # fmt: skip
-        )
-        == 0
-    )
+    assert sizing.main(["--results", r, "--out", f"{r}/sizing_k25.json", "--doc", str(doc)]) == 0
     res = json.loads((results / "sizing_k25.json").read_text())
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "## Unrecognised results files" not in md
@@ -908,7 +889,7 @@ def test_report_headline_reads_the_current_files(tmp_path):
     )
     assert _headline_row(md, "end-to-end / slowest stage").endswith("| `sizing_k25.json` |")
     disk = _headline_row(md, "bytes on disk per trained token")
-    assert "| **12.5 B**" in disk and disk.endswith("| `online_run_k25_slice_h200.json` |")
+    assert "| **12.5 B**" in disk and disk.endswith("| `online_run_k25_slice_cuda_ipc_h200.json` |")
     b200 = res["recipes"]["kimi-k25-8xb200-lowered"]["transports"]
     ts = res["torchspec"]["tokens_per_s_per_gpu"]
     moon = b200["mooncake"]["end_to_end_tokens_per_s_per_gpu"]
@@ -933,9 +914,13 @@ def test_report_headline_reads_the_current_files(tmp_path):
     proj = _section(md, "Projected K2.5 run (`bench/sizing.py`)")
     moon_row = b200["mooncake"]
     assert "| kimi-k25-8xb200-lowered | 1x8 B200 | 8 |" in proj
-    assert f"| mooncake | {moon:,.0f} | {moon / ts:.2f}x | {moon_row['feature_gb_per_s_per_node']:.2f} (" in proj
+    floor = moon_row["end_to_end_no_overlap_tokens_per_s_per_gpu"]
+    assert (
+        f"| mooncake | {moon:,.0f} ({floor:,.0f}) | {moon / ts:.2f}x | {moon_row['feature_gb_per_s_per_node']:.2f} ("
+        in proj
+    )
     assert "tok/s at 3 layers" in proj and "- assumed, tp_efficiency: 1 1.0, 8 0.7, 16 0.5 (" in proj
-    assert "| online_run_k25_slice_h200.json | 3000 |" in _section(md, "Online runs (trainer view)")
+    assert "| online_run_k25_slice_cuda_ipc_h200.json | 3000 |" in _section(md, "Online runs (trainer view)")
 
 
 def test_report_headline_missing_file_is_not_measured_yet(tmp_path):

@@ -1,14 +1,18 @@
-"""bench/sizing.py's arithmetic on stated inputs: the depth fit, the per-recipe projection, the doc table."""
+"""bench/sizing.py on hand-made inputs: the prefill fits, the co-location arithmetic, the per-recipe projection,
+the naming rules that pick up new runs, the backtest's independence from what it is compared with, and the
+committed doc table against the committed JSON."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+US = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -19,99 +23,243 @@ def sizing():
     return mod
 
 
-def _pipeline(layers: int, plain: float, capture: dict[str, float]) -> dict:
-    runs = [
-        {
-            "tp": 1,
-            "transport": t,
-            "shapes": [
-                {
-                    "tokens_per_prompt": 4096,
-                    "plain_tokens_per_s": plain,
-                    "capture_tokens_per_s": c,
-                    "capture_over_plain": c / plain,
-                    "read_gb_per_s": {"mooncake": 1.0, "cuda_ipc": 100.0, "none": 0.0}[t],
-                }
-            ],
-        }
-        for t, c in capture.items()
-    ]
-    return {"config": {"layers": layers}, "runs": runs}
-
-
 def test_depth_fit_splits_fixed_and_per_layer_time(sizing):
     fit = sizing.depth_fit([(5, 20_000.0), (3, 30_000.0)])
     per_layer = (1 / 20_000 - 1 / 30_000) / 2
     assert fit["per_moe_layer_s_per_token"] == pytest.approx(per_layer)
     assert fit["fixed_s_per_token"] == pytest.approx(1 / 30_000 - 2 * per_layer)
-    assert fit["k25_s_per_token_one_h200"] == pytest.approx(1 / 30_000 - 2 * per_layer + 60 * per_layer)
+    assert fit["k25_s_per_token_one_h200"] == pytest.approx(1 / 30_000 + 58 * per_layer)
     with pytest.raises(SystemExit, match="same number of layers"):
         sizing.depth_fit([(5, 1.0), (5, 2.0)])
 
 
-def test_projection_end_to_end(sizing, tmp_path):
+def test_probe_fit_keeps_the_slices_expert_count_in_the_moe_term(sizing):
+    # probes: 3 us fixed + 4 us per 16-expert layer; the slice: the same fixed part + 4 layers of 5 us
+    fit = sizing.probe_fit([(6, 1 / (23 * US)), (12, 1 / (47 * US))], (5, 1 / (23 * US)))
+    assert fit["fixed_s_per_token"] == pytest.approx(3 * US)
+    assert fit["per_moe_layer_s_per_token_16_experts"] == pytest.approx(4 * US)
+    assert fit["per_moe_layer_s_per_token"] == pytest.approx(5 * US)
+    assert fit["k25_s_per_token_one_h200"] == pytest.approx(303 * US)
+
+
+def test_colocation_arithmetic(sizing):
+    # 20 us prefill + 100 us training per token; half the prefill hidden; 1 us tax -> 111 us
+    assert sizing.overlap_from_run(prefill=50_000, trainer=10_000, tax_s=1 * US, end_to_end=1 / (111 * US)) == (
+        pytest.approx(0.5)
+    )
+    assert sizing.gpu_s_per_token(50_000, 10_000, 1.0) == pytest.approx(100 * US)  # never faster than the slower
+    assert sizing.gpu_s_per_token(10_000, 50_000, 0.0) == pytest.approx(120 * US)
+    # 8 GPUs at 1,000 prefill + 4,000 train tok/s each (1,250 us per token per GPU), 10 us tax on the server
+    assert sizing.colocated(prefill=1_000, trainer=4_000, overlap=0.0, tax_s=10 * US, gpus=8) == pytest.approx(
+        1 / (1250 * US / 8 + 10 * US)
+    )
+
+
+def _pipeline(layers: int, rows: dict[str, tuple[float, float]], length: int = 4096, batch: int = 4) -> dict:
+    """``rows``: transport -> (plain, capture) tok/s; one reader 1 GB/s (mooncake) / 100 GB/s (cuda_ipc)."""
+    return {
+        "baseline_capture_over_plain": {},
+        "config": {"layers": layers, "hidden": 7168},
+        "runs": [
+            {
+                "tp": 1,
+                "transport": t,
+                "shapes": [
+                    {
+                        "batch": batch,
+                        "tokens_per_prompt": length,
+                        "plain_tokens_per_s": plain,
+                        "capture_tokens_per_s": cap,
+                        "capture_over_plain": cap / plain,
+                        "read_gb_per_s": {"mooncake": 1.0, "cuda_ipc": 100.0}[t],
+                        "feature_bytes_per_token": 50_000.0,
+                        "sink_per_request_mean": {"bytes": 4e9, "total_ms": 1000.0},
+                    }
+                ],
+            }
+            for t, (plain, cap) in rows.items()
+        ],
+    }
+
+
+def _depth(layers: int, plain: float) -> dict:
+    return {
+        "config": {"layers": layers},
+        "runs": [{"tp": 1, "shapes": [{"batch": 4, "tokens_per_prompt": 4096, "plain_tokens_per_s": plain}]}],
+    }
+
+
+def _run(e2e: float) -> dict:
+    return {
+        "perf": {"end_to_end_tokens_per_s": e2e, "trainer_only_tokens_per_s": 9_000.0, "tokens_per_step": 4090.0},
+        "gpu_memory": {"peak_mib_per_role": {"capture-server": 60 * 1024, "trainer": 60 * 1024}},
+    }
+
+
+@pytest.fixture
+def results(tmp_path):
+    """Hand-made measurements: slice 5 layers at 1/(23 us) plain; probes 3 us fixed + 4 us per layer;
+    trainer alone 10,000 tok/s at 4096, 20,000 at 16384; mooncake tax 5 us, cuda_ipc 0."""
+    d = tmp_path / "results"
+    d.mkdir()
     files = {
-        "pipeline": _pipeline(5, 20_000.0, {"mooncake": 16_000.0, "cuda_ipc": 19_800.0}),
-        "deep": _pipeline(5, 20_000.0, {"none": 20_000.0}),
-        "shallow": _pipeline(3, 30_000.0, {"none": 30_000.0}),
-        "online_run": {
-            "perf": {"trainer_only_tokens_per_s": 10_000.0, "end_to_end_tokens_per_s": 5_000.0},
-            "gpu_memory": {"peak_mib_per_role": {"trainer": 60_000}},
-        },
-        "trainer": {
-            "rows": [{"backend": "flex_attention", "length": 4096, "tokens_per_s": 9_500.0, "peak_reserved_gib": 62.6}]
+        "online_pipeline_k25_slice_h200.json": _pipeline(
+            5, {"mooncake": (1 / (23 * US), 1 / (28 * US)), "cuda_ipc": (1 / (23 * US), 1 / (23 * US))}
+        ),
+        "prefill_depth_k25_slice5_h200.json": _depth(5, 1 / (23 * US)),
+        "capture_overhead_width7168_l6_e16_bf16_tp1_h200.json": _pipeline(6, {"mooncake": (1 / (23 * US), 1.0)}),
+        "capture_overhead_width7168_l12_e16_bf16_tp1_h200.json": _pipeline(12, {"mooncake": (1 / (47 * US), 1.0)}),
+        # 23 us prefill + 100 us training, 0 tax, 11.5 us hidden: half the shorter stage
+        "online_run_k25_slice_cuda_ipc_h200.json": _run(1 / (111.5 * US)),
+        "online_run_k25_slice_cuda_ipc_h200_eval_draft.json": {"not": "a run"},
+        "trainer_memory_k25_b200_h200.json": {
+            "rows": [
+                {"backend": "flex_attention", "length": 4096, "tokens_per_s": 10_000.0},
+                {"backend": "flex_attention", "length": 16384, "tokens_per_s": 20_000.0},
+                {"backend": "sdpa", "length": 4096, "tokens_per_s": 1.0},
+            ]
         },
     }
-    paths = {}
-    for k, v in files.items():
-        paths[k] = tmp_path / f"{k}.json"
-        paths[k].write_text(json.dumps(v))
+    for name, v in files.items():
+        (d / name).write_text(json.dumps(v))
+    for kind, rate in (("bf16", 40_000.0), ("int4", 50_000.0)):
+        row = {"batch_size": 4, "input_len": 4096, "prefill_throughput": rate}
+        (d / f"prefill_width7168_l6_e16_{kind}_h200.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row))
+    return d
+
+
+def _main(sizing, results: Path, tmp_path: Path) -> tuple[dict, str]:
     doc = tmp_path / "sizing.md"
-    doc.write_text(f"intro\n{sizing.BEGIN}\nold\n{sizing.END}\noutro\n")
+    if not doc.exists():
+        doc.write_text(f"intro\n{sizing.BEGIN}\nold\n{sizing.END}\noutro\n")
     out = tmp_path / "sizing.json"
-    argv = [
-        "--pipeline",
-        str(paths["pipeline"]),
-        "--depth",
-        str(paths["deep"]),
-        str(paths["shallow"]),
-        "--online-run",
-        str(paths["online_run"]),
-        "--trainer",
-        str(paths["trainer"]),
-        "--out",
-        str(out),
-        "--doc",
-        str(doc),
-    ]
-    assert sizing.main(argv) == 0
-    res = json.loads(out.read_text())
-    # the slice run: serial formula on its own stage rates, and its measured end-to-end rate
-    serial = 1 / (1 / 20_000 + 1 / 10_000)
-    assert res["slice_run"]["sharing_efficiency"] == pytest.approx(5_000 / serial)
-    assert res["slice_run"]["end_to_end_over_slowest_stage"] == pytest.approx(0.5)
+    assert sizing.main(["--results", str(results), "--out", str(out), "--doc", str(doc)]) == 0
+    return json.loads(out.read_text()), doc.read_text()
+
+
+def test_projection_from_hand_made_measurements(sizing, results, tmp_path):
+    res, text = _main(sizing, results, tmp_path)
+    a = sizing.ASSUMPTIONS
+    assert res["depth_fit"]["k25_s_per_token_one_h200"] == pytest.approx((3 + 60 * 5) * US)
+    assert res["overlap_hidden_fraction"] == {"cuda_ipc": pytest.approx(0.5), "mooncake": pytest.approx(0.5)}
     b200 = res["recipes"]["kimi-k25-8xb200-lowered"]
-    k25_s = res["depth_fit"]["k25_s_per_token_one_h200"]
-    prefill = 0.7 * 2.0 / k25_s
-    assert b200["tp"] == 8 and b200["prefill_tokens_per_s_per_gpu"] == pytest.approx(prefill)
-    assert b200["trainer_tokens_per_s_per_gpu"] == pytest.approx(20_000)
-    node = 8 / (1 / prefill + 1 / 20_000) * (5_000 / serial)
-    tax = 1 / 16_000 - 1 / 20_000
-    e2e = 1 / (1 / node + tax) / 8
+    assert list(b200["transports"]) == ["cuda_ipc", "mooncake"]
+    prefill = a["tp_efficiency"]["8"] * a["prefill_speed_vs_h200"]["B200"] / (303 * US)
+    trainer = a["trainer_speed_vs_h200"]["B200"] * 10_000  # the recipe's max_length 4096 row
+    assert b200["prefill_tokens_per_s_per_gpu"] == pytest.approx(prefill)
+    assert b200["node_prefill_tokens_per_s"] == pytest.approx(8 * prefill)
+    assert b200["trainer_tokens_per_s_per_gpu"] == pytest.approx(trainer)
+    gpu_s = 1 / prefill + 1 / trainer - 0.5 * min(1 / prefill, 1 / trainer)
     moon = b200["transports"]["mooncake"]
-    assert moon["end_to_end_tokens_per_s_per_gpu"] == pytest.approx(e2e)
-    assert moon["gpu_hours_per_1b_tokens"] == pytest.approx(1e9 / (e2e * 8) / 3600 * 8)
-    assert moon["feature_gb_per_s_per_node"] == pytest.approx(e2e * 8 * 57_344 / 1e9)
-    assert b200["transports"]["cuda_ipc"]["end_to_end_tokens_per_s_per_gpu"] > e2e  # a smaller tax
-    two_node = res["recipes"]["kimi-k25-2x8xb300"]
-    assert two_node["tp"] == 16 and two_node["transports"]["mooncake"]["gpu_hours_per_1b_tokens"] > 0
+    server = 1 / (gpu_s / 8 + 5 * US)
+    assert moon["end_to_end_tokens_per_s_per_gpu"] == pytest.approx(server / 8)
+    assert moon["end_to_end_no_overlap_tokens_per_s_per_gpu"] == pytest.approx(
+        1 / ((1 / prefill + 1 / trainer) / 8 + 5 * US) / 8
+    )
+    assert moon["gpu_hours_per_1b_tokens"] == pytest.approx(1e9 / server / 3600 * 8)
+    assert moon["feature_gb_per_s_per_node"] == pytest.approx(server * 50_000 / 1e9)
+    assert moon["transport_readers_gb_per_s_per_node"] == pytest.approx(8.0)
+    assert moon["transport_writer_gb_per_s"] == pytest.approx(4.0)
+    assert b200["transports"]["cuda_ipc"]["end_to_end_tokens_per_s_per_gpu"] == pytest.approx(1 / gpu_s)
+    sens = {x["what"]: x for x in res["sensitivity"]}
+    assert sens["as projected"]["mooncake"] == pytest.approx(moon["end_to_end_tokens_per_s_per_gpu"])
+    assert sens["no overlap (hidden fraction 0)"]["mooncake"] == pytest.approx(
+        moon["end_to_end_no_overlap_tokens_per_s_per_gpu"]
+    )
+    slow = a["tp_efficiency"]["8"] / (303 * US)  # prefill speed 1.0
+    slow_s = 1 / slow + 1 / trainer - 0.5 * min(1 / slow, 1 / trainer)
+    assert sens["prefill no faster than on an H200"]["mooncake"] == pytest.approx(1 / (slow_s / 8 + 5 * US) / 8)
+    assert a["prefill_speed_vs_h200"]["B200"] != 1.0  # the sensitivity run left the stated assumptions alone
+    # B300 trains 16k samples: the 16384 row; two nodes: TP=16, Mooncake only, readers per node, one writer
+    b300 = res["recipes"]["kimi-k25-8xb300"]
+    assert b300["trainer_tokens_per_s_per_gpu"] == pytest.approx(a["trainer_speed_vs_h200"]["B300"] * 20_000)
+    two = res["recipes"]["kimi-k25-2x8xb300"]
+    assert two["tp"] == 16 and list(two["transports"]) == ["mooncake"]
+    t2 = two["transports"]["mooncake"]
+    assert t2["feature_gb_per_s_per_node"] == pytest.approx(t2["writer_gb_per_s"] / 2)
+    assert t2["gpu_hours_per_1b_tokens"] == pytest.approx(16 * t2["wall_hours_per_1b_tokens"])
     assert res["torchspec"]["tokens_per_s_per_gpu"] == pytest.approx(6e9 / (1500 * 3600))
-    text = doc.read_text()
-    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
-    assert "| kimi-k25-8xb200-lowered | 1x8 B200 | 8 |" in text
-    assert sizing.main(argv) == 0 and doc.read_text() == text  # rerun: same table, markers kept
+    # memory: the server's 60 GiB peak over the slice recipe's pool is added to each recipe's pool
+    m = moon["memory_per_gpu_gib"]
+    outside = 60 - res["memory_from_slice"]["slice_plan"]["server_pool"]
+    assert m["server_peak_like_slice"] == pytest.approx(m["server_pool"] + outside)
+    assert m["server_peak_plus_trainer_plan"] == pytest.approx(m["server_pool"] + outside + m["trainer_plan"])
+    assert m["fits_with_server_overhead"] == (m["server_pool"] + outside + m["trainer_plan"] <= m["gpu"])
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "\nold\n" not in text
+    assert (
+        sizing.main(
+            ["--results", str(results), "--out", str(tmp_path / "again.json"), "--doc", str(tmp_path / "sizing.md")]
+        )
+        == 0
+    )
+    assert (tmp_path / "sizing.md").read_text() == text  # rerun: same table, markers kept
 
 
-def test_missing_measurement_is_one_line(sizing, tmp_path):
-    with pytest.raises(SystemExit, match="not found"):
-        sizing.main(["--pipeline", str(tmp_path / "nope.json"), "--doc", str(tmp_path / "d.md")])
+def test_backtest_prediction_never_reads_the_measured_value(sizing, results, tmp_path):
+    res, _ = _main(sizing, results, tmp_path)
+    (run_bt, prefill_bt) = res["backtest"]
+    # no overlap: 23 + 100 us per token, 0 tax
+    assert run_bt["predicted"] == pytest.approx(1 / (123 * US)) and run_bt["measured"] == pytest.approx(
+        1 / (111.5 * US)
+    )
+    assert run_bt["relative_error"] == pytest.approx(111.5 / 123 - 1)
+    # expert count ignored: 3 us + 4 layers x 4 us / (50k/40k INT4 over bf16)
+    assert prefill_bt["predicted"] == pytest.approx(1 / ((3 + 4 * 4 / 1.25) * US))
+    assert prefill_bt["measured"] == pytest.approx(1 / (23 * US))
+    # the run's end-to-end and the slice's prefill changed: measured follows, predicted from them does not
+    run = results / "online_run_k25_slice_cuda_ipc_h200.json"
+    run.write_text(json.dumps(_run(5_000.0)))
+    again, _ = _main(sizing, results, tmp_path)
+    assert again["backtest"][0]["measured"] == 5_000.0
+    assert again["backtest"][0]["predicted"] == pytest.approx(run_bt["predicted"])
+    # the projection does move with the run (its overlap fraction), the backtest's prediction did not
+    assert again["overlap_hidden_fraction"]["cuda_ipc"] != pytest.approx(0.5)
+    (results / "prefill_depth_k25_slice5_h200.json").write_text(json.dumps(_depth(5, 30_000.0)))
+    third, _ = _main(sizing, results, tmp_path)
+    assert third["backtest"][1]["measured"] == 30_000.0
+    assert third["backtest"][1]["predicted"] == pytest.approx(prefill_bt["predicted"])
+
+
+def test_new_runs_are_picked_up_by_name(sizing, results, tmp_path):
+    # a Mooncake run hiding none of the prefill: 23 + 100 + 5 us
+    (results / "online_run_k25_slice_mooncake_h200.json").write_text(json.dumps(_run(1 / (128 * US))))
+    shutil.copy(results / "online_run_k25_slice_cuda_ipc_h200.json", results / "online_run_k25_slice_cuda_ipc_b.json")
+    res, text = _main(sizing, results, tmp_path)
+    assert [s["file"] for s in res["slice_runs"]] == [
+        "online_run_k25_slice_cuda_ipc_b.json",
+        "online_run_k25_slice_cuda_ipc_h200.json",
+        "online_run_k25_slice_mooncake_h200.json",
+    ]
+    assert res["overlap_hidden_fraction"] == {"cuda_ipc": pytest.approx(0.5), "mooncake": pytest.approx(0.0, abs=1e-9)}
+    cross = [b for b in res["backtest"] if "other transport" in b["what"]]
+    assert len(cross) == 3
+    moon = next(b for b in cross if b["file"] == "online_run_k25_slice_mooncake_h200.json")
+    assert moon["predicted"] == pytest.approx(1 / ((123 - 0.5 * 23 + 5) * US))  # cuda_ipc's half hidden
+    assert "online_run_k25_slice_mooncake_h200.json" in text
+
+
+def test_two_slice_depths_replace_the_width_probes(sizing, results, tmp_path):
+    (results / "prefill_depth_k25_slice3_h200.json").write_text(json.dumps(_depth(3, 1 / (13 * US))))
+    res, _ = _main(sizing, results, tmp_path)
+    fit = res["depth_fit"]
+    assert fit["method"] == "two depths of the 384-expert slice" and res["inputs"]["width_probes"] == ""
+    assert fit["per_moe_layer_s_per_token"] == pytest.approx(5 * US)
+    assert fit["fixed_s_per_token"] == pytest.approx(3 * US)
+    assert all("16-expert" not in b["predicted_from"] for b in res["backtest"])
+
+
+def test_missing_measurement_is_one_line(sizing, results, tmp_path):
+    (results / "trainer_memory_k25_b200_h200.json").unlink()
+    with pytest.raises(SystemExit, match="trainer_memory_k25_b200_h200.json not found"):
+        _main(sizing, results, tmp_path)
+
+
+def test_committed_doc_table_is_the_committed_json(sizing):
+    """docs/sizing.md's table is what bench/sizing.py writes from bench/results/sizing_k25.json."""
+    res = json.loads((REPO / "bench" / "results" / "sizing_k25.json").read_text())
+    doc = (REPO / "docs" / "sizing.md").read_text()
+    assert doc.split(sizing.BEGIN, 1)[1].split(sizing.END, 1)[0] == "\n" + sizing.table(res) + "\n"
+    b200 = res["recipes"]["kimi-k25-8xb200-lowered"]["transports"]
+    for p in b200.values():
+        assert f"**{p['end_to_end_tokens_per_s_per_gpu']:,.0f}**" in doc
+    assert {b["what"] for b in res["backtest"]} and all("relative_error" in b for b in res["backtest"])
