@@ -532,3 +532,127 @@ def test_producer_refs_carry_the_descriptor(writer):
         bad = json.loads(json.dumps(answers[1]))
         bad["cuda_ipc"]["features"]["target"][1] += 2
         adapter._ref_from_result(tasks[1], bad, cfg)
+
+
+# -- the pool's files: owner-only, never through a link, cleanup of its own names only (issue 31) --------------------
+def _mode(path) -> int:
+    return os.lstat(path).st_mode & 0o777
+
+
+@pytest.mark.parametrize(("umask", "existing_dir"), [(0o000, False), (0o022, False), (0o000, True)])
+def test_pool_files_are_owner_only_whatever_the_umask(tmp_path, umask, existing_dir):
+    """The pool file carries the CUDA IPC handle: another user must read none of the pool's files."""
+    from specforge_kimi.transport.writer import IpcCaptureWriter
+
+    if existing_dir:
+        (tmp_path / "ipc").mkdir(mode=0o777)  # left by an older run, or made by someone's wide umask
+        os.chmod(tmp_path / "ipc", 0o777)
+    old = os.umask(umask)
+    try:
+        w = IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=tmp_path / "ipc", device="cpu", max_slots=4)
+    finally:
+        os.umask(old)
+    try:
+        assert _mode(tmp_path / "ipc") == 0o700
+        for path in (w.pool_file, w.info.slots_path, w.info.handle["path"]):
+            assert _mode(path) == 0o600, path
+    finally:
+        w.close()
+
+
+def slots_path(pool_id: str):
+    from specforge_kimi.transport.slots import shm_dir
+
+    return shm_dir() / f"sfk-ipc-{pool_id}.slots"
+
+
+def shm_pool_path(pool_id: str):
+    from specforge_kimi.transport.slots import shm_dir
+
+    return shm_dir() / f"sfk-ipc-{pool_id}.pool"
+
+
+def _fixed_pool_id(monkeypatch, pool_id: str = "0123456789abcdef") -> str:
+    import uuid
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(hex=pool_id + "0" * 16))
+    return pool_id
+
+
+@pytest.mark.parametrize("planted", ["slots", "pool", "pool_file", "pool_dir"])
+def test_a_link_planted_at_a_pool_path_is_refused_not_written_through(tmp_path, monkeypatch, planted):
+    from specforge_kimi.transport.writer import IpcCaptureWriter
+
+    pool_id = _fixed_pool_id(monkeypatch)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ipc = tmp_path / "ipc"
+    link = {
+        "slots": slots_path(pool_id),
+        "pool": shm_pool_path(pool_id),
+        "pool_file": ipc / f"{pool_id}.json",
+        "pool_dir": ipc,
+    }[planted]
+    if planted == "pool_file":
+        ipc.mkdir(mode=0o700)
+    if planted == "pool_dir":
+        (tmp_path / "elsewhere").mkdir()
+        link.symlink_to(tmp_path / "elsewhere")
+    else:
+        link.symlink_to(victim)
+    try:
+        with pytest.raises(OSError, match="refus") as err:
+            IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=ipc, device="cpu", max_slots=4)
+        assert str(link) in str(err.value) and "\n" not in str(err.value)
+        assert victim.read_bytes() == b"precious" and os.path.islink(link)
+        assert not list((tmp_path / "elsewhere").iterdir()) if planted == "pool_dir" else True
+        # nothing the refused writer made is left behind
+        left = [p for p in (slots_path(pool_id), shm_pool_path(pool_id)) if p != link and os.path.lexists(p)]
+        assert left == []
+        assert [p.name for p in ipc.glob("*")] == ([f"{pool_id}.json"] if planted == "pool_file" else [])
+    finally:
+        if link != ipc:
+            os.unlink(link)
+
+
+def test_stale_cleanup_removes_only_its_own_names(tmp_path):
+    """A pool file of a dead writer names paths; cleanup removes the names it derives from the pool id, never
+    those paths, and ignores files whose name is not a pool id."""
+    from specforge_kimi.transport.pool import remove_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    ipc = tmp_path / "ipc"
+    ipc.mkdir(mode=0o700)
+    victims = [tmp_path / "victim-a", tmp_path / "victim-b", tmp_path / "victim-c"]
+    for v in victims:
+        v.write_text("precious")
+    pool_id = "fedcba9876543210"
+    own = [slots_path(pool_id), shm_pool_path(pool_id)]
+    for p in own:
+        p.write_bytes(b"\0")
+    forged = {
+        "version": 1,
+        "pool_id": pool_id,
+        "backend": "shm",
+        "nbytes": 1,
+        "slots_path": str(victims[0]),
+        "pid": dead_pid,
+        "pid_start": None,
+        "lease_s": 1.0,
+        "created": 0.0,
+        "device": {},
+        "handle": {"path": str(victims[1])},
+    }
+    (ipc / f"{pool_id}.json").write_text(json.dumps(forged))
+    # not a pool id (the writer makes 16 hex digits): kept, and what it names untouched
+    (ipc / "victim-c.json").write_text(json.dumps({**forged, "pool_id": "victim-c", "slots_path": str(victims[2])}))
+    (ipc / "0123.json").write_text(json.dumps({**forged, "pool_id": "0123", "slots_path": str(victims[2])}))
+    try:
+        assert remove_stale(ipc) == [pool_id]
+        assert all(v.read_text() == "precious" for v in victims)
+        assert not any(os.path.lexists(p) for p in own) and not (ipc / f"{pool_id}.json").exists()
+        assert sorted(p.name for p in ipc.iterdir()) == ["0123.json", "victim-c.json"]
+    finally:
+        for p in own:
+            p.unlink(missing_ok=True)
