@@ -656,3 +656,44 @@ def test_stale_cleanup_removes_only_its_own_names(tmp_path):
     finally:
         for p in own:
             p.unlink(missing_ok=True)
+
+
+# -- descriptors the slot table does not back (issue 31) -----------------------------------------------------------
+def test_a_descriptor_outside_its_slots_region_is_refused(writer):
+    """A descriptor whose offsets point into another sample's bytes (or past the pool) is refused with the
+    region the slot lent, not answered with those bytes."""
+    a, b = _put(writer, [(_spec("run:a", 5), _rows(5, 0)), (_spec("run:b", 5), _rows(5, 1))])
+    store = _store(writer)
+    desc = a["cuda_ipc"]
+    b_off = b["cuda_ipc"]["features"]["hidden_state"][0]
+    n = desc["features"]["hidden_state"][1]
+    ref = _ref_for(a)
+    for place in ([b_off, n], [writer.regions.capacity - 256, n], [writer.regions.capacity, n]):
+        bad = {**desc, "features": {**desc["features"], "hidden_state": place}}
+        wrong = dataclasses_replace(ref, bad)
+        with pytest.raises(ValueError, match="outside the region the slot lent"):
+            store.get(wrong)
+    bad_slot = dataclasses_replace(ref, {**desc, "slot": writer.table.max_slots + 1})
+    with pytest.raises(ValueError, match="outside pool"):
+        store.get(bad_slot)
+    # the honest descriptor still reads its own bytes
+    assert torch.equal(store.get(ref)[0]["hidden_state"][0], _rows(5, 0)[0])
+
+
+def dataclasses_replace(ref, desc_json):
+    import dataclasses
+
+    return dataclasses.replace(ref, metadata={**ref.metadata, "cuda_ipc": desc_json})
+
+
+@pytest.mark.parametrize(
+    "place",
+    [[-1, 8], [0, -8], [True, 8], [0, 1.5], [2**63, 8], [0, 2**64], [2**61, 2**61], ["0", 8], [None, 8], [0, 8, 0]],
+)
+def test_descriptor_offsets_must_be_sane_integers(place):
+    d = Descriptor("0123abcd0123abcd", 3, 41, {"hidden_state": (0, 96)}).to_json()
+    with pytest.raises(ValueError, match="offset, nbytes"):
+        Descriptor.from_json({**d, "features": {"hidden_state": place}})
+    for field, value in (("slot", True), ("alloc", 2**64), ("slot", -3), ("pool", "0123abcd0123abcd\n")):
+        with pytest.raises(ValueError):
+            Descriptor.from_json({**d, field: value})

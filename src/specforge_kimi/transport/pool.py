@@ -270,8 +270,15 @@ class PoolReader:
         import torch
 
         self.check_alive()
+        if desc.pool_id != self.info.pool_id:
+            raise ValueError(f"cuda_ipc descriptor names pool {desc.pool_id}, this reader maps {self.info.pool_id}")
+        if not 1 <= desc.slot <= self.table.max_slots:
+            raise ValueError(
+                f"cuda_ipc descriptor slot {desc.slot} is outside pool {desc.pool_id}'s 1..{self.table.max_slots}"
+            )
         if self.table.current(desc.slot) != desc.alloc_id:
             raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} no longer holds alloc {desc.alloc_id}")
+        self._check_bounds(desc, names)
         device = torch.device(device)
         on_gpu = device.type == "cuda"
         stream = self._stream(device) if on_gpu and self.is_cuda else None
@@ -300,6 +307,19 @@ class PoolReader:
         if self.table.current(desc.slot) != desc.alloc_id:
             raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} was reclaimed during the read")
         return out
+
+    def _check_bounds(self, desc, names: Iterable[str]) -> None:
+        """Every feature read must lie inside the region the slot lent (the server wrote it into the slot table):
+        a descriptor pointing elsewhere -- another sample's bytes, past the pool -- is refused, not answered."""
+        lo, n = self.table.region(desc.slot)
+        hi = min(lo + n, self.info.nbytes)
+        for name in names:
+            offset, nbytes = desc.features[name]
+            if offset < lo or offset + nbytes > hi:
+                raise ValueError(
+                    f"cuda_ipc descriptor of pool {desc.pool_id} slot {desc.slot}: feature {name!r} at "
+                    f"[{offset}, {offset + nbytes}) lies outside the region the slot lent, [{lo}, {hi}); refused"
+                )
 
     def release(self, desc) -> bool:
         return self.table.release(desc.slot, desc.alloc_id)

@@ -169,6 +169,11 @@ class SlotTable:
         self._a[slot, RELEASE] = alloc_id
         return True
 
+    def region(self, slot: int) -> tuple[int, int]:
+        """``(offset, nbytes)`` of the pool region the server lent with ``slot`` (read it while ``current(slot)``
+        is the alloc id in question, and check that again after)."""
+        return int(self._a[slot, OFFSET]), int(self._a[slot, NBYTES])
+
     def find(self, key: int) -> list[tuple[int, int]]:
         """``(slot, alloc_id)`` of every live, unreleased row carrying ``key``."""
         import numpy as np
