@@ -697,3 +697,38 @@ def test_descriptor_offsets_must_be_sane_integers(place):
     for field, value in (("slot", True), ("alloc", 2**64), ("slot", -3), ("pool", "0123abcd0123abcd\n")):
         with pytest.raises(ValueError):
             Descriptor.from_json({**d, field: value})
+
+
+# -- release by key against a slot reused under it (issue 31) --------------------------------------------------------
+def test_release_by_key_never_frees_a_slots_new_occupant(tmp_path):
+    """The server frees a row and lends it to another sample at any point of a reader's by-key release: the
+    release must reach the old occupant or nothing, never the new one. Tried at every read of the table."""
+    import numpy as np
+
+    state = {"n": 0, "at": 0, "fired": False}
+
+    class Hooked(np.ndarray):
+        def __getitem__(self, idx):
+            state["n"] += 1
+            if state["n"] == state["at"]:
+                server.free(1)
+                server.claim(alloc_id=2, key=sample_key("run:new"), offset=0, nbytes=8, t_ns=2)
+                state["fired"] = True
+            return super().__getitem__(idx)
+
+    fired_at = []
+    for at in range(1, 40):
+        path = tmp_path / f"t{at}.slots"
+        server = SlotTable.create(path, max_slots=1, capacity=4096)
+        server.claim(alloc_id=1, key=sample_key("run:old"), offset=0, nbytes=8, t_ns=1)
+        reader = SlotTable.attach(path)
+        reader._a = reader._a.view(Hooked)
+        state.update(n=0, at=at, fired=False)
+        for slot, alloc_id in reader.find(sample_key("run:old")):
+            reader.release(slot, alloc_id)
+        if state["fired"]:
+            fired_at.append(at)
+            assert server.current(1) == 2 and server.released() == [], f"new occupant released (reuse at read {at})"
+        else:
+            assert server.released() == [1]  # no reuse: the old occupant is released
+    assert len(fired_at) >= 3  # the reuse did land inside find / release

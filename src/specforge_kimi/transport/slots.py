@@ -175,12 +175,20 @@ class SlotTable:
         return int(self._a[slot, OFFSET]), int(self._a[slot, NBYTES])
 
     def find(self, key: int) -> list[tuple[int, int]]:
-        """``(slot, alloc_id)`` of every live, unreleased row carrying ``key``."""
+        """``(slot, alloc_id)`` of every live, unreleased row carrying ``key``.
+
+        The server may free and re-lend a row while this reads it, so the key is read between two snapshots of
+        the alloc column and a row counts only where both show the same id: the server writes a row's key before
+        it publishes a (new, larger) alloc id, so an id that did not change under the read owns the key read.
+        Releasing with that id then cannot touch a new occupant (:meth:`release` checks it)."""
         import numpy as np
 
-        body = self._a[1:]
-        hit = np.nonzero((body[:, KEY] == key) & (body[:, ALLOC] != 0) & (body[:, RELEASE] != body[:, ALLOC]))[0]
-        return [(int(i) + 1, int(body[i, ALLOC])) for i in hit]
+        before = np.array(self._a[1:, ALLOC])
+        keys = np.array(self._a[1:, KEY])
+        released = np.array(self._a[1:, RELEASE])
+        after = np.array(self._a[1:, ALLOC])
+        hit = np.nonzero((keys == key) & (before != 0) & (before == after) & (released != before))[0]
+        return [(int(i) + 1, int(before[i])) for i in hit]
 
     def live(self) -> dict:
         """Lent rows now: how many, their bytes, the oldest one's allocation time (ns, wall clock)."""
