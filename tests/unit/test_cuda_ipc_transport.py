@@ -732,3 +732,26 @@ def test_release_by_key_never_frees_a_slots_new_occupant(tmp_path):
         else:
             assert server.released() == [1]  # no reuse: the old occupant is released
     assert len(fired_at) >= 3  # the reuse did land inside find / release
+
+
+# -- the store's record of freed samples stays bounded (issue 31) -----------------------------------------------------
+def test_freed_record_is_bounded_and_still_refuses_recent_use_after_free(writer):
+    store = _store(writer, retain_on_release=True)
+    store.FREED_KEPT = 16
+    for i in range(200):
+        (res,) = _put(writer, [(_spec(f"run:s{i}", 3), _rows(3, i))])
+        _, handle = store.get(_ref_for(res))
+        store.release(handle)
+        store.abort(f"run:s{i}", reason="ack")
+        assert len(store._freed) <= store.FREED_KEPT
+        if i % 2:  # the server reclaims some of them only later
+            writer.reclaim()
+    # a recent release whose slot the server has not freed yet: the record is what refuses a late read
+    (res,) = _put(writer, [(_spec("run:late", 3), _rows(3, 999))])
+    ref = _ref_for(res)
+    store.get(ref)
+    store.abort("run:late", reason="ack")
+    assert writer.table.current(res["cuda_ipc"]["slot"]) == res["cuda_ipc"]["alloc"]  # still lent
+    with pytest.raises(KeyError, match="use-after-free"):
+        store.get(ref)
+    assert len(store._freed) == store.FREED_KEPT
