@@ -673,6 +673,12 @@ def test_a_descriptor_outside_its_slots_region_is_refused(writer):
         wrong = dataclasses_replace(ref, bad)
         with pytest.raises(ValueError, match="outside the region the slot lent"):
             store.get(wrong)
+    off, n = desc["features"]["target"]
+    for place, match in (([off + 1, n], "aligned"), ([off, n - 2], "needs"), ([off, n + 2], "needs")):
+        # inside the region, but mid-element or not the spec's size (found by the fuzz: a RuntimeError from torch)
+        bad = {**desc, "features": {**desc["features"], "target": place}}
+        with pytest.raises(ValueError, match=match):
+            store.get(dataclasses_replace(ref, bad))
     bad_slot = dataclasses_replace(ref, {**desc, "slot": writer.table.max_slots + 1})
     with pytest.raises(ValueError, match="outside pool"):
         store.get(bad_slot)

@@ -278,7 +278,8 @@ class PoolReader:
             )
         if self.table.current(desc.slot) != desc.alloc_id:
             raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} no longer holds alloc {desc.alloc_id}")
-        self._check_bounds(desc, names)
+        names = list(names)
+        self._check_places(desc, specs, names)
         device = torch.device(device)
         on_gpu = device.type == "cuda"
         stream = self._stream(device) if on_gpu and self.is_cuda else None
@@ -289,10 +290,6 @@ class PoolReader:
                 offset, nbytes = desc.features[name]
                 shape, dtype = specs[name]
                 view = self.memory[offset : offset + nbytes].view(dtype)
-                if view.numel() != _numel(shape):
-                    raise ValueError(
-                        f"cuda_ipc feature {name!r}: {nbytes} bytes in the pool, spec {tuple(shape)} {dtype}"
-                    )
                 dst = torch.empty(tuple(shape), dtype=dtype, device=device)
                 dst.copy_(view.view(tuple(shape)), non_blocking=stream is not None)
                 out[name] = dst
@@ -308,17 +305,28 @@ class PoolReader:
             raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} was reclaimed during the read")
         return out
 
-    def _check_bounds(self, desc, names: Iterable[str]) -> None:
-        """Every feature read must lie inside the region the slot lent (the server wrote it into the slot table):
-        a descriptor pointing elsewhere -- another sample's bytes, past the pool -- is refused, not answered."""
+    def _check_places(self, desc, specs: Mapping[str, tuple[tuple[int, ...], Any]], names: list[str]) -> None:
+        """Every feature read must lie inside the region the slot lent (the server wrote it into the slot table),
+        start aligned as the writer places it and hold exactly its spec's bytes: a descriptor pointing elsewhere
+        -- another sample's bytes, past the pool, mid-element -- is refused, not answered."""
+        from specforge_kimi.transport import ALIGN
+
         lo, n = self.table.region(desc.slot)
         hi = min(lo + n, self.info.nbytes)
         for name in names:
             offset, nbytes = desc.features[name]
+            shape, dtype = specs[name]
             if offset < lo or offset + nbytes > hi:
                 raise ValueError(
                     f"cuda_ipc descriptor of pool {desc.pool_id} slot {desc.slot}: feature {name!r} at "
                     f"[{offset}, {offset + nbytes}) lies outside the region the slot lent, [{lo}, {hi}); refused"
+                )
+            if offset % ALIGN:
+                raise ValueError(f"cuda_ipc feature {name!r}: offset {offset} is not {ALIGN}-byte aligned; refused")
+            want = _numel(shape) * dtype.itemsize
+            if nbytes != want:
+                raise ValueError(
+                    f"cuda_ipc feature {name!r}: {nbytes} bytes in the pool, spec {tuple(shape)} {dtype} needs {want}"
                 )
 
     def release(self, desc) -> bool:
