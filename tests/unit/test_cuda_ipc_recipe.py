@@ -345,3 +345,58 @@ def test_run_report_names_the_transport(tmp_path):
         (run / "rendered" / "launch.json").write_text(json.dumps(sheet))
         assert transport(run) == want
     assert transport(tmp_path / "not-a-run") is None
+
+
+def test_stale_pools_are_removed_before_each_attempt_starts(tmp_path, monkeypatch):
+    """A server SIGKILLed with the launcher (a ``kill -9`` of the whole tree, a reboot) leaves its pool files; the
+    next launch's attempt, and each whole-run restart, clears them before any service starts."""
+    import argparse
+    import contextlib
+    import subprocess
+
+    from specforge_kimi.online import gpu_memory, inputs, launch, resume
+
+    raw = _raw()
+    raw["output_dir"] = str(tmp_path / "run")
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    r = load_recipe(recipe_path)
+    code = (
+        "import sys; from specforge_kimi.transport.writer import IpcCaptureWriter; "
+        "w = IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=sys.argv[1], device='cpu'); "
+        "print(w.info.slots_path, w.info.handle['path'], flush=True); import os; os._exit(0)"
+    )
+
+    def kill_a_server() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code, tp.ipc_dir(r)], capture_output=True, text=True, check=True)
+        return out.stdout.split() + [str(p) for p in Path(tp.ipc_dir(r)).glob("*.json")]
+
+    seen = []
+
+    def run_plan(plan, **_kw):  # what each attempt finds when its services would start
+        seen.append([p for p in left if os.path.exists(p)])
+        return 1
+
+    def run_attempts(recipe, plan, run, **_kw):  # the first attempt and one whole-run restart
+        rc = run(plan)
+        left[:] = kill_a_server()  # the first attempt's server was killed with it
+        return run(plan) or rc
+
+    left = kill_a_server()
+    assert all(os.path.exists(p) for p in left) and len(left) == 3
+    monkeypatch.setattr(inputs, "require_inputs", lambda _r: None)
+    monkeypatch.setattr(resume, "run_attempts", run_attempts)
+    monkeypatch.setattr(gpu_memory, "GpuSampler", lambda _p: contextlib.nullcontext())
+    monkeypatch.setattr(launch, "run_plan", run_plan)
+    args = argparse.Namespace(
+        recipe=str(recipe_path),
+        node_rank=0,
+        local_host=None,
+        resume=False,
+        stop_stale=False,
+        plan=False,
+        no_bench=True,
+        no_progress=True,
+    )
+    assert launch.run(args) == 1
+    assert seen == [[], []]

@@ -532,3 +532,232 @@ def test_producer_refs_carry_the_descriptor(writer):
         bad = json.loads(json.dumps(answers[1]))
         bad["cuda_ipc"]["features"]["target"][1] += 2
         adapter._ref_from_result(tasks[1], bad, cfg)
+
+
+# -- the pool's files: owner-only, never through a link, cleanup of its own names only (issue 31) --------------------
+def _mode(path) -> int:
+    return os.lstat(path).st_mode & 0o777
+
+
+@pytest.mark.parametrize(("umask", "existing_dir"), [(0o000, False), (0o022, False), (0o000, True)])
+def test_pool_files_are_owner_only_whatever_the_umask(tmp_path, umask, existing_dir):
+    """The pool file carries the CUDA IPC handle: another user must read none of the pool's files."""
+    from specforge_kimi.transport.writer import IpcCaptureWriter
+
+    if existing_dir:
+        (tmp_path / "ipc").mkdir(mode=0o777)  # left by an older run, or made by someone's wide umask
+        os.chmod(tmp_path / "ipc", 0o777)
+    old = os.umask(umask)
+    try:
+        w = IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=tmp_path / "ipc", device="cpu", max_slots=4)
+    finally:
+        os.umask(old)
+    try:
+        assert _mode(tmp_path / "ipc") == 0o700
+        for path in (w.pool_file, w.info.slots_path, w.info.handle["path"]):
+            assert _mode(path) == 0o600, path
+    finally:
+        w.close()
+
+
+def slots_path(pool_id: str):
+    from specforge_kimi.transport.slots import shm_dir
+
+    return shm_dir() / f"sfk-ipc-{pool_id}.slots"
+
+
+def shm_pool_path(pool_id: str):
+    from specforge_kimi.transport.slots import shm_dir
+
+    return shm_dir() / f"sfk-ipc-{pool_id}.pool"
+
+
+def _fixed_pool_id(monkeypatch, pool_id: str = "0123456789abcdef") -> str:
+    import uuid
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(hex=pool_id + "0" * 16))
+    return pool_id
+
+
+@pytest.mark.parametrize("planted", ["slots", "pool", "pool_file", "pool_dir"])
+def test_a_link_planted_at_a_pool_path_is_refused_not_written_through(tmp_path, monkeypatch, planted):
+    from specforge_kimi.transport.writer import IpcCaptureWriter
+
+    pool_id = _fixed_pool_id(monkeypatch)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ipc = tmp_path / "ipc"
+    link = {
+        "slots": slots_path(pool_id),
+        "pool": shm_pool_path(pool_id),
+        "pool_file": ipc / f"{pool_id}.json",
+        "pool_dir": ipc,
+    }[planted]
+    if planted == "pool_file":
+        ipc.mkdir(mode=0o700)
+    if planted == "pool_dir":
+        (tmp_path / "elsewhere").mkdir()
+        link.symlink_to(tmp_path / "elsewhere")
+    else:
+        link.symlink_to(victim)
+    try:
+        with pytest.raises(OSError, match="refus") as err:
+            IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=ipc, device="cpu", max_slots=4)
+        assert str(link) in str(err.value) and "\n" not in str(err.value)
+        assert victim.read_bytes() == b"precious" and os.path.islink(link)
+        assert not list((tmp_path / "elsewhere").iterdir()) if planted == "pool_dir" else True
+        # nothing the refused writer made is left behind
+        left = [p for p in (slots_path(pool_id), shm_pool_path(pool_id)) if p != link and os.path.lexists(p)]
+        assert left == []
+        assert [p.name for p in ipc.glob("*")] == ([f"{pool_id}.json"] if planted == "pool_file" else [])
+    finally:
+        if link != ipc:
+            os.unlink(link)
+
+
+def test_stale_cleanup_removes_only_its_own_names(tmp_path):
+    """A pool file of a dead writer names paths; cleanup removes the names it derives from the pool id, never
+    those paths, and ignores files whose name is not a pool id."""
+    from specforge_kimi.transport.pool import remove_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    ipc = tmp_path / "ipc"
+    ipc.mkdir(mode=0o700)
+    victims = [tmp_path / "victim-a", tmp_path / "victim-b", tmp_path / "victim-c"]
+    for v in victims:
+        v.write_text("precious")
+    pool_id = "fedcba9876543210"
+    own = [slots_path(pool_id), shm_pool_path(pool_id)]
+    for p in own:
+        p.write_bytes(b"\0")
+    forged = {
+        "version": 1,
+        "pool_id": pool_id,
+        "backend": "shm",
+        "nbytes": 1,
+        "slots_path": str(victims[0]),
+        "pid": dead_pid,
+        "pid_start": None,
+        "lease_s": 1.0,
+        "created": 0.0,
+        "device": {},
+        "handle": {"path": str(victims[1])},
+    }
+    (ipc / f"{pool_id}.json").write_text(json.dumps(forged))
+    # not a pool id (the writer makes 16 hex digits): kept, and what it names untouched
+    (ipc / "victim-c.json").write_text(json.dumps({**forged, "pool_id": "victim-c", "slots_path": str(victims[2])}))
+    (ipc / "0123.json").write_text(json.dumps({**forged, "pool_id": "0123", "slots_path": str(victims[2])}))
+    try:
+        assert remove_stale(ipc) == [pool_id]
+        assert all(v.read_text() == "precious" for v in victims)
+        assert not any(os.path.lexists(p) for p in own) and not (ipc / f"{pool_id}.json").exists()
+        assert sorted(p.name for p in ipc.iterdir()) == ["0123.json", "victim-c.json"]
+    finally:
+        for p in own:
+            p.unlink(missing_ok=True)
+
+
+# -- descriptors the slot table does not back (issue 31) -----------------------------------------------------------
+def test_a_descriptor_outside_its_slots_region_is_refused(writer):
+    """A descriptor whose offsets point into another sample's bytes (or past the pool) is refused with the
+    region the slot lent, not answered with those bytes."""
+    a, b = _put(writer, [(_spec("run:a", 5), _rows(5, 0)), (_spec("run:b", 5), _rows(5, 1))])
+    store = _store(writer)
+    desc = a["cuda_ipc"]
+    b_off = b["cuda_ipc"]["features"]["hidden_state"][0]
+    n = desc["features"]["hidden_state"][1]
+    ref = _ref_for(a)
+    for place in ([b_off, n], [writer.regions.capacity - 256, n], [writer.regions.capacity, n]):
+        bad = {**desc, "features": {**desc["features"], "hidden_state": place}}
+        wrong = dataclasses_replace(ref, bad)
+        with pytest.raises(ValueError, match="outside the region the slot lent"):
+            store.get(wrong)
+    off, n = desc["features"]["target"]
+    for place, match in (([off + 1, n], "aligned"), ([off, n - 2], "needs"), ([off, n + 2], "needs")):
+        # inside the region, but mid-element or not the spec's size (found by the fuzz: a RuntimeError from torch)
+        bad = {**desc, "features": {**desc["features"], "target": place}}
+        with pytest.raises(ValueError, match=match):
+            store.get(dataclasses_replace(ref, bad))
+    bad_slot = dataclasses_replace(ref, {**desc, "slot": writer.table.max_slots + 1})
+    with pytest.raises(ValueError, match="outside pool"):
+        store.get(bad_slot)
+    # the honest descriptor still reads its own bytes
+    assert torch.equal(store.get(ref)[0]["hidden_state"][0], _rows(5, 0)[0])
+
+
+def dataclasses_replace(ref, desc_json):
+    import dataclasses
+
+    return dataclasses.replace(ref, metadata={**ref.metadata, "cuda_ipc": desc_json})
+
+
+@pytest.mark.parametrize(
+    "place",
+    [[-1, 8], [0, -8], [True, 8], [0, 1.5], [2**63, 8], [0, 2**64], [2**61, 2**61], ["0", 8], [None, 8], [0, 8, 0]],
+)
+def test_descriptor_offsets_must_be_sane_integers(place):
+    d = Descriptor("0123abcd0123abcd", 3, 41, {"hidden_state": (0, 96)}).to_json()
+    with pytest.raises(ValueError, match="offset, nbytes"):
+        Descriptor.from_json({**d, "features": {"hidden_state": place}})
+    for field, value in (("slot", True), ("alloc", 2**64), ("slot", -3), ("pool", "0123abcd0123abcd\n")):
+        with pytest.raises(ValueError):
+            Descriptor.from_json({**d, field: value})
+
+
+# -- release by key against a slot reused under it (issue 31) --------------------------------------------------------
+def test_release_by_key_never_frees_a_slots_new_occupant(tmp_path):
+    """The server frees a row and lends it to another sample at any point of a reader's by-key release: the
+    release must reach the old occupant or nothing, never the new one. Tried at every read of the table."""
+    import numpy as np
+
+    state = {"n": 0, "at": 0, "fired": False}
+
+    class Hooked(np.ndarray):
+        def __getitem__(self, idx):
+            state["n"] += 1
+            if state["n"] == state["at"]:
+                server.free(1)
+                server.claim(alloc_id=2, key=sample_key("run:new"), offset=0, nbytes=8, t_ns=2)
+                state["fired"] = True
+            return super().__getitem__(idx)
+
+    fired_at = []
+    for at in range(1, 40):
+        path = tmp_path / f"t{at}.slots"
+        server = SlotTable.create(path, max_slots=1, capacity=4096)
+        server.claim(alloc_id=1, key=sample_key("run:old"), offset=0, nbytes=8, t_ns=1)
+        reader = SlotTable.attach(path)
+        reader._a = reader._a.view(Hooked)
+        state.update(n=0, at=at, fired=False)
+        for slot, alloc_id in reader.find(sample_key("run:old")):
+            reader.release(slot, alloc_id)
+        if state["fired"]:
+            fired_at.append(at)
+            assert server.current(1) == 2 and server.released() == [], f"new occupant released (reuse at read {at})"
+        else:
+            assert server.released() == [1]  # no reuse: the old occupant is released
+    assert len(fired_at) >= 3  # the reuse did land inside find / release
+
+
+# -- the store's record of freed samples stays bounded (issue 31) -----------------------------------------------------
+def test_freed_record_is_bounded_and_still_refuses_recent_use_after_free(writer):
+    store = _store(writer, retain_on_release=True)
+    store.FREED_KEPT = 16
+    for i in range(200):
+        (res,) = _put(writer, [(_spec(f"run:s{i}", 3), _rows(3, i))])
+        _, handle = store.get(_ref_for(res))
+        store.release(handle)
+        store.abort(f"run:s{i}", reason="ack")
+        assert len(store._freed) <= store.FREED_KEPT
+        if i % 2:  # the server reclaims some of them only later
+            writer.reclaim()
+    # a recent release whose slot the server has not freed yet: the record is what refuses a late read
+    (res,) = _put(writer, [(_spec("run:late", 3), _rows(3, 999))])
+    ref = _ref_for(res)
+    store.get(ref)
+    store.abort("run:late", reason="ack")
+    assert writer.table.current(res["cuda_ipc"]["slot"]) == res["cuda_ipc"]["alloc"]  # still lent
+    with pytest.raises(KeyError, match="use-after-free"):
+        store.get(ref)
+    assert len(store._freed) == store.FREED_KEPT

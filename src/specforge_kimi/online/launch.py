@@ -394,6 +394,7 @@ def run(args) -> int:
     from specforge_kimi.online.transport_plan import remove_stale_pools
 
     def attempt(p) -> int:
+        remove_stale_pools(recipe)  # cuda_ipc: what a server killed before this attempt (or launch) left
         logs = Path(p.services[0].log_path).parent if p.services else out / "logs"
         print(
             f"starting {', '.join(s.command.label for s in p.services)}, then "

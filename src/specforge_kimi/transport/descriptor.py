@@ -16,7 +16,14 @@ from typing import Any
 
 VERSION = 1
 URI_SCHEME = "cudaipc"
-_POOL_ID = re.compile(r"^[0-9a-f]{8,32}$")
+_POOL_ID = re.compile(r"[0-9a-f]{8,32}")
+#: bound of every integer a descriptor carries (the slot table's int64 columns; pools are far smaller)
+_MAX_INT = 2**62
+
+
+def _count(x: Any, least: int) -> bool:
+    """``x`` is a plain int (not a bool) in ``[least, 2**62)``."""
+    return type(x) is int and least <= x < _MAX_INT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +56,10 @@ class Descriptor:
         if raw.get("v") != VERSION:
             raise ValueError(f"cuda_ipc descriptor version {raw.get('v')!r}, expected {VERSION}")
         pool = raw.get("pool")
-        if not isinstance(pool, str) or not _POOL_ID.match(pool):
+        if not isinstance(pool, str) or not _POOL_ID.fullmatch(pool):
             raise ValueError(f"cuda_ipc descriptor pool id {pool!r} is not a hex id")
         slot, alloc = raw.get("slot"), raw.get("alloc")
-        if not isinstance(slot, int) or slot < 1 or not isinstance(alloc, int) or alloc < 1:
+        if not _count(slot, 1) or not _count(alloc, 1):
             raise ValueError(f"cuda_ipc descriptor slot {slot!r} / alloc {alloc!r} must be positive integers")
         feats = raw.get("features")
         if not isinstance(feats, Mapping) or not feats:
@@ -60,12 +67,16 @@ class Descriptor:
         out: dict[str, tuple[int, int]] = {}
         for name, place in feats.items():
             if (
-                not isinstance(place, (list, tuple))
+                not isinstance(name, str)
+                or not isinstance(place, (list, tuple))
                 or len(place) != 2
-                or not all(isinstance(x, int) and x >= 0 for x in place)
+                or not all(_count(x, 0) for x in place)
+                or place[0] + place[1] >= _MAX_INT
             ):
-                raise ValueError(f"cuda_ipc descriptor feature {name!r}: {place!r} is not [offset, nbytes]")
-            out[str(name)] = (int(place[0]), int(place[1]))
+                raise ValueError(
+                    f"cuda_ipc descriptor feature {name!r}: {place!r} is not [offset, nbytes] (integers >= 0)"
+                )
+            out[name] = (place[0], place[1])
         return cls(pool, slot, alloc, out)
 
 

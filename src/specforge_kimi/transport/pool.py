@@ -14,21 +14,32 @@ Scope: one host. Two backends behind one interface:
 The pool file ``<dir>/<pool_id>.json`` names the memory, the slot table, the writer's pid (with its start time,
 so a reused pid is not taken for the writer) and the lease; it is written once, atomically, before the server
 answers its first request. A reader refuses a pool whose writer is gone: its features are lost with it.
+
+The pool file carries the CUDA IPC handle, so another user must not read it: the pool directory is 0700, the
+pool file, the slot table and the shared-memory file 0600, whatever the umask, and each is created without
+following a link (one planted at the path is refused, not written through). Stale-pool cleanup removes only
+names of the form this module creates for a well-formed pool id, never a path a pool file names.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import json
 import os
+import re
+import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from specforge_kimi.transport.slots import SlotTable, shm_dir
+from specforge_kimi.transport.slots import SlotTable, create_private_file, open_existing, shm_dir
+
+#: the pool ids :class:`~specforge_kimi.transport.writer.IpcCaptureWriter` makes (``uuid4().hex[:16]``)
+POOL_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +63,8 @@ class PoolInfo:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> PoolInfo:
+        if not isinstance(raw, dict):
+            raise ValueError(f"pool file is not an object: {type(raw).__name__}")
         if raw.get("version") != 1:
             raise ValueError(f"pool file version {raw.get('version')!r}, expected 1")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -62,12 +75,45 @@ def pool_file(directory: str | os.PathLike, pool_id: str) -> Path:
     return Path(directory) / f"{pool_id}.json"
 
 
+def slots_path(pool_id: str) -> Path:
+    return shm_dir() / f"sfk-ipc-{pool_id}.slots"
+
+
+def shm_pool_path(pool_id: str) -> Path:
+    return shm_dir() / f"sfk-ipc-{pool_id}.pool"
+
+
+def private_dir(directory: str | os.PathLike) -> Path:
+    """``directory`` as a directory of this user with mode 0700 (created so, or narrowed to it); a link there or
+    a directory of another user is refused (``PermissionError``): the pool file in it carries the IPC handle."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(
+            errno.EPERM, f"cuda_ipc pool directory {directory} is not a plain directory (a link?); refusing it"
+        )
+    if st.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, f"cuda_ipc pool directory {directory} belongs to uid {st.st_uid}, not us")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+    return directory
+
+
 def write_pool_file(directory: str | os.PathLike, info: PoolInfo) -> Path:
-    """Atomically (write, then rename) so a reader never sees half a file."""
+    """Atomically (write a 0600 file, then rename) so a reader never sees half a file, in a 0700 directory. The
+    pool id is fresh, so anything at the pool file's path already (a link included) is refused."""
+    directory = private_dir(directory)
     path = pool_file(directory, info.pool_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(info.to_json(), indent=2))
+    if os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, f"cuda_ipc: {path} exists already; refusing to replace it")
+    with create_private_file(tmp, 0) as f:
+        f.write(json.dumps(info.to_json(), indent=2).encode())
     os.replace(tmp, path)
     return path
 
@@ -126,8 +172,9 @@ def create_memory(pool_id: str, nbytes: int, device) -> tuple[Any, str, dict, di
         raise ValueError(f"cuda_ipc pools live on a CUDA device (or the CPU stand-in), not {device}")
     import numpy as np
 
-    path = shm_dir() / f"sfk-ipc-{pool_id}.pool"
-    mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(int(nbytes),))
+    path = shm_pool_path(pool_id)
+    with create_private_file(path, int(nbytes)) as f:
+        mm = np.memmap(f, dtype=np.uint8, mode="r+", shape=(int(nbytes),))
     return torch.from_numpy(mm), "shm", {"path": str(path)}, {}
 
 
@@ -138,7 +185,8 @@ def open_memory(info: PoolInfo, device):
     if info.backend == "shm":
         import numpy as np
 
-        mm = np.memmap(info.handle["path"], dtype=np.uint8, mode="r+", shape=(int(info.nbytes),))
+        with open_existing(info.handle["path"]) as f:
+            mm = np.memmap(f, dtype=np.uint8, mode="r+", shape=(int(info.nbytes),))
         return torch.from_numpy(mm)
     if info.backend != "cuda":
         raise ValueError(f"cuda_ipc pool {info.pool_id}: unknown backend {info.backend!r}")
@@ -222,8 +270,16 @@ class PoolReader:
         import torch
 
         self.check_alive()
+        if desc.pool_id != self.info.pool_id:
+            raise ValueError(f"cuda_ipc descriptor names pool {desc.pool_id}, this reader maps {self.info.pool_id}")
+        if not 1 <= desc.slot <= self.table.max_slots:
+            raise ValueError(
+                f"cuda_ipc descriptor slot {desc.slot} is outside pool {desc.pool_id}'s 1..{self.table.max_slots}"
+            )
         if self.table.current(desc.slot) != desc.alloc_id:
             raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} no longer holds alloc {desc.alloc_id}")
+        names = list(names)
+        self._check_places(desc, specs, names)
         device = torch.device(device)
         on_gpu = device.type == "cuda"
         stream = self._stream(device) if on_gpu and self.is_cuda else None
@@ -234,10 +290,6 @@ class PoolReader:
                 offset, nbytes = desc.features[name]
                 shape, dtype = specs[name]
                 view = self.memory[offset : offset + nbytes].view(dtype)
-                if view.numel() != _numel(shape):
-                    raise ValueError(
-                        f"cuda_ipc feature {name!r}: {nbytes} bytes in the pool, spec {tuple(shape)} {dtype}"
-                    )
                 dst = torch.empty(tuple(shape), dtype=dtype, device=device)
                 dst.copy_(view.view(tuple(shape)), non_blocking=stream is not None)
                 out[name] = dst
@@ -253,6 +305,30 @@ class PoolReader:
             raise KeyError(f"cuda_ipc slot {desc.slot} of pool {desc.pool_id} was reclaimed during the read")
         return out
 
+    def _check_places(self, desc, specs: Mapping[str, tuple[tuple[int, ...], Any]], names: list[str]) -> None:
+        """Every feature read must lie inside the region the slot lent (the server wrote it into the slot table),
+        start aligned as the writer places it and hold exactly its spec's bytes: a descriptor pointing elsewhere
+        -- another sample's bytes, past the pool, mid-element -- is refused, not answered."""
+        from specforge_kimi.transport import ALIGN
+
+        lo, n = self.table.region(desc.slot)
+        hi = min(lo + n, self.info.nbytes)
+        for name in names:
+            offset, nbytes = desc.features[name]
+            shape, dtype = specs[name]
+            if offset < lo or offset + nbytes > hi:
+                raise ValueError(
+                    f"cuda_ipc descriptor of pool {desc.pool_id} slot {desc.slot}: feature {name!r} at "
+                    f"[{offset}, {offset + nbytes}) lies outside the region the slot lent, [{lo}, {hi}); refused"
+                )
+            if offset % ALIGN:
+                raise ValueError(f"cuda_ipc feature {name!r}: offset {offset} is not {ALIGN}-byte aligned; refused")
+            want = _numel(shape) * dtype.itemsize
+            if nbytes != want:
+                raise ValueError(
+                    f"cuda_ipc feature {name!r}: {nbytes} bytes in the pool, spec {tuple(shape)} {dtype} needs {want}"
+                )
+
     def release(self, desc) -> bool:
         return self.table.release(desc.slot, desc.alloc_id)
 
@@ -265,12 +341,17 @@ def _numel(shape) -> int:
 
 
 def remove_pool_files(info: PoolInfo, directory: str | os.PathLike | None = None) -> None:
-    """Remove the slot table, the shared-memory file (``shm``) and, with ``directory``, the pool file."""
+    """The writer's own cleanup: remove the slot table, the shared-memory file (``shm``) and, with ``directory``,
+    the pool file of the pool ``info`` describes (``info`` is the writer's, not read back from a file)."""
     paths = [Path(info.slots_path)]
     if info.backend == "shm":
         paths.append(Path(info.handle["path"]))
     if directory is not None:
         paths.append(pool_file(directory, info.pool_id))
+    _unlink(paths)
+
+
+def _unlink(paths: Iterable[Path]) -> None:
     for p in paths:
         try:
             p.unlink()
@@ -280,17 +361,29 @@ def remove_pool_files(info: PoolInfo, directory: str | os.PathLike | None = None
 
 def remove_stale(directory: str | os.PathLike) -> list[str]:
     """Remove what pools of dead writers left under ``directory`` (and in ``/dev/shm``): a capture server
-    killed without its cleanup leaves them. Returns the pool ids removed; live pools are kept."""
+    killed without its cleanup leaves them. Returns the pool ids removed; live pools are kept.
+
+    Only this module's own names go: ``<id>.json`` in ``directory`` and ``sfk-ipc-<id>.{slots,pool}`` in the
+    shared-memory directory, for an ``<id>`` of the form writers make; the paths a pool file names are never
+    followed, so a pool file written by someone else cannot point the cleanup at other files."""
     removed = []
     directory = Path(directory)
     if not directory.is_dir():
         return removed
     for path in sorted(directory.glob("*.json")):
-        try:
-            info = PoolInfo.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+        pool_id = path.name[: -len(".json")]
+        if not POOL_ID.fullmatch(pool_id) or path.is_symlink():
             continue
-        if not alive(info.pid, info.pid_start):
-            remove_pool_files(info, directory)
-            removed.append(info.pool_id)
+        try:
+            with open_existing(path) as f:
+                raw = json.loads(f.read())
+            pid, start = raw["pid"], raw.get("pid_start")
+            if raw.get("pool_id") != pool_id or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+                continue
+            if alive(pid, start if isinstance(start, str) else None):
+                continue
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):
+            continue
+        _unlink([slots_path(pool_id), shm_pool_path(pool_id), path])
+        removed.append(pool_id)
     return removed

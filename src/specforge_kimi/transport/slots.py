@@ -12,10 +12,14 @@ monotonic id; 0 marks a free row). A reader (the producer, a trainer rank) that 
 ``release == alloc`` (or when the row outlived its lease) by writing ``alloc = 0``. A reader checks ``alloc``
 before and after it copies a sample out, so a slot reclaimed under it is seen and refused, never read half-new.
 Aligned 8-byte stores are single stores on the hosts this runs on; each field has one writer at a time.
+
+The table, like the pool's other files, is created owner-only (0600 whatever the umask) with ``O_EXCL |
+O_NOFOLLOW``: a link or file already at the path makes creation fail, never writes through it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
@@ -40,6 +44,39 @@ def shm_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def create_private_file(path: str | os.PathLike, nbytes: int):
+    """A new file of ``nbytes`` zero bytes at ``path``, mode 0600, opened ``r+b``; refuses (``FileExistsError``)
+    whatever is at ``path`` already -- a link planted there included -- instead of following or truncating it."""
+    path = Path(path)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        kind = "a symbolic link" if path.is_symlink() else "a file"
+        raise FileExistsError(
+            errno.EEXIST, f"cuda_ipc: {path} is already {kind}; refusing to create the pool's file through it"
+        ) from None
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is already masked by the umask; this only states it
+        os.ftruncate(fd, int(nbytes))
+        return os.fdopen(fd, "r+b")
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+
+
+def open_existing(path: str | os.PathLike):
+    """``path`` opened ``r+b`` without following a link at it (a reader's side of :func:`create_private_file`)."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"cuda_ipc: {path} is a symbolic link; refusing to map it") from None
+        raise
+    return os.fdopen(fd, "r+b")
+
+
 class SlotTable:
     """One pool's slot table; :meth:`create` (server) or :meth:`attach` (reader)."""
 
@@ -57,8 +94,9 @@ class SlotTable:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, not {max_slots}")
         path = Path(path)
-        rows = np.memmap(path, dtype=np.int64, mode="w+", shape=(max_slots + 1, COLUMNS))
-        rows[:] = 0
+        shape = (max_slots + 1, COLUMNS)
+        with create_private_file(path, shape[0] * shape[1] * 8) as f:
+            rows = np.memmap(f, dtype=np.int64, mode="r+", shape=shape)
         rows[0, _H_VERSION] = VERSION
         rows[0, _H_ROWS] = max_slots
         rows[0, _H_CAPACITY] = int(capacity)
@@ -72,10 +110,12 @@ class SlotTable:
         import numpy as np
 
         path = Path(path)
-        head = np.fromfile(path, dtype=np.int64, count=COLUMNS)
-        if head.size < COLUMNS or int(head[_H_MAGIC]) != MAGIC or int(head[_H_VERSION]) != VERSION:
-            raise ValueError(f"{path} is not a specforge-kimi slot table (v{VERSION})")
-        rows = np.memmap(path, dtype=np.int64, mode="r+", shape=(int(head[_H_ROWS]) + 1, COLUMNS))
+        with open_existing(path) as f:
+            raw = f.read(COLUMNS * 8)
+            head = np.frombuffer(raw[: len(raw) // 8 * 8], dtype=np.int64)
+            if head.size < COLUMNS or int(head[_H_MAGIC]) != MAGIC or int(head[_H_VERSION]) != VERSION:
+                raise ValueError(f"{path} is not a specforge-kimi slot table (v{VERSION})")
+            rows = np.memmap(f, dtype=np.int64, mode="r+", shape=(int(head[_H_ROWS]) + 1, COLUMNS))
         return cls(path, rows)
 
     @property
@@ -129,13 +169,26 @@ class SlotTable:
         self._a[slot, RELEASE] = alloc_id
         return True
 
+    def region(self, slot: int) -> tuple[int, int]:
+        """``(offset, nbytes)`` of the pool region the server lent with ``slot`` (read it while ``current(slot)``
+        is the alloc id in question, and check that again after)."""
+        return int(self._a[slot, OFFSET]), int(self._a[slot, NBYTES])
+
     def find(self, key: int) -> list[tuple[int, int]]:
-        """``(slot, alloc_id)`` of every live, unreleased row carrying ``key``."""
+        """``(slot, alloc_id)`` of every live, unreleased row carrying ``key``.
+
+        The server may free and re-lend a row while this reads it, so the key is read between two snapshots of
+        the alloc column and a row counts only where both show the same id: the server writes a row's key before
+        it publishes a (new, larger) alloc id, so an id that did not change under the read owns the key read.
+        Releasing with that id then cannot touch a new occupant (:meth:`release` checks it)."""
         import numpy as np
 
-        body = self._a[1:]
-        hit = np.nonzero((body[:, KEY] == key) & (body[:, ALLOC] != 0) & (body[:, RELEASE] != body[:, ALLOC]))[0]
-        return [(int(i) + 1, int(body[i, ALLOC])) for i in hit]
+        before = np.array(self._a[1:, ALLOC])
+        keys = np.array(self._a[1:, KEY])
+        released = np.array(self._a[1:, RELEASE])
+        after = np.array(self._a[1:, ALLOC])
+        hit = np.nonzero((keys == key) & (before != 0) & (before == after) & (released != before))[0]
+        return [(int(i) + 1, int(before[i])) for i in hit]
 
     def live(self) -> dict:
         """Lent rows now: how many, their bytes, the oldest one's allocation time (ns, wall clock)."""

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,9 @@ class CudaIpcFeatureStore(FeatureStore):
     """A ``FeatureStore`` over capture-server pools under ``pool_dir``."""
 
     backend = "cuda_ipc"
+    #: how many released ``(sample id, alloc id)`` pairs are remembered to refuse a late ``get`` of them (the
+    #: most recent ones; older ones are refused by the slot table's alloc check once the server frees the slot)
+    FREED_KEPT = 65536
 
     def __init__(
         self,
@@ -85,7 +89,7 @@ class CudaIpcFeatureStore(FeatureStore):
         self._since: dict[str, float] = {}
         self._provisional: dict[tuple[str, int], list[str]] = {}
         self._leases: dict[str, FeatureHandle] = {}
-        self._freed: set[tuple[str, int]] = set()
+        self._freed: OrderedDict[tuple[str, int], None] = OrderedDict()  # bounded by FREED_KEPT, oldest first
         self._counter = 0
         self._stats = {"reads": 0, "read_bytes": 0, "read_s": 0.0, "released": 0, "released_by_key": 0}
 
@@ -233,7 +237,10 @@ class CudaIpcFeatureStore(FeatureStore):
             self._release_by_key(sample_id)
             return
         with self._lock:
-            self._freed.add((sample_id, desc.alloc_id))
+            self._freed[(sample_id, desc.alloc_id)] = None
+            self._freed.move_to_end((sample_id, desc.alloc_id))
+            while len(self._freed) > self.FREED_KEPT:
+                self._freed.popitem(last=False)
         table = self._table(desc.pool_id)
         if table is not None and table.release(desc.slot, desc.alloc_id):
             self._stats["released"] += 1

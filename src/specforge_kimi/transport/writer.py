@@ -26,6 +26,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from specforge_kimi.transport import (
@@ -46,10 +47,11 @@ from specforge_kimi.transport.pool import (
     create_memory,
     process_start,
     remove_pool_files,
+    slots_path,
     write_pool_file,
 )
 from specforge_kimi.transport.regions import RegionAllocator, aligned
-from specforge_kimi.transport.slots import SlotTable, sample_key, shm_dir
+from specforge_kimi.transport.slots import SlotTable, sample_key
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +108,19 @@ class IpcCaptureWriter:
         self.memory, backend, handle, dev = create_memory(self.pool_id, pool_bytes, self.device)
         if backend == "cuda":
             self.device = self.memory.device
-        slots_path = shm_dir() / f"sfk-ipc-{self.pool_id}.slots"
-        self.table = SlotTable.create(slots_path, max_slots=max_slots, capacity=pool_bytes)
+        slots = slots_path(self.pool_id)
+        try:
+            self.table = SlotTable.create(slots, max_slots=max_slots, capacity=pool_bytes)
+        except BaseException:
+            if backend == "shm":  # ours: created above; nothing else is removed
+                Path(handle["path"]).unlink(missing_ok=True)
+            raise
         self.regions = RegionAllocator(pool_bytes, align=ALIGN)
         self.info = PoolInfo(
             pool_id=self.pool_id,
             backend=backend,
             nbytes=pool_bytes,
-            slots_path=str(slots_path),
+            slots_path=str(slots),
             pid=os.getpid(),
             pid_start=process_start(os.getpid()),
             lease_s=self.lease_s,
@@ -129,7 +136,12 @@ class IpcCaptureWriter:
         self._stream = None
         self._closed = False
         self.stats = {"lent": 0, "released": 0, "expired": 0, "replaced": 0, "failed": 0, "wait_s": 0.0}
-        self.pool_file = write_pool_file(self.pool_dir, self.info)
+        try:
+            self.pool_file = write_pool_file(self.pool_dir, self.info)
+        except BaseException:
+            self.table.close()
+            remove_pool_files(self.info)  # the table and shared-memory file made above, not the refused path
+            raise
         atexit.register(self.close)
         logger.info(
             "cuda_ipc pool %s: %.2f GiB on %s (%s), %d slots, lease %.0f s, pool file %s",
