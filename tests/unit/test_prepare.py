@@ -253,6 +253,15 @@ def test_deeply_nested_line_is_a_counted_error_or_one_line(tmp_path, tok, capsys
     assert not (tmp_path / "o2").exists()
 
 
+def test_lone_surrogate_escape_is_a_counted_error(tmp_path, tok):
+    """Found by tests/unit/test_fuzz_data_path.py: a lone ``\\ud800`` reached the tokenizer (TypeError)."""
+    lone = json.dumps(GOOD[0]).replace('"4"', '"\\ud800"')
+    paired = json.dumps(GOOD[0]).replace('"4"', '"\\ud83d\\ude00"')  # an escaped pair is one character
+    summary, _ = run(tmp_path, tok, [lone, paired], shuffle=False)
+    assert summary["rows"] == 1 and summary["errors"]["count"] == 1
+    assert "unpaired UTF-16 surrogate" in summary["errors"]["first"][0]["error"]
+
+
 class _Killed(BaseException):
     """A kill -9: no cleanup of ours runs after it."""
 

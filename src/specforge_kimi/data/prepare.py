@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -72,6 +73,7 @@ _UNSHUFFLED_FILE = "prompts.unshuffled.jsonl"
 _SHUFFLE_BUCKET_BYTES = 32 * 1024 * 1024
 _MAX_SHUFFLE_BUCKETS = 256
 _MAX_REPORTED_ERRORS = 100
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # maybe a lone surrogate: checked on the record
 _DESCRIPTION = (
     "Conversations JSONL -> SpecForge pre-tokenized prompts (input_ids, loss_mask) "
     "+ draft vocab mapping, for Kimi-K2.5."
@@ -363,7 +365,10 @@ def _tokenize_file(
                 stats.blank_lines += 1
                 continue
             try:
-                conversation = conversation_from_record(json.loads(raw))
+                record = json.loads(raw)
+                if _LONE_SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(record):
+                    raise KimiInputError("text holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
+                conversation = conversation_from_record(record)
                 media = conversation.has_media
                 rows = [] if media else training_rows(conversation, thinking=thinking, one_row_per_answer=answers)
                 encoded = [encode_spans(spans, tokenizer) for spans in rows]
@@ -404,6 +409,15 @@ def _tokenize_file(
                 stats.tokens += len(input_ids)
                 stats.trained_tokens += trained
     return hasher.hexdigest()
+
+
+def _has_lone_surrogate(record: Any) -> bool:
+    """A JSON ``\\udXXX`` escape without its pair decodes to a str no tokenizer (nor UTF-8) takes."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _line_error(options: PrepareOptions, stats: _Stats, line: int, message: str) -> None:
