@@ -257,9 +257,13 @@ def test_lone_surrogate_escape_is_a_counted_error(tmp_path, tok):
     """Found by tests/unit/test_fuzz_data_path.py: a lone ``\\ud800`` reached the tokenizer (TypeError)."""
     lone = json.dumps(GOOD[0]).replace('"4"', '"\\ud800"')
     paired = json.dumps(GOOD[0]).replace('"4"', '"\\ud83d\\ude00"')  # an escaped pair is one character
-    summary, _ = run(tmp_path, tok, [lone, paired], shuffle=False)
-    assert summary["rows"] == 1 and summary["errors"]["count"] == 1
-    assert "unpaired UTF-16 surrogate" in summary["errors"]["first"][0]["error"]
+    source = tmp_path / "in.jsonl"  # and as raw bytes (json.loads decodes bytes with surrogatepass)
+    source.write_bytes(
+        b"\n".join([lone.encode(), paired.encode(), lone.replace("\\ud800", "\udc00").encode("utf-8", "surrogatepass")])
+    )
+    summary = prepare(PrepareOptions(input_path=source, out_dir=tmp_path / "out", shuffle=False), tok)
+    assert summary["rows"] == 1 and summary["errors"]["count"] == 2
+    assert all("unpaired UTF-16 surrogate" in e["error"] for e in summary["errors"]["first"])
 
 
 class _Killed(BaseException):

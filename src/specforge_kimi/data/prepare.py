@@ -73,7 +73,9 @@ _UNSHUFFLED_FILE = "prompts.unshuffled.jsonl"
 _SHUFFLE_BUCKET_BYTES = 32 * 1024 * 1024
 _MAX_SHUFFLE_BUCKETS = 256
 _MAX_REPORTED_ERRORS = 100
-_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # maybe a lone surrogate: checked on the record
+#: maybe a lone surrogate, checked on the record: a ``\uD8xx`` escape, or its UTF-8-like bytes (json.loads
+#: decodes bytes with ``surrogatepass``)
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _DESCRIPTION = (
     "Conversations JSONL -> SpecForge pre-tokenized prompts (input_ids, loss_mask) "
     "+ draft vocab mapping, for Kimi-K2.5."
@@ -366,8 +368,8 @@ def _tokenize_file(
                 continue
             try:
                 record = json.loads(raw)
-                if _LONE_SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(record):
-                    raise KimiInputError("text holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
+                if _LONE_SURROGATE.search(raw) and _has_lone_surrogate(record):
+                    raise KimiInputError("text holds an unpaired UTF-16 surrogate (U+D800-U+DFFF)")
                 conversation = conversation_from_record(record)
                 media = conversation.has_media
                 rows = [] if media else training_rows(conversation, thinking=thinking, one_row_per_answer=answers)
