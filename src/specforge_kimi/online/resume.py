@@ -328,16 +328,18 @@ def ledger_backup_path(ledger: Path, k: int) -> Path:
 
 
 def _point_latest(out: Path, run_id: str, step: int) -> None:
+    """``-latest`` -> step ``step`` (removed at 0), atomically; the directory fsynced after (with the renames
+    of abandoned step directories before it)."""
     link = Path(out) / f"{run_id}-latest"
     if not step:
         if link.is_symlink():
             link.unlink()
-        return
-    tmp = link.with_name(f".{link.name}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(f"{run_id}-step{step}")
-    os.replace(tmp, link)
+    else:
+        tmp = link.with_name(f".{link.name}.tmp")
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(f"{run_id}-step{step}")
+        os.replace(tmp, link)
     fsync_path(out)
 
 
@@ -384,7 +386,7 @@ def attempt_plan(plan, out: Path, k: int, *, point: ResumePoint, skip_file: Path
     base_cfg = _base_config_path(plan)
     cfg = yaml.safe_load(base_cfg.read_text())
     cfg["deployment"]["disaggregated"]["control_dir"] = str(paths["control"])
-    paths["config"].write_text(yaml.safe_dump(cfg, sort_keys=False))
+    write_atomic(paths["config"], yaml.safe_dump(cfg, sort_keys=False))
     logs = str(Path(plan.services[0].log_path).parent) if plan.services else str(Path(out) / "logs")
 
     def moved(a: str) -> str:
