@@ -74,3 +74,15 @@ def test_bad_content_length_is_400_and_a_small_body_passes(server):
     assert _post(port, "many", b"")[0] == 400
     status, _ = _post(port, "2", b"{}")
     assert status == 200 and backend.bodies == [{}]
+
+
+def test_deeply_nested_body_is_400():
+    backend = _Backend()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(backend, max_request_bytes=1 << 20))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        status, payload = _post(httpd.server_address[1], str(200_000), b"[" * 100_000 + b"]" * 100_000)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert status == 400 and "nested too deeply" in payload["error"] and backend.bodies == []

@@ -270,6 +270,9 @@ def make_handler(backend: ReferenceCapture, max_request_bytes: int = MAX_REQUEST
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
                 rows = backend.generate(body)
+            except RecursionError:
+                self._send(400, {"error": "request JSON nested too deeply"})
+                return
             except (ValueError, KeyError, TypeError) as exc:
                 self._send(400, {"error": str(exc)})
                 return
