@@ -56,6 +56,7 @@ import http.client
 import json
 import os
 import random
+import reprlib
 import sys
 import threading
 import time
@@ -560,7 +561,7 @@ def _reply_message(reply: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     gives it; anything else fails the row (the server's fault, counted)."""
 
     def bad(why: str) -> _RowFailed:
-        return _RowFailed(f"server reply {why}: {_one_line(str(reply)[:200])}", server_fault=True)
+        return _RowFailed(f"server reply {why}: {_one_line(reprlib.repr(reply))}", server_fault=True)
 
     choices = reply.get("choices") if isinstance(reply, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
