@@ -9,6 +9,14 @@ def pytest_addoption(parser):
     parser.addoption("--run-gpu", action="store_true", help="run tests marked gpu (needs CUDA + pinned stack)")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One ``fuzz: <surface> N cases`` line per surface a fuzz test recorded (tests/fuzz_counts.py)."""
+    from fuzz_counts import counts
+
+    for surface, n in counts().items():
+        terminalreporter.write_line(f"fuzz: {surface} {n} cases")
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--run-gpu"):
         return

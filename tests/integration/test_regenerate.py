@@ -1,20 +1,14 @@
-"""``specforge-kimi regenerate`` against a small OpenAI-compatible server started by the test.
-
-The server (stdlib ``http.server`` on 127.0.0.1, a free port) answers deterministically from the
-last message, like a K2.5 SGLang server with the kimi_k2 reasoning and tool-call parsers:
-``reasoning_content`` + ``content``, or ``tool_calls`` for "weather:CITY" when tools are given.
-It can fail requests (HTTP 503) to exercise retries, and records every request.
+"""``specforge-kimi regenerate`` against a small OpenAI-compatible server started by the test
+(``tests/openai_server.py``: deterministic K2.5-like replies, failure injection, every request recorded).
 """
 
 from __future__ import annotations
 
 import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from openai_server import FakeServer, RawReply
 
 from specforge_kimi.data.regenerate import RegenerateOptions, regenerate
 from specforge_kimi.errors import KimiInputError
@@ -40,115 +34,6 @@ TOOLS = [
         },
     }
 ]
-
-
-class FakeServer:
-    """Deterministic OpenAI-compatible chat server with failure injection."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict] = []
-        self.fail_first_attempts = 0  # per distinct request body
-        self.fail_after = None  # serve this many chat requests, then 503 forever
-        self.latency_s = 0.0
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.attempts: dict[bytes, int] = {}
-        self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    self._reply(200, {"object": "list", "data": [{"id": "kimi-k2.5-test"}]})
-                else:
-                    self._reply(404, {"error": "not found"})
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                payload = json.loads(body)
-                with server.lock:
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                    attempt = server.attempts.get(body, 0)
-                    server.attempts[body] = attempt + 1
-                    served = len(server.requests)
-                    dead = server.fail_after is not None and served >= server.fail_after
-                    failing = attempt < server.fail_first_attempts or dead
-                    if not failing:
-                        server.requests.append(payload)
-                try:
-                    time.sleep(server.latency_s)
-                    if failing:
-                        self._reply(503, {"error": "overloaded"})
-                    else:
-                        self._reply(200, respond(payload))
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def respond(payload: dict) -> dict:
-    messages = payload["messages"]
-    thinking = payload["chat_template_kwargs"]["thinking"]
-    assert thinking in (True, False)
-    last = messages[-1]
-    message: dict
-    if last["role"] == "tool":
-        message = {
-            "role": "assistant",
-            "content": f"It is {last['content']}.",
-            "reasoning_content": "Report the tool result.",
-        }
-    elif payload.get("tools") and last["content"].startswith("weather:"):
-        city = last["content"].split(":", 1)[1]
-        calls = sum(len(m.get("tool_calls") or []) for m in messages)
-        message = {
-            "role": "assistant", "content": "", "reasoning_content": f"Look up {city}.",
-            "tool_calls": [{"id": f"functions.get_weather:{calls}", "type": "function",
-                            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}],
-        }  # fmt: skip
-    elif last["content"] == "inline":
-        message = {"role": "assistant", "content": "thought inline</think>visible answer"}
-    elif last["content"] == "long":
-        return {
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "length",
-                    "message": {"role": "assistant", "content": "..."},
-                }
-            ]
-        }
-    elif not thinking:  # generation prompt `<think></think>`: the parser finds no reasoning
-        message = {"role": "assistant", "content": f"echo {last['content']}", "reasoning_content": None}
-    else:
-        message = {
-            "role": "assistant",
-            "content": f"echo {last['content']}",
-            "reasoning_content": f"think {last['content']}",
-        }
-    return {"id": "x", "object": "chat.completion", "model": payload["model"],
-            "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
 
 
 @pytest.fixture
@@ -352,6 +237,83 @@ def test_existing_output_needs_resume_or_overwrite(tmp_path, server):
     with pytest.raises(KimiInputError, match="pass --resume"):
         regenerate(options(source, out, server))
     assert regenerate(options(source, out, server, overwrite=True))["written"] == 1
+
+
+def _one_row_input(path: Path, rows: int = 1) -> Path:
+    path.write_text("".join(json.dumps({"messages": [user(f"q{i}"), assistant("old")]}) + "\n" for i in range(rows)))
+    return path
+
+
+@pytest.mark.parametrize("how", ["same path", "symlink", "hard link", "errors file"])
+def test_out_that_is_the_input_is_refused_before_writing(tmp_path, server, capsys, how):
+    """Issue 32: ``--out IN --overwrite`` emptied IN and exited 0."""
+    source = _one_row_input(tmp_path / ("in.jsonl.errors.jsonl" if how == "errors file" else "in.jsonl"), rows=3)
+    before = source.read_bytes()
+    out = {
+        "same path": source,
+        "symlink": tmp_path / "link.jsonl",
+        "hard link": tmp_path / "hard.jsonl",
+        "errors file": tmp_path / "in.jsonl",
+    }[how]
+    if how == "symlink":
+        out.symlink_to(source)
+    elif how == "hard link":
+        out.hardlink_to(source)
+    code = main([str(source), "--server", server.url, "--out", str(out), "--overwrite"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "is the input file" in err and err.startswith("error: ")
+    assert source.read_bytes() == before
+    assert server.requests == []
+
+
+def test_http_400_to_every_request_fails_the_run(tmp_path, server, capsys):
+    """Issue 32: 4xx answers were counted as skipped rows, so the run wrote nothing and exited 0."""
+    server.chat_reply = lambda payload: RawReply(400, b'{"error": "bad request"}')
+    source = _one_row_input(tmp_path / "in.jsonl", rows=4)
+    out = tmp_path / "out.jsonl"
+    code = main([str(source), "--server", server.url, "--out", str(out), "--retry-delay", "0.01"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "no row was regenerated: 4 failed (first, line 1: HTTP 400 from" in err
+    assert len(server.requests) == 4  # not retried: the same request would be refused again
+    assert [e["line"] for e in read(tmp_path / "out.jsonl.errors.jsonl")] == [1, 2, 3, 4]
+    _one_row_input(source, rows=30)
+    with pytest.raises(KimiInputError, match="5 rows in a row failed .* HTTP 400"):
+        regenerate(options(source, out, server, overwrite=True, max_consecutive_failures=5, concurrency=1))
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        RawReply(200, b'{"choices":[{"message":"oops"}]}'),
+        RawReply(200, b'{"choices":[]}'),
+        RawReply(200, b'{"choices":"x"}'),
+        RawReply(200, b"[1, 2]"),
+        RawReply(200, b"null"),
+        RawReply(200, b'{"choices":[{"message":{"content":5}}]}'),
+        RawReply(200, b'{"choices":[{"message":{"content":"a","reasoning_content":["x"]}}]}'),
+        RawReply(200, b'{"choices":[{"message":{"content":"a","tool_calls":{"a":1}}}]}'),
+        RawReply(200, b'{"choices":[{"message":{"content":"a","tool_calls":[{"function":5}]}}]}'),
+        RawReply(200, b'{"choices":[{"finish_reason":7,"message":{"content":"a"}}]}'),
+        RawReply(200, b"<html>gateway</html>"),
+        RawReply(200, b"\xff\xfe{}"),
+        RawReply(200, b'{"choices":[{"message":{"content":"cut'),
+        RawReply(200, b'{"choices":[{"message":{"content":"a"}}]}', declared_length=4096),
+        RawReply(200, b"[" * 100_000 + b"]" * 100_000),
+    ],
+    ids=lambda r: r.body[:24].decode("latin-1") + (f" of {r.declared_length}" if r.declared_length else ""),
+)
+def test_malformed_reply_is_a_counted_row_error(tmp_path, server, capsys, reply):
+    """Issue 32: a reply of the wrong shape ended the run with an AttributeError traceback."""
+    server.chat_reply = lambda payload: reply
+    source = _one_row_input(tmp_path / "in.jsonl", rows=2)
+    out = tmp_path / "out.jsonl"
+    code = main([str(source), "--server", server.url, "--out", str(out), "--max-retries", "1", "--retry-delay", "0.01"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "no row was regenerated: 2 failed" in err
+    errors = read(tmp_path / "out.jsonl.errors.jsonl")
+    assert [e["line"] for e in errors] == [1, 2] and all("\n" not in e["error"] for e in errors)
+    assert out.read_text() == ""
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path):

@@ -107,6 +107,44 @@ def test_sigterm_stops_the_child_and_does_not_restart(tmp_path):
     assert p.wait(timeout=20) == 128 + signal.SIGTERM
 
 
+def test_stop_during_the_back_off_spawns_no_new_child(monkeypatch):
+    """Issue 32: SIGTERM while the keeper waits out its back-off ends it; no further child starts. In-process,
+    so the children it starts are counted at ``Popen`` (a child killed right after its start leaves no trace)."""
+    import threading
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(args[0])
+        return real_popen(*args, **kwargs)
+
+    backing_off = threading.Event()
+
+    def say(msg):
+        if "restart 1/3" in msg:  # said right before the back-off
+            backing_off.set()
+
+    def stop_when_backing_off():
+        backing_off.wait(60)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(keeper.subprocess, "Popen", popen)
+    monkeypatch.setattr(keeper, "_say", say)
+    monkeypatch.setitem(keeper._STOP, "signum", None)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    stopper = threading.Thread(target=stop_when_backing_off, daemon=True)
+    stopper.start()
+    try:
+        rc = keeper.run([sys.executable, "-c", "raise SystemExit(1)"], restarts=3, backoff=10.0)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    stopper.join(5)
+    assert rc == 128 + signal.SIGTERM
+    assert len(started) == 1  # the first child only
+
+
 def test_resilience_shapes_the_plan(tmp_path):
     from specforge_kimi.online.launch import build_colocated_plan
     from specforge_kimi.online.recipes import Recipe, render

@@ -21,6 +21,7 @@ def main(argv):
     return cli_main(["prepare", *argv])
 
 
+PROMPTS = "prompts.jsonl"
 IM_END, IM_ASSISTANT, THINK, END_THINK = 163586, 163588, 163606, 163607
 
 GOOD = [
@@ -236,6 +237,86 @@ def test_existing_output_needs_overwrite(tmp_path, tok):
     with pytest.raises(KimiInputError, match="not a previous prepare output"):
         run(tmp_path, tok, GOOD, out_name="mine", overwrite=True)
     assert (stranger / "notes.txt").read_text() == "keep me"
+
+
+def test_deeply_nested_line_is_a_counted_error_or_one_line(tmp_path, tok, capsys):
+    """Issue 32: one line nested deeper than Python's recursion limit is a row error, not a traceback."""
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    summary, _ = run(tmp_path, tok, [GOOD[0], deep, GOOD[1]], shuffle=False)
+    assert summary["rows"] == 2 and summary["errors"]["count"] == 1
+    assert summary["errors"]["first"] == [{"line": 2, "error": "JSON nested too deeply"}]
+    capsys.readouterr()
+    source = write_jsonl(tmp_path / "deep.jsonl", [GOOD[0], deep])
+    code = main([str(source), "--out", str(tmp_path / "o2"), "--standin-tokenizer", "--on-error", "fail"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"error: {source}:2: JSON nested too deeply"
+    assert not (tmp_path / "o2").exists()
+
+
+def test_lone_surrogate_escape_is_a_counted_error(tmp_path, tok):
+    """Found by tests/unit/test_fuzz_data_path.py: a lone ``\\ud800`` reached the tokenizer (TypeError)."""
+    lone = json.dumps(GOOD[0]).replace('"4"', '"\\ud800"')
+    paired = json.dumps(GOOD[0]).replace('"4"', '"\\ud83d\\ude00"')  # an escaped pair is one character
+    source = tmp_path / "in.jsonl"  # and as raw bytes (json.loads decodes bytes with surrogatepass)
+    source.write_bytes(
+        b"\n".join([lone.encode(), paired.encode(), lone.replace("\\ud800", "\udc00").encode("utf-8", "surrogatepass")])
+    )
+    summary = prepare(PrepareOptions(input_path=source, out_dir=tmp_path / "out", shuffle=False), tok)
+    assert summary["rows"] == 1 and summary["errors"]["count"] == 2
+    assert all("unpaired UTF-16 surrogate" in e["error"] for e in summary["errors"]["first"])
+
+
+class _Killed(BaseException):
+    """A kill -9: no cleanup of ours runs after it."""
+
+
+def test_overwrite_killed_between_renames_keeps_the_old_output(tmp_path, tok, monkeypatch):
+    """Issue 32: a kill between the swap's two renames leaves the old output whole at ``.out.previous``,
+    and the next run puts it back before it looks at ``out``; each rename is followed by a directory fsync."""
+    import os
+
+    import specforge_kimi.durable as durable
+
+    first, out = run(tmp_path, tok, GOOD[:1])
+    old_rows = read_rows(out)
+    calls: list[tuple[str, str]] = []
+    real_rename, real_fsync = os.rename, durable.fsync_path
+
+    def rename(src, dst):
+        calls.append(("rename", Path(dst).name))
+        if len([c for c in calls if c[0] == "rename"]) == 2:
+            raise _Killed
+        real_rename(src, dst)
+
+    def fsync_path(path):
+        calls.append(("fsync", Path(path).name))
+        real_fsync(path)
+
+    monkeypatch.setattr(durable.os, "rename", rename)
+    monkeypatch.setattr(durable, "fsync_path", fsync_path)
+    monkeypatch.setattr(prepare_module.shutil, "rmtree", lambda *a, **k: None)  # a killed run cleans nothing
+    with pytest.raises(_Killed):
+        run(tmp_path, tok, GOOD, overwrite=True)
+    monkeypatch.undo()
+    renames = [i for i, c in enumerate(calls) if c[0] == "rename"]
+    assert ("fsync", PROMPTS) in calls[: renames[0]]  # the new files are durable before they are published
+    assert calls[renames[0] + 1] == ("fsync", tmp_path.name)  # the rename itself is durable
+    assert not out.exists()
+    previous = tmp_path / ".out.previous"
+    assert json.loads((previous / "summary.json").read_text())["rows"] == first["rows"]
+    # the next run (here one that fails on its input) first puts the old output back
+    with pytest.raises(KimiInputError, match="no training rows survived"):
+        run(tmp_path, tok, ["{x"], overwrite=True)
+    assert read_rows(out) == old_rows and not previous.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out"]  # the killed run's staging is gone
+
+
+def test_input_inside_out_is_refused_before_overwrite(tmp_path, tok):
+    _, out = run(tmp_path, tok, GOOD[:1])
+    inside = write_jsonl(out / "corpus.jsonl", GOOD)
+    with pytest.raises(KimiInputError, match="is inside --out"):
+        prepare(PrepareOptions(input_path=inside, out_dir=out, overwrite=True), tok)
+    assert inside.is_file()
 
 
 def test_bad_options_fail_before_any_work(tmp_path, tok):

@@ -138,6 +138,74 @@ def test_resume_checkpoint_shared_state_must_load(tmp_path):
     assert "completion marker says step 6" in checkpoint_problem(ckpt2, run_id=RUN, step=5, world_size=1)
 
 
+class _RunsCode:
+    """Unpickling this creates ``path``: stands for any code a pickle can name."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def _rewrite_state(ckpt: Path, state: dict, step: int) -> None:
+    """``training_state.pt`` replaced by ``state``, the completion marker rewritten to its new size."""
+    import torch
+
+    from specforge_kimi.registration import _mark_checkpoint_complete
+
+    torch.save(state, ckpt / "training_state.pt")
+    _mark_checkpoint_complete(str(ckpt), run_id=RUN, step=step, world_size=1)
+
+
+def test_resume_checkpoint_probe_runs_no_pickled_code(tmp_path):
+    """Issue 32: probing every step directory must not unpickle arbitrary objects (weights_only)."""
+    from specforge_kimi.online.resume import checkpoint_problem
+
+    ckpt = _save(tmp_path, 3)
+    ran = tmp_path / "pickle-ran-code"
+    _rewrite_state(ckpt, {"global_step": 3, "run_id": RUN, "world_size": 1, "x": _RunsCode(ran)}, 3)
+    why = checkpoint_problem(ckpt, run_id=RUN, step=3, world_size=1)
+    assert not ran.exists()
+    assert why is not None and "does not load (weights_only)" in why
+
+
+def test_resume_checkpoint_probe_loads_specforge_shared_state(tmp_path):
+    """What SpecForge 0.2.0's TrainerController.save_checkpoint puts in the shared file (draft weights, step
+    counters, strategy, run id, world size, its checkpoint_extra, the replicated AdamW state) loads under
+    weights_only, so real checkpoints stay resume targets."""
+    import torch
+
+    from specforge_kimi.online.resume import checkpoint_problem
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    ckpt = _save(tmp_path, 7)
+    state = {
+        "draft_state_dict": model.state_dict(),
+        "global_step": 7,
+        "epoch": 0,
+        "epoch_batch": 7,
+        "epoch_samples": 14,
+        "strategy": "eagle3",
+        "run_id": RUN,
+        "world_size": 1,
+        "dataset_size": None,
+        "batch_size": 2,
+        "accumulation_steps": 1,
+        "num_epochs": 1,
+        "effective_total_steps": 100,
+        "tp_size": 1,
+        "sp_ulysses_size": 1,
+        "sp_ring_size": 1,
+        "replicated_optimizer_state": optimizer.state_dict(),
+    }
+    _rewrite_state(ckpt, state, 7)
+    assert checkpoint_problem(ckpt, run_id=RUN, step=7, world_size=1) is None
+
+
 # -- the ledger ----------------------------------------------------------------------------------------------
 
 
@@ -348,6 +416,45 @@ def test_resume_attempt_plan_and_record(tmp_path, capsys):
     env = next(c for c in new.commands if c.label == "producer").env
     assert env[RESUME_SKIP_ENV] == rec.skip_file and env[FRESH_CHANNEL_ENV] == "1"
     assert "resuming run" in capsys.readouterr().out
+    run_guard.release_lock(out)
+
+
+class _Killed(BaseException):
+    """A kill -9 of ``--resume``: nothing of ours runs after it."""
+
+
+def test_resume_interrupted_twice_never_overwrites_the_ledger_backup(tmp_path, monkeypatch):
+    """Issue 32: ``--resume`` killed after the ledger cut (before the attempt is recorded), then ``--resume``
+    again: the first backup -- the only copy of the ledger before any cut -- stays as it was."""
+    from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
+
+    from specforge_kimi.online import resume, run_guard
+
+    recipe, plan = _recipe_and_plan(tmp_path)
+    out = Path(recipe.output_dir)
+    resume.begin_attempt(recipe, plan, resume=False)
+    (out / "supervisor").mkdir()
+    db = out / "consumer-state" / "consumer.sqlite"
+    _ledger(db, q=1, steps=5, run_id=recipe.name)
+    _save(out, 2, run_id=recipe.name)
+
+    def killed(*_a, **_k):
+        raise _Killed
+
+    monkeypatch.setattr(resume, "write_record", killed)
+    with pytest.raises(_Killed):
+        resume.begin_attempt(recipe, plan, resume=True)
+    monkeypatch.undo()
+    first = db.with_name("consumer.sqlite.before-attempt2")
+    before = first.read_bytes()
+    resume.begin_attempt(recipe, plan, resume=True)
+    assert first.read_bytes() == before
+    old = SQLiteMetadataStore(str(first))
+    assert old.durable_marker()["global_step"] == 5  # the ledger before any cut
+    old.close()
+    rec = resume.read_record(out).attempts[-1]
+    assert rec.attempt == 2 and rec.ledger_backup == str(db.with_name("consumer.sqlite.before-attempt2-2"))
+    assert not [p for p in db.parent.iterdir() if p.name.endswith(".tmp")]
     run_guard.release_lock(out)
 
 

@@ -20,9 +20,11 @@ it does not grow with the input until the output passes 256 x 32 MiB.
 Deterministic: the same input, options and ``--seed`` give byte-identical ``prompts.jsonl`` and
 ``vocab_mapping.pt`` (``--seed`` orders the shuffle; ``--no-shuffle`` keeps input order).
 
-Atomic: everything is written into a hidden sibling staging directory
-(``.DIR.partial-PID``) that is renamed to ``DIR`` only after the last file is complete, so a
-failed run leaves no ``DIR`` (a killed run may leave the clearly named staging directory).
+Atomic and crash-safe: everything is written into a hidden sibling staging directory
+(``.DIR.partial-PID``), fsynced, and renamed to ``DIR`` only after the last file is complete, so
+a failed run leaves no ``DIR``. ``--overwrite`` moves the old ``DIR`` to ``.DIR.previous`` for
+the instant between the two renames (:mod:`specforge_kimi.durable`); the next run moves it back
+if a kill came in between, and deletes staging directories of processes that are gone.
 
 Dropped rows are counted by reason: ``media`` (image/video parts: text-only training drops the
 conversation, see docs/data.md), ``no_assistant_turn``, ``too_long`` (``--overflow drop``),
@@ -40,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -50,6 +53,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specforge_kimi.data.tokenizer import TextTokenizer
+from specforge_kimi.durable import recover_dir, replace_dir
 from specforge_kimi.errors import KimiInputError
 
 __all__ = [
@@ -69,6 +73,9 @@ _UNSHUFFLED_FILE = "prompts.unshuffled.jsonl"
 _SHUFFLE_BUCKET_BYTES = 32 * 1024 * 1024
 _MAX_SHUFFLE_BUCKETS = 256
 _MAX_REPORTED_ERRORS = 100
+#: maybe a lone surrogate, checked on the record: a ``\uD8xx`` escape, or its UTF-8-like bytes (json.loads
+#: decodes bytes with ``surrogatepass``)
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _DESCRIPTION = (
     "Conversations JSONL -> SpecForge pre-tokenized prompts (input_ids, loss_mask) "
     "+ draft vocab mapping, for Kimi-K2.5."
@@ -117,7 +124,9 @@ def prepare(options: PrepareOptions, tokenizer: TextTokenizer, *, tokenizer_sour
     started = time.monotonic()
     _check_options(options)
     out_dir = options.out_dir
+    _recover_out_dir(out_dir)
     _check_out_dir(out_dir, overwrite=options.overwrite)
+    _check_input_outside(options.input_path, out_dir)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if staging.exists():
         shutil.rmtree(staging)
@@ -160,7 +169,7 @@ def prepare(options: PrepareOptions, tokenizer: TextTokenizer, *, tokenizer_sour
             "command": " ".join(sys.argv),
         }
         (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        _publish(staging, out_dir)
+        replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -290,17 +299,38 @@ def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
         )
 
 
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Rename the finished staging directory to ``out_dir`` (swapping out an old output)."""
-    if out_dir.exists() and not any(out_dir.iterdir()):
-        out_dir.rmdir()
-    if not out_dir.exists():
-        os.rename(staging, out_dir)
+def _recover_out_dir(out_dir: Path) -> None:
+    """Undo what a killed run left beside ``out_dir``: an interrupted swap, staging directories of
+    processes that no longer run."""
+    done = recover_dir(out_dir)
+    if done:
+        print(f"note: {done}", file=sys.stderr)
+    if not out_dir.parent.is_dir():
         return
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    os.rename(out_dir, old)
-    os.rename(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    for path in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_input_outside(input_path: Path, out_dir: Path) -> None:
+    """``--overwrite`` deletes the old ``--out``: refuse an input that lives inside it."""
+    if not out_dir.exists():
+        return
+    if os.path.realpath(input_path).startswith(os.path.realpath(out_dir) + os.sep):
+        raise KimiInputError(
+            f"input {input_path} is inside --out {out_dir}, which --overwrite replaces; move it out first"
+        )
 
 
 def _iter_lines(options: PrepareOptions, hasher: Any) -> Iterator[tuple[int, bytes]]:
@@ -328,6 +358,7 @@ def _tokenize_file(
     from specforge_kimi.data.conversation import conversation_from_record
 
     thinking = {"auto": None, "on": True, "off": False}[options.thinking]
+    answers = options.one_row_per_answer
     hasher = hashlib.sha256()
     with open(out_path, "w", encoding="utf-8") as out:
         for number, raw in _iter_lines(options, hasher):
@@ -337,23 +368,29 @@ def _tokenize_file(
                 continue
             try:
                 record = json.loads(raw)
+                if _LONE_SURROGATE.search(raw) and _has_lone_surrogate(record):
+                    raise KimiInputError("text holds an unpaired UTF-16 surrogate (U+D800-U+DFFF)")
                 conversation = conversation_from_record(record)
+                media = conversation.has_media
+                rows = [] if media else training_rows(conversation, thinking=thinking, one_row_per_answer=answers)
+                encoded = [encode_spans(spans, tokenizer) for spans in rows]
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 _line_error(options, stats, number, f"invalid JSON: {exc}")
+                continue
+            except RecursionError:
+                _line_error(options, stats, number, "JSON nested too deeply")
                 continue
             except KimiInputError as exc:
                 _line_error(options, stats, number, str(exc))
                 continue
             stats.conversations += 1
-            if conversation.has_media:
+            if media:
                 stats.dropped["media"] += 1
                 continue
-            rows = training_rows(conversation, thinking=thinking, one_row_per_answer=options.one_row_per_answer)
-            if not rows:
+            if not encoded:
                 stats.dropped["no_assistant_turn"] += 1
                 continue
-            for spans in rows:
-                input_ids, loss_mask = encode_spans(spans, tokenizer)
+            for input_ids, loss_mask in encoded:
                 truncated = len(input_ids) > options.max_length
                 if truncated:
                     if options.overflow == "drop":
@@ -374,6 +411,15 @@ def _tokenize_file(
                 stats.tokens += len(input_ids)
                 stats.trained_tokens += trained
     return hasher.hexdigest()
+
+
+def _has_lone_surrogate(record: Any) -> bool:
+    """A JSON ``\\udXXX`` escape without its pair decodes to a str no tokenizer (nor UTF-8) takes."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _line_error(options: PrepareOptions, stats: _Stats, line: int, message: str) -> None:

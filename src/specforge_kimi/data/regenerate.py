@@ -27,10 +27,17 @@ retries) or cannot be regenerated (media, no assistant turn, malformed) go to
 failed rows are retried.
 
 Requests: at most ``--concurrency`` in flight (rows in parallel, turns of one row in order);
-connection errors, timeouts, HTTP 429 and 5xx are retried ``--max-retries`` times with
-exponential backoff (``--retry-delay`` x 2^attempt, capped at 60 s, plus jitter). After
-``--max-consecutive-failures`` rows fail in a row the run stops (exit 2), so a dead server does
-not turn the whole dataset into error lines.
+connection errors, timeouts, HTTP 408, 429 and 5xx, and bodies that are cut short or not JSON
+are retried ``--max-retries`` times with exponential backoff (``--retry-delay`` x 2^attempt,
+capped at 60 s, plus jitter). Other HTTP errors (400, 401, 404, ...) and replies that are JSON
+but not a chat completion (no ``choices[0].message`` object, fields of the wrong type) fail the
+row at once. Every failed row is one line in the errors file and counts as failed: after
+``--max-consecutive-failures`` rows fail in a row the run stops (exit 2), so a dead or
+misconfigured server does not turn the whole dataset into error lines, and a run in which no row
+was written but some failed exits 2 naming the first error.
+
+``--out`` (and its errors file) must not be the input file, through a symlink or a hard link
+either: that is refused before anything is opened for writing.
 
 Reproducibility is the server's: with SGLang's default kernels, greedy generations depend on what
 else is in the batch, so two runs of the same rows differ in a few (on one H200, 31 of 3,100 rows
@@ -45,8 +52,11 @@ all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosin
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import os
 import random
+import reprlib
 import sys
 import threading
 import time
@@ -113,7 +123,8 @@ class _RowFailed(Exception):
 @dataclass
 class _Result:
     line: int
-    record: dict[str, Any] | None = None
+    text: str | None = None  # the output line (JSON), serialised in the worker
+    truncated: bool = False
     error: str | None = None
     server_fault: bool = False
 
@@ -131,7 +142,9 @@ class _Client:
 
     def model_name(self) -> str:
         reply = self._request("GET", "/models", None)
-        models = reply.get("data") or []
+        models = (reply.get("data") if isinstance(reply, dict) else None) or []
+        if not isinstance(models, list):
+            models = []
         if not models or not isinstance(models[0], dict) or "id" not in models[0]:
             raise KimiInputError(f"{self.base}/models lists no model; pass --model")
         return str(models[0]["id"])
@@ -139,7 +152,7 @@ class _Client:
     def chat(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/chat/completions", payload)
 
-    def _request(self, method: str, path: str, payload: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _request(self, method: str, path: str, payload: Mapping[str, Any] | None) -> Any:
         url = self.base + path
         data = None if payload is None else json.dumps(payload).encode("utf-8")
         last_error = ""
@@ -153,14 +166,19 @@ class _Client:
                 with urllib.request.urlopen(request, timeout=self.options.timeout_s) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as exc:
-                body = exc.read()[:300].decode("utf-8", "replace")
-                last_error = f"HTTP {exc.code} from {url}: {body}"
-                if exc.code not in _RETRY_STATUS:
-                    raise _RowFailed(last_error) from exc
+                try:
+                    body = exc.read()[:300].decode("utf-8", "replace")
+                except (OSError, http.client.HTTPException):
+                    body = "(body unreadable)"
+                last_error = _one_line(f"HTTP {exc.code} from {url}: {body}")
+                if exc.code not in _RETRY_STATUS:  # the same request would fail again: a failed row
+                    raise _RowFailed(last_error, server_fault=True) from exc
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                last_error = f"cannot reach {url}: {exc}"
-            except json.JSONDecodeError as exc:
-                last_error = f"{url} returned invalid JSON: {exc}"
+                last_error = _one_line(f"cannot reach {url}: {exc}")
+            except http.client.HTTPException as exc:  # IncompleteRead: a body cut short
+                last_error = _one_line(f"{url} broke off its reply: {type(exc).__name__}: {exc}")
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
+                last_error = _one_line(f"{url} returned invalid JSON: {type(exc).__name__}: {str(exc)[:200]}")
         raise _RowFailed(f"{last_error} (after {self.options.max_retries} retries)", server_fault=True)
 
     def _backoff(self, attempt: int) -> float:
@@ -182,6 +200,7 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
     errors_path = _errors_path(options.out_path)
     counts = {"written": 0, "already_done": len(done), "failed": 0, "skipped": 0, "truncated": 0}
     consecutive_server_failures = 0
+    first_failure = ""
 
     from tqdm import tqdm
 
@@ -199,15 +218,15 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
         window: deque[Future[_Result]] = deque()
 
         def drain(block_until: int) -> None:
-            nonlocal consecutive_server_failures
+            nonlocal consecutive_server_failures, first_failure
             while window and (len(window) > block_until or window[0].done()):
                 result = window.popleft().result()
                 bar.update(1)
-                if result.record is not None:
-                    out.write(json.dumps(result.record, ensure_ascii=False) + "\n")
+                if result.text is not None:
+                    out.write(result.text + "\n")
                     out.flush()
                     counts["written"] += 1
-                    counts["truncated"] += int(result.record["regenerate"]["truncated"])
+                    counts["truncated"] += int(result.truncated)
                     consecutive_server_failures = 0
                     continue
                 errors.write(json.dumps({"line": result.line, "error": result.error}) + "\n")
@@ -215,6 +234,7 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
                 if result.server_fault:
                     counts["failed"] += 1
                     consecutive_server_failures += 1
+                    first_failure = first_failure or f"line {result.line}: {result.error}"
                 else:
                     counts["skipped"] += 1
                 if options.on_error == "fail" and result.server_fault:
@@ -235,6 +255,10 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
             for future in window:
                 future.cancel()
             raise
+    if counts["failed"] and not counts["written"]:
+        raise KimiInputError(
+            f"no row was regenerated: {counts['failed']} failed (first, {first_failure}); see {errors_path}"
+        )
     return counts
 
 
@@ -347,6 +371,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_options(options: RegenerateOptions) -> None:
     if not options.input_path.is_file():
         raise KimiInputError(f"input file {options.input_path} does not exist")
+    for path, what in ((options.out_path, "--out"), (_errors_path(options.out_path), "the errors file")):
+        if path.exists() and os.path.samefile(path, options.input_path):
+            raise KimiInputError(
+                f"{what} {path} is the input file {options.input_path}; writing it would destroy the input: "
+                "choose another --out"
+            )
     if options.concurrency < 1:
         raise KimiInputError(f"--concurrency must be at least 1, got {options.concurrency}")
     if options.max_retries < 0 or options.max_tokens < 1:
@@ -377,7 +407,7 @@ def _resume_state(options: RegenerateOptions) -> set[int]:
             if not raw.endswith(b"\n"):
                 raise ValueError("torn line")
             done.add(int(json.loads(raw)["regenerate"]["source_line"]))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             if number == len(lines):
                 break  # an interrupted write: cut it off below
             raise KimiInputError(f"{out}:{number} is not a regenerate output line ({exc}); cannot resume") from exc
@@ -409,15 +439,26 @@ def _regenerate_row(client: _Client, model: str, options: RegenerateOptions, lin
         if not conversation.assistant_indices:
             raise _RowFailed("skipped: no assistant turn to regenerate")
         regenerated, turns, truncated = _regenerate_turns(client, model, options, conversation)
+        record = conversation_to_openai(regenerated)
+        record["regenerate"] = {"source_line": line, "regenerated_turns": turns, "truncated": truncated}
+        text = json.dumps(record, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (valid as a JSON escape): keep it escaped
+            text = json.dumps(record)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return _Result(line, error=f"invalid JSON: {exc}")
+        return _Result(line, error=_one_line(f"invalid JSON: {exc}"))
+    except RecursionError:
+        return _Result(line, error="JSON nested too deeply")
     except KimiInputError as exc:
-        return _Result(line, error=str(exc))
+        return _Result(line, error=_one_line(str(exc)))
     except _RowFailed as exc:
-        return _Result(line, error=str(exc), server_fault=exc.server_fault)
-    record = conversation_to_openai(regenerated)
-    record["regenerate"] = {"source_line": line, "regenerated_turns": turns, "truncated": truncated}
-    return _Result(line, record=record)
+        return _Result(line, error=_one_line(str(exc)), server_fault=exc.server_fault)
+    return _Result(line, text=text, truncated=truncated)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 def _regenerate_turns(
@@ -497,12 +538,7 @@ def _generate(
     }
     if prefix.tools:
         payload["tools"] = request["tools"]
-    reply = client.chat(payload)
-    try:
-        choice = reply["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise _RowFailed(f"server reply has no choices[0].message: {str(reply)[:200]}") from exc
+    choice, message = _reply_message(client.chat(payload))
     if choice.get("finish_reason") == "length" and not options.keep_unfinished:
         raise _RowFailed(f"generation hit max_tokens={options.max_tokens} (finish_reason=length)")
     content = message.get("content") or ""
@@ -516,5 +552,29 @@ def _generate(
     try:
         parsed = conversation_from_record({"messages": [{"role": "user", "content": ""}, record]})
     except KimiInputError as exc:
-        raise _RowFailed(f"server reply is not a valid assistant message: {exc}") from exc
+        raise _RowFailed(f"server reply is not a valid assistant message: {exc}", server_fault=True) from exc
     return parsed.messages[1]
+
+
+def _reply_message(reply: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``choices[0]`` and its ``message`` from a chat completion, each field of the type OpenAI's API
+    gives it; anything else fails the row (the server's fault, counted)."""
+
+    def bad(why: str) -> _RowFailed:
+        return _RowFailed(f"server reply {why}: {_one_line(reprlib.repr(reply))}", server_fault=True)
+
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise bad("has no choices[0] object")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise bad("has no choices[0].message object")
+    if not isinstance(choice.get("finish_reason"), str | None):
+        raise bad("has a finish_reason that is not a string")
+    for key in ("content", "reasoning_content"):
+        if not isinstance(message.get(key), str | None):
+            raise bad(f"has a message.{key} that is not a string")
+    if not isinstance(message.get("tool_calls"), list | None):
+        raise bad("has message.tool_calls that is not a list")
+    return choice, message

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,7 +157,7 @@ def sidecar_path(path: str | Path) -> Path:
 
 
 def save_vocab_mapping(mapping: VocabMapping, path: str | Path) -> Path:
-    """Write the SpecForge ``.pt`` file and its JSON sidecar, each atomically (temp + rename)."""
+    """Write the SpecForge ``.pt`` file and its JSON sidecar, each atomically (temp, fsync, rename)."""
     import torch
 
     target = Path(path)
@@ -167,13 +166,10 @@ def save_vocab_mapping(mapping: VocabMapping, path: str | Path) -> Path:
     # (here a temporary name with the pid), so the bytes would differ from run to run.
     buffer = io.BytesIO()
     torch.save({"d2t": mapping.d2t.clone(), "t2d": mapping.t2d.clone()}, buffer)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(buffer.getvalue())
-    os.replace(temporary, target)
-    meta_target = sidecar_path(target)
-    meta_temporary = meta_target.with_name(f".{meta_target.name}.{os.getpid()}.tmp")
-    meta_temporary.write_text(json.dumps(mapping.meta, indent=2, sort_keys=True) + "\n")
-    os.replace(meta_temporary, meta_target)
+    from specforge_kimi.durable import write_atomic
+
+    write_atomic(target, buffer.getvalue())
+    write_atomic(sidecar_path(target), json.dumps(mapping.meta, indent=2, sort_keys=True) + "\n")
     return target
 
 

@@ -61,6 +61,14 @@ def _forward(signum, _frame) -> None:
     _STOP["signum"] = signum
 
 
+def _stopped_during(seconds: float) -> bool:
+    """Sleep ``seconds`` in short slices; True as soon as a stop signal has arrived."""
+    deadline = time.monotonic() + seconds
+    while _STOP["signum"] is None and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(0.1, left))
+    return _STOP["signum"] is not None
+
+
 def _say(msg: str) -> None:
     print(f"[specforge-kimi keeper] {msg}", file=sys.stderr, flush=True)
 
@@ -110,7 +118,9 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: tuple[P
         else:
             _say(f"{current[:4]} exited with {rc}; restart {used + 1}/{restarts} in {backoff:.0f} s")
         used += 1
-        time.sleep(backoff)
+        if _stopped_during(backoff):  # a stop during the back-off ends the keeper: no new child
+            _say(f"stopped by signal {_STOP['signum']} during the back-off; not restarting")
+            return 128 + int(_STOP["signum"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

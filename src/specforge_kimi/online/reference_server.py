@@ -12,7 +12,8 @@ features are the reference capture (fp32 forward, cast to ``--dtype``), not SGLa
 the GPU parity test (``tests/gpu/test_capture_parity.py``) is what ties the two together.
 
 Not a server for real models: one request at a time, no batching, no generation beyond the one
-greedy token SGLang's capture requests ask for (``max_new_tokens: 1``).
+greedy token SGLang's capture requests ask for (``max_new_tokens: 1``). Request bodies over
+``--max-request-bytes`` (64 MiB) are answered 413 without being read.
 
     python -m specforge_kimi.online.reference_server --model-path DIR --spec-capture-aux-layer-ids 1 3 4 \
         --host 127.0.0.1 --port 30000 [--dtype float32]
@@ -38,6 +39,8 @@ from typing import Any
 logger = logging.getLogger("specforge_kimi.online.reference_server")
 
 _DTYPES = ("float32", "bfloat16", "float16")
+#: request bodies above this are answered 413 unread (a tiny model's capture batches are a few MiB of JSON)
+MAX_REQUEST_BYTES = 64 << 20
 
 
 #: the keys that carry a passthrough item's values (SpecForge's ``data``, 0004's compact forms)
@@ -227,11 +230,14 @@ class ReferenceCapture:
         return rows
 
 
-def make_handler(backend: ReferenceCapture):
+def make_handler(backend: ReferenceCapture, max_request_bytes: int = MAX_REQUEST_BYTES):
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, payload: Any) -> None:
             data = json.dumps(payload).encode()
             self.send_response(code)
+            if code >= 400:
+                self.close_connection = True  # an unread or partly read body must not be parsed as a request
+                self.send_header("Connection", "close")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -258,13 +264,37 @@ def make_handler(backend: ReferenceCapture):
             if self.path.split("?")[0] != "/generate":
                 self._send(404, {"error": "not found"})
                 return
+            length = self._body_length()
+            if length is None:
+                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                body = json.loads(self.rfile.read(length) or b"{}")
                 rows = backend.generate(body)
+            except RecursionError:
+                self._send(400, {"error": "request JSON nested too deeply"})
+                return
             except (ValueError, KeyError, TypeError) as exc:
                 self._send(400, {"error": str(exc)})
                 return
             self._send(200, rows if len(rows) > 1 else rows[0])
+
+        def _body_length(self) -> int | None:
+            """The request's Content-Length, or None after answering 400/413 (nothing read)."""
+            raw = self.headers.get("Content-Length", "0")
+            try:
+                length = int(raw)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self._send(400, {"error": f"bad Content-Length {raw[:40]!r}"})
+                return None
+            if length > max_request_bytes:
+                self._send(
+                    413,
+                    {"error": f"request body of {length} bytes is over this server's limit of {max_request_bytes}"},
+                )
+                return None
+            return length
 
         def log_message(self, fmt: str, *args) -> None:
             logger.debug(fmt, *args)
@@ -287,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--dtype", choices=_DTYPES, default="float32")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help=f"larger request bodies are refused with HTTP 413 (default {MAX_REQUEST_BYTES})",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     backend = ReferenceCapture(args.model_path, args.spec_capture_aux_layer_ids, args.dtype)
@@ -295,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # SIGTERM (the launch's teardown) exits through the finally below and atexit: a cuda_ipc pool's files go
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend))
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, args.max_request_bytes))
     logger.info(
         "reference capture server on http://%s:%d (ids %s -> positions %s, %s)",
         args.host,

@@ -26,7 +26,8 @@ RNG; registration seams 9-11 make both usable:
 
 ``--resume`` takes ``S`` = the newest complete checkpoint with ``S <= M`` (0 when there is none: the run
 starts over, every sample captured again, on no ledger), backs the ledger up
-(``consumer.sqlite.before-attempt{k}``), cuts it back in one transaction to the first ``S x Q`` acknowledged
+(``consumer.sqlite.before-attempt{k}``, or ``...-2`` beside one an interrupted ``--resume`` left: a backup is
+never overwritten), cuts it back in one transaction to the first ``S x Q`` acknowledged
 rows and their committed refs with marker ``S``, renames step directories past ``S`` to ``*.abandoned-attempt{k}``, points ``-latest`` at
 ``S`` (atomically), and starts attempt k: the consumer with SpecForge's own ``training.resume_from=S``
 (which reconciles the cut ledger, releases those samples and restores the optimizer boundary), the
@@ -58,6 +59,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specforge_kimi.durable import fsync_path, write_atomic
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.online import run_guard
 from specforge_kimi.registration import (
@@ -132,12 +134,7 @@ def read_record(out: Path) -> RunRecord | None:
 
 
 def write_record(out: Path, record: RunRecord) -> None:
-    path = Path(out) / RECORD_FILE
-    tmp = path.with_name(f".{RECORD_FILE}.tmp")
-    tmp.write_text(record.model_dump_json(indent=1))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(Path(out) / RECORD_FILE, record.model_dump_json(indent=1))
 
 
 def consumer_quantum(config: dict) -> int:
@@ -181,9 +178,13 @@ def checkpoint_problem(ckpt: Path, *, run_id: str, step: int, world_size: int) -
     try:
         import torch
 
-        state = torch.load(ckpt / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
+        # weights_only: a probe of every step directory must not run whatever a pickle names; SpecForge's shared
+        # state is tensors, numbers, strings and containers of them, which this loader accepts
+        state = torch.load(ckpt / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many unrelated types for a damaged file
-        return f"training_state.pt does not load: {type(exc).__name__}: {exc}"
+        return f"training_state.pt does not load (weights_only): {type(exc).__name__}: {str(exc)[:300]}"
+    if not isinstance(state, dict):
+        return f"training_state.pt holds a {type(state).__name__}, not SpecForge's state dict"
     got = (state.get("global_step"), state.get("run_id"), state.get("world_size"))
     if got != (step, run_id, world_size):
         return f"training_state.pt holds step {got[0]}, run {got[1]!r}, world size {got[2]}"
@@ -284,9 +285,14 @@ def cut_ledger(ledger: Path, point: ResumePoint, backup: Path) -> None:
     """Back the ledger up, then in one transaction keep only the samples trained into ``point.step``. At step 0
     nothing is kept and the ledger goes away whole: SpecForge starts a consumer without ``resume_from`` only
     on a ledger path that does not exist (nor its ``-wal``/``-shm``)."""
+    tmp = backup.with_name(f".{backup.name}.tmp")
+    tmp.unlink(missing_ok=True)
     con = sqlite3.connect(ledger, isolation_level=None)  # explicit transactions only
     try:
-        con.execute("VACUUM INTO ?", (str(backup),))
+        con.execute("VACUUM INTO ?", (str(tmp),))  # then fsync + rename: a backup is whole or absent
+        fsync_path(tmp)
+        os.replace(tmp, backup)
+        fsync_path(backup.parent)
         if not point.step:
             con.close()
             for path in (ledger, Path(f"{ledger}-wal"), Path(f"{ledger}-shm")):
@@ -310,17 +316,31 @@ def cut_ledger(ledger: Path, point: ResumePoint, backup: Path) -> None:
         con.close()
 
 
+def ledger_backup_path(ledger: Path, k: int) -> Path:
+    """A name no backup has: ``consumer.sqlite.before-attempt{k}``, or ``...-2``, ``-3`` when an interrupted
+    ``--resume`` of attempt ``k`` already made one (that one is the ledger before any cut: never overwritten)."""
+    backup = ledger.with_name(f"{ledger.name}.before-attempt{k}")
+    n = 1
+    while backup.exists():
+        n += 1
+        backup = ledger.with_name(f"{ledger.name}.before-attempt{k}-{n}")
+    return backup
+
+
 def _point_latest(out: Path, run_id: str, step: int) -> None:
+    """``-latest`` -> step ``step`` (removed at 0), atomically; the directory fsynced after (with the renames
+    of abandoned step directories before it)."""
     link = Path(out) / f"{run_id}-latest"
     if not step:
         if link.is_symlink():
             link.unlink()
-        return
-    tmp = link.with_name(f".{link.name}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(f"{run_id}-step{step}")
-    os.replace(tmp, link)
+    else:
+        tmp = link.with_name(f".{link.name}.tmp")
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(f"{run_id}-step{step}")
+        os.replace(tmp, link)
+    fsync_path(out)
 
 
 # -- attempts ----------------------------------------------------------------------------------------------
@@ -366,7 +386,7 @@ def attempt_plan(plan, out: Path, k: int, *, point: ResumePoint, skip_file: Path
     base_cfg = _base_config_path(plan)
     cfg = yaml.safe_load(base_cfg.read_text())
     cfg["deployment"]["disaggregated"]["control_dir"] = str(paths["control"])
-    paths["config"].write_text(yaml.safe_dump(cfg, sort_keys=False))
+    write_atomic(paths["config"], yaml.safe_dump(cfg, sort_keys=False))
     logs = str(Path(plan.services[0].log_path).parent) if plan.services else str(Path(out) / "logs")
 
     def moved(a: str) -> str:
@@ -474,12 +494,10 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
     _point_latest(out, recipe.name, point.step)
     backup = None
     if ledger.is_file():
-        backup = ledger.with_name(f"{ledger.name}.before-attempt{k}")
-        if backup.exists():
-            backup.unlink()
+        backup = ledger_backup_path(ledger, k)
         cut_ledger(ledger, point, backup)
     skip.parent.mkdir(exist_ok=True)
-    skip.write_text("".join(s.split(":", 1)[1] + "\n" for s in point.kept))
+    write_atomic(skip, "".join(s.split(":", 1)[1] + "\n" for s in point.kept))
     attempt = Attempt(
         attempt=k,
         started_utc=_utc(),

@@ -1,0 +1,244 @@
+"""Generated bad input for the data path (issue 32): ``prepare``'s input lines and ``regenerate``'s server
+replies. Valid rows and replies are mutated (values of the wrong type, keys removed, huge and deeply nested
+values, invalid UTF-8, truncation; for replies also HTTP statuses, bodies cut short, answers slower than the
+timeout). Every case must end in a result or one clear error line -- never a traceback -- and leave no partial
+output behind. Example counts are bounded so the file runs in well under two minutes on two cores; the number
+of cases each surface tried is printed in the run's summary (``tests/fuzz_counts.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from fuzz_counts import record
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai_server import FakeServer, RawReply
+
+from specforge_kimi.data.prepare import PROMPTS_FILE, SUMMARY_FILE, VOCAB_MAPPING_FILE, PrepareOptions, prepare
+from specforge_kimi.errors import KimiInputError
+
+_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+_DEEP = "__deep__"
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+ROWS = [
+    {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "Add."}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "system": "S"},
+    {"tools": [TOOL], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "weather in Paris?"}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+        {"role": "assistant", "content": "It is 18C.", "reasoning_content": None},
+    ]},
+]  # fmt: skip
+COMPLETION = {
+    "id": "x",
+    "object": "chat.completion",
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "answer", "reasoning_content": "thought", "tool_calls": None},
+        }
+    ],
+}
+
+# -- mutations ------------------------------------------------------------------------------------------------
+
+json_leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20))
+json_values = st.recursive(
+    json_leaves,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+def _paths(value, prefix=()):
+    """Every path (tuple of keys / indexes) inside ``value``, itself included."""
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*prefix, i))
+
+
+def _set(value, path, new):
+    if not path:
+        return new
+    value = json.loads(json.dumps(value))
+    target = value
+    for key in path[:-1]:
+        target = target[key]
+    if new is _DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = new
+    return value
+
+
+_DELETE = object()
+
+
+@st.composite
+def mutated_json(draw, base) -> bytes:
+    """``base`` (a JSON value) with up to three mutations, serialised; then maybe damaged as bytes."""
+    value = json.loads(json.dumps(base))
+    for _ in range(draw(st.integers(0, 3))):
+        paths = list(_paths(value))
+        path = paths[draw(st.integers(0, len(paths) - 1))]
+        kind = draw(st.sampled_from(["type", "delete", "huge", "deep", "empty"]))
+        if kind == "type":
+            new = draw(json_values)
+        elif kind == "delete":
+            new = _DELETE if path else {}
+        elif kind == "huge":
+            new = "x" * draw(st.sampled_from([10_000, 300_000])) if draw(st.booleans()) else list(range(20_000))
+        elif kind == "deep":
+            new = _DEEP
+        else:
+            new = draw(st.sampled_from([[], {}, "", None]))
+        value = _set(value, path, new)
+    text = json.dumps(value)
+    if _DEEP in text:  # nesting past any recursion limit is written as text (json.dumps would hit the limit)
+        depth = draw(st.sampled_from([50, 900, 5_000, 100_000]))
+        text = text.replace(f'"{_DEEP}"', "[" * depth + "]" * depth, 1).replace(f'"{_DEEP}"', "0")
+    raw = text.encode()
+    damage = draw(st.sampled_from(["none", "none", "truncate", "bad utf-8", "surrogate"]))
+    at = draw(st.integers(0, max(0, len(raw) - 1)))
+    if damage == "truncate":
+        raw = raw[:at]
+    elif damage == "bad utf-8":
+        raw = raw[:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf0\x9f"])) + raw[at:]
+    elif damage == "surrogate":
+        raw = raw.replace(b'"4"', b'"\\ud800"').replace(b'"hello"', b'"\\udfff x"')
+    return raw
+
+
+# -- prepare ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
+
+    return build_standin_tokenizer()
+
+
+def _check_prepare_outcome(tmp: Path, out: Path, ran) -> None:
+    """``ran()`` returns a summary or raises KimiInputError (one line); the output is whole or absent."""
+    try:
+        summary = ran()
+    except KimiInputError as exc:
+        assert "\n" not in str(exc)
+        assert not out.exists()
+    else:
+        assert summary["rows"] > 0
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            [PROMPTS_FILE, SUMMARY_FILE, VOCAB_MAPPING_FILE, "vocab_mapping.json"]
+        )
+        for line in (out / PROMPTS_FILE).read_text().splitlines():
+            row = json.loads(line)
+            assert len(row["input_ids"]) == len(row["loss_mask"]) > 0
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".")]  # no staging, no parked output
+
+
+@given(data=st.data())
+@settings(max_examples=300, **_SETTINGS)
+def test_prepare_survives_generated_input_lines(tok, data):
+    lines = [data.draw(mutated_json(data.draw(st.sampled_from(ROWS)))) for _ in range(data.draw(st.integers(1, 3)))]
+    if data.draw(st.booleans()):
+        lines.append(json.dumps(ROWS[0]).encode())  # a good line beside the bad ones
+    on_error = data.draw(st.sampled_from(["skip", "fail"]))
+    record("prepare input lines")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        source = tmp / "in.jsonl"
+        source.write_bytes(b"\n".join(lines) + b"\n")
+        out = tmp / "out"
+        options = PrepareOptions(
+            input_path=source, out_dir=out, on_error=on_error, draft_vocab_size=64, max_length=4096
+        )
+        with contextlib.redirect_stderr(io.StringIO()):  # the per-line warnings
+            _check_prepare_outcome(tmp, out, lambda: prepare(options, tok))
+
+
+# -- regenerate ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake = FakeServer()
+    fake.httpd.handle_error = lambda request, address: None  # a client that timed out and left is expected
+    yield fake
+    fake.close()
+
+
+@st.composite
+def raw_replies(draw) -> RawReply:
+    status = draw(st.sampled_from([200, 200, 200, 200, 400, 401, 404, 408, 413, 422, 429, 500, 502, 503]))
+    body = draw(
+        st.one_of(
+            mutated_json(COMPLETION),
+            st.just(json.dumps(COMPLETION).encode()),
+            st.binary(max_size=40),
+            st.sampled_from([b"", b"null", b"<html>bad gateway</html>", b'{"error": "overloaded"}']),
+        )
+    )
+    short = draw(st.sampled_from([None, None, None, len(body) + 100]))
+    delay = draw(st.sampled_from([0.0] * 11 + [0.6]))  # slower than the client's 0.3 s timeout
+    return RawReply(status, body, declared_length=short, delay_s=delay)
+
+
+@given(data=st.data())
+@settings(max_examples=150, **_SETTINGS)
+def test_regenerate_survives_generated_replies(server, data):
+    from specforge_kimi.cli import main
+
+    replies = data.draw(st.lists(raw_replies(), min_size=1, max_size=4))
+    lock = threading.Lock()
+    served = iter(range(10**9))
+
+    def reply(_payload):
+        with lock:
+            return replies[next(served) % len(replies)]
+
+    server.chat_reply = reply
+    rows = data.draw(st.integers(1, 3))
+    record("regenerate server replies", 1)
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        source = tmp / "in.jsonl"
+        source.write_text("".join(json.dumps(ROWS[i % 2]) + "\n" for i in range(rows)))
+        out = tmp / "out.jsonl"
+        argv = ["regenerate", str(source), "--server", server.url, "--out", str(out), "--concurrency", "2"]
+        argv += ["--timeout", "0.3", "--max-retries", "1", "--retry-delay", "0.001", "--no-progress"]
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        assert code in (0, 1, 2)
+        if code == 2:
+            lines = err.getvalue().strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ")
+        written = out.read_bytes()
+        assert written == b"" or written.endswith(b"\n")  # no torn line
+        done = [json.loads(line) for line in written.splitlines()]
+        errors = [json.loads(line) for line in (tmp / "out.jsonl.errors.jsonl").read_text().splitlines()]
+        assert all(isinstance(e["error"], str) and "\n" not in e["error"] for e in errors)
+        assert sorted([r["regenerate"]["source_line"] for r in done] + [e["line"] for e in errors]) == list(
+            range(1, rows + 1)
+        )  # every row ended as an output line or one error line
+        assert sorted(p.name for p in tmp.iterdir()) == ["in.jsonl", "out.jsonl", "out.jsonl.errors.jsonl"]
+    server.chat_reply = None
