@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from drills import descendants
 from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
@@ -45,28 +46,11 @@ def _listening() -> dict[int, tuple[str, int]]:
     return rows
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _sample(seen: dict, stop: threading.Event) -> None:
     me = os.getpid()
     while not stop.wait(0.3):
         listening = _listening()
-        for pid in _descendants(me):
+        for pid in descendants(me):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]

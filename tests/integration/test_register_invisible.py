@@ -17,6 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 #: SpecForge's CPU tests of what registration wraps (~1.5 min per run on a 2-core box)
 SUITE = [
     "tests/test_modeling/test_target",
