@@ -393,7 +393,10 @@ def main(argv=None) -> int:
         launcher = (
             [sys.executable]
             if args.nproc == 1
-            else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+            else [
+                *(sys.executable, "-m", "specforge_kimi.online.loopback", "torch.distributed.run"),
+                *("--standalone", "--local-addr=127.0.0.1", f"--nproc_per_node={args.nproc}"),
+            ]
         )
         cmd = [
             *launcher,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -79,6 +82,28 @@ def tiny_dir(tmp_path_factory):
     from specforge_kimi.target.tiny import TinySpec, write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "k25", TinySpec(**TEST_SPEC))
+
+
+#: SpecForge at the pinned commit, beside a clone as ``../shared/upstream/`` (CI puts shared/ there).
+SPECFORGE_ARCHIVE = Path(__file__).resolve().parents[2] / "shared" / "upstream" / "specforge-a6b6b023.tar.gz"
+
+
+@pytest.fixture(scope="session")
+def specforge_checkout(tmp_path_factory) -> Path:
+    """A SpecForge checkout at a6b6b023: ``SPECFORGE_KIMI_SPECFORGE_CHECKOUT`` when set, else
+    :data:`SPECFORGE_ARCHIVE` unpacked once per session (``filter="data"``); skipped without either."""
+    import tarfile
+
+    if os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT"):
+        return Path(os.environ["SPECFORGE_KIMI_SPECFORGE_CHECKOUT"])
+    if not SPECFORGE_ARCHIVE.is_file():
+        pytest.skip(
+            f"set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023 (or put {SPECFORGE_ARCHIVE})"
+        )
+    root = tmp_path_factory.mktemp("specforge-a6b6b023")
+    with tarfile.open(SPECFORGE_ARCHIVE) as tar:
+        tar.extractall(root, filter="data")
+    return root / "SpecForge"
 
 
 def specforge_as_shipped(root):

@@ -11,7 +11,10 @@ imports transformers/specforge lazily. The seams:
    a local checkpoint does not contain is resolved to the checkpoint's own embedding / LM-head
    name (K2.5 ``language_model.*``, NVFP4 ``language_model.layers.*``) instead of a KeyError.
    Keys that exist are passed through untouched. These are wrappers, not rewrites: SpecForge's
-   own loading code still runs.
+   own loading code still runs. They act only on a checkpoint :func:`_is_k25_dir` recognises (a
+   local directory whose ``config.json`` is K2.5's wrapper); for any other target SpecForge's code
+   runs with the arguments it was given, so its own checks and errors (``.bin`` checkpoints, a
+   missing tensor, a missing shard) are what the user sees.
 3. SpecForge ``TEMPLATE_REGISTRY``: the ``kimi-k2.5`` chat template.
 4. SpecForge's producer tokenizer (``training.assembly._load_text_tokenizer``, which calls
    ``AutoTokenizer`` with the run's ``trust_remote_code``, False by default): a K2.5 checkpoint
@@ -75,6 +78,20 @@ _DONE = False
 _WRAPPED_FLAG = "__specforge_kimi_wrapped__"
 
 
+def _is_k25_dir(model_path) -> bool:
+    """A local K2.5 checkpoint directory (the only targets the weight-key wrappers touch). A
+    ``config.json`` that does not parse is not recognised: SpecForge reports it its own way."""
+    if not isinstance(model_path, (str, os.PathLike)) or not os.path.isdir(model_path):
+        return False
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.target.checkpoint import is_kimi_k25_checkpoint
+
+    try:
+        return is_kimi_k25_checkpoint(model_path)
+    except KimiInputError:
+        return False
+
+
 def _resolving(role: str, key_arg: str, key_pos: int, default: str):
     """Decorator factory: resolve ``key_arg`` (positional index ``key_pos`` after self/path)."""
 
@@ -86,7 +103,7 @@ def _resolving(role: str, key_arg: str, key_pos: int, default: str):
         def wrapper(self, model_path, *args, **kwargs):
             from specforge_kimi.target.checkpoint import resolve_weight_key
 
-            if isinstance(model_path, (str, os.PathLike)) and os.path.isdir(model_path):
+            if _is_k25_dir(model_path):
                 if key_arg in kwargs:
                     kwargs[key_arg] = resolve_weight_key(model_path, kwargs[key_arg] or default, role)
                 elif len(args) > key_pos:
@@ -118,7 +135,7 @@ def _install_weight_key_resolution() -> None:
         def _load_weights(self, model_path, embed_key, lm_head_key, tie_weights):
             from specforge_kimi.target.checkpoint import resolve_weight_key
 
-            if os.path.isdir(model_path):
+            if _is_k25_dir(model_path):
                 embed_key = resolve_weight_key(model_path, embed_key, "embedding")
                 if not tie_weights:
                     lm_head_key = resolve_weight_key(model_path, lm_head_key, "lm_head")

@@ -112,7 +112,10 @@ def test_mooncake_master_and_reader_match_specforge(monkeypatch, tmp_path):
     mc = cfg.deployment.disaggregated.managed_local.mooncake
     ours = cs.mooncake_master_argv(mc, python="/py")
     assert ours[:3] == ["/py", "-c", "from mooncake.cli import main; main()"]
-    assert master.argv[0] == "mooncake_master" and ours[3:] == list(master.argv[1:])
+    # SpecForge's master plus the two bind flags it leaves at Mooncake's 0.0.0.0 (docs/online.md, loopback)
+    binds = ["--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1"]
+    assert master.argv[0] == "mooncake_master" and [a for a in ours[3:] if a not in binds] == list(master.argv[1:])
+    assert set(binds) <= set(ours) and "--http_metadata_server_host=127.0.0.1" in ours
     kw = cs.mooncake_reader_setup_kwargs(mc)
     env = cs.mooncake_client_env(mc)
     assert kw["metadata_server"] == env["MOONCAKE_METADATA_SERVER"]

@@ -141,3 +141,16 @@ def test_tracking_package_checked(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "swanlab" else real(name, *a))
     (c,) = doctor.check_tracking(load_recipe(p))
     assert c.status == "fail" and "pip install swanlab" in c.fix and "report_to: none" in c.fix
+
+
+def test_mooncake_listeners_off_loopback_are_named(tiny_dir, tmp_path):
+    """The listeners Mooncake binds to every address (tests/integration/test_loopback_listeners.py asserts them on
+    a real run) are a warning with the transfer engine's own log line and the metadata port."""
+    recipe = _recipe_for(tiny_dir, tmp_path)
+    by = {c.name: c for c in doctor.run_checks(str(recipe))}
+    c = by["mooncake listeners"]
+    assert c.status == "warn" and c.fix
+    assert "Transfer Engine RPC using new RPC mapping, listening on <address>:<port>" in c.detail
+    from specforge_kimi.online.recipes import load_recipe
+
+    assert f"port {load_recipe(str(recipe)).mooncake.metadata_port}" in c.detail

@@ -106,19 +106,11 @@ def test_sglang_needs_checkout():
         setup_patches.plan(None, sglang=True)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT"),
-    reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023",
-)
-def test_applies_to_the_pinned_checkout(tmp_path):
+def test_applies_to_the_pinned_checkout(tmp_path, specforge_checkout):
     """The same patches on a copy of the a6b6b023 checkout's specforge/ (the tree `setup --specforge-checkout`
     patches in place): applicable there, then applied, then a no-op."""
     root = tmp_path / "SpecForge"
-    shutil.copytree(
-        Path(os.environ["SPECFORGE_KIMI_SPECFORGE_CHECKOUT"]) / "specforge",
-        root / "specforge",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
+    shutil.copytree(specforge_checkout / "specforge", root / "specforge", ignore=shutil.ignore_patterns("__pycache__"))
     specforge_as_shipped(root)  # the user's checkout may already be set up
     assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applicable"}
     assert _run(root) == 0

@@ -2,8 +2,9 @@
 capture sink writes byte-exact features into a real Mooncake store.
 
 Needs a SpecForge checkout at the pinned commit (its capture patch is never copied into this
-repository): set ``SPECFORGE_KIMI_SPECFORGE_CHECKOUT``; skipped otherwise. The SGLang files are
-copied from the installed sglang 0.5.14 into a scratch tree, which is what gets patched.
+repository): ``SPECFORGE_KIMI_SPECFORGE_CHECKOUT``, else ``../shared/upstream``'s archive unpacked
+(the ``specforge_checkout`` fixture); skipped without either. The SGLang files are copied from the
+installed sglang 0.5.14 into a scratch tree, which is what gets patched.
 """
 
 from __future__ import annotations
@@ -14,50 +15,50 @@ from pathlib import Path
 
 import pytest
 
-CHECKOUT = os.environ.get("SPECFORGE_KIMI_SPECFORGE_CHECKOUT")
-pytestmark = pytest.mark.skipif(
-    not CHECKOUT, reason="set SPECFORGE_KIMI_SPECFORGE_CHECKOUT to a SpecForge checkout at a6b6b023"
-)
+
+@pytest.fixture()
+def checkout(specforge_checkout) -> str:
+    return str(specforge_checkout)
 
 
 @pytest.fixture()
-def patched_site(tmp_path):
+def patched_site(tmp_path, checkout):
     from specforge_kimi.online import setup_patches as sp
 
-    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
-    statuses = sp.plan(CHECKOUT, sglang=True, sglang_site=site)
+    statuses = sp.plan(checkout, sglang=True, sglang_site=site)
     sglang = [s for s in statuses if s.root == site]
     assert [s.patch.name for s in sglang][0] == "spec-capture.patch"
     assert len(sglang) >= 2 and all(s.state == "applicable" for s in sglang), [(s.patch.name, s.detail) for s in sglang]
     for s in sglang:
         sp.apply(s)
-    again = [s for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.root == site]
+    again = [s for s in sp.plan(checkout, sglang=True, sglang_site=site) if s.root == site]
     assert all(s.state == "applied" for s in again)  # idempotent: a second setup changes nothing
     return site
 
 
-def test_drift_in_our_patch_is_named(tmp_path):
+def test_drift_in_our_patch_is_named(tmp_path, checkout):
     from specforge_kimi.online import setup_patches as sp
 
-    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
     sp.apply(sp.classify(capture, site, 2))
     sink = site / "sglang/srt/spec_capture_sink.py"
     sink.write_text(sink.read_text().replace("registered: List[torch.Tensor] = []", "registered = []"))
-    ours = [s for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.patch.parent.name == "0.5.14"]
+    ours = [s for s in sp.plan(checkout, sglang=True, sglang_site=site) if s.patch.parent.name == "0.5.14"]
     assert ours and ours[0].state == "drift" and "spec_capture_sink.py" in " ".join(ours[0].files)
 
 
 @pytest.fixture(params=["0001", "stack", "stack, 2 put clients"])
-def sink_site(request, tmp_path):
+def sink_site(request, tmp_path, checkout):
     """The sink as `setup` leaves it (capture patch, 0001, 0002, 0003) with one put client (0003's
     default) or two (``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=2``), or with 0001 alone; -> (site, clients)."""
     from specforge_kimi.online import setup_patches as sp
 
     if request.param.startswith("stack"):
         return request.getfixturevalue("patched_site"), 2 if "2 put" in request.param else 1
-    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site-0001")
     sp.apply(sp.classify(capture, site, 2))
     status = sp.classify(
@@ -283,35 +284,35 @@ def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
     assert not any(g.startswith("0004-") for g in gaps), gaps
 
 
-def test_half_applied_stack_is_finished(tmp_path):
+def test_half_applied_stack_is_finished(tmp_path, checkout):
     """The capture patch and our 0001 in, the rest not (an interrupted setup, or one from an older
     specforge-kimi): setup reads the applied prefix and finishes the stack instead of calling it drift."""
     from specforge_kimi.online import setup_patches as sp
 
-    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    capture = Path(checkout) / sp.CAPTURE_PATCH
     stack = [capture, *sp.our_sglang_patches()]
     site = sp._scratch_copy(sp.sglang_root(), {f for p in stack for f in sp._files(p, 2)}, tmp_path / "site")
     for p in stack[:2]:
         status = sp.classify(p, site, 2)
         assert status.state == "applicable", status.detail
         sp.apply(status)
-    states = [(s.patch.name, s.state) for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.root == site]
+    states = [(s.patch.name, s.state) for s in sp.plan(checkout, sglang=True, sglang_site=site) if s.root == site]
     assert [st for _, st in states] == ["applied"] * 2 + ["applicable"] * (len(stack) - 2), states
-    for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site):
+    for s in sp.plan(checkout, sglang=True, sglang_site=site):
         if s.root == site and s.state == "applicable":
             sp.apply(s)
-    assert {s.state for s in sp.plan(CHECKOUT, sglang=True, sglang_site=site) if s.root == site} == {"applied"}
+    assert {s.state for s in sp.plan(checkout, sglang=True, sglang_site=site) if s.root == site} == {"applied"}
     assert sp.classify_stack(sp.our_sglang_patches(), site)[-1].state == "applied"  # doctor's reading
 
 
-def test_drift_error_names_the_file_that_fails(tmp_path):
+def test_drift_error_names_the_file_that_fails(tmp_path, checkout):
     """The capture patch touches many files; the error names the one whose hunk fails, not the first listed."""
     import argparse
 
     from specforge_kimi.errors import KimiInputError
     from specforge_kimi.online import setup_patches as sp
 
-    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
     batch = site / "sglang/srt/managers/schedule_batch.py"
     old = "        return_pooled_hidden_states: bool = False,\n"
@@ -325,7 +326,7 @@ def test_drift_error_names_the_file_that_fails(tmp_path):
         um.patch.object(sp, "sglang_root", return_value=site),
         pytest.raises(KimiInputError, match=r"spec-capture.patch does not apply to \S*/schedule_batch.py:"),
     ):
-        sp.run(argparse.Namespace(specforge_checkout=CHECKOUT, check=True, no_sglang=False))
+        sp.run(argparse.Namespace(specforge_checkout=checkout, check=True, no_sglang=False))
 
 
 def _load(patched_site, monkeypatch, name: str, rel: str):
@@ -338,14 +339,14 @@ def _load(patched_site, monkeypatch, name: str, rel: str):
     return module
 
 
-def test_cuda_ipc_gaps_clear_on_the_patched_sglang(patched_site, tmp_path):
+def test_cuda_ipc_gaps_clear_on_the_patched_sglang(patched_site, tmp_path, checkout):
     """0005 in the stack: ``cuda_ipc_gaps`` (the launch preflight for ``server.transport: cuda_ipc``) is empty, and
     the earlier patches still read as applied (0005 edits lines 0004 wrote: read as a stack, not alone)."""
     from specforge_kimi.online import setup_patches as sp
 
     assert sp.cuda_ipc_gaps(sglang_site=patched_site) == []
     assert not any(g.startswith("0004-") for g in sp.compact_passthrough_gaps(sglang_site=patched_site))
-    capture = Path(CHECKOUT) / sp.CAPTURE_PATCH
+    capture = Path(checkout) / sp.CAPTURE_PATCH
     stack = [capture, *sp.our_sglang_patches()]
     site = sp._scratch_copy(sp.sglang_root(), {f for p in stack for f in sp._files(p, 2)}, tmp_path / "to0004")
     for p in stack[:-1]:

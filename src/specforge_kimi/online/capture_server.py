@@ -60,14 +60,19 @@ def mooncake_config(
     )
 
 
-def mooncake_master_argv(mooncake, *, python: str = sys.executable) -> list[str]:
-    """The master SpecForge's managed_local starts, through ``mooncake.cli`` (no PATH lookup)."""
+def mooncake_master_argv(mooncake, *, python: str = sys.executable, host: str = "127.0.0.1") -> list[str]:
+    """The master SpecForge's managed_local starts, through ``mooncake.cli`` (no PATH lookup), with its three
+    listeners (RPC, HTTP metadata, metrics) bound to ``host``: loopback unless a multi-node recipe names an
+    address. Mooncake binds each to 0.0.0.0 unless told (``mooncake_master --help``: ``rpc_address``,
+    ``http_metadata_server_host``, ``metrics_host``)."""
     return [
         python,
         "-c",
         "from mooncake.cli import main; main()",
         "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=127.0.0.1",
+        f"--rpc_address={host}",
+        f"--http_metadata_server_host={host}",
+        f"--metrics_host={host}",
         f"--rpc_port={mooncake.rpc_port}",
         f"--http_metadata_server_port={mooncake.metadata_port}",
         f"--metrics_port={mooncake.metrics_port}",

@@ -355,6 +355,26 @@ def check_mooncake(recipe) -> list[Check]:
     ]
 
 
+#: What Mooncake's transfer engine logs for the listener it binds to every address (docs/online.md, loopback)
+MOONCAKE_ANY_ADDRESS_LOG = "Transfer Engine RPC using new RPC mapping, listening on <address>:<port>"
+
+
+def check_mooncake_binds(recipe) -> Check:
+    """The listeners no setting of Mooncake 0.3.x keeps on the recipe's address (always a warning)."""
+    mc = recipe.mooncake
+    return Check(
+        "mooncake listeners",
+        "warn",
+        f"Mooncake binds these to every address, not {mc.host}: the master's HTTP metadata server (port "
+        f"{mc.metadata_port}; its --http_metadata_server_host only reaches the log line) and, in the capture "
+        "server, the producer and each trainer rank, the transfer engine's handshake RPC and TCP transport "
+        f"(random ports, logged as '{MOONCAKE_ANY_ADDRESS_LOG}' and 'TcpTransport: listen on port <port>')",
+        f"on a host others can reach, firewall port {mc.metadata_port} and the transfer engine's range "
+        "(MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 by default) from outside; every other listener of the run "
+        "is on loopback (docs/online.md, 'Ports and GPUs')",
+    )
+
+
 def check_cuda_ipc(recipe) -> list[Check]:
     """``server.transport: cuda_ipc``: SGLang patch 0005 applied, and every GPU of the node reaching GPU 0."""
     from specforge_kimi.online.launch import node_gpus
@@ -417,7 +437,8 @@ def run_checks(recipe_path: str | None) -> list[Check]:
         except KimiInputError as exc:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
-        transport = check_mooncake(recipe) if recipe.server.transport == "mooncake" else check_cuda_ipc(recipe)
+        mooncake = recipe.server.transport == "mooncake"
+        transport = check_mooncake(recipe) + [check_mooncake_binds(recipe)] if mooncake else check_cuda_ipc(recipe)
         checks += (
             check_target(recipe) + check_inputs(recipe) + transport + check_gpu_budget(recipe) + check_tracking(recipe)
         )

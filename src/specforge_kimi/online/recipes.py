@@ -488,6 +488,8 @@ def process_env(r: Recipe) -> dict[str, str]:
     from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
 
     env = {"SPECFORGE_PLUGINS": "specforge_kimi", **transport_plan.process_env(r)}
+    if r.gpus.nnodes == 1:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds the address the host name resolves to, not always loopback
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
     return env
@@ -561,11 +563,7 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
 def _master_argv(r: Recipe) -> list[str]:
     from specforge_kimi.online.capture_server import mooncake_master_argv
 
-    argv = mooncake_master_argv(_mooncake(r), python="python")
-    return [
-        a.replace("--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_host={r.mooncake.host}")
-        for a in argv
-    ]
+    return mooncake_master_argv(_mooncake(r), python="python", host=r.mooncake.host)
 
 
 def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
@@ -601,15 +599,20 @@ def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
             "--role",
             "producer",
         ],
-        # one node: --standalone picks a free rendezvous port (as SpecForge's own plan does)
+        # one node: --standalone picks a free rendezvous port (as SpecForge's own plan does), and
+        # online.loopback keeps torchrun's stores on 127.0.0.1 (torch binds them to every address otherwise)
         "consumer": [
             "python",
             "-m",
-            "torch.distributed.run",
             *(
-                ["--standalone"]
+                ["specforge_kimi.online.loopback", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1"]
                 if r.gpus.nnodes == 1
-                else [f"--nnodes={r.gpus.nnodes}", f"--master_addr={r.server.host}", "--master_port=29500"]
+                else [
+                    "torch.distributed.run",
+                    f"--nnodes={r.gpus.nnodes}",
+                    f"--master_addr={r.server.host}",
+                    "--master_port=29500",
+                ]
             ),
             f"--nproc_per_node={r.gpus.per_node}",
             "-m",
