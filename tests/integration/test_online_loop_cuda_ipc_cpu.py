@@ -76,11 +76,14 @@ def test_refs_carry_descriptors_and_slots_came_back(ipc_run):
     assert len(pools) == 1
     server = _log(ipc_run, "capture-server-node0.log")
     assert f"cuda_ipc pool {next(iter(pools))}" in server
-    closed = re.search(r"cuda_ipc pool \w+ closed: (\{.*\})", server)
-    assert closed, server[-2000:]
-    stats = eval(closed.group(1))  # the writer's own dict, logged at its clean stop  # noqa: S307
+    # the writer's counters, logged as one JSON object at its clean stop
+    closed = re.findall(r"cuda_ipc pool (\w+) closed: (\{.*\})$", server, flags=re.MULTILINE)
+    assert len(closed) == 1 and closed[0][0] in pools, server[-2000:]
+    stats = json.loads(closed[0][1])
     assert stats["expired"] == 0 and stats["failed"] == 0  # no slot waited for its lease
     assert stats["lent"] >= len(refs) and stats["released"] >= STEPS * ipc_run["dp"]
+    # every lend ended one way or is still lent at the stop
+    assert stats["lent"] == stats["released"] + stats["expired"] + stats["replaced"] + stats["samples"]
     assert "past the" not in server
 
 

@@ -365,6 +365,8 @@ FAKE_SERVER = textwrap.dedent('''
                              "spec_verify_ct": verify, "spec_accepted_drafts": correct,
                              "spec_proposed_drafts": proposed, "spec_correct_drafts_histogram": hist,
                              "spec_accept_histogram": hist})
+                with open(os.environ["FAKE_REQUESTS"], "a") as f:  # what this server answered, in order
+                    f.write(json.dumps({"steps": steps, "n": n, "verify": verify, "correct": correct}) + "\\n")
             self._send({"output_ids": out, "meta_info": meta})
     ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()
 ''')
@@ -375,6 +377,7 @@ def fake_server(tmp_path, monkeypatch):
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SERVER)
     monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    monkeypatch.setenv("FAKE_REQUESTS", str(tmp_path / "requests.jsonl"))
     return [sys.executable, str(script)]
 
 
@@ -427,10 +430,23 @@ def test_run_bench_end_to_end_against_a_stand_in_server(tmp_path, fake_server):
         {"steps": 7, "topk": 1, "draft_tokens": 8},
     ]
     assert not any(a.startswith("--speculative") for a in result["baseline"]["server_argv"])
+    # what each speculative server answered (the stand-in's own record), its first request the warmup
+    answered: dict[int, list[dict]] = {}
+    for line in (tmp_path / "requests.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        answered.setdefault(row["steps"], []).append(row)
     for run in result["speculative"]:
+        timed = answered[run["config"]["steps"]][s.warmup :]
+        assert len(timed) == 8  # 4 prompts in each of the two sets
+        n, verify = sum(r["n"] for r in timed), sum(r["verify"] for r in timed)
+        assert run["overall"]["completion_tokens"] == n and run["overall"]["spec_verify_ct"] == verify
+        assert run["overall"]["acceptance_length"] == pytest.approx(n / verify)
+        assert sum(m["completion_tokens"] for m in run["sets"].values()) == n
+        assert sum(m["spec_num_correct_drafts"] for m in run["sets"].values()) == sum(r["correct"] for r in timed)
         for name, m in run["sets"].items():
             assert m["requests"] == 4 and m["histogram_consistent"]
-            assert m["acceptance_length"] == pytest.approx(m["completion_tokens"] / m["spec_verify_ct"])
+            # 5..11 tokens a request, 2,0,3,1 drafts accepted in turn: 2.0 (6 tokens in 3 verifies) to 3.0 (9 in 3)
+            assert 2.0 <= m["acceptance_length"] <= 3.0
             assert len(m["per_position"]["at_least"]) == run["config"]["steps"]
             assert run["speedup"][name] is not None
             assert run["output_match"][name] == {"identical": 4, "different": 0, "first_different": []}
@@ -440,7 +456,9 @@ def test_run_bench_end_to_end_against_a_stand_in_server(tmp_path, fake_server):
     assert max(len(r["overall"]["correct_drafts_histogram"]) for r in result["speculative"]) == 4
     th = result["threshold"]
     assert th["sets"] == ["structured"] and th["config"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
-    assert th["passed"] == (th["acceptance_length"] >= 2.0)
+    first = result["speculative"][0]["sets"]["structured"]
+    assert th["acceptance_length"] == pytest.approx(first["acceptance_length"])
+    assert th["passed"] is True  # no request of the stand-in accepts below 2.0, the minimum set above
     assert {p.name for p in (out / "logs").iterdir()} == {"baseline.log", "eagle3-3-1-4.log", "eagle3-7-1-8.log"}
     pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 3 and not any(Path(f"/proc/{p}").exists() for p in pids)  # every server torn down (reaped)
@@ -1098,3 +1116,36 @@ def test_committed_report_is_current(tmp_path):
     md = report.build_report(REPO / "bench" / "results", tmp_path / "REPORT.md", tmp_path / "plots")
     md = md.replace(f"`{REPO / 'bench' / 'results'}/*.json`", "`bench/results/*.json`", 1)
     assert md == (REPO / "bench" / "REPORT.md").read_text(), "bench/REPORT.md is stale: run python bench/report.py"
+
+
+def test_threshold_pools_the_named_sets_of_the_first_config():
+    """The threshold is the first config's tokens per verify over the named sets together (not a mean of the sets'
+    lengths), and passes at the minimum itself."""
+    result = {
+        "settings": {"threshold_sets": ["structured", "chat"]},
+        "speculative": [
+            {
+                "config": {"steps": 3, "topk": 1, "draft_tokens": 4},
+                "sets": {
+                    "math": {"completion_tokens": 90, "spec_verify_ct": 10},
+                    "structured": {"completion_tokens": 30, "spec_verify_ct": 10},
+                    "chat": {"completion_tokens": 10, "spec_verify_ct": 10},
+                },
+            },
+            {"config": {"steps": 7}, "sets": {"structured": {"completion_tokens": 99, "spec_verify_ct": 1}}},
+        ],
+    }
+    th = bench.check_threshold(result, 2.0)
+    assert th == {
+        "min_acceptance_length": 2.0,
+        "config": {"steps": 3, "topk": 1, "draft_tokens": 4},
+        "sets": ["structured", "chat"],
+        "acceptance_length": 2.0,  # 40 tokens in 20 verifies; the mean of 3.0 and 1.0 would also be 2.0, so:
+        "passed": True,
+    }
+    result["speculative"][0]["sets"]["chat"] = {"completion_tokens": 30, "spec_verify_ct": 30}
+    assert bench.check_threshold(result, 1.5)["acceptance_length"] == 1.5  # 60 / 40, not (3.0 + 1.0) / 2
+    assert bench.check_threshold(result, 1.51)["passed"] is False
+    result["settings"]["threshold_sets"] = None  # every set of the first config
+    assert bench.check_threshold(result, 1.0)["acceptance_length"] == 150 / 50
+    assert bench.check_threshold(result, None) is None

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -287,14 +286,26 @@ def test_full_pool_waits_for_a_release_then_fails_after_the_wait(writer):
     with pytest.raises(RuntimeError, match="full for"):
         _put(writer, [(_spec("run:b", big), _rows(big, 1))])
     assert writer.lent()["samples"] == 1  # the failed batch left nothing lent
-    # backpressure: a reader's release during the wait lets the batch through
+    # backpressure: a reader's release during the wait lets the batch through. The reader (another thread)
+    # releases only once the writer has found the pool full, so the batch is known to have waited.
     writer.wait_s = 30.0
     store = _store(writer)
     store.adopt(_ref_for(first))
-    threading.Timer(0.3, lambda: store.abort("run:a", reason="ack")).start()
-    t0 = time.monotonic()
+    full = threading.Event()
+    alloc = writer.regions.alloc
+
+    def observed_alloc(nbytes):
+        start = alloc(nbytes)
+        if start is None:
+            full.set()
+        return start
+
+    writer.regions.alloc = observed_alloc
+    reader = threading.Thread(target=lambda: full.wait(30) and store.abort("run:a", reason="ack"))
+    reader.start()
     (second,) = _put(writer, [(_spec("run:b", big), _rows(big, 1))])
-    assert 0.2 < time.monotonic() - t0 < 10
+    reader.join()
+    assert full.is_set() and writer.lent()["released"] == 1 and writer.lent()["samples"] == 1
     assert torch.equal(store.get(_ref_for(second))[0]["target"][0], _rows(big, 1)[1])
     with pytest.raises(RuntimeError, match="the whole pool is"):
         _put(writer, [(_spec("run:huge", 2000), _rows(2000, 2))])
@@ -304,9 +315,18 @@ def test_a_batch_never_expires_its_own_slots(writer):
     """A batch waiting for space past the lease must not reclaim the slots it just lent itself (it would answer
     descriptors of freed slots): it waits, then fails whole."""
     big = 600
-    threading.Timer(0.05, lambda: writer.test_clock.update(t=1000.0)).start()  # the lease runs out mid-wait
+    late = []
+
+    def clock():  # the lease (100 s) runs out as soon as the batch holds a slot, i.e. while it waits for room
+        if writer._batch:
+            late.append(1)
+            return 1000.0
+        return 0.0
+
+    writer._clock = clock
     with pytest.raises(RuntimeError, match="full for"):
         _put(writer, [(_spec("run:a", big), _rows(big, 0)), (_spec("run:b", big), _rows(big, 1))])
+    assert late, "the wait never saw the lease run out"
     assert writer.lent()["expired"] == 0 and writer.lent()["samples"] == 0
 
 

@@ -37,18 +37,35 @@ def test_versions_match_pins_here():
     checks = {c.name: c for c in doctor.check_versions()}
     for dist in doctor.PINS:
         assert checks[f"version {dist}"].status == "ok", checks[f"version {dist}"]
-    from importlib.metadata import PackageNotFoundError, version
 
-    def installed(d):
-        try:
-            return bool(version(d))
-        except PackageNotFoundError:
-            return False
 
-    expected = "ok" if any(installed(d) for d in doctor.MOONCAKE_DISTS) else "fail"
-    assert checks["mooncake"].status == expected
-    if expected == "fail":
-        assert "pip install mooncake-transfer-engine" in checks["mooncake"].fix
+PINNED = {"specforge": "0.2.0", "sglang": "0.5.14", "torch": "2.11.0+cu130", "transformers": "5.8.1"}
+
+
+def test_version_checks_read_what_is_installed(monkeypatch):
+    """check_versions against a stated set of installed distributions (not the probe it uses): each pin, and the
+    Mooncake build(s) found handed on with the host's CUDA."""
+
+    def run(installed: dict[str, str], cuda: str | None) -> dict[str, doctor.Check]:
+        monkeypatch.setattr(doctor, "_version", installed.get)
+        monkeypatch.setattr(doctor, "_torch_cuda", lambda: cuda)
+        return {c.name: c for c in doctor.check_versions()}
+
+    cpu = {**PINNED, "mooncake-transfer-engine-non-cuda": "0.3.13.post1"}
+    checks = run(cpu, None)
+    assert [c.status for c in checks.values()] == ["ok"] * 5
+    assert (
+        checks["mooncake"].detail == '{"mooncake-transfer-engine-non-cuda": "0.3.13.post1"} (CPU build, no GPUs here)'
+    )
+    checks = run({**cpu, "torch": "2.10.0"}, None)
+    assert checks["version torch"].status == "fail" and "torch==2.11.0" in checks["version torch"].fix
+    assert checks["version specforge"].status == "ok"
+    checks = run(PINNED, None)  # no Mooncake at all
+    assert checks["mooncake"].status == "fail" and "pip install mooncake-transfer-engine" in checks["mooncake"].fix
+    checks = run({**PINNED, "mooncake-transfer-engine-cuda13": "0.3.14"}, "13.0")
+    assert checks["mooncake"].status == "ok" and "CUDA 13 build" in checks["mooncake"].detail
+    checks = run({**cpu, "mooncake-transfer-engine-cuda13": "0.3.14"}, "13.0")  # two builds share `mooncake`
+    assert checks["mooncake"].status == "fail" and "several Mooncake builds" in checks["mooncake"].detail
 
 
 def test_every_non_ok_check_has_a_fix(tiny_dir, tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -383,7 +384,7 @@ class IpcCaptureWriter:
         self._closed = True
         try:
             self.reclaim()  # count what readers released since the last batch
-            logger.info("cuda_ipc pool %s closed: %s", self.pool_id, self.lent())
+            logger.info("cuda_ipc pool %s closed: %s", self.pool_id, json.dumps(self.lent(), sort_keys=True))
             self.table.close()
         finally:
             remove_pool_files(self.info, self.pool_dir)
