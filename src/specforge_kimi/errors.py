@@ -12,10 +12,12 @@ class KimiInputError(ValueError):
 
 def validation_summary(exc, limit: int = 3) -> str:
     """A pydantic ``ValidationError`` on one line: each error as ``loc: msg`` (a whole-model check has no
-    loc), ``; ``-joined, at most ``limit`` of them (a misspelt required key gives two: missing and extra)."""
+    loc), ``; ``-joined, at most ``limit`` of them (a misspelt required key gives two: missing and extra).
+    Characters that are not printable (a key holding a line break, U+2028) are escaped, so it stays one line."""
     parts = []
     for err in exc.errors()[:limit]:
         loc = ".".join(str(x) for x in err["loc"])
         parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
     more = len(exc.errors()) - limit
-    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    text = "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

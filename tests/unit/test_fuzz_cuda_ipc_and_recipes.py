@@ -321,14 +321,6 @@ def test_fuzz_recipe_validate(tmp_path, monkeypatch):
     check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="online.recipes.load_recipe / errors.validation_summary (not this suite's to change): bytes that are "
-    "not UTF-8 raise UnicodeDecodeError out of the CLI; a YAML error's message spans several lines; an unknown key "
-    "with a line break is echoed raw, breaking the line; a draft config without num_attention_heads (or another key "
-    "the memory plan reads) raises KeyError out of recipes._draft_params; an infinite or ~1e308 float (gpus.memory_gib, "
-    "trainer.reserve_gib, ...) raises OverflowError out of transport_plan.pool_room_bytes",
-)
 def test_fuzz_recipe_validate_broken_text(tmp_path, monkeypatch):
     """Recipes cut short, with a stray character, with bytes that are not UTF-8, with unknown keys holding
     control characters, with the draft's config edited, or with infinite / ~1e308 floats."""

@@ -23,7 +23,21 @@ GIB = 1 << 30
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+#: the draft config keys the memory plan reads (Llama; the MLA draft also needs :data:`_MLA_DRAFT_KEYS`)
+_DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "draft_vocab_size", "vocab_size")
+_MLA_DRAFT_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _check_draft_keys(d: dict) -> None:
+    """Each size the memory plan reads from ``trainer.draft`` is there and a positive integer."""
+    keys = _DRAFT_KEYS + (_MLA_DRAFT_KEYS if "kv_lora_rank" in d else ())
+    for key in keys + tuple(k for k in ("num_key_value_heads", "head_dim") if k in d):
+        v = d.get(key)
+        if type(v) is not int or v <= 0:
+            raise ValueError(f"trainer.draft.{key} must be a positive integer, not {v!r}")
 
 
 class TargetSection(_Strict):
@@ -236,6 +250,7 @@ class Recipe(_Strict):
             raise ValueError(f"TP={tp} does not divide num_attention_heads={self.target.num_attention_heads}")
         AuxLayers.from_specforge(self.target.aux_layer_ids, self.target.num_layers)
         d = self.trainer.draft
+        _check_draft_keys(d)
         if d.get("hidden_size") != self.target.hidden_size:
             raise ValueError(
                 f"draft hidden_size {d.get('hidden_size')} != target hidden_size {self.target.hidden_size}"
@@ -274,10 +289,13 @@ class Recipe(_Strict):
             )
         from specforge_kimi.online.transport_plan import refusal, store_refusal
 
-        why = refusal(self) if self.server.transport == "cuda_ipc" else store_refusal(self)
+        try:
+            why = refusal(self) if self.server.transport == "cuda_ipc" else store_refusal(self)
+            plan = memory_plan(self)
+        except (OverflowError, ValueError) as exc:  # sizes too large for byte arithmetic (1e308 GiB)
+            raise ValueError(f"a size in the recipe is out of range: {exc}") from None
         if why:
             raise ValueError(why)
-        plan = memory_plan(self)
         if not plan["fits"]:
             raise ValueError(f"memory split does not fit: {plan['why']}")
         return self
@@ -407,9 +425,13 @@ def load_recipe(path: str | Path) -> Recipe:
     if not p.is_file():
         raise KimiInputError(f"recipe {p} not found")
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KimiInputError(f"recipe {p} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise KimiInputError(f"recipe {p} is not valid YAML: {exc}") from None
+        raise KimiInputError(f"recipe {p} is not valid YAML: {' '.join(str(exc).split())}") from None
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
