@@ -87,6 +87,21 @@ def test_every_non_ok_check_has_a_fix(tiny_dir, tmp_path):
     by = {c.name: c for c in checks}
     assert by["target vs recipe"].status == "ok" and by["target tensors"].status == "ok", by
     assert by["mooncake master"].status == "warn" and "mooncake_master" in by["mooncake master"].fix
+    assert by["transport"].detail == "mooncake (recipe): named by the recipe (cuda_ipc would apply here too)"
+
+
+def test_transport_line_names_the_choice_and_the_pool(tiny_dir, tmp_path):
+    """A recipe without ``server.transport`` (auto) on one node gets cuda_ipc, and doctor says so, its pool
+    included, and checks cuda_ipc's needs instead of a Mooncake master."""
+    path = _recipe_for(tiny_dir, tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["server"].pop("transport")
+    path.write_text(yaml.safe_dump(raw))
+    by = {c.name: c for c in doctor.run_checks(str(path))}
+    assert (
+        by["transport"].detail.startswith("cuda_ipc (auto): one node") and "GiB pool on GPU 0" in by["transport"].detail
+    )
+    assert "cuda_ipc transport" in by and "mooncake master" not in by
 
 
 def test_target_mismatch_is_a_failure(tiny_dir, tmp_path):

@@ -437,6 +437,10 @@ def run_checks(recipe_path: str | None) -> list[Check]:
         except KimiInputError as exc:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
+        from specforge_kimi.online.transport_plan import choice
+
+        c = choice(recipe)
+        checks.append(Check("transport", "ok", f"{c['transport']} ({c['chosen_by']}): {c['why']}"))
         mooncake = recipe.server.transport == "mooncake"
         transport = check_mooncake(recipe) + [check_mooncake_binds(recipe)] if mooncake else check_cuda_ipc(recipe)
         checks += (
