@@ -116,6 +116,10 @@ class Run:
 
     def kill_at(self, kind: str, step: int, *, resume: bool) -> dict:
         """Start an attempt, SIGKILL everything at ``kind``/``step``; returns what happened."""
+        if resume and step <= self.resume_point():  # the resumed attempt logs and saves only steps past it
+            raise AssertionError(
+                f"{kind} step {step} cannot be reached: the resumed run starts after checkpoint {self.resume_point()}"
+            )
         phase = self.rng.choice(PHASES) if kind == "during" else None
         proc = self._start(resume=resume, slow_save=f"{step}:{phase}:120" if phase else None)
         attempt = self.attempts
@@ -149,6 +153,19 @@ class Run:
         }
         self.kills.append(event)
         return event
+
+    def resume_point(self) -> int:
+        """The newest complete checkpoint's step (0 without one): where the next ``--resume`` starts training."""
+        try:
+            run_id = self.run_id
+        except (OSError, ValueError, KeyError):
+            return 0
+        steps = [
+            int(p.name.rsplit("step", 1)[1])
+            for p in self.out.glob(f"{run_id}-step*")
+            if p.name.rsplit("step", 1)[1].isdigit() and (p / "specforge_kimi_complete.json").is_file()
+        ]
+        return max(steps, default=0)
 
     def _checkpoint_dir(self, step: int) -> Path | None:
         try:

@@ -100,9 +100,10 @@ def test_resume_gpu_kill_twice(tmp_path, inputs):
     run = _run(tmp_path, inputs)
     first = run.rng.choice([k for k in range(SAVE + 1, 3 * SAVE) if k % SAVE])
     run.kill_at("before", first, resume=False)
-    # the resumed attempt starts after checkpoint first // SAVE * SAVE (or the next one, if the ledger ran past
-    # it before the kill landed: steps take ~60 ms): the second kill is a checkpoint write beyond both
-    second = (first // SAVE) * SAVE + SAVE * run.rng.choice([2, 3])
+    # the kill lands some steps after `first` is logged (on cuda_ipc a tiny step is a few ms: on 2026-12-03 a kill
+    # aimed at a step below 40 landed at 75, after two more checkpoints), so the second kill is a checkpoint write
+    # beyond the checkpoint the resumed attempt actually starts from
+    second = run.resume_point() + SAVE * run.rng.choice([1, 2])
     run.kill_at("during", second, resume=True)
     rc = run.finish()
     name = "SIGKILL of every process group, twice (between checkpoints; during a checkpoint write), --resume"

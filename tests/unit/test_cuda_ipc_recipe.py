@@ -347,20 +347,17 @@ def test_run_report_names_the_transport(tmp_path):
     assert transport(tmp_path / "not-a-run") is None
 
 
-def test_stale_pools_are_removed_before_each_attempt_starts(tmp_path, monkeypatch):
-    """A server SIGKILLed with the launcher (a ``kill -9`` of the whole tree, a reboot) leaves its pool files; the
-    next launch's attempt, and each whole-run restart, clears them before any service starts."""
-    import argparse
-    import contextlib
+def test_stale_pools_are_removed_around_each_attempt(tmp_path, monkeypatch):
+    """A server SIGKILLed with the launcher (a ``kill -9`` of the whole tree, a reboot) leaves its pool files;
+    ``run_attempts`` -- what ``launch`` and the drills both run -- clears them before each attempt (the first, and
+    each whole-run restart) and after the last."""
     import subprocess
 
-    from specforge_kimi.online import gpu_memory, inputs, launch, resume
+    from specforge_kimi.online import ledger, resume
 
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")
-    recipe_path = tmp_path / "r.yaml"
-    recipe_path.write_text(yaml.safe_dump(raw))
-    r = load_recipe(recipe_path)
+    r = _load(tmp_path, raw)
     code = (
         "import sys; from specforge_kimi.transport.writer import IpcCaptureWriter; "
         "w = IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=sys.argv[1], device='cpu'); "
@@ -373,30 +370,15 @@ def test_stale_pools_are_removed_before_each_attempt_starts(tmp_path, monkeypatc
 
     seen = []
 
-    def run_plan(plan, **_kw):  # what each attempt finds when its services would start
+    def run(plan) -> int:  # what each attempt finds when its services would start; its own server is then killed
         seen.append([p for p in left if os.path.exists(p)])
+        left[:] = kill_a_server()
         return 1
-
-    def run_attempts(recipe, plan, run, **_kw):  # the first attempt and one whole-run restart
-        rc = run(plan)
-        left[:] = kill_a_server()  # the first attempt's server was killed with it
-        return run(plan) or rc
 
     left = kill_a_server()
     assert all(os.path.exists(p) for p in left) and len(left) == 3
-    monkeypatch.setattr(inputs, "require_inputs", lambda _r: None)
-    monkeypatch.setattr(resume, "run_attempts", run_attempts)
-    monkeypatch.setattr(gpu_memory, "GpuSampler", lambda _p: contextlib.nullcontext())
-    monkeypatch.setattr(launch, "run_plan", run_plan)
-    args = argparse.Namespace(
-        recipe=str(recipe_path),
-        node_rank=0,
-        local_host=None,
-        resume=False,
-        stop_stale=False,
-        plan=False,
-        no_bench=True,
-        no_progress=True,
-    )
-    assert launch.run(args) == 1
-    assert seen == [[], []]
+    monkeypatch.setattr(resume, "begin_attempt", lambda *_a, **_k: "plan")
+    monkeypatch.setattr(resume, "read_record", lambda _out: None)
+    monkeypatch.setattr(ledger, "durable_step", lambda _out: 5)  # past the start: the failed attempt is restarted
+    assert resume.run_attempts(r, "plan", run, resume=False, restarts=1) == 1
+    assert seen == [[], []] and len(left) == 3 and not any(os.path.exists(p) for p in left)

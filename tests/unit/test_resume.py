@@ -594,3 +594,27 @@ def test_drill_step_lines_read_with_and_without_a_tracker():
     assert steps_logged(plain) == steps_logged(tracked) == {3: {"loss": 2.5, "lr": 0.001}}
     cut = "step 4: {'train/loss': 2.0, 'trstep 4: {'train/loss': 2.0, 'train/lr': 0.002}\n"
     assert steps_logged(cut) == {4: {"loss": 2.0, "lr": 0.002}}
+
+
+def test_drill_kill_points_must_lie_past_the_resume_point(tmp_path):
+    """The drills' second kill is aimed past the checkpoint the resumed attempt starts from (a kill can land many
+    fast steps after its target: on one H200, 2026-12-03, one aimed below step 40 landed at 75, past two
+    checkpoints, and the next kill, aimed at step 60, waited for a step that was never logged again)."""
+    import random
+
+    from resume_drills import Run
+
+    run = Run(tmp_path, {"kind": "cpu"}, seed=1)
+    assert run.resume_point() == 0  # nothing launched yet
+    run.out.mkdir()
+    (run.out / "resume.json").write_text(json.dumps({"run_id": "r"}))
+    for step, complete in ((20, True), (40, True), (60, True), (80, False)):
+        (run.out / f"r-step{step}").mkdir()
+        if complete:
+            (run.out / f"r-step{step}" / "specforge_kimi_complete.json").write_text("{}")
+    (run.out / "r-step100.abandoned-attempt2").mkdir()
+    assert run.resume_point() == 60
+    run.rng = random.Random(0)
+    with pytest.raises(AssertionError, match="step 60 cannot be reached: the resumed run starts after checkpoint 60"):
+        run.kill_at("during", 60, resume=True)
+    assert run.attempts == 0  # refused before any attempt was started

@@ -391,10 +391,8 @@ def run(args) -> int:
     from specforge_kimi.online.gpu_memory import SAMPLES_CSV, GpuSampler
     from specforge_kimi.online.progress import LiveProgress
     from specforge_kimi.online.resume import run_attempts
-    from specforge_kimi.online.transport_plan import remove_stale_pools
 
-    def attempt(p) -> int:
-        remove_stale_pools(recipe)  # cuda_ipc: what a server killed before this attempt (or launch) left
+    def attempt(p) -> int:  # run_attempts removes stale cuda_ipc pools around it
         logs = Path(p.services[0].log_path).parent if p.services else out / "logs"
         print(
             f"starting {', '.join(s.command.label for s in p.services)}, then "
@@ -405,11 +403,8 @@ def run(args) -> int:
         # node 0's per-process GPU memory for run-report (SpecForge records none); the status line reads
         # SpecForge's own files
         sampler = GpuSampler(logs / SAMPLES_CSV) if args.node_rank == 0 else nullcontext()
-        try:
-            with sampler, nullcontext() if args.no_progress else LiveProgress(out):
-                return run_plan(p, managed_preflight=lambda _plan: None)
-        finally:
-            remove_stale_pools(recipe)  # cuda_ipc: a killed server's pool file and slot table
+        with sampler, nullcontext() if args.no_progress else LiveProgress(out):
+            return run_plan(p, managed_preflight=lambda _plan: None)
 
     rc = run_attempts(
         recipe,

@@ -540,8 +540,11 @@ def run_attempts(
     """:func:`begin_attempt` (with ``check``), then ``run(plan) -> status``; after a failed attempt, while ``restarts`` are
     left, the next one (``--resume``, stopping what the failed one left). No restart after a stop on purpose
     (SIGINT/TERM/HUP: status 129/130/143) nor after an attempt that made no durable step (it would fail the
-    same way again)."""
+    same way again). Around each ``run``, what cuda_ipc pools of killed capture servers left (pool files, slot
+    tables) is removed (``transport_plan.remove_stale_pools``; nothing for Mooncake), so every caller -- ``launch``,
+    the drills -- starts and ends each attempt clean."""
     from specforge_kimi.online.ledger import durable_step
+    from specforge_kimi.online.transport_plan import remove_stale_pools
 
     out = Path(recipe.output_dir)
     current = begin_attempt(recipe, plan, resume=resume, stop_stale=stop_stale, check=check, say=say)
@@ -549,7 +552,11 @@ def run_attempts(
     while True:
         record = read_record(out)
         start = (record.attempts[-1].resumed_from_step or 0) if record else 0
-        rc = run(current)
+        remove_stale_pools(recipe)
+        try:
+            rc = run(current)
+        finally:
+            remove_stale_pools(recipe)
         if rc == 0 or used >= restarts or rc in _STOPPED:
             return rc
         reached = durable_step(out) or 0
