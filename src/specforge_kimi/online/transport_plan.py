@@ -106,8 +106,8 @@ def prefetch_bytes(r) -> int:
 
 def pool_room_bytes(r) -> int:
     """What GPU 0 has left for the pool: the trainer's room beside the server's static pool, less the captured
-    rows and the trainer's planned peak (``recipes.trainer_terms`` + prefetch + ``trainer.reserve_gib``)."""
-    from specforge_kimi.online.recipes import trainer_terms
+    rows and the trainer's planned peak (``trainer_terms`` + prefetch + ``trainer.reserve_gib``)."""
+    from specforge_kimi.online.trainer_terms import trainer_terms
 
     room = (1 - r.server.mem_fraction_static) * r.gpus.memory_gib * GIB
     trainer = sum(trainer_terms(r).values()) + prefetch_bytes(r) + r.trainer.reserve_gib * GIB
@@ -210,12 +210,11 @@ def refusal_as_cuda_ipc(r) -> str | None:
     from pydantic import ValidationError
 
     from specforge_kimi.errors import validation_summary
-    from specforge_kimi.online.recipes import Recipe
 
     raw = r.model_dump()
     raw["server"]["transport"] = "cuda_ipc"
     try:
-        Recipe.model_validate(raw)
+        type(r).model_validate(raw)
     except ValidationError as exc:
         return validation_summary(exc).removeprefix("Value error, ")
     return None
