@@ -551,6 +551,7 @@ def test_resume_run_restarts_policy(tmp_path, monkeypatch, statuses, progress, r
 
     class R:
         output_dir = str(tmp_path)
+        server = type("S", (), {"transport": "mooncake"})  # no cuda_ipc pools to clear around the attempts
 
     rc = resume.run_attempts(R(), "plan", run, resume=False, restarts=1, say=lambda m: None)
     assert len(seen) == runs and rc == statuses[runs - 1]
