@@ -17,6 +17,7 @@ client's segment registration lives in it): the drill checks the clean, bounded 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -147,5 +148,7 @@ def test_cuda_ipc_trainer_crash_replays_from_the_pool(tmp_path):
     assert (tmp_path / "crashed").is_file(), "the injected crash did not happen"
     check_recovered(res)
     server = (res["out"] / "logs" / "capture-server-node0.log").read_text()
-    assert "'expired': 0" in server and "past the" not in server, server[-2000:]
+    closed = re.findall(r"cuda_ipc pool \w+ closed: (\{.*\})$", server, flags=re.MULTILINE)  # the writer's counters
+    assert len(closed) == 1 and json.loads(closed[0])["expired"] == 0, server[-2000:]
+    assert "past the" not in server, server[-2000:]
     assert not _pool_files(res["out"])  # the server's clean stop removed its files
