@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from specforge_kimi.errors import KimiInputError, validation_summary
 from specforge_kimi.online.trainer_terms import draft_params as _draft_params
-from specforge_kimi.online.trainer_terms import trainer_terms
+from specforge_kimi.online.trainer_terms import trainer_peak_bytes, trainer_room_bytes, trainer_terms
 
 GIB = 1 << 30
 
@@ -340,8 +340,8 @@ def memory_plan(r: Recipe) -> dict:
     server_pool = s.mem_fraction_static * g.memory_gib
     terms = trainer_terms(r)
     ipc = memory_terms(r)
-    trainer = (sum(terms.values()) + ipc["prefetch"]) / GIB + tr.reserve_gib
-    trainer_room = (1 - s.mem_fraction_static) * g.memory_gib
+    trainer = trainer_peak_bytes(r, prefetch=ipc["prefetch"]) / GIB
+    trainer_room = trainer_room_bytes(r) / GIB
     writer_room = trainer_room - (ipc["pool"] + ipc["server_rows"]) / GIB
     why = []
     if weights + kv > server_pool:

@@ -49,3 +49,14 @@ def trainer_terms(r, *, max_length: int | None = None, attention_backend: str | 
         "sdpa_attention": 6 * d["num_attention_heads"] * tr.ttt_length * length**2 if backend == "sdpa" else 0,
         "teacher_logits": length * t.vocab_size * 10,
     }
+
+
+def trainer_peak_bytes(r, *, prefetch: int = 0) -> int:
+    """A trainer rank's planned peak: :func:`trainer_terms` + ``prefetch`` (cuda_ipc's samples on the rank's GPU)
+    + ``trainer.reserve_gib``."""
+    return int(sum(trainer_terms(r).values()) + prefetch + r.trainer.reserve_gib * (1 << 30))
+
+
+def trainer_room_bytes(r) -> int:
+    """What a GPU leaves the trainer beside the capture server's static pool."""
+    return int((1 - r.server.mem_fraction_static) * r.gpus.memory_gib * (1 << 30))

@@ -107,11 +107,9 @@ def prefetch_bytes(r) -> int:
 def pool_room_bytes(r) -> int:
     """What GPU 0 has left for the pool: the trainer's room beside the server's static pool, less the captured
     rows and the trainer's planned peak (``trainer_terms`` + prefetch + ``trainer.reserve_gib``)."""
-    from specforge_kimi.online.trainer_terms import trainer_terms
+    from specforge_kimi.online.trainer_terms import trainer_peak_bytes, trainer_room_bytes
 
-    room = (1 - r.server.mem_fraction_static) * r.gpus.memory_gib * GIB
-    trainer = sum(trainer_terms(r).values()) + prefetch_bytes(r) + r.trainer.reserve_gib * GIB
-    return int(room - server_rows_bytes(r) - trainer)
+    return trainer_room_bytes(r) - server_rows_bytes(r) - trainer_peak_bytes(r, prefetch=prefetch_bytes(r))
 
 
 def pool_bytes(r) -> int:
