@@ -28,6 +28,26 @@ do not.
     python bench/trainer_memory.py --recipe recipes/kimi-k25-8xb200-lowered.yaml \\
         --backends flex_attention,sdpa --lengths 2048,4096 --out bench/results/trainer_memory_....json
 
+Speed in FLOPs: ``flops_per_token`` is ``training.step_flops``'s model FLOPs of one step (forward +
+backward, the EAGLE-3 mask's useful attention pairs; the teacher's full-vocabulary head counted forward
+only), ``flops_per_token_executed`` what the backend executes (flex: whole 128-tiles and its backward's
+recomputed scores; sdpa: dense L x L); ``achieved_tflops = flops_per_token x tokens_per_s``, ``mfu`` that
+over ``--peak-tflops`` x ranks (default 989, the H200's dense bf16 spec; large bf16 GEMMs reach ~790 on
+one, so ~0.8 is the practical ceiling). On CUDA each row also has the allocator's per-step
+``num_alloc_retries`` / ``num_device_alloc`` / ``num_device_free`` deltas (``torch.cuda.memory_stats``;
+SpecForge's eagle3 forward calls ``torch.cuda.empty_cache()`` every step, which returns the cache and
+makes the next step ``cudaMalloc`` it again).
+
+``--profile-steps N`` (default 0): after a length's timed steps, N more under ``torch.profiler`` (CPU and
+CUDA activities, input shapes, no stacks); the row's ``profile`` is ``bench/step_profile.py``'s summary
+per step -- device time by class (gemm, attention, draft head and loss, target head / teacher, optimizer,
+copies, nccl, other), wall, busy (union of kernel intervals) and idle (wall - busy: launch, sync and
+allocator gaps), CUDA runtime allocator/sync calls, top 25 kernels, TFLOP/s per class against the FLOP
+model's terms -- and the chrome trace is ``WORKDIR/trace-BACKEND-LENGTH-rankR.json.gz``.
+
+    python bench/trainer_memory.py --recipe recipes/kimi-k25-8xb200-lowered.yaml --backends flex_attention \\
+        --lengths 4096,16384 --steps 4 --profile-steps 2 --workdir /tmp/tm --out trainer_profile_....json
+
 Each backend runs in a fresh Python process (lengths ascending; an out-of-memory length ends
 that backend's list and is recorded). On a host without CUDA it runs SpecForge's CPU path (the
 package's CPU shims, sdpa only) and records no device memory: that is how the tests exercise it.
@@ -130,12 +150,65 @@ def _batch(length: int, hidden: int, vocab: int, seed: int):
     )
 
 
+#: the FLOP model's attention mode for what each backend executes (training.step_flops)
+EXECUTED = {"flex_attention": "flex", "sdpa": "sdpa"}
+
+
+def _throughput(row: dict) -> dict:
+    """Model FLOP/s (``flops_per_token``, the mask's useful pairs) and MFU against ``peak_tflops`` per rank."""
+    if "tokens_per_s" not in row:
+        return row
+    achieved = row["flops_per_token"] * row["tokens_per_s"] / 1e12
+    return {
+        **row,
+        "achieved_tflops": achieved,
+        "achieved_tflops_executed": row["flops_per_token_executed"] * row["tokens_per_s"] / 1e12,
+        "mfu": achieved / (row["peak_tflops"] * row.get("world_size", 1)),
+    }
+
+
+def _profile(
+    args, core, *, rank: int, length: int, hidden: int, vocab: int, draft_vocab: int, workdir: Path, cuda: bool, flops
+) -> dict:
+    """``--profile-steps`` more steps under torch.profiler: the summary (bench/step_profile.py) and a gzipped trace."""
+    import step_profile
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+    walls = []
+    with step_profile.profiling(cuda) as prof:
+        for step in range(args.profile_steps):
+            batch = _batch(length, hidden, vocab, seed=1000 * (args.steps + step) + rank)
+            t0 = time.perf_counter()
+            core.train_step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+    trace = workdir / f"trace-{args.backend}-{length}-rank{rank}.json.gz"
+    prof.export_chrome_trace(str(trace))
+    summary = step_profile.summarize(
+        prof, steps=args.profile_steps, wall_s=walls, cuda=cuda, target_vocab=vocab, draft_vocab=draft_vocab
+    )
+    summary["class_tflops"] = step_profile.class_tflops(summary, flops)
+    summary["trace"] = str(trace)
+    if cuda:
+        after = torch.cuda.memory_stats()
+        summary["allocator_counters_per_step"] = {
+            k: (after.get(k, 0) - before.get(k, 0)) / args.profile_steps for k in step_profile.ALLOC_COUNTERS
+        }
+    return summary
+
+
 def child(args) -> int:
     """One backend, lengths ascending, in this process; prints one JSON line per length."""
+    import step_profile
     import torch
 
     from specforge_kimi import register
     from specforge_kimi.online.recipes import load_recipe, render, trainer_terms
+    from specforge_kimi.training.step_flops import recipe_step_flops
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -192,6 +265,8 @@ def child(args) -> int:
             wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs)
         )
         core = TrainerCore(strategy, backend)
+        if args.profile_steps:
+            step_profile.annotate(target_head=bundle.target_head, backend=backend)
         build_s = time.perf_counter() - t0
         built = None
         if cuda:
@@ -208,6 +283,8 @@ def child(args) -> int:
     try:
         for length in args.lengths:
             terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
+            flops = recipe_step_flops(base, length=length)
+            executed = recipe_step_flops(base, length=length, attention=EXECUTED[args.backend])
             row = {
                 "backend": args.backend,
                 "length": length,
@@ -216,21 +293,31 @@ def child(args) -> int:
                 "built_allocated_gib": built,
                 "plan_bytes": terms,
                 "plan_gib": sum(terms.values()) / GIB,
+                "flops_per_token": flops.per_token,
+                "flops_per_token_executed": executed.per_token,
+                "flops_executed_attention": executed.attention,
+                "flops_per_token_by_term": {k: v / length for k, v in flops.by_term.items()},
+                "peak_tflops": args.peak_tflops,
             }
             try:
                 if cuda:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                     row["start_allocated_gib"] = torch.cuda.memory_allocated() / GIB
-                times, losses = [], []
+                times, losses, counters = [], [], {k: [] for k in step_profile.ALLOC_COUNTERS}
                 for step in range(args.steps):
                     batch = _batch(length, hidden, vocab, seed=1000 * step + rank)  # each rank its own sample
+                    before = torch.cuda.memory_stats() if cuda else {}
                     t0 = time.perf_counter()
                     out = core.train_step(batch)
                     if cuda:
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
                     losses.append(float(out.loss))
+                    if cuda:
+                        after = torch.cuda.memory_stats()
+                        for k in counters:
+                            counters[k].append(after.get(k, 0) - before.get(k, 0))
                 row["step_s"] = times
                 row["losses"] = losses
                 if len(times) > 1:
@@ -241,11 +328,25 @@ def child(args) -> int:
                     row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
                     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
                     row["measured_over_plan"] = row["peak_allocated_gib"] / row["plan_gib"]
+                    row["allocator_counters_per_step"] = counters
+                if args.profile_steps:
+                    row["profile"] = _profile(
+                        args,
+                        core,
+                        rank=rank,
+                        length=length,
+                        hidden=hidden,
+                        vocab=vocab,
+                        draft_vocab=base.trainer.draft["draft_vocab_size"],
+                        workdir=workdir,
+                        cuda=cuda,
+                        flops=flops,
+                    )
             except torch.OutOfMemoryError as exc:
                 row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
             except Exception as exc:  # record and stop this backend's list
                 row["error"] = f"{type(exc).__name__}: {exc}"
-            row = _merge_ranks(row, dist, world)
+            row = _throughput(_merge_ranks(row, dist, world))
             if rank == 0:
                 print(json.dumps(row), flush=True)
             if "error" in row:
@@ -307,6 +408,19 @@ def main(argv=None) -> int:
         "state over them (SHARD_GRAD_OP) as in a co-located run",
     )
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per length (the first compiles)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each length's timed steps, this many more under torch.profiler: a summary by class of "
+        "work in the row and a gzipped chrome trace in the workdir (bench/step_profile.py)",
+    )
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="the accelerator's dense bf16 peak for MFU (default: H200 spec 989; large GEMMs measure ~790)",
+    )
     ap.add_argument("--workdir", default="runs/trainer-memory", help="stand-in target, renders, logs")
     ap.add_argument("--out", default=None, help="JSON result path")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -316,6 +430,7 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/step_profile.py
     if args.child:
         args.lengths = [int(x) for x in args.lengths.split(",")]
         return child(args)
@@ -339,6 +454,8 @@ def main(argv=None) -> int:
         raise KimiInputError(f"--nproc {args.nproc}: need 1..{torch.cuda.device_count() or 'N'} ranks (one per GPU)")
     if args.steps < 2:
         raise KimiInputError("--steps must be at least 2 (the first step compiles and is not timed)")
+    if args.profile_steps < 0 or args.peak_tflops <= 0:
+        raise KimiInputError("--profile-steps must be >= 0 and --peak-tflops > 0")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("flex_attention", "sdpa"):
@@ -383,6 +500,10 @@ def main(argv=None) -> int:
             "target_hidden": recipe.target.hidden_size,
             "target_vocab": recipe.target.vocab_size,
             "steps": args.steps,
+            "profile_steps": args.profile_steps,
+            "peak_tflops": args.peak_tflops,
+            "peak_tflops_source": "--peak-tflops (default: H200 SXM dense bf16 spec, 989 TFLOP/s without sparsity; "
+            "large bf16 GEMMs reach ~790 on an H200 per issue 34, so MFU 0.8 is about the ceiling)",
             "world_size": args.nproc,
             "standin_setup_s": setup_s,
         },
@@ -410,6 +531,10 @@ def main(argv=None) -> int:
             lengths,
             "--steps",
             str(args.steps),
+            "--profile-steps",
+            str(args.profile_steps),
+            "--peak-tflops",
+            str(args.peak_tflops),
             "--workdir",
             str(workdir),
             "--target",

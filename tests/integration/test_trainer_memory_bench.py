@@ -5,6 +5,7 @@ working against the pinned SpecForge (its model bundle, FSDP backend, optimizer 
 are private-ish seams) and checks what it records.
 """
 
+import gzip
 import json
 import subprocess
 import sys
@@ -32,6 +33,8 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
             "32,48",
             "--steps",
             "2",
+            "--profile-steps",
+            "1",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -44,6 +47,7 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
+    assert doc["config"]["peak_tflops"] == 989.0 and doc["config"]["profile_steps"] == 1
     assert doc["benchmark"] == "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
     rows = doc["rows"]
     assert [r["length"] for r in rows] == [32, 48], rows
@@ -56,6 +60,7 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
         assert r["plan_bytes"] == trainer_terms(
             load_recipe(REPO / RECIPE), max_length=r["length"], attention_backend="sdpa"
         )
+        _check_flops_and_profile(r, tmp_path / "work")
     # the stand-in target holds only what the consumer reads
     recipe = load_recipe(REPO / RECIPE)
     t = recipe.target
@@ -63,6 +68,45 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     index = json.loads((target / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == {recipe.target.embedding_key, recipe.target.lm_head_key}
     assert json.loads((target / "config.json").read_text())["text_config"]["hidden_size"] == recipe.target.hidden_size
+
+
+def _check_flops_and_profile(r: dict, workdir: Path) -> None:
+    """The row's FLOP figures are the FLOP model's; the profile summary is well-formed and adds up."""
+    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.training.step_flops import recipe_step_flops
+
+    recipe = load_recipe(REPO / RECIPE)
+    model = recipe_step_flops(recipe, length=r["length"])
+    assert r["flops_per_token"] == pytest.approx(model.per_token)
+    assert r["flops_per_token_executed"] == pytest.approx(
+        recipe_step_flops(recipe, length=r["length"], attention="sdpa").per_token
+    )
+    assert r["achieved_tflops"] == pytest.approx(model.per_token * r["tokens_per_s"] / 1e12)
+    assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 989.0)
+    p = r["profile"]
+    assert p["steps"] == 1 and p["time_source"] == "cpu op self time" and p["wall_ms_per_step"] > 0
+    classes = p["class_ms_per_step"]
+    assert set(classes) == {
+        "gemm",
+        "attention",
+        "draft_head_loss",
+        "target_head_teacher",
+        "optimizer",
+        "copies",
+        "nccl",
+        "elementwise_other",
+        "unattributed",
+    }
+    assert all(v >= 0 for v in classes.values())
+    assert sum(classes.values()) <= p["total_ms_per_step"] * (1 + 1e-9)
+    # the tiny recipe's GEMMs are found and classed by shape: draft GEMMs, the 256-row draft head, the teacher
+    assert classes["gemm"] > 0 and classes["draft_head_loss"] > 0 and classes["target_head_teacher"] > 0
+    assert classes["optimizer"] > 0
+    assert 0 < len(p["top"]) <= 25 and all(t["class"] in classes and t["ms_per_step"] >= 0 for t in p["top"])
+    assert set(p["class_tflops"]) == {"gemm", "attention", "draft_head_loss", "target_head_teacher"}
+    assert Path(p["trace"]) == workdir / f"trace-sdpa-{r['length']}-rank0.json.gz"
+    with gzip.open(p["trace"], "rt") as fh:
+        assert "traceEvents" in json.load(fh)
 
 
 @pytest.mark.slow
@@ -111,6 +155,7 @@ def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
         (["--lengths", "128,64"], "ascending"),
         (["--steps", "1"], "at least 2"),
         (["--nproc", "0"], "--nproc 0"),
+        (["--profile-steps", "-1"], "--profile-steps"),
     ]
     if not torch.cuda.is_available():  # flex_attention has no CPU backward
         cases.append((["--backends", "flex_attention"], "needs CUDA"))
