@@ -329,19 +329,22 @@ def child(args) -> int:
                     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
                     row["measured_over_plan"] = row["peak_allocated_gib"] / row["plan_gib"]
                     row["allocator_counters_per_step"] = counters
-                if args.profile_steps:
-                    row["profile"] = _profile(
-                        args,
-                        core,
-                        rank=rank,
-                        length=length,
-                        hidden=hidden,
-                        vocab=vocab,
-                        draft_vocab=base.trainer.draft["draft_vocab_size"],
-                        workdir=workdir,
-                        cuda=cuda,
-                        flops=flops,
-                    )
+                if args.profile_steps:  # a failed profile costs its summary, never the row's timings
+                    try:
+                        row["profile"] = _profile(
+                            args,
+                            core,
+                            rank=rank,
+                            length=length,
+                            hidden=hidden,
+                            vocab=vocab,
+                            draft_vocab=base.trainer.draft["draft_vocab_size"],
+                            workdir=workdir,
+                            cuda=cuda,
+                            flops=flops,
+                        )
+                    except Exception as exc:
+                        row["profile_error"] = f"{type(exc).__name__}: {exc}"
             except torch.OutOfMemoryError as exc:
                 row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
             except Exception as exc:  # record and stop this backend's list

@@ -1,0 +1,129 @@
+"""``bench/step_profile.py``'s CUDA summary over a hand-built event tree (the GPU run is the measurement).
+
+The events mimic ``torch.profiler``'s ``FunctionEvent``s (the attributes the summary reads: name,
+device type, time range, input shapes, ``cpu_parent``, ``kernels``), so the class rules, the busy-time
+union and the unattributed remainder are checked where no GPU is.
+"""
+
+import importlib.util
+from collections import namedtuple
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+REPO = Path(__file__).resolve().parents[2]
+Kernel = namedtuple("Kernel", ["name", "device", "duration"])
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("step_profile", REPO / "bench" / "step_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Range(SimpleNamespace):
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+def _op(name, parent=None, shapes=(), kernels=(), start=0.0, end=0.0):
+    return SimpleNamespace(
+        name=name,
+        device_type=DeviceType.CPU,
+        cpu_parent=parent,
+        input_shapes=[list(s) for s in shapes],
+        kernels=[Kernel(n, 0, d) for n, d in kernels],
+        time_range=_Range(start=start, end=end),
+        self_cpu_time_total=end - start,
+    )
+
+
+def _dev(name, start, end):
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=_Range(start=start, end=end))
+
+
+def test_cuda_summary_classes_busy_and_runtime_calls():
+    sp = _module()
+    teacher = _op(sp.TEACHER)
+    opt = _op(sp.OPTIMIZER)
+    ops = [
+        teacher,
+        opt,
+        # teacher head GEMM (163840 = target vocab) and its softmax, both inside the teacher range
+        _op("aten::mm", teacher, [(4096, 7168), (7168, 163840)], [("nvjet_tst_256x128", 100.0)]),
+        _op("aten::_softmax", teacher, [(4096, 32000)], [("triton_red_fused__softmax_0", 10.0)]),
+        # draft head GEMM by shape, fc-like GEMM, sdpa-path bmm
+        _op("aten::mm", None, [(4096, 7168), (7168, 32000)], [("sm90_xmma_gemm_bf16", 30.0)]),
+        _op("aten::addmm", None, [(7168,), (4096, 21504), (21504, 7168)], [("nvjet_tst_128x256", 20.0)]),
+        _op("aten::bmm", None, [(56, 4096, 128), (56, 128, 4096)], [("sm90_xmma_gemm_bf16", 8.0)]),
+        # flex template, loss kernel, optimizer range and foreach kernel, copy, nccl, other
+        _op("Torch-Compiled Region", None, [], [("triton_tem_fused_flex_attention_0", 40.0)]),
+        _op("LogSoftmaxLoss", None, [], [("log_softmax_forward_kernel", 5.0)]),
+        _op("aten::copy_", opt, [], [("elementwise_kernel", 6.0)]),
+        _op("aten::_foreach_mul_", None, [], [("multi_tensor_apply_kernel", 4.0)]),
+        _op("aten::copy_", None, [], [("Memcpy DtoD (Device -> Device)", 3.0), ("direct_copy_kernel", 2.0)]),
+        _op("nccl:all_reduce", None, [], [("ncclDevKernel_AllReduce", 7.0)]),
+        _op("aten::mul", None, [], [("vectorized_elementwise_kernel", 1.0)]),
+        # CUDA runtime calls (CPU events)
+        _op("cudaMalloc", start=0.0, end=50.0),
+        _op("cudaFree", start=60.0, end=70.0),
+        _op("cudaFree", start=80.0, end=90.0),
+        _op("cudaLaunchKernel", start=0.0, end=1.0),
+    ]
+    linked = 100 + 10 + 30 + 20 + 8 + 40 + 5 + 6 + 4 + 3 + 2 + 7 + 1  # 238 us
+    # device intervals: overlapping [0, 200) and [150, 250), plus [300, 338): busy 288 us, durations 338
+    device = [_dev("a", 0.0, 200.0), _dev("b", 150.0, 250.0), _dev("c", 300.0, 338.0)]
+    prof = SimpleNamespace(events=lambda: ops + device)
+    s = sp.summarize(prof, steps=2, wall_s=[0.001, 0.001], cuda=True, target_vocab=163840, draft_vocab=32000)
+    c = {k: round(v * 1e3 * 2, 6) for k, v in s["class_ms_per_step"].items()}  # back to us over 2 steps
+    assert c == {
+        "gemm": 20.0,
+        "attention": 48.0,  # bmm 8 + flex template 40
+        "draft_head_loss": 35.0,  # draft-vocab GEMM 30 + loss kernel 5
+        "target_head_teacher": 110.0,
+        "optimizer": 10.0,  # the copy inside the optimizer range + foreach kernel
+        "copies": 5.0,
+        "nccl": 7.0,
+        "elementwise_other": 1.0,
+        "unattributed": 338.0 - linked,
+    }
+    assert s["total_ms_per_step"] == pytest.approx(338.0 / 1e3 / 2)
+    assert s["busy_ms_per_step"] == pytest.approx(288.0 / 1e3 / 2)
+    assert s["wall_ms_per_step"] == pytest.approx(1.0)
+    assert s["idle_ms_per_step"] == pytest.approx(1.0 - 0.144)
+    assert s["runtime_calls_per_step"] == {
+        "cudaFree": {"calls": 1.0, "ms": pytest.approx(0.01)},
+        "cudaMalloc": {"calls": 0.5, "ms": pytest.approx(0.025)},
+    }
+    top = s["top"]  # 13 (kernel, class) pairs: the same GEMM kernel under two classes is two rows
+    assert top[0] == {
+        "name": "nvjet_tst_256x128",
+        "class": "target_head_teacher",
+        "ms_per_step": 0.05,
+        "calls_per_step": 0.5,
+    }
+    assert len(top) == 13 and sum(t["ms_per_step"] for t in top) == pytest.approx(linked / 1e3 / 2)
+
+
+def test_class_tflops_maps_model_terms_onto_classes():
+    sp = _module()
+    from specforge_kimi.training.step_flops import step_flops
+
+    draft = {
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_attention_heads": 4,
+        "vocab_size": 40,
+        "draft_vocab_size": 12,
+    }
+    f = step_flops(draft, length=10, ttt_length=2, target_vocab=40)
+    summary = {"class_ms_per_step": {"gemm": 1.0, "attention": 0.0, "draft_head_loss": 2.0, "target_head_teacher": 4.0}}
+    out = sp.class_tflops(summary, f)
+    t = f.by_term
+    assert out["gemm"]["model_flops"] == t["fc"] + t["attn_proj"] + t["mlp"]
+    assert out["gemm"]["tflops"] == pytest.approx(out["gemm"]["model_flops"] / 1e-3 / 1e12)
+    assert out["attention"]["tflops"] is None  # no time measured: no rate
+    assert out["target_head_teacher"]["model_flops"] == t["target_head"]
