@@ -573,9 +573,21 @@ def main(argv=None) -> int:
             )
             print(
                 f"{b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
+                f"{r.get('achieved_tflops', float('nan')):.1f} TFLOP/s (MFU {r.get('mfu', float('nan')):.3f}), "
                 f"losses {[round(x, 3) for x in r['losses']]}",
                 flush=True,
             )
+            if "profile" in r:
+                p = r["profile"]
+                classes = ", ".join(f"{c} {ms:.1f}" for c, ms in p["class_ms_per_step"].items() if ms)
+                print(
+                    f"  profile ms/step: wall {p['wall_ms_per_step']:.1f}, "
+                    + (f"busy {p['busy_ms_per_step']:.1f}, " if p["busy_ms_per_step"] is not None else "")
+                    + classes,
+                    flush=True,
+                )
+            elif "profile_error" in r:
+                print(f"  profile failed: {r['profile_error']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
