@@ -352,6 +352,8 @@ _ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
 #: online_run_{4800,taps}_tp1_h200_eval_draft.json (the deep vs SGLang-default taps comparison).
 SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     # acceptance through SGLang
+    "acceptance_k25_slice_h200.json": "a loading-and-counting check, not a quality number: the K2.5-width slice "
+    "(random weights) with a 20-step draft, served by SGLang's own EAGLE-3 (RUNS.md 2026-12-03 (evening))",
     "acceptance_online_draft_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on corpus text (2026-11-30)",
     "acceptance_online_draft_regen_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on regenerated "
     "data (2026-11-30, late)",
