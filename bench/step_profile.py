@@ -134,7 +134,16 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
         k[1] += 1
 
     if cuda:
-        device = [e for e in events if e.device_type == DeviceType.CUDA]
+        # record_function ranges (ProfilerStep#N, the kimi: ranges) also appear on the device timeline as
+        # user annotations spanning their kernels: they are not kernels, and counting them would inflate both
+        # the unattributed time and the busy time
+        device = [
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(("ProfilerStep", "kimi:"))
+        ]
         device_us = sum(e.time_range.elapsed_us() for e in device)
         linked = 0.0
         for op in cpu_events:

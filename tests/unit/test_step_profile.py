@@ -76,7 +76,12 @@ def test_cuda_summary_classes_busy_and_runtime_calls():
     linked = 100 + 10 + 30 + 20 + 8 + 40 + 5 + 6 + 4 + 3 + 2 + 7 + 1  # 238 us
     # device intervals: overlapping [0, 200) and [150, 250), plus [300, 338): busy 288 us, durations 338
     device = [_dev("a", 0.0, 200.0), _dev("b", 150.0, 250.0), _dev("c", 300.0, 338.0)]
-    prof = SimpleNamespace(events=lambda: ops + device)
+    # record_function ranges on the device timeline (user annotations): not kernels, counted nowhere
+    annotations = [
+        SimpleNamespace(**vars(_dev("ProfilerStep#3", 0.0, 400.0)), is_user_annotation=True),
+        SimpleNamespace(**vars(_dev("kimi:optimizer", 300.0, 400.0))),
+    ]
+    prof = SimpleNamespace(events=lambda: ops + device + annotations)
     s = sp.summarize(prof, steps=2, wall_s=[0.001, 0.001], cuda=True, target_vocab=163840, draft_vocab=32000)
     c = {k: round(v * 1e3 * 2, 6) for k, v in s["class_ms_per_step"].items()}  # back to us over 2 steps
     assert c == {
