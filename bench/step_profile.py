@@ -152,7 +152,6 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
                 linked += k.duration
         by_class["unattributed"] += max(device_us - linked, 0.0)
         busy_us = _union_us((e.time_range.start, e.time_range.end) for e in device)
-        total_us = sum(by_class.values())
     else:  # the CPU path: ops' self times (annotations excluded), classed the same way
         for op in cpu_events:
             if op.name.startswith("kimi:") or op.name.startswith("ProfilerStep"):
@@ -160,7 +159,7 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             cls = classify(op.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab)
             add(op.name, cls, op.self_cpu_time_total)
         busy_us = None
-        total_us = sum(by_class.values())
+    total_us = sum(by_class.values())
     runtime: dict = {}
     for e in cpu_events:
         if _RUNTIME.match(e.name):
@@ -185,6 +184,11 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             for (n, c), (us, cnt) in ranked
         ],
     }
+
+
+def alloc_deltas(before: dict, after: dict, steps: int = 1) -> dict:
+    """Per-step change of the allocator counters ``ALLOC_COUNTERS`` between two ``torch.cuda.memory_stats()``."""
+    return {k: (after.get(k, 0) - before.get(k, 0)) / steps for k in ALLOC_COUNTERS}
 
 
 def class_tflops(summary: dict, flops) -> dict:

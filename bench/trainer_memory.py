@@ -195,9 +195,7 @@ def _profile(
     summary["trace"] = str(trace)
     if cuda:
         after = torch.cuda.memory_stats()
-        summary["allocator_counters_per_step"] = {
-            k: (after.get(k, 0) - before.get(k, 0)) / args.profile_steps for k in step_profile.ALLOC_COUNTERS
-        }
+        summary["allocator_counters_per_step"] = step_profile.alloc_deltas(before, after, args.profile_steps)
     return summary
 
 
@@ -315,9 +313,8 @@ def child(args) -> int:
                     times.append(time.perf_counter() - t0)
                     losses.append(float(out.loss))
                     if cuda:
-                        after = torch.cuda.memory_stats()
-                        for k in counters:
-                            counters[k].append(after.get(k, 0) - before.get(k, 0))
+                        for k, v in step_profile.alloc_deltas(before, torch.cuda.memory_stats()).items():
+                            counters[k].append(int(v))
                 row["step_s"] = times
                 row["losses"] = losses
                 if len(times) > 1:

@@ -165,18 +165,6 @@ class StepFlops:
     def per_token(self) -> float:
         return self.total / self.length
 
-    def as_dict(self) -> dict:
-        return {
-            "length": self.length,
-            "ttt_length": self.ttt_length,
-            "attention": self.attention,
-            "total": self.total,
-            "per_token": self.per_token,
-            "by_term": self.by_term,
-            "forward": dict(self.forward),
-            "backward": dict(self.backward),
-        }
-
 
 def step_flops(
     draft: Mapping | DraftShape,
