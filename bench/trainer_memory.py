@@ -133,7 +133,9 @@ def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int,
     return Recipe.model_validate(raw)
 
 
-def _batch(length: int, hidden: int, vocab: int, seed: int):
+def _batch(length: int, hidden: int, vocab: int, seed: int, device: str | None = None):
+    """One capture-shaped batch, the same for a seed whatever the device; ``device``: built on the host and copied
+    there (and synchronized) before the step, as a cuda_ipc consumer's features are already on its GPU."""
     import torch
     from specforge.runtime.contracts import TrainBatch
 
@@ -145,9 +147,104 @@ def _batch(length: int, hidden: int, vocab: int, seed: int):
         "hidden_state": torch.randn(1, length, 3 * hidden, generator=g).to(torch.bfloat16),
         "target": torch.randn(1, length, hidden, generator=g).to(torch.bfloat16),
     }
+    if device is not None:
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+        torch.cuda.synchronize()
     return TrainBatch(
         sample_ids=[f"bench-{seed}"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"}
     )
+
+
+#: ``--variants``: the trainer-step settings each variant runs with (``training.step_knobs``), SpecForge as
+#: shipped first; ``recipe`` is the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` / ``cuda_alloc_conf``
+VARIANTS = {
+    "specforge": {"step_empty_cache": True, "fused_adamw": False, "cuda_alloc_conf": None},
+    "keep_cache": {"step_empty_cache": False, "fused_adamw": False, "cuda_alloc_conf": None},
+    "keep_cache_fused_adamw": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": None},
+    "expandable": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": "expandable_segments:True"},
+}
+STEP_ENV_KEYS = ("SPECFORGE_EAGLE3_EMPTY_CACHE", "SPECFORGE_ADAMW_FUSED", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
+    """``base`` (the environment) with the step variables of variant ``name`` (``training.step_knobs.step_env``);
+    an allocator setting the variant does not name is removed, so that the shell's never leaks into a variant."""
+    from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, step_env
+
+    t = recipe.trainer
+    v = (
+        VARIANTS[name]
+        if name != "recipe"
+        else {
+            "step_empty_cache": t.step_empty_cache,
+            "fused_adamw": t.fused_adamw,
+            "cuda_alloc_conf": t.cuda_alloc_conf,
+        }
+    )
+    env = {k: val for k, val in base.items() if k != ALLOC_CONF_ENV}
+    env.update(
+        step_env(empty_cache=v["step_empty_cache"], fused_adamw=v["fused_adamw"], alloc_conf=v["cuda_alloc_conf"])
+    )
+    return env
+
+
+def _feed(args, cuda: bool) -> str | None:
+    """Where each step's batch is put before the step (``--feed``): ``cuda`` or None (host; the step copies it)."""
+    return "cuda" if cuda and args.feed == "device" else None
+
+
+def measure_gemm_tflops(n: int = 8192, iters: int = 40) -> float | None:
+    """This GPU's bf16 rate on a large square GEMM (n^3, after a warm-up), the practical ceiling MFU is also read
+    against; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    rate = 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Per (backend, length): each variant against the first variant measured there (``--variants``' order) --
+    speed ratio, MFU, peak reserved, and the largest loss difference over the steps (same data and init)."""
+    out = []
+    keys = sorted({(r["backend"], r["length"]) for r in rows if "length" in r and "error" not in r})
+    for backend, length in keys:
+        group = [r for r in rows if r.get("backend") == backend and r.get("length") == length and "error" not in r]
+        base = group[0]
+        for r in group:
+            n = min(len(r["losses"]), len(base["losses"]))
+            out.append(
+                {
+                    "backend": backend,
+                    "length": length,
+                    "variant": r["variant"],
+                    "against": base["variant"],
+                    "tokens_per_s": r.get("tokens_per_s"),
+                    "speed_ratio": r["tokens_per_s"] / base["tokens_per_s"]
+                    if r.get("tokens_per_s") and base.get("tokens_per_s")
+                    else None,
+                    "mfu": r.get("mfu"),
+                    "mfu_vs_measured_gemm": r.get("mfu_vs_measured_gemm"),
+                    "peak_reserved_gib": r.get("peak_reserved_gib"),
+                    "loss_max_abs_diff": max(
+                        abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n], strict=True)
+                    )
+                    if n
+                    else None,
+                }
+            )
+    return out
 
 
 #: the FLOP model's attention mode for what each backend executes (training.step_flops)
@@ -164,6 +261,11 @@ def _throughput(row: dict) -> dict:
         "achieved_tflops": achieved,
         "achieved_tflops_executed": row["flops_per_token_executed"] * row["tokens_per_s"] / 1e12,
         "mfu": achieved / (row["peak_tflops"] * row.get("world_size", 1)),
+        **(
+            {"mfu_vs_measured_gemm": achieved / (row["measured_gemm_tflops"] * row.get("world_size", 1))}
+            if row.get("measured_gemm_tflops")
+            else {}
+        ),
     }
 
 
@@ -180,7 +282,7 @@ def _profile(
     walls = []
     with step_profile.profiling(cuda) as prof:
         for step in range(args.profile_steps):
-            batch = _batch(length, hidden, vocab, seed=1000 * (args.steps + step) + rank)
+            batch = _batch(length, hidden, vocab, seed=1000 * (args.steps + step) + rank, device=_feed(args, cuda))
             t0 = time.perf_counter()
             core.train_step(batch)
             if cuda:
@@ -255,6 +357,7 @@ def child(args) -> int:
         os.environ["FSDP_SHARDING"] = sharding
         cfg = Config.model_validate(cfg_dict)
         algorithm = builtin_algorithm_registry().resolve("eagle3")
+        torch.manual_seed(args.seed)  # the same draft init in every variant
         t0 = time.perf_counter()
         bundle = build_model_bundle(cfg, algorithm=algorithm)
         backend = FSDPTrainingBackend(ParallelConfig.from_distributed(), optimizer_factory=_optimizer_factory(cfg))
@@ -263,6 +366,8 @@ def child(args) -> int:
             wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs)
         )
         core = TrainerCore(strategy, backend)
+        # what the variant's SPECFORGE_ADAMW_FUSED did (patch 0004 applied or not)
+        adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
         if args.profile_steps:
             step_profile.annotate(target_head=bundle.target_head, backend=backend)
         build_s = time.perf_counter() - t0
@@ -284,6 +389,10 @@ def child(args) -> int:
             flops = recipe_step_flops(base, length=length)
             executed = recipe_step_flops(base, length=length, attention=EXECUTED[args.backend])
             row = {
+                "variant": args.variant,
+                "step_env": {k: os.environ.get(k) for k in STEP_ENV_KEYS},
+                "feed": _feed(args, cuda) or "host",
+                "adamw_fused": adamw_fused,
                 "backend": args.backend,
                 "length": length,
                 "fsdp_sharding": sharding,
@@ -296,6 +405,7 @@ def child(args) -> int:
                 "flops_executed_attention": executed.attention,
                 "flops_per_token_by_term": {k: v / length for k, v in flops.by_term.items()},
                 "peak_tflops": args.peak_tflops,
+                "measured_gemm_tflops": args.gemm_tflops,
             }
             try:
                 if cuda:
@@ -303,8 +413,10 @@ def child(args) -> int:
                     torch.cuda.reset_peak_memory_stats()
                     row["start_allocated_gib"] = torch.cuda.memory_allocated() / GIB
                 times, losses, counters = [], [], {k: [] for k in step_profile.ALLOC_COUNTERS}
+                reserved_after: list[float] = []
                 for step in range(args.steps):
-                    batch = _batch(length, hidden, vocab, seed=1000 * step + rank)  # each rank its own sample
+                    # each rank its own sample, the same in every variant
+                    batch = _batch(length, hidden, vocab, seed=1000 * step + rank, device=_feed(args, cuda))
                     before = torch.cuda.memory_stats() if cuda else {}
                     t0 = time.perf_counter()
                     out = core.train_step(batch)
@@ -313,6 +425,7 @@ def child(args) -> int:
                     times.append(time.perf_counter() - t0)
                     losses.append(float(out.loss))
                     if cuda:
+                        reserved_after.append(torch.cuda.memory_reserved() / GIB)
                         for k, v in step_profile.alloc_deltas(before, torch.cuda.memory_stats()).items():
                             counters[k].append(int(v))
                 row["step_s"] = times
@@ -326,6 +439,7 @@ def child(args) -> int:
                     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
                     row["measured_over_plan"] = row["peak_allocated_gib"] / row["plan_gib"]
                     row["allocator_counters_per_step"] = counters
+                    row["reserved_after_step_gib"] = reserved_after
                 if args.profile_steps:  # a failed profile costs its summary, never the row's timings
                     try:
                         row["profile"] = _profile(
@@ -421,10 +535,28 @@ def main(argv=None) -> int:
         default=989.0,
         help="the accelerator's dense bf16 peak for MFU (default: H200 spec 989; large GEMMs measure ~790)",
     )
+    ap.add_argument(
+        "--variants",
+        default="recipe",
+        help="comma-separated trainer-step variants, each in its own process per backend, compared with the first: "
+        + ", ".join(f"{k} ({v})" for k, v in VARIANTS.items())
+        + "; recipe = the recipe's trainer.step_empty_cache / fused_adamw / cuda_alloc_conf. The two patch "
+        "switches need our SpecForge patches 0003 / 0004 applied (specforge-kimi setup)",
+    )
+    ap.add_argument(
+        "--feed",
+        choices=("device", "host"),
+        default="device",
+        help="device (default): each step's batch is on the GPU before the step starts, as a cuda_ipc consumer's "
+        "features are; host: the step copies it from pageable host memory",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="draft init seed (the batches are seeded per step)")
     ap.add_argument("--workdir", default="runs/trainer-memory", help="stand-in target, renders, logs")
     ap.add_argument("--out", default=None, help="JSON result path")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -460,6 +592,12 @@ def main(argv=None) -> int:
     for b in backends:
         if b not in ("flex_attention", "sdpa"):
             raise KimiInputError(f"--backends: {b!r} is not flex_attention or sdpa")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS and v != "recipe":
+            raise KimiInputError(f"--variants: {v!r} is not one of recipe, {', '.join(VARIANTS)}")
+    if len(set(variants)) != len(variants) or not variants:
+        raise KimiInputError(f"--variants: {args.variants!r} must name each variant once")
     if "flex_attention" in backends and not torch.cuda.is_available():
         raise KimiInputError("--backends flex_attention needs CUDA (SpecForge's flex path has no CPU backward)")
     workdir = Path(args.workdir)
@@ -472,6 +610,7 @@ def main(argv=None) -> int:
         recipe, workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}-of-{t.vocab_size}.pt"
     )
     setup_s = time.perf_counter() - t0
+    gemm_tflops = measure_gemm_tflops()
     import importlib.metadata
 
     try:
@@ -504,12 +643,18 @@ def main(argv=None) -> int:
             "peak_tflops": args.peak_tflops,
             "peak_tflops_source": "--peak-tflops (default: H200 SXM dense bf16 spec, 989 TFLOP/s without sparsity; "
             "large bf16 GEMMs reach ~790 on an H200 per issue 34, so MFU 0.8 is about the ceiling)",
+            "measured_gemm_tflops": gemm_tflops,
+            "measured_gemm": "bf16 8192x8192 @ 8192x8192, 40 times after 5, in this process before the rows",
             "world_size": args.nproc,
             "standin_setup_s": setup_s,
+            "variants": {v: {k: variant_env(recipe, v, {}).get(k) for k in STEP_ENV_KEYS} for v in variants},
+            "feed": args.feed,
+            "seed": args.seed,
         },
         "rows": [],
+        "comparisons": [],
     }
-    for b in backends:
+    for v, b in ((v, b) for v in variants for b in backends):
         lengths = args.sdpa_lengths if (b == "sdpa" and args.sdpa_lengths) else args.lengths
         launcher = (
             [sys.executable]
@@ -535,6 +680,13 @@ def main(argv=None) -> int:
             str(args.profile_steps),
             "--peak-tflops",
             str(args.peak_tflops),
+            *(("--gemm-tflops", str(gemm_tflops)) if gemm_tflops else ()),
+            "--variant",
+            v,
+            "--feed",
+            args.feed,
+            "--seed",
+            str(args.seed),
             "--workdir",
             str(workdir),
             "--target",
@@ -544,23 +696,26 @@ def main(argv=None) -> int:
             "--port",
             str(_free_port()),
         ]
-        log = workdir / f"child-{b}.log"
+        log = workdir / f"child-{v}-{b}.log"
         rows = []
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fh, text=True)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=fh, text=True, env=variant_env(recipe, v, dict(os.environ))
+            )
             for line in proc.stdout:  # each row is kept as it comes (a killed run keeps what it measured)
                 if line.startswith("{"):
                     rows.append(json.loads(line))
                     doc["rows"].append(rows[-1])
+                    doc["comparisons"] = compare(doc["rows"])
                     if args.out:
                         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
             rc = proc.wait()
         if rc and not any("error" in r for r in rows):
-            rows.append({"backend": b, "error": f"child exited {rc} (see {log})"})
+            rows.append({"variant": v, "backend": b, "error": f"child exited {rc} (see {log})"})
             doc["rows"].append(rows[-1])
         for r in rows:
             if "error" in r:
-                print(f"{b} L={r.get('length')}: {r['error']}", flush=True)
+                print(f"{v} {b} L={r.get('length')}: {r['error']}", flush=True)
                 continue
             mem = (
                 f"peak {r['peak_allocated_gib']:.2f} GiB allocated / {r['peak_reserved_gib']:.2f} reserved, "
@@ -569,7 +724,7 @@ def main(argv=None) -> int:
                 else ""
             )
             print(
-                f"{b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
+                f"{v} {b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
                 f"{r.get('achieved_tflops', float('nan')):.1f} TFLOP/s (MFU {r.get('mfu', float('nan')):.3f}), "
                 f"losses {[round(x, 3) for x in r['losses']]}",
                 flush=True,
@@ -585,6 +740,14 @@ def main(argv=None) -> int:
                 )
             elif "profile_error" in r:
                 print(f"  profile failed: {r['profile_error']}", flush=True)
+    doc["comparisons"] = compare(doc["rows"])
+    for c in doc["comparisons"]:
+        if c["variant"] != c["against"]:
+            print(
+                f"{c['backend']} L={c['length']} {c['variant']} / {c['against']}: speed x{c['speed_ratio'] or float('nan'):.3f}, "
+                f"largest loss difference {c['loss_max_abs_diff']}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

@@ -1,6 +1,6 @@
 # Sourced on a bare GPU box that has Python 3.12 and torch but not the pinned stack (the device machine):
-# gathers the GPU bundle's parts carried by earlier calls, unpacks it once, applies SGLang patch 0005 from this
-# tree, unpacks a carried TVM-FFI JIT cache (SGLang's Marlin MoE kernel: minutes to build otherwise), and copies
+# gathers the GPU bundle's parts carried by earlier calls, unpacks it once, applies SGLang patch 0005 and our
+# SpecForge patches from this tree, unpacks a carried TVM-FFI JIT cache (SGLang's Marlin MoE kernel: minutes to build otherwise), and copies
 # this tree to /tmp/proj (its runs/ kept across calls), leaving the shell there with the stack on PYTHONPATH.
 #   . scripts/gpu_box.sh stash FILE...   copy carried files (bundle parts, unpack.sh, the zstandard wheel, the
 #                                        JIT cache .tgz) into /tmp/gb; nothing else
@@ -28,6 +28,15 @@ _gb_main() {
   else
     echo "gpu_box: SGLang 0005 does not apply to the bundle" >&2; return 2
   fi
+  # our SpecForge patches (-p1 into the bundle's site): those the bundle was built without, e.g. 0003 and 0004
+  local sp
+  for sp in "$src"/patches/specforge/0.2.0/*.patch; do
+    if patch -p1 -d "$dest/site" --forward --dry-run -s < "$sp" >/dev/null 2>&1; then
+      patch -p1 -d "$dest/site" --forward -s --no-backup-if-mismatch < "$sp" && echo "gpu_box: SpecForge $(basename "$sp") applied"
+    elif ! patch -p1 -d "$dest/site" --reverse --dry-run -s < "$sp" >/dev/null 2>&1; then
+      echo "gpu_box: SpecForge $(basename "$sp") does not apply to the bundle" >&2; return 2
+    fi
+  done
   local cache
   cache=$(ls /tmp/gb/tvm-cache-*.tgz 2>/dev/null | head -1)
   if [ -n "$cache" ] && [ ! -d /tmp/tvm ]; then tar -C /tmp -xzf "$cache"; fi

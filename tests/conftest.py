@@ -122,3 +122,19 @@ def specforge_as_shipped(root):
                 ["patch", "-R", "-p1", "-d", str(root), "--batch", "-i", str(patch)], check=True, capture_output=True
             )
     return root
+
+
+@pytest.fixture
+def cpu_shims():
+    """SpecForge's CPU path (``training.cpu_shims``) for one test; skipped with CUDA, where the real kernels run."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("runs SpecForge's CPU path")
+    from specforge_kimi.training import cpu_shims
+
+    was = cpu_shims.shims_installed()
+    cpu_shims.install_cpu_shims()
+    yield
+    if not was:
+        cpu_shims.uninstall_cpu_shims()

@@ -110,6 +110,86 @@ def _check_flops_and_profile(r: dict, workdir: Path) -> None:
 
 
 @pytest.mark.slow
+def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
+    """``--variants``: each variant's child gets its step variables (and no inherited allocator setting); with our
+    SpecForge patches applied (a patched copy first on the path) the fused variant's optimizer is fused; both train
+    the same seeded data from the same init, so their losses agree (fused and foreach AdamW differ by fp32
+    rounding); the comparison rows read them against the first variant."""
+    import argparse
+    import importlib.util
+    import os
+    import shutil
+
+    from specforge_kimi.online import setup_patches
+
+    patched = tmp_path / "sf"
+    shutil.copytree(
+        Path(importlib.util.find_spec("specforge").origin).parent,
+        patched / "specforge",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    assert setup_patches.run(argparse.Namespace(specforge_checkout=str(patched), check=False, no_sglang=True)) == 0
+    out = tmp_path / "tm.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(patched), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.9",  # never reaches a variant that names none
+    }
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--recipe",
+            RECIPE,
+            "--backends",
+            "sdpa",
+            "--lengths",
+            "32",
+            "--steps",
+            "3",
+            "--variants",
+            "specforge,keep_cache_fused_adamw,expandable",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["variant"] for r in rows] == ["specforge", "keep_cache_fused_adamw", "expandable"], rows
+    assert [r["step_env"] for r in rows] == [
+        {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0", "PYTORCH_CUDA_ALLOC_CONF": None},
+        {"SPECFORGE_EAGLE3_EMPTY_CACHE": "0", "SPECFORGE_ADAMW_FUSED": "1", "PYTORCH_CUDA_ALLOC_CONF": None},
+        {
+            "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
+            "SPECFORGE_ADAMW_FUSED": "1",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        },
+    ]
+    assert [r["adamw_fused"] for r in rows] == [False, True, True]
+    assert doc["config"]["variants"]["expandable"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    base = rows[0]["losses"]
+    assert len(base) == 3 and len(set(base)) == 3  # three different batches
+    comps = {c["variant"]: c for c in doc["comparisons"]}
+    assert set(comps) == {"specforge", "keep_cache_fused_adamw", "expandable"}
+    assert all(c["against"] == "specforge" and c["length"] == 32 for c in comps.values())
+    assert comps["specforge"]["loss_max_abs_diff"] == 0.0 and comps["specforge"]["speed_ratio"] == 1.0
+    for name in ("keep_cache_fused_adamw", "expandable"):
+        r = rows[[x["variant"] for x in rows].index(name)]
+        diff = max(abs(a - b) for a, b in zip(r["losses"], base, strict=True))
+        assert comps[name]["loss_max_abs_diff"] == diff <= 1e-3 * max(base)
+        assert r["losses"][0] == base[0]  # the first step's loss comes before any optimizer step
+        assert comps[name]["speed_ratio"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+
+
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
     out = tmp_path / "tm.json"
     res = subprocess.run(
@@ -156,6 +236,8 @@ def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
         (["--steps", "1"], "at least 2"),
         (["--nproc", "0"], "--nproc 0"),
         (["--profile-steps", "-1"], "--profile-steps"),
+        (["--variants", "specforge,bogus"], "'bogus' is not one of"),
+        (["--variants", "specforge,specforge"], "each variant once"),
     ]
     if not torch.cuda.is_available():  # flex_attention has no CPU backward
         cases.append((["--backends", "flex_attention"], "needs CUDA"))

@@ -7,6 +7,7 @@ config and compares the counted matmul FLOPs with the model's ``attention="sdpa"
 """
 
 import pytest
+from eagle3_cpu import eagle3_step
 
 from specforge_kimi.training.step_flops import TERMS, attention_pairs, draft_shape, step_flops
 
@@ -145,67 +146,13 @@ def _counted(run) -> int:
     return counter.get_total_flops()
 
 
-@pytest.fixture
-def cpu_shims():
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("counted on the CPU path")
-    from specforge_kimi.training import cpu_shims
-
-    was = cpu_shims.shims_installed()
-    cpu_shims.install_cpu_shims()
-    yield
-    if not was:
-        cpu_shims.uninstall_cpu_shims()
-
-
-def _eagle3_step(draft_model, *, length: int, ttt: int, vocab: int, target_hidden: int):
-    """SpecForge's own eagle3 step (strategy -> TargetHead -> OnlineEagle3Model, sdpa) and its backward."""
-    import torch
-    import torch.nn as nn
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-    from specforge.modeling.target.target_head import TargetHead
-    from specforge.runtime.contracts import TrainBatch
-    from specforge.training.strategies.base import Eagle3TrainStrategy
-
-    vd = draft_model.draft_vocab_size
-    draft_model.t2d.zero_()
-    draft_model.t2d[:vd] = True  # draft ids are the first vd target ids: d2t stays 0
-    draft_model.embed_tokens.weight.requires_grad_(False)  # SpecForge freezes the target-copied embedding
-    head = TargetHead.__new__(TargetHead)  # the real class, its weight set here instead of read from disk
-    nn.Module.__init__(head)
-    head.fc = nn.Linear(target_hidden, vocab, bias=False).requires_grad_(False)
-    model = OnlineEagle3Model(draft_model, length=ttt, attention_backend="sdpa")
-    strategy = Eagle3TrainStrategy(model, target_head=head)
-    g = torch.Generator().manual_seed(0)
-    batch = TrainBatch(
-        sample_ids=["flops"],
-        strategy="eagle3",
-        tensors={
-            "input_ids": torch.randint(0, vocab, (1, length), generator=g),
-            "attention_mask": torch.ones(1, length, dtype=torch.long),
-            "loss_mask": torch.ones(1, length, dtype=torch.long),
-            "hidden_state": torch.randn(1, length, 3 * target_hidden, generator=g),
-            "target": torch.randn(1, length, target_hidden, generator=g),
-        },
-        metadata={"target_repr": "hidden_state"},
-    )
-
-    def run():
-        out = strategy.forward_loss(batch)
-        out.loss.backward()
-
-    return run
-
-
 @pytest.mark.slow
 def test_flop_counter_on_specforge_llama_step_equals_the_model(cpu_shims):
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from transformers import LlamaConfig
 
     draft = LlamaForCausalLMEagle3(LlamaConfig(**LLAMA), attention_backend="sdpa")
-    counted = _counted(_eagle3_step(draft, length=10, ttt=3, vocab=40, target_hidden=16))
+    counted = _counted(eagle3_step(draft, length=10, ttt=3, vocab=40, target_hidden=16))
     f = step_flops(LLAMA, length=10, ttt_length=3, target_vocab=40, attention="sdpa")
     assert counted == f.total
 
@@ -226,6 +173,6 @@ def test_flop_counter_on_mla_step_equals_the_model(cpu_shims):
         target_hidden_size=16,
     )
     draft = Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
-    counted = _counted(_eagle3_step(draft, length=6, ttt=2, vocab=40, target_hidden=16))
+    counted = _counted(eagle3_step(draft, length=6, ttt=2, vocab=40, target_hidden=16))
     f = step_flops(MLA, length=6, ttt_length=2, target_vocab=40, attention="sdpa")
     assert counted == f.total

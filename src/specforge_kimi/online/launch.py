@@ -219,6 +219,7 @@ def preflight(plan) -> None:
         )
     compact_preflight(plan)
     cuda_ipc_preflight(plan)
+    trainer_step_preflight(plan)
 
 
 def cuda_ipc_preflight(plan) -> None:
@@ -259,6 +260,23 @@ def compact_preflight(plan) -> None:
                 "setup --specforge-checkout /path/to/SpecForge, or set server.compact_passthrough: "
                 "false in the recipe"
             )
+
+
+def trainer_step_preflight(plan) -> None:
+    """Refuse to start when the plan's SpecForge processes ask for a trainer-step setting (``trainer.step_empty_cache:
+    false``, ``trainer.fused_adamw: true``) whose SpecForge patch is not applied: without it the variable is
+    ignored and the run trains as SpecForge ships, silently."""
+    from specforge_kimi.online.setup_patches import specforge_patch_gaps
+    from specforge_kimi.training.step_knobs import patches_needed
+
+    needed = sorted({name for c in plan.commands for name in patches_needed(c.env)})
+    gaps = specforge_patch_gaps(needed) if needed else []
+    if gaps:
+        raise KimiInputError(
+            "the recipe's trainer.step_empty_cache: false / trainer.fused_adamw: true need our SpecForge patches, but "
+            + "; ".join(gaps)
+            + ". Run specforge-kimi setup, or set trainer.step_empty_cache: true and trainer.fused_adamw: false"
+        )
 
 
 def run_plan(plan, **kwargs) -> int:

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from specforge_kimi.errors import KimiInputError, validation_summary
 from specforge_kimi.online.trainer_terms import draft_params as _draft_params
@@ -191,6 +191,33 @@ class TrainerSection(_Strict):
         "heads x max_length^2 softmax weights (fp32 + bf16) per TTT step for the backward: fine for "
         "short samples, needed on the CPU (flex has no CPU backward) and by the MLA draft (sdpa only)",
     )
+    step_empty_cache: bool = Field(
+        default=False,
+        description="SpecForge's eagle3 forward calls torch.cuda.empty_cache() every step, so every step "
+        "cudaMallocs its activations again and the rank's reserved memory swings between the weights and the step's "
+        "peak. false keeps the allocator's cache (SPECFORGE_EAGLE3_EMPTY_CACHE=0; needs our SpecForge patch 0003, "
+        "applied by `specforge-kimi setup`; the launch refuses to start without it); true is SpecForge as shipped. "
+        "Measured in bench/trainer_memory.py --variants (NOTES.md, issue 34)",
+    )
+    fused_adamw: bool = Field(
+        default=True,
+        description="SpecForge's BF16Optimizer with torch's fused AdamW over its fp32 masters "
+        "(SPECFORGE_ADAMW_FUSED=1; needs our SpecForge patch 0004; the launch refuses to start without it) instead of "
+        "the foreach one; same update to fp32 rounding, same state_dict. Measured in bench/trainer_memory.py "
+        "--variants (NOTES.md, issue 34)",
+    )
+    cuda_alloc_conf: str | None = Field(
+        default=None,
+        description="PYTORCH_CUDA_ALLOC_CONF for SpecForge's producer and trainer ranks, verbatim (key:value[,...], "
+        "e.g. expandable_segments:True); unset: inherited from the launching shell",
+    )
+
+    @field_validator("cuda_alloc_conf")
+    @classmethod
+    def _alloc_conf_form(cls, value: str | None) -> str | None:
+        from specforge_kimi.training.step_knobs import check_alloc_conf
+
+        return value if value is None else check_alloc_conf(value)
 
 
 class DataSection(_Strict):
@@ -468,12 +495,15 @@ def process_env(r: Recipe) -> dict[str, str]:
     """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
     from specforge_kimi.online import transport_plan
     from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
+    from specforge_kimi.training.step_knobs import step_env
 
     env = {"SPECFORGE_PLUGINS": "specforge_kimi", **transport_plan.process_env(r)}
     if r.gpus.nnodes == 1:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds the address the host name resolves to, not always loopback
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
+    t = r.trainer
+    env.update(step_env(empty_cache=t.step_empty_cache, fused_adamw=t.fused_adamw, alloc_conf=t.cuda_alloc_conf))
     return env
 
 

@@ -271,6 +271,21 @@ def compact_passthrough_gaps(
     return gaps
 
 
+def specforge_patch_gaps(names: list[str], *, specforge_site: Path | None = None) -> list[str]:
+    """Which of our SpecForge patches ``names`` (file names under ``patches/specforge/<pin>``) are not applied to
+    the installed (or given) SpecForge: one line each, empty when all are."""
+    try:
+        site = specforge_site or specforge_root(None)
+    except KimiInputError as e:
+        return [f"{name}: {e}" for name in names]
+    gaps = []
+    for name in names:
+        state = classify(patches_root() / "specforge" / SPECFORGE_PIN / name, site, 1).state
+        if state != "applied":
+            gaps.append(f"{name} is not applied to {site} ({state})")
+    return gaps
+
+
 def _sglang_state(patch: Path, site: Path) -> str:
     """One of our SGLang patches' state read as part of the stack (a later patch editing the same lines keeps an
     earlier one from reversing alone)."""

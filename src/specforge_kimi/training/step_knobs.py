@@ -1,0 +1,54 @@
+"""The trainer step's knobs that SpecForge 0.2.0 has no setting for, as environment variables of its processes.
+
+Scope: the names and values only. Each variable is read by one of our SpecForge patches
+(``patches/specforge/0.2.0``) inside SpecForge's own code; without the patch the variable does nothing and
+SpecForge behaves as shipped, so a launch that asks for a non-default value checks the patch first
+(``online.setup_patches.trainer_step_gaps``, ``online.launch.trainer_step_preflight``). The recipe fields
+(``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.cuda_alloc_conf``) say why each exists and
+what it was measured to do; ``bench/trainer_memory.py --variants`` measures them side by side.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: patch 0003: "0" keeps the caching allocator's blocks across steps (SpecForge's eagle3 forward calls
+#: ``torch.cuda.empty_cache()`` every step, so every step cudaMallocs its activations again)
+EMPTY_CACHE_ENV = "SPECFORGE_EAGLE3_EMPTY_CACHE"
+EMPTY_CACHE_PATCH = "0003-eagle3-keep-allocator-cache.patch"
+#: patch 0004: "1" builds ``BF16Optimizer``'s AdamW with ``fused=True`` (one kernel over the fp32 masters)
+FUSED_ADAMW_ENV = "SPECFORGE_ADAMW_FUSED"
+FUSED_ADAMW_PATCH = "0004-bf16-optimizer-fused-adamw.patch"
+#: PyTorch's own; read once, when the process first touches CUDA
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+_ALLOC_CONF = re.compile(r"[a-z0-9_]+:[A-Za-z0-9_.]+(,[a-z0-9_]+:[A-Za-z0-9_.]+)*")
+
+
+def check_alloc_conf(value: str) -> str:
+    """``value`` if it has PyTorch's ``key:value[,key:value]`` form, else ``ValueError`` naming it (PyTorch
+    itself would only fail inside each trainer rank, at its first CUDA allocation)."""
+    if not _ALLOC_CONF.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not PyTorch's allocator setting form key:value[,key:value] (e.g. expandable_segments:True)"
+        )
+    return value
+
+
+def step_env(*, empty_cache: bool, fused_adamw: bool, alloc_conf: str | None) -> dict[str, str]:
+    """The variables for SpecForge's trainer processes: both patch switches always spelled out (so an
+    inherited shell variable never decides), the allocator setting only when given."""
+    env = {EMPTY_CACHE_ENV: "1" if empty_cache else "0", FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
+    if alloc_conf:
+        env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
+    return env
+
+
+def patches_needed(env: dict[str, str]) -> list[str]:
+    """Our SpecForge patches an environment's values need to take effect (SpecForge's defaults need none)."""
+    need = []
+    if env.get(EMPTY_CACHE_ENV) == "0":
+        need.append(EMPTY_CACHE_PATCH)
+    if env.get(FUSED_ADAMW_ENV) == "1":
+        need.append(FUSED_ADAMW_PATCH)
+    return need

@@ -1,0 +1,226 @@
+"""Our SpecForge patches 0003 (keep the allocator cache across eagle3 steps) and 0004 (fused AdamW in
+``BF16Optimizer``), their recipe fields and the launch preflight.
+
+The patched files are loaded from a scratch copy of the installed wheel's (``load_patched_specforge_module``);
+the install is not touched. Equal results: with patch 0003's switch off the step's loss and every gradient are
+bit-identical to SpecForge's and ``torch.cuda.empty_cache`` is never called; patch 0004's fused AdamW leaves the
+fp32 masters within 1e-6 of the foreach one after 20 steps, and a foreach checkpoint resumes under it. That the
+patches apply to the wheel and the checkout is ``test_setup_patches.py``'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from eagle3_cpu import eagle3_step
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.training import step_knobs
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_hidden_layers": 1,
+    "vocab_size": 40,
+    "draft_vocab_size": 12,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "pad_token_id": 0,
+    "hidden_act": "silu",
+}
+
+
+def _draft(seed: int = 0):
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLMEagle3(LlamaConfig(**LLAMA), attention_backend="sdpa")
+
+
+@pytest.fixture
+def patched_model_module(cpu_shims, tmp_path):
+    """The patched ``model.py`` as a module of its own; its ``torch.compile``'d helpers made eager, as the CPU shims
+    make the installed module's (they patch that module only)."""
+    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+
+    module = load_patched_specforge_module("specforge/algorithms/eagle3/model.py", tmp_path)
+    for name, value in list(vars(module).items()):
+        eager = getattr(value, "_torchdynamo_orig_callable", None)
+        if eager is not None:
+            setattr(module, name, eager)
+    return module
+
+
+@pytest.fixture
+def patched_optimizer_module(tmp_path):
+    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+
+    return load_patched_specforge_module("specforge/optimizer.py", tmp_path)
+
+
+def _step(model_cls, monkeypatch, value: str | None):
+    """One step of a fresh seeded draft with ``SPECFORGE_EAGLE3_EMPTY_CACHE`` = value: (loss, grads, empty_cache
+    calls)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    if value is None:
+        monkeypatch.delenv(step_knobs.EMPTY_CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(step_knobs.EMPTY_CACHE_ENV, value)
+    draft = _draft()
+    loss = eagle3_step(draft, length=10, ttt=3, vocab=40, target_hidden=16, model_cls=model_cls)()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    return loss, grads, len(calls)
+
+
+def test_0003_switch_off_skips_empty_cache_and_changes_nothing_else(patched_model_module, monkeypatch):
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+
+    cls = patched_model_module.OnlineEagle3Model
+    ref_loss, ref_grads, ref_calls = _step(OnlineEagle3Model, monkeypatch, None)  # SpecForge as shipped
+    on_loss, on_grads, on_calls = _step(cls, monkeypatch, None)  # patched, variable unset: SpecForge's behaviour
+    off_loss, off_grads, off_calls = _step(cls, monkeypatch, "0")
+    assert ref_calls == on_calls == 1 and off_calls == 0
+    assert ref_grads and set(ref_grads) == set(off_grads) == set(on_grads)
+    for loss, grads in ((on_loss, on_grads), (off_loss, off_grads)):
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+def _train(opt_cls, monkeypatch, fused: str | None, steps: int = 20, state=None):
+    """``BF16Optimizer`` over a fresh seeded bf16 model fed the same seeded gradients: (optimizer, model)."""
+    if fused is None:
+        monkeypatch.delenv(step_knobs.FUSED_ADAMW_ENV, raising=False)
+    else:
+        monkeypatch.setenv(step_knobs.FUSED_ADAMW_ENV, fused)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 8)).to(torch.bfloat16)
+    opt = opt_cls(model, lr=1e-3, weight_decay=0.01, max_grad_norm=0.5, total_steps=100, warmup_ratio=0.1)
+    if state is not None:
+        monkeypatch.setattr(sys.modules[opt_cls.__module__], "print_on_rank0", lambda *a: None)  # no process group
+        opt.load_state_dict(copy.deepcopy(state))  # as read back from a checkpoint file: nothing shared
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        opt.step()
+    return opt, model
+
+
+def test_0004_fused_adamw_matches_foreach(patched_optimizer_module, monkeypatch):
+    from specforge.optimizer import BF16Optimizer
+
+    cls = patched_optimizer_module.BF16Optimizer
+    ref, ref_model = _train(BF16Optimizer, monkeypatch, None)
+    unset, _ = _train(cls, monkeypatch, None)
+    fused, fused_model = _train(cls, monkeypatch, "1")
+    assert not ref.optimizer.defaults.get("fused") and not unset.optimizer.defaults.get("fused")
+    assert fused.optimizer.defaults["fused"] is True
+    for a, b in zip(ref.fp32_params, fused.fp32_params, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+    # the bf16 weights are the masters rounded: at most one bf16 step apart where a master sits on a rounding edge
+    for a, b in zip(ref_model.parameters(), fused_model.parameters(), strict=True):
+        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=0)
+    assert float(ref.last_grad_norm) == pytest.approx(float(fused.last_grad_norm), rel=1e-6)
+
+
+def test_0004_a_foreach_checkpoint_resumes_fused(patched_optimizer_module, monkeypatch):
+    """A run started before the switch (foreach) resumes with it on, and continues as the foreach run would."""
+    cls = patched_optimizer_module.BF16Optimizer
+    first, _ = _train(cls, monkeypatch, "0", steps=5)
+    state = first.state_dict()
+    resumed, _ = _train(cls, monkeypatch, "1", steps=5, state=state)
+    straight, _ = _train(cls, monkeypatch, "0", steps=5, state=state)
+    assert resumed.optimizer.defaults["fused"] is True
+    assert int(resumed.optimizer.state[resumed.fp32_params[0]]["step"]) == 10
+    for a, b in zip(straight.fp32_params, resumed.fp32_params, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
+def test_step_env_spells_both_switches_and_names_the_patches():
+    env = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf="expandable_segments:True")
+    assert env == {
+        "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
+        "SPECFORGE_ADAMW_FUSED": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    assert step_knobs.patches_needed(env) == [step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH]
+    shipped = step_knobs.step_env(empty_cache=True, fused_adamw=False, alloc_conf=None)
+    assert shipped == {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0"}
+    assert step_knobs.patches_needed(shipped) == []
+    from specforge_kimi.online.setup_patches import patches_root
+
+    for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH):
+        assert (patches_root() / "specforge" / "0.2.0" / name).is_file()
+
+
+def test_recipe_fields_reach_the_specforge_processes():
+    from specforge_kimi.online.recipes import load_recipe, process_env
+
+    r = load_recipe("recipes/kimi-k25-8xb200-lowered.yaml")
+    assert r.trainer.step_empty_cache is False and r.trainer.fused_adamw is True and r.trainer.cuda_alloc_conf is None
+    env = process_env(r)
+    assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "0" and env["SPECFORGE_ADAMW_FUSED"] == "1"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+    raw = r.model_dump()
+    raw["trainer"].update(step_empty_cache=True, fused_adamw=False, cuda_alloc_conf="expandable_segments:True")
+    env = process_env(type(r).model_validate(raw))
+    assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "1" and env["SPECFORGE_ADAMW_FUSED"] == "0"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("bad", ["expandable_segments", "expandable_segments:True;x:1", "a:1,", " a:1", "A:1"])
+def test_a_malformed_allocator_setting_is_a_one_line_recipe_error(tmp_path, bad):
+    import yaml
+
+    from specforge_kimi.online.recipes import load_recipe
+
+    raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered.yaml"))
+    raw["trainer"]["cuda_alloc_conf"] = bad
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(KimiInputError) as e:
+        load_recipe(path)
+    assert "cuda_alloc_conf" in str(e.value) and "key:value" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
+    """The preflight reads the plan's environments: the unpatched wheel is refused with the fix named; a copy with
+    our patches applied passes; SpecForge's own settings need no patch."""
+    import argparse
+    import importlib.util
+    import shutil
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from specforge_kimi.online import launch, setup_patches
+
+    wanted = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf=None)
+    plan = SimpleNamespace(commands=[SimpleNamespace(env={}), SimpleNamespace(env=wanted)])
+    patched = tmp_path / "sf"
+    shutil.copytree(
+        Path(importlib.util.find_spec("specforge").origin).parent,
+        patched / "specforge",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    monkeypatch.setattr(setup_patches, "specforge_root", lambda checkout: Path(patched))
+    with pytest.raises(KimiInputError) as e:
+        launch.trainer_step_preflight(plan)
+    msg = str(e.value)
+    assert step_knobs.EMPTY_CACHE_PATCH in msg and step_knobs.FUSED_ADAMW_PATCH in msg and "specforge-kimi setup" in msg
+    assert "\n" not in msg
+    assert setup_patches.run(argparse.Namespace(specforge_checkout=str(patched), check=False, no_sglang=True)) == 0
+    launch.trainer_step_preflight(plan)
+    monkeypatch.setattr(setup_patches, "specforge_root", lambda checkout: Path(tmp_path / "nowhere"))
+    shipped = step_knobs.step_env(empty_cache=True, fused_adamw=False, alloc_conf=None)
+    launch.trainer_step_preflight(SimpleNamespace(commands=[SimpleNamespace(env=shipped)]))
