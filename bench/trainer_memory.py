@@ -48,6 +48,16 @@ model's terms -- and the chrome trace is ``WORKDIR/trace-BACKEND-LENGTH-rankR.js
     python bench/trainer_memory.py --recipe recipes/kimi-k25-8xb200-lowered.yaml --backends flex_attention \\
         --lengths 4096,16384 --steps 4 --profile-steps 2 --workdir /tmp/tm --out trainer_profile_....json
 
+``--variants`` (default ``recipe``): the trainer-step settings to compare, each in its own process on the
+same batches and the same seeded initial weights (``--seed``): ``specforge`` (as shipped: ``empty_cache`` every
+step, foreach AdamW), ``keep_cache`` (SpecForge patch 0003, ``SPECFORGE_EAGLE3_EMPTY_CACHE=0``),
+``keep_cache_fused_adamw`` (+ patch 0004, ``SPECFORGE_ADAMW_FUSED=1``), ``expandable`` (+ ``PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True``) and ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
+``cuda_alloc_conf``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
+cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
+script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
+
 Each backend runs in a fresh Python process (lengths ascending; an out-of-memory length ends
 that backend's list and is recorded). On a host without CUDA it runs SpecForge's CPU path (the
 package's CPU shims, sdpa only) and records no device memory: that is how the tests exercise it.
@@ -280,9 +290,13 @@ def _profile(
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
     walls = []
+    # built (and, with --feed device, copied) before the profiler starts: the trace holds the steps, not the feed
+    batches = [
+        _batch(length, hidden, vocab, seed=1000 * (args.steps + step) + rank, device=_feed(args, cuda))
+        for step in range(args.profile_steps)
+    ]
     with step_profile.profiling(cuda) as prof:
-        for step in range(args.profile_steps):
-            batch = _batch(length, hidden, vocab, seed=1000 * (args.steps + step) + rank, device=_feed(args, cuda))
+        for batch in batches:
             t0 = time.perf_counter()
             core.train_step(batch)
             if cuda:

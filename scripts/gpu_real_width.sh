@@ -17,8 +17,10 @@
 # STAGE=all runs them in that order. The first INT4 prefill on a host JIT-compiles SGLang's Marlin MoE kernel
 # (minutes; TVM_FFI_CACHE_DIR keeps it): point TVM_FFI_CACHE_DIR at a carried cache to skip it.
 # usage: [RECIPE=...] [TRANSPORT=mooncake|cuda_ipc [IPC_POOL_GIB=N]] [MAX_STEPS=N] [STAGE=all|target|data|depth|train|bench]
-#        [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
-# TRANSPORT / IPC_POOL_GIB / MAX_STEPS run a copy of the recipe (OUT/recipe-run.yaml) with those changed.
+#        [TRAINER_SET=key=value,...] [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
+# TRANSPORT / IPC_POOL_GIB / MAX_STEPS / TRAINER_SET run a copy of the recipe (OUT/recipe-run.yaml) with those changed;
+# TRAINER_SET sets trainer fields, each value read as YAML (e.g. TRAINER_SET=step_empty_cache=true,fused_adamw=false:
+# SpecForge's step as shipped). The copy is validated as the recipe is.
 # After each call: bash scripts/keep_gpu_results.sh <files_at> <date>-real-width, then commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 . scripts/gpu_common.sh  # recipe_fields, launch_measured
 T="${1:-540}"
 RECIPE="${RECIPE:-recipes/kimi-k25-slice-h200.yaml}"
-if [ -n "${TRANSPORT:-}${MAX_STEPS:-}" ]; then  # the same recipe on another transport / step count (a copy in OUT)
+if [ -n "${TRANSPORT:-}${MAX_STEPS:-}${TRAINER_SET:-}" ]; then  # the same recipe on another transport / step count (a copy in OUT)
   python3 - "$RECIPE" "$OUT/recipe-run.yaml" <<'PY' || exit 2
 import os, sys, yaml
 raw = yaml.safe_load(open(sys.argv[1]))
@@ -37,7 +39,18 @@ if os.environ.get("TRANSPORT"):
         raw["server"]["ipc_pool_gib"] = float(os.environ["IPC_POOL_GIB"])
 if os.environ.get("MAX_STEPS"):
     raw["trainer"]["max_steps"] = int(os.environ["MAX_STEPS"])
+for item in filter(None, os.environ.get("TRAINER_SET", "").split(",")):
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        sys.exit(f"TRAINER_SET: {item!r} is not key=value")
+    raw["trainer"][key.strip()] = yaml.safe_load(value)
 open(sys.argv[2], "w").write(yaml.safe_dump(raw, sort_keys=False))
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.online.recipes import load_recipe
+try:
+    load_recipe(sys.argv[2])  # an unknown field or a bad value stops here, with the recipe's own one-line error
+except KimiInputError as exc:
+    sys.exit(f"error: {exc}")
 PY
   RECIPE="$OUT/recipe-run.yaml"
 fi
