@@ -414,7 +414,7 @@ def run_tp(
     from specforge_kimi.online.capture_server import capture_server_argv, capture_server_env
     from specforge_kimi.online.offline_twin import capture_tools
 
-    port = services.free_ports(1)[0]
+    port, *mc_ports = services.free_ports(4)  # drawn together: a port drawn alone can come back for the master
     longest = max(length for _, length in shapes)
     result: dict = {"tp": tp, "put_clients": put_clients, "transport": transport}
     tag = (
@@ -423,7 +423,7 @@ def run_tp(
         + (f"-{transport}" if transport != "mooncake" else "")
     )
     ipc_dir = workdir / f"ipc-{tag}"
-    with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30) as mc:
+    with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30, ports=mc_ports) as mc:
         argv = capture_server_argv(
             target,
             tp=tp,

@@ -383,10 +383,10 @@ def _wait_tcp(port: int, timeout_s: float) -> bool:
 
 
 @contextmanager
-def mooncake_master(workdir: Path):
+def mooncake_master(workdir: Path, ports=None):
     from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
 
-    rpc, meta, metrics = _free_ports(3)
+    rpc, meta, metrics = ports or _free_ports(3)
     mc = mooncake_config(
         rpc_port=rpc,
         metadata_port=meta,
@@ -800,10 +800,10 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
         "start_timeout_s": round(timeout_s),
         "start_hard_limit_if_compiling_s": round(hard_limit_s),
     }
-    port = _free_ports(1)[0]
+    port, *mc_ports = _free_ports(4)  # drawn together, so the master cannot get the server's port
     server_log = tmp_path / f"server_{name}.log"
     try:
-        with mooncake_master(tmp_path) as mc:
+        with mooncake_master(tmp_path, mc_ports) as mc:
             argv = server_command(tiny_k25, tp=tp, fusion=fusion, port=port, aux_ids=aux_ids, ep=ep, dp=dp)
             extra_env = capture_server_env(mc, cuda_visible_devices=list(range(tp)))
             run.update({"server_argv": argv[1:], "server_env": extra_env})

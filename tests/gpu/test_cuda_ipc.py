@@ -71,13 +71,13 @@ def test_cuda_ipc_reads_equal_mooncake_reads_bit_for_bit(tmp_path):
     specforge_kimi.register()
     target = write_tiny(tmp_path / "k25", TinySpec(**SPEC))
     ipc_dir = tmp_path / "ipc"
-    port = services.free_ports(1)[0]
+    port, *mc_ports = services.free_ports(4)  # drawn together, so the master cannot get the server's port
     gen = torch.Generator().manual_seed(25)
     prompts = [[torch.randint(0, 163584, (n,), generator=gen).tolist() for n in batch] for batch in BATCHES]
     summary: dict = {"batches": [list(b) for b in BATCHES], "samples": []}
     log = out / "cuda_ipc_server.log"
     before = _compute_apps()
-    with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=4 << 30) as mc:
+    with services.mooncake_master(tmp_path / "mooncake.log", segment_bytes=4 << 30, ports=mc_ports) as mc:
         argv = capture_server_argv(
             target,
             tp=1,

@@ -249,3 +249,37 @@ def test_both_transports_in_one_run(tmp_path, pipeline):
     assert all(r["features_hash_equal"] is True and r["read_rate_cuda_ipc_over_mooncake"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         mod.main([*args[:-1], str(tmp_path / "y.json"), "--transport", "rdma"])
+
+
+def test_server_and_master_ports_are_drawn_together(tmp_path, monkeypatch, pipeline):
+    """A port drawn and released can be drawn again: the kernel handed the capture server's port to the
+    Mooncake master's metadata server once (the run's /generate got the master's 404). The stand-in here
+    hands out the same free ports on every draw; the run must still put every service on its own port."""
+    from specforge_kimi.online import services
+
+    mod, target, out = pipeline
+    pool = services.free_ports(8)
+    monkeypatch.setattr(services, "free_ports", lambda n: pool[:n])
+    assert (
+        mod.main(
+            [
+                "--target",
+                str(target),
+                "--tp",
+                "1",
+                "--engine",
+                "reference",
+                "--shapes",
+                "2x32",
+                "--reps",
+                "1",
+                "--workdir",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    res = json.loads(out.read_text())
+    assert [r.get("error") for r in res["runs"]] == [None]

@@ -204,10 +204,10 @@ def run_recipe(
     rows = _rows(Path(recipe.data.prompts_path), limit)
     work = out.with_name(out.name + ".logs")
     work.mkdir(parents=True, exist_ok=True)
-    port = services.free_ports(1)[0]
+    port, *mc_ports = services.free_ports(4)  # drawn together: a port drawn alone can come back for the master
     t0 = time.monotonic()
     with services.mooncake_master(
-        work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30)
+        work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30), ports=mc_ports
     ) as mc:
         argv = server_argv or [sys.executable if a == "python" else a for a in recipe_server_argv(recipe)]
         argv[argv.index("--port") + 1] = str(port)
