@@ -994,7 +994,10 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
                 ranks,
                 row.get("backend"),
                 row.get("length"),
+                row.get("variant", "specforge"),
+                row.get("feed", "host"),
                 "error: " + row["error"][:60],
+                "-",
                 "-",
                 "-",
                 "-",
@@ -1008,12 +1011,15 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
                 ranks,
                 row.get("backend"),
                 row.get("length"),
+                row.get("variant", "specforge"),
+                row.get("feed", "host"),
                 _num(row.get("peak_allocated_gib"), "{:.2f}"),
                 _num(row.get("peak_reserved_gib"), "{:.2f}"),
                 _num(row.get("plan_gib"), "{:.2f}"),
                 _num(row.get("measured_over_plan"), "{:.2f}x"),
                 _num(row.get("median_step_s_after_first"), "{:.3f}"),
                 _num(row.get("tokens_per_s"), "{:.0f}"),
+                f"{row['mfu']:.3f} / {row['mfu_vs_measured_gemm']:.3f}" if "mfu_vs_measured_gemm" in row else "-",
             ]
             for row in r.get("rows") or []
         ]
@@ -1024,7 +1030,11 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
         "optimizer, eagle3 strategy) at a recipe's draft and target sizes, on 1 or N ranks of one host, "
         "capture-shaped batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
         "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first "
-        "(tok/s: all ranks' tokens over the slowest rank's step).",
+        "(tok/s: all ranks' tokens over the slowest rank's step). Step: the variant's trainer step (`specforge`: "
+        "SpecForge's own; `recipe`: what the recipes ship, `trainer.step_empty_cache: false`, `fused_adamw: true`); "
+        "feed: where the batch waits (`host`: pageable host memory, copied inside the step; `cuda`: already on the "
+        "GPU, as both transports hand it over); MFU: useful FLOPs (`training.step_flops`) over 989 TFLOP/s (the "
+        "H200's dense bf16 figure) / over the GEMM rate the same box measured.",
         files,
         "`python bench/trainer_memory.py` on a GPU.",
         [
@@ -1033,12 +1043,15 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
             "ranks",
             "attention",
             "tokens",
+            "step",
+            "feed",
             "peak allocated GiB (max over ranks)",
             "peak reserved GiB",
             "plan GiB",
             "allocated / plan",
             "step s",
             "tok/s",
+            "MFU (989 / measured GEMM)",
         ],
         rows,
     )

@@ -10,8 +10,14 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   16 bf16 experts, two depths) and the per-MoE-layer time from the 384-expert slice, so the expert count the real
   run pays stays in the MoE term;
 - ``online_run_k25_slice_<transport>[_<tag>].json`` (transport ``cuda_ipc`` or ``mooncake``; ``*_eval_draft``
-  excluded): run-reports of the slice recipe's co-located runs, every one used, per transport;
-- ``trainer_memory_k25_b200_h200.json``: one trainer rank alone on the GPU at the recipes' draft, 2k-16k tokens;
+  excluded): run-reports of the slice recipe's co-located runs, every one used, per transport. A tag holding
+  ``step_recipe`` marks a run whose trainer ran the recipe's step (``trainer.step_empty_cache`` /
+  ``fused_adamw`` / ``cuda_alloc_conf`` as the slice recipe ships them); every other run ran SpecForge's own step
+  (all runs before 2026-12-04; ``step_specforge`` says so explicitly);
+- ``trainer_step_lifts_k25_b200_h200.json``: one trainer rank alone on the GPU at the recipes' draft, 4k and 16k
+  tokens, the batch already on the GPU (``--feed cuda``: both transports hand the step device tensors), one row per
+  step variant (``step_env``). A recipe's trainer rate is the row of its own step; a run's trainer-alone rate, the
+  row of the step that run used;
 - ``prefill_width7168_l6_e16_{bf16,int4}_h200.jsonl``: INT4 vs bf16 experts (the expert-count backtest).
 
 and projects each shipped K2.5 recipe (8xB200 lowered, 8xB300, 2x8 B300) per transport that applies to it
@@ -79,9 +85,10 @@ ASSUMPTIONS = {
     },
     "overlap_carries": {
         "value": True,
-        "why": "co-location hides part of the shorter stage's GPU time behind the longer one (measured on the "
-        "slice's run at TP=1, one GPU); the same hidden fraction is assumed at TP=8/16 and on B200/B300. The "
-        "no-overlap rate (fraction 0) is in the output beside it as the floor",
+        "why": "co-location hides part of the shorter stage's GPU time behind the longer one, or, when negative, "
+        "costs more than the two stages' times added (measured on the slice's runs at TP=1, one GPU); the same "
+        "fraction is assumed at TP=8/16 and on B200/B300. The rate with the times added (fraction 0) is in the "
+        "output beside it",
     },
     "capture_tax_serial": {
         "value": True,
@@ -192,8 +199,32 @@ def colocated(*, prefill: float, trainer: float, overlap: float, tax_s: float, g
     return 1 / (gpu_s_per_token(prefill, trainer, overlap) / gpus + tax_s)
 
 
-def _trainer_rate(trainer_bench: dict, length: int) -> tuple[int, float]:
-    rows = [r for r in trainer_bench["rows"] if r["backend"] == "flex_attention" and "tokens_per_s" in r]
+#: SpecForge 0.2.0's own step, as ``training.step_knobs.step_env`` spells it (what every run before the knobs ran)
+SPECFORGE_STEP = {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0"}
+
+
+def _recipe_step(r) -> dict[str, str]:
+    """The trainer step a recipe ships, as the trainer bench's ``step_env`` records it."""
+    from specforge_kimi.training.step_knobs import step_env
+
+    t = r.trainer
+    return step_env(empty_cache=t.step_empty_cache, fused_adamw=t.fused_adamw, alloc_conf=t.cuda_alloc_conf)
+
+
+def _same_step(row_env: dict, step: dict[str, str]) -> bool:
+    return {k: v for k, v in row_env.items() if v is not None} == step
+
+
+def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tuple[int, float]:
+    """The flex_attention row nearest ``length`` of the step ``step`` (its ``step_env``); a bench without the
+    step is one line naming it."""
+    rows = [
+        r
+        for r in trainer_bench["rows"]
+        if r["backend"] == "flex_attention" and "tokens_per_s" in r and _same_step(r.get("step_env", {}), step)
+    ]
+    if not rows:
+        raise SystemExit(f"error: the trainer bench has no flex_attention row of the step {step}")
     row = min(rows, key=lambda r: (abs(r["length"] - length), r["length"]))
     return row["length"], row["tokens_per_s"]
 
@@ -219,7 +250,7 @@ def project(
         tp = per_node * nnodes
         eff = a["tp_efficiency"][str(tp)]
         prefill = eff * a["prefill_speed_vs_h200"][kind] / fit["k25_s_per_token_one_h200"]
-        length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"])
+        length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"], r["step"])
         trainer = a["trainer_speed_vs_h200"][kind] * trainer_h200
         per_transport = {}
         for t in r["transports"]:
@@ -322,6 +353,7 @@ def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict,
             "nnodes": r.gpus.nnodes,
             "kind": r.gpus.kind,
             "max_length": r.trainer.max_length,
+            "step": _recipe_step(r),
             "transports": transports,
             "transport": r.server.transport if explicit else "not set (single node: cuda_ipc-capable)",
         }
@@ -342,7 +374,7 @@ def find_inputs(results: Path) -> dict:
         "depth": {int(m.group(1)): results / n for n in names if (m := DEPTH_NAME.match(n))},
         "probes": {int(m.group(1)): results / n for n in names if (m := PROBE_NAME.match(n))},
         "runs": runs,
-        "trainer": results / "trainer_memory_k25_b200_h200.json",
+        "trainer": results / "trainer_step_lifts_k25_b200_h200.json",
         "int4": results / "prefill_width7168_l6_e16_int4_h200.jsonl",
         "bf16": results / "prefill_width7168_l6_e16_bf16_h200.jsonl",
     }
@@ -391,9 +423,10 @@ def backtest(
                 {
                     "what": f"slice co-located run end-to-end tok/s, {t}",
                     "file": r["_file"],
-                    "predicted_from": "the slice's plain prefill (prefill_depth), the trainer alone (trainer_memory "
-                    f"at {stage['length']} tokens), the {t} capture tax (online_pipeline); no overlap: the run's "
-                    "own end-to-end rate is the only source of the overlap fraction",
+                    "predicted_from": "the slice's plain prefill (prefill_depth), the trainer alone (the trainer "
+                    f"step bench, {stage['step']}'s step, at {stage['length']} tokens), the {t} capture tax "
+                    "(online_pipeline); the stages' times added: the run's own end-to-end rate is the only source "
+                    "of its overlap fraction",
                     "predicted": pred,
                     "measured": meas,
                     "relative_error": _rel(pred, meas),
@@ -435,13 +468,13 @@ def torchspec_check(*, fit: dict, capture: dict, trainer_bench: dict) -> dict:
     tp = ts["inference_gpus"] // 2
     prefill = ASSUMPTIONS["tp_efficiency"][str(tp)] / fit["k25_s_per_token_one_h200"]
     server = 1 / (1 / (tp * prefill) + capture["mooncake"]["tax_s_per_token"])
-    length, trainer = _trainer_rate(trainer_bench, 4096)
+    length, trainer = _trainer_rate(trainer_bench, 4096, SPECFORGE_STEP)
     e2e = min(2 * server, ts["trainer_gpus"] * trainer) / ts["gpus"]
     published = ts["tokens"] / (ts["gpu_hours"] * 3600)
     return {
         "what": "TorchSpec's published K2.5 run, tok/s per GPU",
         "predicted_from": "this model on 2 TP=8 H200 servers (Mooncake tax, TP=8 efficiency assumed) + 16 H200 "
-        f"trainers alone at {length} tokens, the slower side; TorchSpec's sample lengths, draft and TP are not "
+        f"trainers alone at {length} tokens (SpecForge's own step), the slower side; TorchSpec's sample lengths, draft and TP are not "
         "published beside the number",
         "predicted": e2e,
         "measured": published,
@@ -466,18 +499,28 @@ def capture_rates(pipeline: dict, length: int) -> dict:
     return capture
 
 
-def slice_runs(paths: dict[str, list[Path]], *, slice_prefill: float, trainer_bench: dict, capture: dict) -> dict:
+def run_step(name: str, recipe_step: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The trainer step a slice run ran, from its file name's tag (module docstring): ``("recipe", ...)`` or
+    ``("specforge", ...)``."""
+    return ("recipe", recipe_step) if "step_recipe" in name else ("specforge", SPECFORGE_STEP)
+
+
+def slice_runs(
+    paths: dict[str, list[Path]], *, slice_prefill: float, trainer_bench: dict, capture: dict, recipe_step: dict
+) -> dict:
     """Per transport, the slice's co-located run-reports with their stage rates measured alone (``_stage``: the
-    slice's prefill, the trainer bench at the run's sample size, the transport's tax) and overlap fraction."""
+    slice's prefill, the trainer bench at the run's sample size and step, the transport's tax) and overlap
+    fraction."""
     runs: dict[str, list[dict]] = {}
     for t, ps in paths.items():
         for p in ps:
             run = _load(p)
-            length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]))
+            step_name, step = run_step(p.name, recipe_step)
+            length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]), step)
             stage = {"prefill": slice_prefill, "trainer": trainer_alone, "tax_s": capture[t]["tax_s_per_token"]}
             h = overlap_from_run(**stage, end_to_end=run["perf"]["end_to_end_tokens_per_s"])
             runs.setdefault(t, []).append(
-                {**run, "_file": p.name, "_stage": {**stage, "length": length}, "_overlap": h}
+                {**run, "_file": p.name, "_stage": {**stage, "length": length, "step": step_name}, "_overlap": h}
             )
     return runs
 
@@ -489,6 +532,7 @@ def _run_summary(t: str, r: dict) -> dict:
         "transport": t,
         "end_to_end_tokens_per_s": perf["end_to_end_tokens_per_s"],
         "trainer_only_tokens_per_s": perf["trainer_only_tokens_per_s"],
+        "trainer_step": stage["step"],
         "trainer_alone_tokens_per_s": stage["trainer"],
         "slice_prefill_tokens_per_s": stage["prefill"],
         "overlap_hidden_fraction": r["_overlap"],
@@ -501,12 +545,12 @@ def _run_summary(t: str, r: dict) -> dict:
 
 def overlap_per_transport(runs: dict[str, list[dict]]) -> dict[str, float]:
     """The mean hidden fraction of each transport's runs; a transport without a run borrows all runs' mean;
-    clipped to [0, 1] (none hidden .. all of the shorter stage hidden)."""
+    clipped to [-1, 1] (co-location costing a whole shorter stage more than the sum .. all of it hidden)."""
     pooled = [r["_overlap"] for rs in runs.values() for r in rs]
     out = {}
     for t in TRANSPORTS:
         hs = [r["_overlap"] for r in runs.get(t, [])] or pooled
-        out[t] = min(1.0, max(0.0, sum(hs) / len(hs)))
+        out[t] = min(1.0, max(-1.0, sum(hs) / len(hs)))
     return out
 
 
@@ -533,10 +577,21 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         raise SystemExit(f"error: no online_run_k25_slice_<transport>*.json in {results}")
     fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
     capture = capture_rates(pipeline, length)
-    runs = slice_runs(inputs["runs"], slice_prefill=slice_prefill, trainer_bench=trainer_bench, capture=capture)
+    sys.path.insert(0, str(REPO / "src"))
+    from specforge_kimi.online.recipes import load_recipe
+
+    recipe_step = _recipe_step(load_recipe(REPO / "recipes" / SLICE_RECIPE))
+    runs = slice_runs(
+        inputs["runs"],
+        slice_prefill=slice_prefill,
+        trainer_bench=trainer_bench,
+        capture=capture,
+        recipe_step=recipe_step,
+    )
     summaries = [_run_summary(t, r) for t, rs in runs.items() for r in rs]
     overlap = overlap_per_transport(runs)
-    primary = summaries[0]
+    # the memory measured beside the plan: a run of the step the recipes ship, if there is one
+    primary = next((s for s in summaries if s["trainer_step"] == "recipe"), summaries[0])
     recipes, plans, mem_overheads = _recipe_inputs(primary["peak_gpu_mib_per_role"], primary["transport"])
     probe_int4 = None
     if inputs["int4"].exists() and inputs["bf16"].exists():
@@ -596,7 +651,8 @@ def table(res: dict) -> str:
     lines = [
         "**8xB200, co-located, projected end-to-end trained tok/s per GPU: "
         + "; ".join(
-            f"{t} {e:,.0f} ({e / ts:.1f}x TorchSpec's {ts:,.0f}; {f:,.0f} without overlap)" for _, t, e, f in head
+            f"{t} {e:,.0f} ({e / ts:.1f}x TorchSpec's {ts:,.0f}; {f:,.0f} with the stages' times added)"
+            for _, t, e, f in head
         )
         + ".** Pessimistic ends of the assumptions, one at a time (`sensitivity`): "
         + "; ".join(
@@ -607,7 +663,7 @@ def table(res: dict) -> str:
         + f" ({' / '.join(t for _, t, _, _ in head)}).",
         "",
         "| recipe | GPUs | TP | transport | node prefill tok/s | trainer tok/s per GPU | slowest | "
-        "end-to-end tok/s per GPU (no overlap) | vs TorchSpec 1.1k | features GB/s per node (readers carry) | "
+        "end-to-end tok/s per GPU (times added) | vs TorchSpec 1.1k | features GB/s per node (readers carry) | "
         "writer GB/s (carries) | GiB per GPU: server pool + trainer plan (sum with the server overhead outside its pool) of GPU | "
         "wall h per 1B tokens | GPU-h per 1B tokens |",
         "| " + " | ".join(["---"] * 14) + " |",
@@ -658,13 +714,13 @@ def table(res: dict) -> str:
         )
         + ". Co-located runs of the slice: "
         + "; ".join(
-            f"`{s['file']}` {s['end_to_end_tokens_per_s']:,.0f} tok/s end to end (prefill alone "
+            f"`{s['file']}` ({s['trainer_step']}'s step) {s['end_to_end_tokens_per_s']:,.0f} tok/s end to end (prefill alone "
             f"{s['slice_prefill_tokens_per_s']:,.0f}, trainer alone {s['trainer_alone_tokens_per_s']:,.0f}, "
-            f"trainer in the run {s['trainer_only_tokens_per_s']:,.0f}): {s['overlap_hidden_fraction']:.2f} of the "
+            f"trainer in the run {s['trainer_only_tokens_per_s']:,.0f}): {s['overlap_hidden_fraction']:+.2f} of the "
             "shorter stage hidden"
             for s in res["slice_runs"]
         )
-        + ".",
+        + ". A negative fraction: the co-located run took longer than the two stages' times added.",
         "",
         "Backtest (held-out predictions, `backtest` in the JSON; the last row is `cross_check`, a published "
         "number with some of its inputs unknown):",

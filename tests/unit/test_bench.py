@@ -659,6 +659,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
         "bench_sglang_test_untrained_tp1_h200.json",
         "teacher_memory_cpu.json",
         "trainer_memory_k25_b200_h200.json",
+        "trainer_step_loss_curve_k25_b200_h200.json",
     ):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     greedy = {
@@ -726,8 +727,12 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     assert "- `offline_twin_tp1_h200.json`" not in pairs
     assert "| teacher_memory_cpu.json | 163840 | 2048 | 2.647 | 8.47 | 8.12 | 10 |" in md
     assert (
-        "| trainer_memory_k25_b200_h200.json | NVIDIA H200 | 1 | flex_attention | 16384 | 69.15 | 95.23 | 133.75 | "
-        "0.52x | 1.687 | 9715 |"
+        "| trainer_memory_k25_b200_h200.json | NVIDIA H200 | 1 | flex_attention | 16384 | specforge | host | 69.15 | "
+        "95.23 | 133.75 | 0.52x | 1.687 | 9715 | - |"
+    ) in md
+    assert (
+        "| trainer_step_loss_curve_k25_b200_h200.json | NVIDIA H200 | 1 | flex_attention | 4096 | recipe | cuda | "
+        "30.97 | 56.96 | 47.48 | 0.65x | 0.320 | 12791 | 0.494 / 0.612 |"
     ) in md
     assert (
         "| bench_sglang_test_untrained_tp1_h200.json | untrained | structured | 1.025 | 36.6 | 52.2 | 0.70x | 8/8 |"
@@ -848,6 +853,7 @@ def test_report_headline_reads_the_current_files(tmp_path):
         "online_pipeline_tp1_h200_compact_headline.json",
         "online_run_echo_tp1_h200.json",
         "trainer_memory_k25_b200_h200.json",
+        "trainer_step_lifts_k25_b200_h200.json",
     )
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert md.index("## Headline") < md.index("## Acceptance length")

@@ -13,6 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 US = 1e-6
+# the trainer bench's step_env per variant (bench/trainer_memory.py writes the allocator setting even when unset)
+SPECFORGE = {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0", "PYTORCH_CUDA_ALLOC_CONF": None}
+RECIPE = {"SPECFORGE_EAGLE3_EMPTY_CACHE": "0", "SPECFORGE_ADAMW_FUSED": "1", "PYTORCH_CUDA_ALLOC_CONF": None}
+EXPANDABLE = {**RECIPE, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,8 @@ def _run(e2e: float) -> dict:
 @pytest.fixture
 def results(tmp_path):
     """Hand-made measurements: slice 5 layers at 1/(23 us) plain; probes 3 us fixed + 4 us per layer;
-    trainer alone 10,000 tok/s at 4096, 20,000 at 16384; mooncake tax 5 us, cuda_ipc 0."""
+    trainer alone 10,000 tok/s at 4096, 20,000 at 16384 with SpecForge's step, 12,500 / 25,000 with the recipes'
+    step; mooncake tax 5 us, cuda_ipc 0."""
     d = tmp_path / "results"
     d.mkdir()
     files = {
@@ -112,11 +117,14 @@ def results(tmp_path):
         # 23 us prefill + 100 us training, 0 tax, 11.5 us hidden: half the shorter stage
         "online_run_k25_slice_cuda_ipc_h200.json": _run(1 / (111.5 * US)),
         "online_run_k25_slice_cuda_ipc_h200_eval_draft.json": {"not": "a run"},
-        "trainer_memory_k25_b200_h200.json": {
+        "trainer_step_lifts_k25_b200_h200.json": {
             "rows": [
-                {"backend": "flex_attention", "length": 4096, "tokens_per_s": 10_000.0},
-                {"backend": "flex_attention", "length": 16384, "tokens_per_s": 20_000.0},
-                {"backend": "sdpa", "length": 4096, "tokens_per_s": 1.0},
+                {"backend": "flex_attention", "length": 4096, "tokens_per_s": 10_000.0, "step_env": SPECFORGE},
+                {"backend": "flex_attention", "length": 16384, "tokens_per_s": 20_000.0, "step_env": SPECFORGE},
+                {"backend": "sdpa", "length": 4096, "tokens_per_s": 1.0, "step_env": SPECFORGE},
+                {"backend": "flex_attention", "length": 4096, "tokens_per_s": 12_500.0, "step_env": RECIPE},
+                {"backend": "flex_attention", "length": 16384, "tokens_per_s": 25_000.0, "step_env": RECIPE},
+                {"backend": "flex_attention", "length": 4096, "tokens_per_s": 1.0, "step_env": EXPANDABLE},
             ]
         },
     }
@@ -145,7 +153,7 @@ def test_projection_from_hand_made_measurements(sizing, results, tmp_path):
     b200 = res["recipes"]["kimi-k25-8xb200-lowered"]
     assert list(b200["transports"]) == ["cuda_ipc", "mooncake"]
     prefill = a["tp_efficiency"]["8"] * a["prefill_speed_vs_h200"]["B200"] / (303 * US)
-    trainer = a["trainer_speed_vs_h200"]["B200"] * 10_000  # the recipe's max_length 4096 row
+    trainer = a["trainer_speed_vs_h200"]["B200"] * 12_500  # the recipe's step, its max_length 4096 row
     assert b200["prefill_tokens_per_s_per_gpu"] == pytest.approx(prefill)
     assert b200["node_prefill_tokens_per_s"] == pytest.approx(8 * prefill)
     assert b200["trainer_tokens_per_s_per_gpu"] == pytest.approx(trainer)
@@ -172,7 +180,7 @@ def test_projection_from_hand_made_measurements(sizing, results, tmp_path):
     assert a["prefill_speed_vs_h200"]["B200"] != 1.0  # the sensitivity run left the stated assumptions alone
     # B300 trains 16k samples: the 16384 row; two nodes: TP=16, Mooncake only, readers per node, one writer
     b300 = res["recipes"]["kimi-k25-8xb300"]
-    assert b300["trainer_tokens_per_s_per_gpu"] == pytest.approx(a["trainer_speed_vs_h200"]["B300"] * 20_000)
+    assert b300["trainer_tokens_per_s_per_gpu"] == pytest.approx(a["trainer_speed_vs_h200"]["B300"] * 25_000)
     two = res["recipes"]["kimi-k25-2x8xb300"]
     assert two["tp"] == 16 and list(two["transports"]) == ["mooncake"]
     t2 = two["transports"]["mooncake"]
@@ -249,8 +257,8 @@ def test_two_slice_depths_replace_the_width_probes(sizing, results, tmp_path):
 
 
 def test_missing_measurement_is_one_line(sizing, results, tmp_path):
-    (results / "trainer_memory_k25_b200_h200.json").unlink()
-    with pytest.raises(SystemExit, match="trainer_memory_k25_b200_h200.json not found"):
+    (results / "trainer_step_lifts_k25_b200_h200.json").unlink()
+    with pytest.raises(SystemExit, match="trainer_step_lifts_k25_b200_h200.json not found"):
         _main(sizing, results, tmp_path)
 
 
@@ -263,3 +271,39 @@ def test_committed_doc_table_is_the_committed_json(sizing):
     for p in b200.values():
         assert f"**{p['end_to_end_tokens_per_s_per_gpu']:,.0f}**" in doc
     assert {b["what"] for b in res["backtest"]} and all("relative_error" in b for b in res["backtest"])
+
+
+def test_runs_are_paired_with_the_trainer_step_they_ran(sizing, results, tmp_path):
+    """A ``step_recipe`` run's trainer-alone rate is the recipe-step row; a run slower than the two stages added
+    keeps its negative fraction (the projection then sits below the times-added rate); its memory is the one
+    carried to the recipes."""
+    # the recipe step alone: 23 + 80 us; the run took 113 us: 10 us more than the sum, -10/23 of the prefill
+    run = _run(1 / (113 * US))
+    run["gpu_memory"]["peak_mib_per_role"]["trainer"] = 50 * 1024
+    (results / "online_run_k25_slice_cuda_ipc_step_recipe_h200.json").write_text(json.dumps(run))
+    res, text = _main(sizing, results, tmp_path)
+    by_file = {s["file"]: s for s in res["slice_runs"]}
+    rec = by_file["online_run_k25_slice_cuda_ipc_step_recipe_h200.json"]
+    assert rec["trainer_step"] == "recipe" and rec["trainer_alone_tokens_per_s"] == 12_500.0
+    assert rec["overlap_hidden_fraction"] == pytest.approx(-10 / 23)
+    old = by_file["online_run_k25_slice_cuda_ipc_h200.json"]
+    assert old["trainer_step"] == "specforge" and old["trainer_alone_tokens_per_s"] == 10_000.0
+    assert res["overlap_hidden_fraction"]["cuda_ipc"] == pytest.approx((0.5 - 10 / 23) / 2)
+    assert res["slice_run"]["file"] == "online_run_k25_slice_cuda_ipc_step_recipe_h200.json"
+    assert res["memory_from_slice"]["slice_measured_peak_gib"]["trainer"] == pytest.approx(50.0)
+    assert "(recipe's step)" in text and "(specforge's step)" in text
+    # all runs slower than the sum: the projection is below the times-added rate, not clipped up to it
+    (results / "online_run_k25_slice_cuda_ipc_h200.json").write_text(json.dumps(_run(1 / (140 * US))))
+    again, _ = _main(sizing, results, tmp_path)
+    p = again["recipes"]["kimi-k25-8xb200-lowered"]["transports"]["cuda_ipc"]
+    assert again["overlap_hidden_fraction"]["cuda_ipc"] < 0
+    assert p["end_to_end_tokens_per_s_per_gpu"] < p["end_to_end_no_overlap_tokens_per_s_per_gpu"]
+
+
+def test_a_trainer_bench_without_the_recipes_step_is_one_line(sizing, results, tmp_path):
+    path = results / "trainer_step_lifts_k25_b200_h200.json"
+    bench = json.loads(path.read_text())
+    bench["rows"] = [r for r in bench["rows"] if r["step_env"] != RECIPE]
+    path.write_text(json.dumps(bench))
+    with pytest.raises(SystemExit, match="no flex_attention row of the step"):
+        _main(sizing, results, tmp_path)
