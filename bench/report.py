@@ -1871,7 +1871,7 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
                     "trainer tok/s per GPU",
                     "slowest",
                     "transport",
-                    "end-to-end tok/s per GPU (no overlap)",
+                    "end-to-end tok/s per GPU (times added)",
                     "vs TorchSpec",
                     "features GB/s per node (transport carries)",
                     "transport bound",

@@ -10,10 +10,11 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   16 bf16 experts, two depths) and the per-MoE-layer time from the 384-expert slice, so the expert count the real
   run pays stays in the MoE term;
 - ``online_run_k25_slice_<transport>[_<tag>].json`` (transport ``cuda_ipc`` or ``mooncake``; ``*_eval_draft``
-  excluded): run-reports of the slice recipe's co-located runs, every one used, per transport. A tag holding
-  ``step_recipe`` marks a run whose trainer ran the recipe's step (``trainer.step_empty_cache`` /
-  ``fused_adamw`` / ``cuda_alloc_conf`` as the slice recipe ships them); every other run ran SpecForge's own step
-  (all runs before 2026-12-04; ``step_specforge`` says so explicitly);
+  excluded): run-reports of the slice recipe's co-located runs, every one used, per transport. The trainer step a
+  run ran is its report's ``trainer_step_env`` (from the launch sheet); for a report without it, a tag holding
+  ``step_recipe`` marks the recipe's step (``trainer.step_empty_cache`` / ``fused_adamw`` / ``cuda_alloc_conf``
+  as the slice recipe ships them) and any other run ran SpecForge's own (all runs before 2026-12-04;
+  ``step_specforge`` says so explicitly);
 - ``trainer_step_lifts_k25_b200_h200.json``: one trainer rank alone on the GPU at the recipes' draft, 4k and 16k
   tokens, the batch already on the GPU (``--feed cuda``: both transports hand the step device tensors), one row per
   step variant (``step_env``). A recipe's trainer rate is the row of its own step; a run's trainer-alone rate, the
@@ -117,13 +118,13 @@ ASSUMPTIONS = {
 
 
 #: The 8xB200 headline with one assumption at a time set to its pessimistic end: (what, ASSUMPTIONS changes,
-#: overlap fraction or None for the measured one).
+#: overlap fraction: None for each transport's measured one, "worst" for the lowest single run's).
 SENSITIVITY = (
     ("as projected", {}, None),
-    ("no overlap (hidden fraction 0)", {}, 0.0),
+    ("the worst run's hidden fraction for both transports", {}, "worst"),
     ("prefill no faster than on an H200", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}}, None),
     ("TP=8 efficiency 0.5", {"tp_efficiency": {"8": 0.5}}, None),
-    ("all three", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}, "tp_efficiency": {"8": 0.5}}, 0.0),
+    ("all three", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}, "tp_efficiency": {"8": 0.5}}, "worst"),
 )
 
 
@@ -216,15 +217,18 @@ def _same_step(row_env: dict, step: dict[str, str]) -> bool:
 
 
 def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tuple[int, float]:
-    """The flex_attention row nearest ``length`` of the step ``step`` (its ``step_env``); a bench without the
-    step is one line naming it."""
+    """The flex_attention row nearest ``length`` of the step ``step`` (its ``step_env``), its batch on the GPU
+    (``feed: cuda``); a bench without such a row is one line naming the step."""
     rows = [
         r
         for r in trainer_bench["rows"]
-        if r["backend"] == "flex_attention" and "tokens_per_s" in r and _same_step(r.get("step_env", {}), step)
+        if r["backend"] == "flex_attention"
+        and "tokens_per_s" in r
+        and r.get("feed") == "cuda"
+        and _same_step(r.get("step_env", {}), step)
     ]
     if not rows:
-        raise SystemExit(f"error: the trainer bench has no flex_attention row of the step {step}")
+        raise SystemExit(f"error: the trainer bench has no flex_attention row fed from the GPU of the step {step}")
     row = min(rows, key=lambda r: (abs(r["length"] - length), r["length"]))
     return row["length"], row["tokens_per_s"]
 
@@ -258,7 +262,7 @@ def project(
             server = colocated(
                 prefill=prefill, trainer=trainer, overlap=overlap[t], tax_s=c["tax_s_per_token"], gpus=tp
             )
-            floor = colocated(prefill=prefill, trainer=trainer, overlap=0.0, tax_s=c["tax_s_per_token"], gpus=tp)
+            added = colocated(prefill=prefill, trainer=trainer, overlap=0.0, tax_s=c["tax_s_per_token"], gpus=tp)
             e2e = server / tp
             node_gb_s = server / nnodes * feature_bytes / 1e9
             readers = c["read_gb_per_s"] * per_node
@@ -266,7 +270,7 @@ def project(
             wall_h = 1e9 / server / 3600
             per_transport[t] = {
                 "end_to_end_tokens_per_s_per_gpu": e2e,
-                "end_to_end_no_overlap_tokens_per_s_per_gpu": floor / tp,
+                "end_to_end_no_overlap_tokens_per_s_per_gpu": added / tp,
                 "overlap_hidden_fraction": overlap[t],
                 "server_tokens_per_s": server,
                 "feature_gb_per_s_per_node": node_gb_s,
@@ -499,10 +503,14 @@ def capture_rates(pipeline: dict, length: int) -> dict:
     return capture
 
 
-def run_step(name: str, recipe_step: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """The trainer step a slice run ran, from its file name's tag (module docstring): ``("recipe", ...)`` or
-    ``("specforge", ...)``."""
-    return ("recipe", recipe_step) if "step_recipe" in name else ("specforge", SPECFORGE_STEP)
+def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The trainer step a slice run ran: its run-report's ``trainer_step_env`` (the launch sheet's), else its file
+    name's tag (module docstring; run-reports written before the field existed do not carry it). Named ``recipe``,
+    ``specforge`` or ``other``."""
+    step = run.get("trainer_step_env")
+    if step is None:
+        step = recipe_step if "step_recipe" in name else SPECFORGE_STEP
+    return ("recipe" if step == recipe_step else "specforge" if step == SPECFORGE_STEP else "other"), step
 
 
 def slice_runs(
@@ -515,7 +523,7 @@ def slice_runs(
     for t, ps in paths.items():
         for p in ps:
             run = _load(p)
-            step_name, step = run_step(p.name, recipe_step)
+            step_name, step = run_step(p.name, run, recipe_step)
             length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]), step)
             stage = {"prefill": slice_prefill, "trainer": trainer_alone, "tax_s": capture[t]["tax_s_per_token"]}
             h = overlap_from_run(**stage, end_to_end=run["perf"]["end_to_end_tokens_per_s"])
@@ -544,7 +552,8 @@ def _run_summary(t: str, r: dict) -> dict:
 
 
 def overlap_per_transport(runs: dict[str, list[dict]]) -> dict[str, float]:
-    """The mean hidden fraction of each transport's runs; a transport without a run borrows all runs' mean;
+    """The mean hidden fraction of each transport's runs, whatever step their trainers ran (the fraction is taken
+    as a property of sharing the GPU); a transport without a run borrows all runs' mean;
     clipped to [-1, 1] (co-location costing a whole shorter stage more than the sum .. all of it hidden)."""
     pooled = [r["_overlap"] for rs in runs.values() for r in rs]
     out = {}
@@ -554,15 +563,16 @@ def overlap_per_transport(runs: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
-def sensitivity(project_with, recipes: dict, overlap: dict) -> list[dict]:
-    """The 8xB200 rows under each ``SENSITIVITY`` change; ``project_with(recipes, overlap, assumptions)``."""
+def sensitivity(project_with, recipes: dict, overlap: dict, worst: float) -> list[dict]:
+    """The 8xB200 rows under each ``SENSITIVITY`` change; ``project_with(recipes, overlap, assumptions)``;
+    ``worst``: the lowest hidden fraction of any single run."""
     out = []
     for what, change, ov in SENSITIVITY:
         a = json.loads(json.dumps(ASSUMPTIONS))
         for key, value in change.items():
             a[key].update(value)
         b200 = {k: v for k, v in recipes.items() if "b200" in k}
-        hs = {t: ov if ov is not None else h for t, h in overlap.items()}
+        hs = {t: h if ov is None else worst if ov == "worst" else ov for t, h in overlap.items()}
         for name, r in project_with(b200, hs, a).items():
             e2e = {t: x["end_to_end_tokens_per_s_per_gpu"] for t, x in r["transports"].items()}
             out.append({"recipe": name, "what": what, **e2e})
@@ -635,7 +645,9 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         "backtest": backtest(runs=runs, slice_prefill=slice_prefill, fit=fit, probe_int4=probe_int4),
         "cross_check": [torchspec_check(fit=fit, capture=capture, trainer_bench=trainer_bench)],
         "recipes": project_with(recipes, overlap),
-        "sensitivity": sensitivity(project_with, recipes, overlap),
+        "sensitivity": sensitivity(
+            project_with, recipes, overlap, max(-1.0, min(r["_overlap"] for rs in runs.values() for r in rs))
+        ),
         "torchspec": {**TORCHSPEC, "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600)},
     }
 

@@ -327,15 +327,10 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
 # processes: Mooncake master and the capture server, each in its own session
 # --------------------------------------------------------------------------------------------
 def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+    """``services.free_ports``: distinct, and low enough for SGLang's gRPC port (server port + 10000)."""
+    from specforge_kimi.online.services import free_ports
+
+    return free_ports(n)
 
 
 def _group_processes(pgid: int) -> list[dict]:

@@ -347,6 +347,33 @@ def test_run_report_names_the_transport(tmp_path):
     assert transport(tmp_path / "not-a-run") is None
 
 
+def test_run_report_names_the_trainer_step(tmp_path):
+    """``run-report`` reads the trainer step from the launch sheet: the recipe's fields as rendered, SpecForge's
+    own step for a sheet written before the fields existed."""
+    import json
+
+    from specforge_kimi.evaluate.run_report import trainer_step
+
+    raw = _raw()
+    raw["trainer"].update(step_empty_cache=True, cuda_alloc_conf="expandable_segments:True")
+    run = tmp_path / "run"
+    render(_load(tmp_path, raw), run / "rendered")
+    assert trainer_step(run) == {
+        "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
+        "SPECFORGE_ADAMW_FUSED": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    shipped = tmp_path / "shipped"
+    render(load_recipe(RECIPES / "tiny-k25-tp1-h200.yaml"), shipped / "rendered")
+    assert trainer_step(shipped) == {"SPECFORGE_EAGLE3_EMPTY_CACHE": "0", "SPECFORGE_ADAMW_FUSED": "1"}
+    sheet = json.loads((shipped / "rendered" / "launch.json").read_text())
+    for key in ("SPECFORGE_EAGLE3_EMPTY_CACHE", "SPECFORGE_ADAMW_FUSED"):
+        sheet["env"].pop(key)
+    (shipped / "rendered" / "launch.json").write_text(json.dumps(sheet))
+    assert trainer_step(shipped) == {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0"}
+    assert trainer_step(tmp_path / "not-a-run") is None
+
+
 def test_stale_pools_are_removed_around_each_attempt(tmp_path, monkeypatch):
     """A server SIGKILLed with the launcher (a ``kill -9`` of the whole tree, a reboot) leaves its pool files;
     ``run_attempts`` -- what ``launch`` and the drills both run -- clears them before each attempt (the first, and

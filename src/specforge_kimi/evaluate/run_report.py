@@ -124,6 +124,23 @@ def transport(run: Path) -> str | None:
     return (sheet.get("env") or {}).get(TRANSPORT_ENV, "mooncake")
 
 
+def trainer_step(run: Path) -> dict[str, str] | None:
+    """The trainer step the run's ranks ran: the step variables of the launch sheet's environment
+    (``training.step_knobs``), SpecForge's own values for a sheet written before it set them (SpecForge's step
+    was the only one then); None without a sheet. An allocator setting the launching shell passed down
+    (``trainer.cuda_alloc_conf`` unset) is not in the sheet and not here."""
+    from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, EMPTY_CACHE_ENV, FUSED_ADAMW_ENV
+
+    sheet_path = run / "rendered" / "launch.json"
+    if not sheet_path.is_file():
+        return None
+    env = json.loads(sheet_path.read_text()).get("env") or {}
+    out = {EMPTY_CACHE_ENV: env.get(EMPTY_CACHE_ENV, "1"), FUSED_ADAMW_ENV: env.get(FUSED_ADAMW_ENV, "0")}
+    if env.get(ALLOC_CONF_ENV):
+        out[ALLOC_CONF_ENV] = env[ALLOC_CONF_ENV]
+    return out
+
+
 def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     run = Path(run_dir)
     rendered = run / "rendered" / "specforge_run.yaml"
@@ -147,6 +164,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
         "run_dir": str(run),
         "run_id": run_id,
         "transport": transport(run),
+        "trainer_step_env": trainer_step(run),
         "max_steps": cfg["training"].get("max_steps"),
         "steps_logged": len(steps),
         "last_step": steps[-1]["step"] if steps else 0,
