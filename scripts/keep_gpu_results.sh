@@ -4,7 +4,8 @@
 #   result JSON (the names bench/ scripts give them: online_pipeline_*, prefill_depth_*, online_run*, capture_parity*,
 #   trainer_memory_*, acceptance_*, eval_*, ...) -> bench/results/ (an existing file is not overwritten: rename first)
 #   everything else that is text (logs, *.out, *.txt, small JSON such as inspect.json) -> tests/gpu/logs/NAME/, each
-#   file cut to its last 256 KiB; binaries, checkpoints and tensors are left out and listed
+#   file cut to its last 256 KiB; plots (*.png up to 4 MiB: run_*.png, soak_*.png) beside the logs, whole; other
+#   binaries, checkpoints and tensors are left out and listed
 # usage: bash scripts/keep_gpu_results.sh FILES_AT NAME      (NAME e.g. 2026-12-03-real-width)
 #        KEEP_ROOT=DIR writes under DIR instead of this checkout (the tests use it)
 set -euo pipefail
@@ -15,7 +16,7 @@ cd "${KEEP_ROOT:-$(dirname "$0")/..}"
 SRC="$SRC_ABS"
 case "$NAME" in 20[0-9][0-9]-[01][0-9]-[0-3][0-9]-*) ;; *) echo "error: NAME must start with a date (2026-12-03-...), not $NAME" >&2; exit 2;; esac
 LOGS="tests/gpu/logs/$NAME"; mkdir -p "$LOGS" bench/results
-RESULT='^(online_pipeline|prefill_depth|online_run|capture_parity|trainer_memory|trainer_step|acceptance|eval|sizing|draft_logits|fault_drills|bench_sglang|regenerate|target_select|tiny_target|offline_twin|mla_vs_llama|cuda_ipc|resume)_?.*\.json$'
+RESULT='^(online_pipeline|prefill_depth|online_run|capture_parity|trainer_memory|trainer_step|acceptance|eval|sizing|draft_logits|fault_drills|bench_sglang|regenerate|target_select|tiny_target|offline_twin|mla_vs_llama|cuda_ipc|resume|soak)_?.*\.json$'
 kept=0; logged=0; skipped=()
 while IFS= read -r -d '' f; do
   rel="${f#"$SRC"/}"; base="$(basename "$f")"
@@ -24,6 +25,9 @@ while IFS= read -r -d '' f; do
       echo "error: bench/results/$base exists and differs; rename $f first" >&2; exit 1
     fi
     cp "$f" "bench/results/$base"; kept=$((kept + 1))
+  elif [[ "$base" == *.png ]] && [ "$(stat -c %s "$f")" -le 4194304 ]; then  # a plot: kept whole
+    mkdir -p "$LOGS/$(dirname "$rel")"
+    cp "$f" "$LOGS/$rel"; logged=$((logged + 1))
   elif python3 -c "import sys; b = open(sys.argv[1], 'rb').read(65536); sys.exit(b'\0' in b)" "$f"; then  # text
     mkdir -p "$LOGS/$(dirname "$rel")"
     tail -c 262144 "$f" > "$LOGS/$rel"; logged=$((logged + 1))

@@ -46,6 +46,8 @@ def _gpu_plan(s: dict):
     raw["target"]["path"] = s["target"]
     raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta, "metrics_port": metrics, "global_segment_gib": 8}
     raw["server"]["port"] = port
+    if s.get("transport"):  # the drills on the other transport than the recipe's
+        raw["server"]["transport"] = s["transport"]
     raw["trainer"].update(max_steps=s["steps"], save_interval=s["save_interval"], num_epochs=s.get("num_epochs", 1))
     raw["data"] = {
         "prompts_path": str(Path(s["data"]) / "prompts.jsonl"),

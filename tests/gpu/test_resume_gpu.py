@@ -12,8 +12,9 @@ text-only capture server, producer, one trainer rank, all on one GPU) under Spec
 Run them in separate device calls (each within 10 minutes). Both check from SpecForge's ledger that every
 prompt is trained exactly once and that the loss curve continues from the checkpoint, and write their
 outcome -- lost / duplicated / captured-again counts, time from the kill to the resumed attempt's first
-optimizer step, the stop time -- into ``$SPECFORGE_KIMI_GPU_OUT/resume_drills_tp1_h200.json``. A random-weight
-tiny target (8 layers, hidden 512) and 200 corpus conversations; the seed of the kill points is
+optimizer step, the stop time -- into ``$SPECFORGE_KIMI_GPU_OUT/resume_drills_<transport>_tp1_h200.json``
+(the recipe's transport, cuda_ipc, or ``SPECFORGE_KIMI_DRILL_TRANSPORT=mooncake``). A random-weight tiny target
+(8 layers, hidden 512) and 200 corpus conversations; the seed of the kill points is
 ``SPECFORGE_KIMI_DRILL_SEED`` (default: the clock), recorded.
 """
 
@@ -35,6 +36,8 @@ PROMPTS = 200
 SAVE = 20
 STOP_BOUND_S = 60.0
 OUT = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or "/tmp/specforge-kimi-gpu")
+#: the feature transport the drills run on: the recipe's (cuda_ipc) unless set (mooncake)
+TRANSPORT = os.environ.get("SPECFORGE_KIMI_DRILL_TRANSPORT") or None
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +59,23 @@ def _run(tmp_path, inputs, resilience=None) -> Run:
         "target": str(target),
         "data": str(data),
         "resilience": resilience,
+        "transport": TRANSPORT,
     }
     return Run(tmp_path, settings, seed=seed)
 
 
+def _transport() -> str:
+    from specforge_kimi.online.recipes import load_recipe
+
+    return (
+        TRANSPORT
+        or load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp1-h200.yaml").server.transport
+    )
+
+
 def _write(name: str, res: dict) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "resume_drills_tp1_h200.json"
+    path = OUT / f"resume_drills_{_transport()}_tp1_h200.json"
     doc = json.loads(path.read_text()) if path.is_file() else {}
     import torch
 
@@ -76,6 +89,7 @@ def _write(name: str, res: dict) -> None:
                 "torch": torch.__version__,
             },
             "recipe": "recipes/tiny-k25-tp1-h200.yaml (random-weight tiny target, 8 layers, hidden 512)",
+            "transport": _transport(),
             "prompts": PROMPTS,
             "save_interval": SAVE,
         }

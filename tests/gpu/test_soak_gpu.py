@@ -6,8 +6,9 @@ GPU memory of each, and the Mooncake master's allocated bytes and key count. Aft
 steps (warm-up) each series must stay flat within the bound ``tests/soak.py`` states (the rise of its median
 from the first to the last third of the judged steps; a fall is no leak); every sample trained once (SpecForge's ledger).
 
-Writes ``$SPECFORGE_KIMI_GPU_OUT/soak_tp1_h200.json`` (samples, per-series drift, bound, verdict) and
-``soak_tp1_h200.png`` beside it. Expected wall time ~8 min in one device call: ~20 s of inputs, ~90 s of
+Writes ``$SPECFORGE_KIMI_GPU_OUT/soak_<transport>_tp1_h200.json`` (the recipe's transport, cuda_ipc, or
+``SPECFORGE_KIMI_DRILL_TRANSPORT=mooncake``) (samples, per-series drift, bound, verdict) and
+``soak_<transport>_tp1_h200.png`` beside it. Expected wall time ~8 min in one device call: ~20 s of inputs, ~90 s of
 server start, 5,000 steps at ~62 ms (measured for this recipe, NOTES.md) = ~5.2 min, plus sampling; lower
 ``SPECFORGE_KIMI_SOAK_STEPS`` if the call's budget is short.
 """
@@ -26,12 +27,17 @@ from conftest import prepare_corpus
 from resume_drills import Run, final_ledger
 from soak import WARMUP_FRACTION, Sampler, plot, verdicts
 
+from specforge_kimi.online.recipes import load_recipe
+
 pytestmark = pytest.mark.gpu
 
 STEPS = int(os.environ.get("SPECFORGE_KIMI_SOAK_STEPS", "5000"))
 CONVERSATIONS = 1700
 EPOCHS = 3
+REPO = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or "/tmp/specforge-kimi-gpu")
+#: the feature transport of the soak: the recipe's (cuda_ipc) unless set (mooncake)
+TRANSPORT = os.environ.get("SPECFORGE_KIMI_DRILL_TRANSPORT") or None
 
 
 def test_soak_gpu(tmp_path):
@@ -53,6 +59,7 @@ def test_soak_gpu(tmp_path):
             "target": str(target),
             "data": str(data),
             "ports": [rpc, meta, metrics, port],
+            "transport": TRANSPORT,
         },
         seed=0,
     )
@@ -67,6 +74,7 @@ def test_soak_gpu(tmp_path):
             found = re.findall(rb"^step (\d+):", f.read(), re.M)
         return int(found[-1]) if found else None
 
+    transport = TRANSPORT or load_recipe(REPO / "recipes" / "tiny-k25-tp1-h200.yaml").server.transport
     t0 = time.time()
     proc = run.start(resume=False)
     sampler = Sampler(run.out, step, f"http://127.0.0.1:{metrics}/metrics", interval_s=2.0).start()
@@ -88,6 +96,7 @@ def test_soak_gpu(tmp_path):
             "torch": torch.__version__,
         },
         "recipe": "recipes/tiny-k25-tp1-h200.yaml (random-weight tiny target, 8 layers, hidden 512)",
+        "transport": transport,
         "steps": STEPS,
         "prompts": prompts,
         "epochs": EPOCHS,
@@ -103,8 +112,8 @@ def test_soak_gpu(tmp_path):
         "verdicts": judged,
         "samples": samples,
     }
-    (OUT / "soak_tp1_h200.json").write_text(json.dumps(doc, indent=1))
-    plot(samples, STEPS, OUT / "soak_tp1_h200.png")
+    (OUT / f"soak_{transport}_tp1_h200.json").write_text(json.dumps(doc, indent=1))
+    plot(samples, STEPS, OUT / f"soak_{transport}_tp1_h200.png")
     assert rc == 0, (run.root / "attempt1.log").read_text()[-3000:]
     assert led["global_step"] == STEPS and len(led["acked"]) == len(set(led["acked"])) == STEPS
     kinds = {name.rsplit("/", 1)[-1] for name in judged}

@@ -1,5 +1,5 @@
 """``scripts/keep_gpu_results.sh``: a GPU call's files go into the repository at once -- result JSON into
-bench/results/ (never over a different file), text into a dated logs folder, binaries left out and named."""
+bench/results/ (never over a different file), text into a dated logs folder, plots kept whole beside them, other binaries left out and named."""
 
 from __future__ import annotations
 
@@ -28,11 +28,21 @@ def test_results_logs_and_binaries(tmp_path):
     (src / "rw" / "online_run_broken.json").write_text("{not json")  # a cut-off result is a log, not a result
     (src / "rw" / "server.log").write_text("x" * 300_000 + "tail\n")
     (src / "rw" / "weights.safetensors").write_bytes(b"\0" * 64)
+    (src / "rw" / "soak_cuda_ipc_tp1_h200.json").write_text(json.dumps({"verdicts": {}}))
+    (src / "rw" / "soak_cuda_ipc_tp1_h200.png").write_bytes(b"\x89PNG\r\n\x1a\n\0plot")
+    (src / "rw" / "huge.png").write_bytes(b"\x89PNG\0" + b"x" * (4 << 20))
     res = _keep(src, root, "2026-12-03-real-width")
     assert res.returncode == 0, res.stderr
     assert json.loads((root / "bench/results/online_pipeline_k25_slice_h200.json").read_text()) == {"runs": []}
     logs = root / "tests/gpu/logs/2026-12-03-real-width/rw"
-    assert sorted(p.name for p in logs.iterdir()) == ["online_run_broken.json", "server.log"]
+    assert json.loads((root / "bench/results/soak_cuda_ipc_tp1_h200.json").read_text()) == {"verdicts": {}}
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "online_run_broken.json",
+        "server.log",
+        "soak_cuda_ipc_tp1_h200.png",
+    ]
+    assert (logs / "soak_cuda_ipc_tp1_h200.png").read_bytes() == b"\x89PNG\r\n\x1a\n\0plot"  # whole, not cut
+    assert "rw/huge.png" in res.stdout
     assert (logs / "server.log").stat().st_size == 262_144 and (logs / "server.log").read_text().endswith("tail\n")
     assert "left out (binary): rw/weights.safetensors" in res.stdout
 

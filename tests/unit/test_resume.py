@@ -619,3 +619,20 @@ def test_drill_kill_points_must_lie_past_the_resume_point(tmp_path):
     with pytest.raises(AssertionError, match="step 60 cannot be reached: the resumed run starts after checkpoint 60"):
         run.kill_at("during", 60, resume=True)
     assert run.attempts == 0  # refused before any attempt was started
+
+
+@pytest.mark.parametrize("transport", [None, "mooncake"])
+def test_gpu_drill_plan_runs_on_the_transport_asked(tmp_path, transport):
+    """The GPU drills' attempt (``tests/resume_attempt.py``, kind gpu) renders the TP=1 recipe on its own
+    transport (cuda_ipc) unless the drill names another (``SPECFORGE_KIMI_DRILL_TRANSPORT``)."""
+    import resume_attempt
+
+    from specforge_kimi.cli import main as cli
+    from specforge_kimi.evaluate.run_report import transport as rendered_transport
+
+    assert cli(["tiny", str(tmp_path / "t"), "--layers", "8", "--hidden", "64"]) == 0
+    (tmp_path / "data").mkdir()
+    settings = {"root": str(tmp_path / "r"), "target": str(tmp_path / "t"), "data": str(tmp_path / "data")}
+    _, recipe = resume_attempt._gpu_plan({**settings, "steps": 10, "save_interval": 5, "transport": transport})
+    want = transport or "cuda_ipc"
+    assert recipe.server.transport == want and rendered_transport(Path(recipe.output_dir)) == want
