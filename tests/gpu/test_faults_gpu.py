@@ -13,7 +13,7 @@ With ``server.transport: cuda_ipc`` (issue 25; no Mooncake master, features in t
   each then with no compute process left on the GPU (nvidia-smi), no slot reclaimed by its lease, and nothing of
   the pool left once the launch's cleanup (``transport.pool.remove_stale``) ran. ~2-3 min each on one H200
   (``SPECFORGE_KIMI_DRILL_TP=1``), mostly the server's start.
-Outcomes go to ``$SPECFORGE_KIMI_GPU_OUT/fault_drills.jsonl``. A small random-weight target and
+Outcomes go to ``$SPECFORGE_KIMI_GPU_OUT/fault_drills.jsonl`` and ``fault_drills_tp<TP>_h200.json``. A small random-weight target and
 200 corpus conversations keep each drill to a server start plus seconds of training.
 ``SPECFORGE_KIMI_DRILL_TP=1`` runs each drill on one GPU (TP=1 server, 1 trainer rank), the first
 one ``CUDA_VISIBLE_DEVICES`` lists, so two drills can run side by side on a 2-GPU box; the
@@ -90,29 +90,42 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
     return build
 
 
-def _record(name: str, res: dict) -> None:
+def _append(entry: dict) -> None:
+    """One outcome into ``$SPECFORGE_KIMI_GPU_OUT``: a line of ``fault_drills.jsonl`` and the drill's entry of
+    ``fault_drills_tp<TP>_h200.json`` (merged by drill name: the cuda_ipc drills write a second part after the
+    run), the name ``scripts/keep_gpu_results.sh`` files under bench/results."""
     out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
-    led = res["report"]["ledger"]
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "fault_drills.jsonl", "a") as f:
-        f.write(
-            json.dumps(
-                {
-                    "drill": name,
-                    "tp": TP,
-                    "trainer_ranks": TP,
-                    "rc": res["rc"],
-                    "stop_s": res["stop_s"],
-                    "victims": len(res["victims"] or []),
-                    "processes_left": len(res["left"]) + len(res["spawned_alive"]),
-                    "prompts": res["prompts"],
-                    "acked": led.get("acked"),
-                    "duplicates": led.get("duplicates"),
-                    "committed": led.get("committed"),
-                    "global_step": led.get("global_step"),
-                }
-            )
-            + "\n"
-        )
+        f.write(json.dumps(entry) + "\n")
+    path = out / f"fault_drills_tp{TP}_h200.json"
+    doc = (
+        json.loads(path.read_text())
+        if path.is_file()
+        else {"benchmark": "fault drills", "test": "tests/gpu/test_faults_gpu.py", "drills": {}}
+    )
+    doc["drills"].setdefault(entry["drill"], {}).update(entry)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def _record(name: str, res: dict) -> None:
+    led = res["report"]["ledger"]
+    _append(
+        {
+            "drill": name,
+            "tp": TP,
+            "trainer_ranks": TP,
+            "rc": res["rc"],
+            "stop_s": res["stop_s"],
+            "victims": len(res["victims"] or []),
+            "processes_left": len(res["left"]) + len(res["spawned_alive"]),
+            "prompts": res["prompts"],
+            "acked": led.get("acked"),
+            "duplicates": led.get("duplicates"),
+            "committed": led.get("committed"),
+            "global_step": led.get("global_step"),
+        }
+    )
 
 
 def test_server_lost_and_restarted(tmp_path, inputs):
@@ -173,9 +186,7 @@ def _check_cuda_ipc_after(name: str, res: dict) -> None:
     apps = _compute_apps()
     server = (res["out"] / "logs" / "capture-server-node0.log").read_text(errors="replace")
     removed = remove_stale(res["out"] / "ipc")  # what launch does when its run ends
-    out = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT", "/tmp"))
-    with open(out / "fault_drills.jsonl", "a") as f:
-        f.write(json.dumps({"drill": name, "compute_apps_after": apps, "stale_pools_removed": removed}) + "\n")
+    _append({"drill": name, "compute_apps_after": apps, "stale_pools_removed": removed})
     assert "cuda_ipc pool" in server and "past the" not in server
     assert not apps, apps
     assert not list((res["out"] / "ipc").glob("*.json"))
