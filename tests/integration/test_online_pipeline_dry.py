@@ -37,6 +37,12 @@ def pipeline(tmp_path, monkeypatch):
     return _pipeline_module(), target, tmp_path / "pipeline.json"
 
 
+def _reference_run(mod, target, tmp_path, out, *extra: str) -> int:
+    """The script on the CPU stand-in server: TP 1, one 2x32 shape, one rep, ``extra`` flags."""
+    base = ["--target", str(target), "--tp", "1", "--engine", "reference", "--shapes", "2x32", "--reps", "1"]
+    return mod.main([*base, *extra, "--workdir", str(tmp_path / "work"), "--out", str(out)])
+
+
 def test_in_flight_rounds_capture_every_batch(tmp_path, monkeypatch, pipeline):
     mod, target, out = pipeline
     calls = []
@@ -47,29 +53,7 @@ def test_in_flight_rounds_capture_every_batch(tmp_path, monkeypatch, pipeline):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mod, "bench_in_flight", spy)
-    assert (
-        mod.main(
-            [
-                "--target",
-                str(target),
-                "--tp",
-                "1",
-                "--engine",
-                "reference",
-                "--shapes",
-                "2x32",
-                "--reps",
-                "1",
-                "--in-flight",
-                "3",
-                "--workdir",
-                str(tmp_path / "work"),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert _reference_run(mod, target, tmp_path, out, "--in-flight", "3") == 0
     res = json.loads(out.read_text())
     assert res["config"]["in_flight"] == 3 and "error" not in res["runs"][0], res["runs"][0]
     assert res["config"]["quantization"] == "bf16"  # the tiny target's experts; an INT4 one names its format
@@ -105,30 +89,7 @@ def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
         return env
 
     monkeypatch.setattr(capture_server, "capture_server_env", spy)
-    assert (
-        mod.main(
-            [
-                "--target",
-                str(target),
-                "--tp",
-                "1",
-                "--engine",
-                "reference",
-                "--shapes",
-                "2x32",
-                "--reps",
-                "1",
-                "--put-clients",
-                "1",
-                "2",
-                "--workdir",
-                str(tmp_path / "work"),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert _reference_run(mod, target, tmp_path, out, "--put-clients", "1", "2") == 0
     res = json.loads(out.read_text())
     assert [(r["tp"], r["put_clients"], "error" in r) for r in res["runs"]] == [(1, 1, False), (1, 2, False)]
     assert seen == [None, "2"] and res["config"]["put_clients"] == [1, 2]
@@ -260,26 +221,6 @@ def test_server_and_master_ports_are_drawn_together(tmp_path, monkeypatch, pipel
     mod, target, out = pipeline
     pool = services.free_ports(8)
     monkeypatch.setattr(services, "free_ports", lambda n: pool[:n])
-    assert (
-        mod.main(
-            [
-                "--target",
-                str(target),
-                "--tp",
-                "1",
-                "--engine",
-                "reference",
-                "--shapes",
-                "2x32",
-                "--reps",
-                "1",
-                "--workdir",
-                str(tmp_path / "work"),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert _reference_run(mod, target, tmp_path, out) == 0
     res = json.loads(out.read_text())
     assert [r.get("error") for r in res["runs"]] == [None]
