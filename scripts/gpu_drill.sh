@@ -2,7 +2,7 @@
 # One device call of the GPU resilience drills (tests/gpu/test_resume_gpu.py, test_faults_gpu.py, test_soak_gpu.py),
 # run on the device box from /tmp/proj after `. scripts/gpu_box.sh`:
 #   bash scripts/gpu_drill.sh NAME SECONDS TEST_FILE [PYTEST_ARGS...]
-# runs `python3 -m pytest TEST_FILE PYTEST_ARGS --run-gpu -q -x -rA` under `timeout SECONDS` with
+# runs `python3 -m pytest TEST_FILE PYTEST_ARGS --run-gpu -q -rA` under `timeout SECONDS` with
 # SPECFORGE_KIMI_GPU_OUT=/tmp/r/NAME (a second call with the same NAME merges into the same result files) and
 # pytest's basetemp /tmp/pt/NAME; records the GPU's compute processes, /dev/shm and the drill's processes before and
 # after (box_before.txt, box_after.txt); stops whatever of the drill outlived it (listed in box_after.txt first);
@@ -28,7 +28,7 @@ snap() {
 }
 snap before
 t0=$(date +%s)
-SPECFORGE_KIMI_GPU_OUT=$r timeout -k 10 "$secs" python3 -m pytest "$@" --run-gpu -q -x -rA -p no:cacheprovider \
+SPECFORGE_KIMI_GPU_OUT=$r timeout -k 10 "$secs" python3 -m pytest "$@" --run-gpu -q -rA -p no:cacheprovider \
   --basetemp="$pt" > "$r/pytest.out" 2>&1
 rc=$?
 echo "rc=$rc wall_s=$(( $(date +%s) - t0 ))" >> "$r/pytest.out"
