@@ -114,14 +114,21 @@ class Run:
         path = self.root / f"attempt{self.attempts}.log"
         return path.read_text(errors="replace")[-3000:] if path.is_file() else ""
 
-    def kill_at(self, kind: str, step: int, *, resume: bool) -> dict:
-        """Start an attempt, SIGKILL everything at ``kind``/``step``; returns what happened."""
-        if resume and step <= self.resume_point():  # the resumed attempt logs and saves only steps past it
+    def kill_at(self, kind: str, step: int | None = None, *, resume: bool, nth_save: int | None = None) -> dict:
+        """Start an attempt, SIGKILL everything at ``kind``/``step``; returns what happened. ``during`` may name
+        ``nth_save`` instead of ``step``: the attempt's n-th checkpoint write, whatever its step (recorded from the
+        flag the write touches) -- the checkpoint a resumed attempt starts from is known only once it has started,
+        because ranks of the killed attempt (sessions of their own) go on training and saving until the next
+        launch stops them (one H200, 2026-12-04: killed after step 2x, they reached step 79 and checkpoint 60)."""
+        if (step is None) == (nth_save is None) or (nth_save is not None and (kind != "during" or nth_save < 1)):
+            raise ValueError(f"kill_at: one of step, nth_save (>= 1, only for during), got {step=} {nth_save=}")
+        if resume and step is not None and step <= self.resume_point():  # a resumed attempt saves only past it
             raise AssertionError(
                 f"{kind} step {step} cannot be reached: the resumed run starts after checkpoint {self.resume_point()}"
             )
         phase = self.rng.choice(PHASES) if kind == "during" else None
-        proc = self._start(resume=resume, slow_save=f"{step}:{phase}:120" if phase else None)
+        hold = f"+{nth_save}" if nth_save is not None else step
+        proc = self._start(resume=resume, slow_save=f"{hold}:{phase}:120" if phase else None)
         attempt = self.attempts
         ckpt = None
         deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
@@ -141,8 +148,11 @@ class Run:
         killed_at = time.time()
         if not hit:
             self._kill_all(proc)
-            raise AssertionError(f"attempt {attempt} never reached {kind} step {step}: {self._log_tail()}")
+            aim = f"checkpoint write {nth_save}" if nth_save is not None else f"step {step}"
+            raise AssertionError(f"attempt {attempt} never reached {kind} {aim}: {self._log_tail()}")
         groups = self._kill_all(proc)
+        if nth_save is not None:  # the flag reads "STEP PHASE PID" (resume_drill_consumer)
+            step = int(Path(self.settings["flag"]).read_text().split()[0])
         event = {
             "attempt": attempt,
             "kind": kind,

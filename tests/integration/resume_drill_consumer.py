@@ -1,7 +1,9 @@
 """Test-only consumer entry for the whole-run resume drills: ``specforge_kimi train`` whose checkpoint write
 of step ``STEP`` holds still for ``SECONDS`` at ``PHASE`` (``RESUME_DRILL_SLOW_SAVE=STEP:PHASE:SECONDS``)
-after touching ``RESUME_DRILL_FLAG`` -- so the drill's outside SIGKILL of every process lands *during* that
-write. On CPU a tiny checkpoint is written in milliseconds, too fast to hit from outside; the pause only
+after touching ``RESUME_DRILL_FLAG`` (which then holds ``STEP PHASE PID``) -- so the drill's outside SIGKILL of
+every process lands *during* that write. ``+N`` for ``STEP`` holds the N-th checkpoint this process writes,
+whatever its step: a resumed attempt's first checkpoint is known only once it has resumed (ranks of the killed
+attempt may write checkpoints until the next launch stops them). On CPU a tiny checkpoint is written in milliseconds, too fast to hit from outside; the pause only
 widens the window, the kill is the drill's. Phases, in the order a save goes:
 
 - ``rank-file``: the rank file is written to ``training_state_rank<r>.pt.tmp``, not yet renamed;
@@ -31,12 +33,14 @@ def main() -> int:
     specforge_kimi.register()
     if spec:
         step_s, phase, seconds_s = spec.split(":")
-        step, seconds = int(step_s), float(seconds_s)
+        nth = int(step_s[1:]) if step_s.startswith("+") else None
+        seconds = float(seconds_s)
         from specforge.training.checkpoint import CheckpointManager
 
         import specforge_kimi.registration as registration
 
-        current = {"step": None}
+        # "step": the save under way; "hold": the step whose write holds (fixed up front, or by the n-th save)
+        current = {"step": None, "saves": 0, "hold": None if nth is not None else int(step_s)}
         save, atomic, mark = (
             CheckpointManager.save,
             CheckpointManager._atomic_save,
@@ -44,6 +48,9 @@ def main() -> int:
         )
 
         def slow_save(self, state, step_, *, rank_state=None):
+            current["saves"] += 1
+            if nth is not None and current["saves"] == nth:
+                current["hold"] = step_
             current["step"] = step_
             try:
                 return save(self, state, step_, rank_state=rank_state)
@@ -51,7 +58,8 @@ def main() -> int:
                 current["step"] = None
 
         def slow_atomic(obj, path):
-            if current["step"] != step:
+            step = current["hold"]
+            if step is None or current["step"] != step:
                 return atomic(obj, path)
             wanted = "training_state.pt" if phase == "shared-file" else "training_state_rank"
             if phase not in ("rank-file", "shared-file") or not os.path.basename(path).startswith(wanted):
@@ -63,7 +71,8 @@ def main() -> int:
             os.replace(path + ".tmp", path)
 
         def slow_mark(ckpt_dir, **kw):
-            if phase == "marker" and kw.get("step") == step:
+            step = current["hold"]
+            if phase == "marker" and step is not None and kw.get("step") == step:
                 _hold(step, phase, seconds)
             return mark(ckpt_dir, **kw)
 

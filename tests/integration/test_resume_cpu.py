@@ -105,6 +105,20 @@ def test_resume_after_kill_during_checkpoint_write(tmp_path, inputs):
     _record("resume: SIGKILL all during a checkpoint write (2 ranks), x3", res)
 
 
+def test_resume_kill_between_checkpoints_then_during_the_resumed_first_write(tmp_path, inputs):
+    """The GPU kill-twice drill's sequence (``tests/gpu/test_resume_gpu.py``): the second kill is aimed at the
+    resumed attempt's first checkpoint write (``nth_save``), whose step is known only once that attempt resumed."""
+    run = _run(tmp_path, inputs)
+    first = run.rng.choice([k for k in range(SAVE + 1, 3 * SAVE) if k % SAVE])
+    run.kill_at("before", first, resume=False)
+    event = run.kill_at("during", nth_save=1, resume=True)
+    assert event["step"] > run.record()["attempts"][1]["resumed_from_step"] and event["step"] % SAVE == 0, event
+    rc = run.finish()
+    assert rc == 0, (run.root / f"attempt{run.attempts}.log").read_text()[-3000:]
+    res = check_run(run, prompts=PROMPTS, quantum=1, save_interval=SAVE)  # the second kill's step, as recorded
+    _record("resume: SIGKILL all between checkpoints, then during the resumed first write", res)
+
+
 def test_resume_after_mooncake_master_killed(tmp_path, inputs):
     """``resilience.run_restarts: 1``: the master's loss stops the attempt (every object is gone and SpecForge
     cannot capture a lost ref again); the launcher resumes the run by itself."""

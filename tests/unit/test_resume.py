@@ -621,6 +621,23 @@ def test_drill_kill_points_must_lie_past_the_resume_point(tmp_path):
     assert run.attempts == 0  # refused before any attempt was started
 
 
+def test_drill_kill_point_is_a_step_or_an_nth_save(tmp_path):
+    """``kill_at`` takes a step, or for ``during`` the attempt's n-th checkpoint write; neither or both is refused
+    before any attempt starts."""
+    from resume_drills import Run
+
+    run = Run(tmp_path, {"kind": "cpu"}, seed=1)
+    for kind, kw in (
+        ("during", {}),
+        ("during", {"step": 20, "nth_save": 1}),
+        ("before", {"nth_save": 1}),
+        ("during", {"nth_save": 0}),
+    ):
+        with pytest.raises(ValueError, match="one of step, nth_save"):
+            run.kill_at(kind, resume=True, **kw)
+    assert run.attempts == 0
+
+
 @pytest.mark.parametrize("transport", [None, "mooncake"])
 def test_gpu_drill_plan_runs_on_the_transport_asked(tmp_path, transport):
     """The GPU drills' attempt (``tests/resume_attempt.py``, kind gpu) renders the TP=1 recipe on its own
