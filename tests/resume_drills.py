@@ -16,6 +16,7 @@ Only process groups are killed: torchrun's ranks (sessions of their own) outlive
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import random
@@ -261,7 +262,7 @@ def check_run(run: Run, *, prompts: int, quantum: int, save_interval: int) -> di
     - the loss curve continues from the checkpoint: attempt k+1 logs steps S+1, S+2, ... (none at or below
       S), at the learning rate the schedule gives (equal to what attempt k logged at those steps, if it got
       there), and where attempt k+1 trained the very samples attempt k had at step S+1, the same loss;
-    - no process of the run is left.
+    - no process of the run is left, nor what its processes left in ``/dev/shm`` (``online.shm_leftovers``).
     """
     rec = run.record()
     led = final_ledger(run.out)
@@ -334,6 +335,13 @@ def check_run(run: Run, *, prompts: int, quantum: int, save_interval: int) -> di
         )
     left = run_processes(run.out)
     assert not left, left
+    # what the run's processes left in /dev/shm (SGLang's load snapshot, torch's and CUDA's IPC files) was removed
+    # by the last attempt's cleanup (resume.run_attempts)
+    from specforge_kimi.online.shm_leftovers import leftovers
+
+    since = calendar.timegm(time.strptime(attempts[0]["started_utc"], "%Y-%m-%dT%H:%M:%SZ")) - 1.0
+    shm_left = leftovers(since)
+    assert not shm_left, shm_left
     return {
         "seed": run.seed,
         "prompts": prompts,

@@ -202,7 +202,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 #: ``--help`` lists the commands by stage; a command missing here is listed under "other"
 COMMAND_GROUPS = {
     "data": ("prepare", "regenerate"),
-    "train": ("setup", "doctor", "recipe", "launch", "watch", "train"),
+    "train": ("setup", "doctor", "recipe", "launch", "watch", "stop", "train"),
     "evaluate": ("bench", "run-report", "export-check"),
     "tools": ("inspect", "layer-ids", "capture-features", "train-offline"),
     "tiny / dev (tiny targets, the CPU demo)": ("demo", "tiny", "eval-draft", "target-text"),
@@ -425,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         "data.regenerate",
         "online.setup_patches",
         "online.launch",
+        "online.stop",
         "online.progress",
         "online.doctor",
         "evaluate.bench",

@@ -176,9 +176,11 @@ def _compute_apps() -> list[str]:
 
 
 def _check_cuda_ipc_after(name: str, res: dict) -> None:
-    """No GPU memory held by anything the drill started, no lease expiry, nothing of the pool left after cleanup."""
+    """No GPU memory held by anything the drill started, no lease expiry, nothing of the pool nor of the run's
+    libraries in ``/dev/shm`` left after cleanup."""
     import time
 
+    from specforge_kimi.online.shm_leftovers import leftovers, remove_leftovers
     from specforge_kimi.transport.pool import remove_stale
     from specforge_kimi.transport.slots import shm_dir
 
@@ -186,7 +188,18 @@ def _check_cuda_ipc_after(name: str, res: dict) -> None:
     apps = _compute_apps()
     server = (res["out"] / "logs" / "capture-server-node0.log").read_text(errors="replace")
     removed = remove_stale(res["out"] / "ipc")  # what launch does when its run ends
-    _append({"drill": name, "compute_apps_after": apps, "stale_pools_removed": removed})
+    # and what the run's libraries left in /dev/shm (resume.run_attempts does both around each attempt)
+    since = min(p.stat().st_mtime for p in (res["out"] / "rendered").iterdir()) - 1.0
+    shm_removed = remove_leftovers(since)
+    _append(
+        {
+            "drill": name,
+            "compute_apps_after": apps,
+            "stale_pools_removed": removed,
+            "shm_leftovers_removed": shm_removed,
+        }
+    )
+    assert not leftovers(since), leftovers(since)
     assert "cuda_ipc pool" in server and "past the" not in server
     assert not apps, apps
     assert not list((res["out"] / "ipc").glob("*.json"))

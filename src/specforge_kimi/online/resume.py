@@ -126,6 +126,16 @@ def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def run_started(record: RunRecord | None) -> float:
+    """Epoch seconds when the run's first attempt was prepared, one second early (the stamp drops the fraction);
+    now for a run without one."""
+    import calendar
+
+    if record is None or not record.attempts:
+        return time.time()
+    return calendar.timegm(time.strptime(record.attempts[0].started_utc, "%Y-%m-%dT%H:%M:%SZ")) - 1.0
+
+
 def read_record(out: Path) -> RunRecord | None:
     path = Path(out) / RECORD_FILE
     if not path.is_file():
@@ -530,6 +540,9 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
     return _marked(new_plan, out)
 
 
+#: how long an attempt's cleanup waits for the attempt's last processes to exit before it removes their files
+SETTLE_S = 10.0
+
 #: statuses of a launcher stopped on purpose (SpecForge's supervisor returns 128 + the signal it forwarded)
 _STOPPED = {128 + 1, 128 + 2, 128 + 15}
 
@@ -541,10 +554,21 @@ def run_attempts(
     left, the next one (``--resume``, stopping what the failed one left). No restart after a stop on purpose
     (SIGINT/TERM/HUP: status 129/130/143) nor after an attempt that made no durable step (it would fail the
     same way again). Around each ``run``, what cuda_ipc pools of killed capture servers left (pool files, slot
-    tables) is removed (``transport_plan.remove_stale_pools``; nothing for Mooncake), so every caller -- ``launch``,
+    tables) is removed (``transport_plan.remove_stale_pools``; nothing for Mooncake), and so is what the run's
+    libraries left in ``/dev/shm`` since its first attempt (:mod:`shm_leftovers`), so every caller -- ``launch``,
     the drills -- starts and ends each attempt clean."""
     from specforge_kimi.online.ledger import durable_step
+    from specforge_kimi.online.shm_leftovers import remove_leftovers
     from specforge_kimi.online.transport_plan import remove_stale_pools
+
+    def clean(since: float, *, settle_s: float = 0.0) -> None:
+        deadline = time.monotonic() + settle_s  # a stopped server's schedulers may take a moment to go
+        while run_guard.run_processes(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        remove_stale_pools(recipe)
+        removed = remove_leftovers(since)  # what live processes hold stays: the next attempt's start retries
+        if removed:
+            say(f"removed {len(removed)} files the run's processes left in /dev/shm: {', '.join(removed[:4])}")
 
     out = Path(recipe.output_dir)
     current = begin_attempt(recipe, plan, resume=resume, stop_stale=stop_stale, check=check, say=say)
@@ -552,11 +576,12 @@ def run_attempts(
     while True:
         record = read_record(out)
         start = (record.attempts[-1].resumed_from_step or 0) if record else 0
-        remove_stale_pools(recipe)
+        since = run_started(record)
+        clean(since)
         try:
             rc = run(current)
         finally:
-            remove_stale_pools(recipe)
+            clean(since, settle_s=SETTLE_S)
         if rc == 0 or used >= restarts or rc in _STOPPED:
             return rc
         reached = durable_step(out) or 0

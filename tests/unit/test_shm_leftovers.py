@@ -1,0 +1,148 @@
+"""``online.shm_leftovers``: what dead processes of a run left in ``/dev/shm`` goes; nothing in use, nothing of
+another name or owner, nothing older than the run. The leak itself reproduced with SGLang's own writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specforge_kimi.online.shm_leftovers import held, remove_leftovers
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _proc(root: Path, pid: int, *, state: str = "S", fds: dict[str, str] | None = None, maps: str = "") -> None:
+    d = root / str(pid)
+    (d / "fd").mkdir(parents=True)
+    (d / "stat").write_text(f"{pid} (python3 x) {state} 1 1 1\n")
+    for fd, target in (fds or {}).items():
+        os.symlink(target, d / "fd" / fd)
+    (d / "maps").write_text(maps)
+
+
+def test_dead_processes_leftovers_go_and_nothing_else(tmp_path):
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    proc.mkdir()
+    live, zombie, dead = 4101, 4102, 4103
+    _proc(proc, live)
+    _proc(proc, zombie, state="Z")
+    gone = [
+        "sglang_loads_0bb92f9efecd_9ba6789d.shm",
+        f"sem.loky-{dead}-oh4t8h3g",
+        f"cuda.shm.0.{dead:x}.1",
+        f"torch_{dead}_1702042115_0",
+        f"torch_{zombie}_4033725202_0",  # a zombie holds nothing
+    ]
+    kept = [
+        f"torch_{live}_1_0",  # its creator runs
+        f"cuda.shm.0.{live:x}.1",
+        "sglang_loads_heldopen_01234567.shm",  # held open by a live process
+        "sglang_loads_heldmapped_89abcdef.shm",  # mapped by a live process
+        "sfk-ipc-0ad28fb3abed42e1.slots",  # not one of these names (the pool's own cleanup handles it)
+        "sglang_loads_x.shm",  # not SGLang's form
+        "notes.txt",
+    ]
+    for name in gone + kept:
+        (shm / name).write_bytes(b"x")
+    _proc(
+        proc,
+        4200,
+        fds={"7": str(shm / "sglang_loads_heldopen_01234567.shm")},
+        maps=f"7f00-7f01 rw-s 00000000 00:1a 12 {shm}/sglang_loads_heldmapped_89abcdef.shm\n",
+    )
+    old = shm / f"torch_{dead}_9_9"  # older than the run
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.symlink(shm / "notes.txt", shm / f"torch_{dead}_5_5")  # a link is never followed nor removed
+    (shm / f"torch_{dead}_6_6").mkdir()  # nor a directory
+    assert held(shm, proc) >= {"sglang_loads_heldopen_01234567.shm", "sglang_loads_heldmapped_89abcdef.shm"}
+
+    removed = remove_leftovers(time.time() - 60, shm, proc)
+
+    assert sorted(removed) == sorted(gone)
+    left = set(os.listdir(shm))
+    assert left == set(kept) | {old.name, f"torch_{dead}_5_5", f"torch_{dead}_6_6"}
+    assert remove_leftovers(time.time() - 60, shm, proc) == []  # idempotent
+
+
+def test_a_missing_shm_directory_is_nothing_to_do(tmp_path):
+    assert remove_leftovers(0.0, tmp_path / "absent", tmp_path) == []
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_sglang_load_snapshot_left_by_a_killed_scheduler_is_removed(tmp_path):
+    """The leak as SGLang 0.5.14 makes it: its load-snapshot writer (created by every scheduler) never unlinks its
+    file; a SIGKILLed process leaves it in /dev/shm. Held while the process lives, removed once it is gone."""
+    since = time.time() - 1
+    code = (
+        "import sys, time, uuid\n"
+        "from sglang.srt.managers.load_snapshot import ShmLoadSnapshotWriter, shm_path_for\n"
+        "w = ShmLoadSnapshotWriter(shm_path_for(uuid.uuid4().hex[:12]), 1, 0)\n"
+        "print(w.path, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        path = Path(proc.stdout.readline().strip())
+        assert path.parent == Path("/dev/shm") and path.is_file(), path
+        assert path.name not in remove_leftovers(since)  # in use: kept
+        assert path.is_file()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert path.is_file()  # what the killed scheduler left
+    assert path.name in remove_leftovers(since)
+    assert not path.exists()
+
+
+def test_run_attempts_removes_what_an_attempt_left(tmp_path, monkeypatch):
+    """``resume.run_attempts`` cleans ``/dev/shm`` around each attempt of the run (the launch and the drills)."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("needs /dev/shm")
+    from specforge_kimi.online import resume
+
+    leftover = Path("/dev/shm") / f"torch_{_dead_pid()}_{os.getpid()}_0"
+    said = []
+
+    def run(_plan):
+        leftover.write_bytes(b"x")  # what a scheduler killed at the end of the attempt leaves
+        return 0
+
+    record = {"attempts": [{"started_utc": resume._utc()}]}
+    monkeypatch.setattr(resume, "begin_attempt", lambda *a, **k: "plan")
+    monkeypatch.setattr(resume, "read_record", lambda out: resume.RunRecord.model_validate(_record(record)))
+    monkeypatch.setattr("specforge_kimi.online.transport_plan.remove_stale_pools", lambda r: [])
+
+    class _Recipe:
+        output_dir = str(tmp_path)
+
+    try:
+        assert resume.run_attempts(_Recipe(), "plan", run, resume=False, say=said.append) == 0
+        assert not leftover.exists()
+        assert any(leftover.name in line for line in said), said
+    finally:
+        leftover.unlink(missing_ok=True)
+
+
+def _record(partial: dict) -> dict:
+    attempt = {
+        "attempt": 1,
+        "config": "c",
+        "control_dir": "d",
+        "supervisor_dir": "s",
+        "logs_dir": "l",
+        **partial["attempts"][0],
+    }
+    return json.loads(json.dumps({"run_id": "r", "consumer_quantum": 1, "attempts": [attempt]}))

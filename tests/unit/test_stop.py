@@ -1,0 +1,113 @@
+"""``specforge-kimi stop``: the launcher stopped through its lock, the run's marked processes stopped (a trainer
+rank a ``kill -9`` left behind), what they left in ``/dev/shm`` removed, the run's files kept; one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.online import run_guard
+from specforge_kimi.online.stop import stop_run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spawn(code: str, out: Path) -> subprocess.Popen:
+    env = {**os.environ, run_guard.RUN_DIR_ENV: str(out.resolve())}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _recipe(out: Path):
+    return types.SimpleNamespace(output_dir=str(out), server=types.SimpleNamespace(transport="mooncake"))
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_stop_stops_the_launcher_and_what_a_kill_left_and_cleans_shm(tmp_path):
+    from specforge_kimi.online.resume import RECORD_FILE, _utc
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RECORD_FILE).write_text(
+        json.dumps(
+            {
+                "run_id": "r",
+                "consumer_quantum": 1,
+                "attempts": [
+                    {
+                        "attempt": 1,
+                        "started_utc": _utc(),
+                        "config": "c",
+                        "control_dir": "d",
+                        "supervisor_dir": "s",
+                        "logs_dir": "l",
+                    }
+                ],
+            }
+        )
+    )
+    (out / "r-step20").mkdir()  # a checkpoint: kept
+    launcher = _spawn(
+        "import time, sys\n"
+        "from pathlib import Path\n"
+        "from specforge_kimi.online import run_guard\n"
+        f"run_guard.acquire_lock(Path({str(out)!r}))\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n",
+        out,
+    )
+    rank = _spawn("import time; print('up', flush=True); time.sleep(600)", out)  # a rank left by a kill -9
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = Path("/dev/shm") / f"torch_{dead.pid}_{os.getpid()}_7"
+    try:
+        assert launcher.stdout.readline().strip() == "locked" and rank.stdout.readline().strip() == "up"
+        leftover.write_bytes(b"x")
+        said = []
+        done = stop_run(_recipe(out), grace_s=5.0, say=said.append)
+        assert done["launcher"] == launcher.pid
+        assert launcher.wait(timeout=10) is not None and rank.wait(timeout=10) is not None
+        assert rank.pid in done["stopped"] and leftover.name in done["shm_removed"] and not leftover.exists()
+        assert not run_guard.run_processes(out)
+        assert (out / "r-step20").is_dir() and (out / RECORD_FILE).is_file()  # still resumable
+        run_guard.acquire_lock(out)  # let go of: a launch may start
+        run_guard.release_lock(out)
+        assert any("stopped" in line and "launch --resume" in line for line in said), said
+    finally:
+        for p in (launcher, rank):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        leftover.unlink(missing_ok=True)
+
+
+def test_stop_with_nothing_running_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    done = stop_run(_recipe(out), say=lambda _m: None)
+    assert done == {"launcher": None, "stopped": [], "pools_removed": [], "shm_removed": []}
+    assert (out / "keep.txt").read_text() == "x"
+
+
+def test_stop_refuses_a_run_that_does_not_exist(tmp_path, capsys):
+    from specforge_kimi.cli import main
+
+    with pytest.raises(KimiInputError, match="nothing to stop"):
+        stop_run(_recipe(tmp_path / "absent"), say=lambda _m: None)
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
+    raw["output_dir"] = str(tmp_path / "absent")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    assert main(["stop", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "nothing to stop" in err[0], err
