@@ -8,6 +8,8 @@
 # after (box_before.txt, box_after.txt); stops whatever of the drill outlived it (listed in box_after.txt first);
 # copies the runs' text logs (not checkpoints or tensors) beside the results and tars /tmp/r/NAME into $OUT/NAME.tgz
 # (one file: $OUT returns at most 8). Keep it at once: untar, then scripts/keep_gpu_results.sh.
+# No -x unless the caller adds it: every test of the call runs; what a failed one left running is stopped here
+# after the call (listed in box_after.txt first), so the next call starts on a clean box.
 set -uo pipefail
 name=${1:?usage: gpu_drill.sh NAME SECONDS TEST_FILE [PYTEST_ARGS...]}
 secs=${2:?usage: gpu_drill.sh NAME SECONDS TEST_FILE [PYTEST_ARGS...]}

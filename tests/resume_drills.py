@@ -52,6 +52,16 @@ def steps_logged(text: str) -> dict[int, dict]:
     return out
 
 
+def _flag_step(flag: Path) -> int | None:
+    """The step of the checkpoint write holding still, from the drill flag (``STEP PHASE PID``, written whole by
+    ``resume_drill_consumer``); None while there is none."""
+    try:
+        fields = flag.read_text().split()
+    except OSError:
+        return None
+    return int(fields[0]) if fields and fields[0].isdigit() else None
+
+
 class Run:
     """One run directory driven through attempts; ``settings`` go to ``tests/resume_attempt.py``."""
 
@@ -142,7 +152,7 @@ class Run:
                 ckpt = self._checkpoint_dir(step)
                 hit = ckpt is not None and (ckpt / "specforge_kimi_complete.json").is_file()
             else:
-                hit = Path(self.settings["flag"]).is_file()
+                hit = _flag_step(Path(self.settings["flag"])) is not None
             if hit:
                 break
             time.sleep(0.05)
@@ -152,8 +162,8 @@ class Run:
             aim = f"checkpoint write {nth_save}" if nth_save is not None else f"step {step}"
             raise AssertionError(f"attempt {attempt} never reached {kind} {aim}: {self._log_tail()}")
         groups = self._kill_all(proc)
-        if nth_save is not None:  # the flag reads "STEP PHASE PID" (resume_drill_consumer)
-            step = int(Path(self.settings["flag"]).read_text().split()[0])
+        if nth_save is not None:
+            step = _flag_step(Path(self.settings["flag"]))
         event = {
             "attempt": attempt,
             "kind": kind,
@@ -337,10 +347,10 @@ def check_run(run: Run, *, prompts: int, quantum: int, save_interval: int) -> di
     assert not left, left
     # what the run's processes left in /dev/shm (SGLang's load snapshot, torch's and CUDA's IPC files) was removed
     # by the last attempt's cleanup (resume.run_attempts)
-    from specforge_kimi.online.shm_leftovers import leftovers
+    from specforge_kimi.online.shm_leftovers import matching
 
     since = calendar.timegm(time.strptime(attempts[0]["started_utc"], "%Y-%m-%dT%H:%M:%SZ")) - 1.0
-    shm_left = leftovers(since)
+    shm_left = matching(since)  # held or not: no process of the run is left (above)
     assert not shm_left, shm_left
     return {
         "seed": run.seed,

@@ -22,7 +22,9 @@ from pathlib import Path
 
 def _hold(step: int, phase: str, seconds: float) -> None:
     flag = Path(os.environ["RESUME_DRILL_FLAG"])
-    flag.write_text(f"{step} {phase} {os.getpid()}\n")
+    tmp = flag.with_name(f"{flag.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{step} {phase} {os.getpid()}\n")
+    os.replace(tmp, flag)  # whole or absent: the drill kills as soon as it reads it (two ranks may both write)
     time.sleep(seconds)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge_kimi.online.shm_leftovers import held, remove_leftovers
+from specforge_kimi.online.shm_leftovers import held, matching, remove_leftovers
 
 
 def _dead_pid() -> int:
@@ -35,9 +36,12 @@ def test_dead_processes_leftovers_go_and_nothing_else(tmp_path):
     shm, proc = tmp_path / "shm", tmp_path / "proc"
     shm.mkdir()
     proc.mkdir()
-    live, zombie, dead = 4101, 4102, 4103
+    live, zombie, dead, threads = 4101, 4102, 4103, 4104
     _proc(proc, live)
     _proc(proc, zombie, state="Z")
+    _proc(proc, threads, state="Z")  # its main thread exited, two others run on
+    for tid in ("4104", "4105", "4106")[1:]:
+        (proc / str(threads) / "task" / tid).mkdir(parents=True)
     gone = [
         "sglang_loads_0bb92f9efecd_9ba6789d.shm",
         f"sem.loky-{dead}-oh4t8h3g",
@@ -47,6 +51,7 @@ def test_dead_processes_leftovers_go_and_nothing_else(tmp_path):
     ]
     kept = [
         f"torch_{live}_1_0",  # its creator runs
+        f"sem.loky-{threads}-abc",  # its creator's threads run
         f"cuda.shm.0.{live:x}.1",
         "sglang_loads_heldopen_01234567.shm",  # held open by a live process
         "sglang_loads_heldmapped_89abcdef.shm",  # mapped by a live process
@@ -56,18 +61,25 @@ def test_dead_processes_leftovers_go_and_nothing_else(tmp_path):
     ]
     for name in gone + kept:
         (shm / name).write_bytes(b"x")
+    mapped = os.stat(shm / "sglang_loads_heldmapped_89abcdef.shm")
     _proc(
         proc,
         4200,
         fds={"7": str(shm / "sglang_loads_heldopen_01234567.shm")},
-        maps=f"7f00-7f01 rw-s 00000000 00:1a 12 {shm}/sglang_loads_heldmapped_89abcdef.shm\n",
+        # by inode, whatever path the process sees it under (another mount of the tmpfs)
+        maps=(
+            "7f00-7f01 r-xp 00000000 00:00 0 [vdso]\n"
+            f"7f01-7f02 rw-s 00000000 {os.major(mapped.st_dev):02x}:{os.minor(mapped.st_dev):02x} {mapped.st_ino} "
+            "/elsewhere/sglang_loads_heldmapped_89abcdef.shm\n"
+        ),
     )
     old = shm / f"torch_{dead}_9_9"  # older than the run
     old.write_bytes(b"x")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     os.symlink(shm / "notes.txt", shm / f"torch_{dead}_5_5")  # a link is never followed nor removed
     (shm / f"torch_{dead}_6_6").mkdir()  # nor a directory
-    assert held(shm, proc) >= {"sglang_loads_heldopen_01234567.shm", "sglang_loads_heldmapped_89abcdef.shm"}
+    stats = [os.stat(shm / n) for n in ("sglang_loads_heldopen_01234567.shm", "sglang_loads_heldmapped_89abcdef.shm")]
+    assert held(proc) >= {(st.st_dev, st.st_ino) for st in stats}
 
     removed = remove_leftovers(time.time() - 60, shm, proc)
 
@@ -75,6 +87,10 @@ def test_dead_processes_leftovers_go_and_nothing_else(tmp_path):
     left = set(os.listdir(shm))
     assert left == set(kept) | {old.name, f"torch_{dead}_5_5", f"torch_{dead}_6_6"}
     assert remove_leftovers(time.time() - 60, shm, proc) == []  # idempotent
+    # what the drills require gone: every such name since the run, held or not
+    assert sorted(matching(time.time() - 60, shm)) == sorted(
+        n for n in kept if n.startswith(("torch", "cuda", "sem", "sglang_loads_h"))
+    )
 
 
 def test_a_missing_shm_directory_is_nothing_to_do(tmp_path):
@@ -85,6 +101,7 @@ def test_a_missing_shm_directory_is_nothing_to_do(tmp_path):
 def test_sglang_load_snapshot_left_by_a_killed_scheduler_is_removed(tmp_path):
     """The leak as SGLang 0.5.14 makes it: its load-snapshot writer (created by every scheduler) never unlinks its
     file; a SIGKILLed process leaves it in /dev/shm. Held while the process lives, removed once it is gone."""
+    pytest.importorskip("sglang")
     since = time.time() - 1
     code = (
         "import sys, time, uuid\n"
@@ -95,6 +112,8 @@ def test_sglang_load_snapshot_left_by_a_killed_scheduler_is_removed(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the writer did not start"
         path = Path(proc.stdout.readline().strip())
         assert path.parent == Path("/dev/shm") and path.is_file(), path
         assert path.name not in remove_leftovers(since)  # in use: kept

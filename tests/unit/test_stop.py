@@ -111,3 +111,34 @@ def test_stop_refuses_a_run_that_does_not_exist(tmp_path, capsys):
     assert main(["stop", str(recipe)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "nothing to stop" in err[0], err
+
+
+def test_stop_signals_the_lock_holder_the_kernel_names_not_the_pid_in_the_file(tmp_path):
+    """The lock file's text can name an earlier holder or a reused pid: ``stop`` signals the holder that
+    ``/proc/locks`` reports, and a bystander whose pid the file names is left alone."""
+    out = tmp_path / "run"
+    out.mkdir()
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    launcher = _spawn(
+        "import os, time\n"
+        "from pathlib import Path\n"
+        "from specforge_kimi.online import run_guard\n"
+        f"out = Path({str(out)!r})\n"
+        "run_guard.acquire_lock(out)\n"
+        f"(out / run_guard.LOCK_FILE).write_text('{bystander.pid}\\n')  # a stale pid in the file\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(600)\n",
+        out,
+    )
+    try:
+        assert int(launcher.stdout.readline()) == launcher.pid
+        assert run_guard.lock_holder(out) == launcher.pid
+        done = stop_run(_recipe(out), grace_s=5.0, say=lambda _m: None)
+        assert done["launcher"] == launcher.pid and launcher.wait(timeout=10) is not None
+        assert bystander.poll() is None  # never signalled
+        assert run_guard.lock_holder(out) is None
+    finally:
+        for p in (launcher, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -49,6 +49,29 @@ def acquire_lock(out: Path) -> None:
     _HELD[key] = fd
 
 
+def lock_holder(out: Path, *, locks: Path = Path("/proc/locks")) -> int | None:
+    """The pid holding ``out/launch.lock`` as the kernel reports it (``/proc/locks``, in this process's pid
+    namespace), not as the file says: the file can name an earlier holder, or a pid since reused. None when the
+    lock is free or its holder is not visible here."""
+    try:
+        st = os.stat(Path(out) / LOCK_FILE)
+        lines = locks.read_text().splitlines()
+    except OSError:
+        return None
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":  # "N: -> FLOCK ..." is a waiter, not a holder
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(inode)) == want and int(fields[4]) > 0:
+                return int(fields[4])
+        except ValueError:
+            continue
+    return None
+
+
 def release_lock(out: Path) -> None:
     fd = _HELD.pop(str(Path(out).resolve()), None)
     if fd is not None:

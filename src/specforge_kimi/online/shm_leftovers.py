@@ -12,8 +12,9 @@ restarts for days.
 
 Removed: regular files of this user with one of those names, modified at or after ``since``, whose creating
 process (where the name carries its pid) is gone, and which no live process holds open or mapped
-(``/proc/<pid>/fd``, ``/proc/<pid>/maps``). Any other name, other users' files, symlinks and files in use are
-never touched; a file that vanishes meanwhile is skipped.
+(``/proc/<pid>/fd``, ``/proc/<pid>/maps``, compared by inode). The names carry no run, so another run of the same
+user on the node loses such files of its dead processes too (garbage to it as well). Any other name, other users'
+files, symlinks and files in use are never touched; a file that vanishes meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 PATTERNS: tuple[tuple[re.Pattern[str], int | None], ...] = (
     (re.compile(r"sglang_loads_[A-Za-z0-9._-]+_[0-9a-f]{8}\.shm"), None),
     (re.compile(r"sem\.loky-(\d+)-[A-Za-z0-9_]+"), 10),
-    (re.compile(r"cuda\.shm\.\d+\.([0-9a-f]+)\.\d+"), 16),
+    (re.compile(r"cuda\.shm\.[0-9a-f]+\.([0-9a-f]+)\.[0-9a-f]+"), 16),
     (re.compile(r"torch_(\d+)_\d+_\d+"), 10),
 )
 
@@ -42,69 +43,95 @@ def _creator(name: str) -> tuple[bool, int | None]:
 
 
 def _running(pid: int, proc: Path) -> bool:
-    """Whether ``pid`` is a process that is not a zombie (a zombie holds no files)."""
+    """Whether ``pid`` runs. A zombie holds no files -- unless only its main thread exited and other threads of
+    it still run (``/proc/<pid>/task`` lists them)."""
     try:
         text = (proc / str(pid) / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return False
     except OSError:
         return True  # there, unreadable: count it as running
-    return text[text.rfind(")") + 2 :][:1] != "Z"
+    if text[text.rfind(")") + 2 :][:1] != "Z":
+        return True
+    try:
+        return len(os.listdir(proc / str(pid) / "task")) > 1
+    except OSError:
+        return False
 
 
-def held(shm: Path, proc: Path = Path("/proc")) -> set[str]:
-    """Names under ``shm`` that a live, readable process holds open or mapped."""
-    prefix = str(shm).rstrip("/") + "/"
-    names: set[str] = set()
+def held(proc: Path = Path("/proc")) -> set[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of every file a live, readable process holds open (``fd``) or mapped (``maps``): by
+    inode, not by path, so another mount of the same tmpfs, a symlinked ``/dev/shm`` or a name with spaces does not
+    hide a file in use."""
+    found: set[tuple[int, int]] = set()
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
     except OSError:
-        return names
+        return found
     for pid in pids:
+        fd_dir = proc / pid / "fd"
         try:
-            for fd in os.listdir(proc / pid / "fd"):
-                try:
-                    target = os.readlink(proc / pid / "fd" / fd)
-                except OSError:
-                    continue
-                if target.startswith(prefix):
-                    names.add(target[len(prefix) :].removesuffix(" (deleted)"))
+            fds = os.listdir(fd_dir)
         except OSError:
-            pass
+            fds = []
+        for fd in fds:
+            try:
+                st = os.stat(fd_dir / fd)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.add((st.st_dev, st.st_ino))
         try:
             with open(proc / pid / "maps", errors="replace") as f:
                 for line in f:
-                    i = line.find(prefix)
-                    if i >= 0:
-                        names.add(line[i + len(prefix) :].rstrip("\n").removesuffix(" (deleted)"))
+                    fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                    if len(fields) < 5 or fields[4] == "0":
+                        continue
+                    major, _, minor = fields[3].partition(":")
+                    try:
+                        found.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+                    except ValueError:
+                        continue
         except OSError:
             pass
-    return names
+    return found
 
 
-def leftovers(since: float, shm: Path | None = None, proc: Path = Path("/proc")) -> list[str]:
-    """The names :func:`remove_leftovers` would remove from ``shm`` (default: ``/dev/shm``) now."""
+def matching(since: float, shm: Path | None = None) -> dict[str, tuple[int, int]]:
+    """``{name: (st_dev, st_ino)}`` of this user's regular files in ``shm`` (default: ``/dev/shm``) with one of
+    :data:`PATTERNS`' names, modified at or after ``since``, whoever holds them: what the drills require to be gone."""
     shm = Path("/dev/shm") if shm is None else Path(shm)
     try:
         entries = sorted(os.listdir(shm))
     except OSError:
-        return []
+        return {}
     uid = os.getuid()
-    candidates = []
+    found = {}
     for name in entries:
-        known, pid = _creator(name)
-        if not known or (pid is not None and _running(pid, proc)):
+        if not _creator(name)[0]:
             continue
         try:
             st = os.lstat(shm / name)
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_mtime >= since:
-            candidates.append(name)
+            found[name] = (st.st_dev, st.st_ino)
+    return found
+
+
+def leftovers(since: float, shm: Path | None = None, proc: Path = Path("/proc")) -> list[str]:
+    """The names :func:`remove_leftovers` would remove from ``shm`` (default: ``/dev/shm``) now: :func:`matching`'s
+    whose creator (where named) is gone and which no live process holds."""
+    candidates = {n: key for n, key in matching(since, shm).items() if not _running_creator(n, proc)}
     if not candidates:
         return []
-    busy = held(shm, proc)  # read after the listing: a file created since is not a candidate
-    return [name for name in candidates if name not in busy]
+    busy = held(proc)  # read after the listing: a file created since is not a candidate
+    return [name for name, key in candidates.items() if key not in busy]
+
+
+def _running_creator(name: str, proc: Path) -> bool:
+    pid = _creator(name)[1]
+    return pid is not None and _running(pid, proc)
 
 
 def remove_leftovers(since: float, shm: Path | None = None, proc: Path = Path("/proc")) -> list[str]:

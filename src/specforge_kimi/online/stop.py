@@ -6,7 +6,7 @@ on training from the samples already delivered and writing checkpoints, holding 
 stops them (one H200, 2026-12-04: from step 57 to 113). ``launch --resume --stop-stale`` stops them and resumes;
 this stops them and resumes nothing:
 
-1. a live launcher of the run (the holder of ``<output_dir>/launch.lock``) gets SIGTERM -- SpecForge's supervisor
+1. a live launcher of the run (the holder of ``<output_dir>/launch.lock`` as ``/proc/locks`` names it) gets SIGTERM -- SpecForge's supervisor
    stops its services and roles as on Ctrl-C -- and SIGKILL if it has not let go of the lock after the grace;
 2. every process left that carries the run's mark (:mod:`run_guard`) gets SIGTERM, then SIGKILL;
 3. the cuda_ipc pools of dead capture servers and what the run's processes left in ``/dev/shm``
@@ -21,24 +21,45 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.online import run_guard
 
 
-def _take_lock(out: Path, *, grace_s: float, say) -> int | None:
-    """Hold the run's lock, stopping its launcher first if one holds it; the launcher's pid, if there was one."""
+def _ancestors() -> set[int]:
+    """This process and the processes it runs under: never signalled."""
+    pids, pid = {os.getpid()}, os.getpid()
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        pids.add(pid)
+    return pids
+
+
+def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> int | None:
+    """Hold the run's lock, stopping its launcher first if one holds it; the launcher's pid, if there was one.
+    The launcher is the lock's holder as the kernel reports it (``run_guard.lock_holder``), checked again before
+    each signal."""
     try:
         run_guard.acquire_lock(out)
         return None
     except KimiInputError:
         pass
-    text = (out / run_guard.LOCK_FILE).read_text(errors="replace").strip()
-    if not text.isdigit():
-        raise KimiInputError(f"{out / run_guard.LOCK_FILE} is held by a process that wrote no pid; stop it first")
-    pid = int(text)
+    pid = run_guard.lock_holder(out)
+    if pid is None or pid <= 1 or pid in _ancestors():
+        raise KimiInputError(
+            f"{out / run_guard.LOCK_FILE} is held by a process this one cannot see or must not stop "
+            f"(pid {pid}; another pid namespace?): stop the run's launcher where it runs"
+        )
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        if run_guard.lock_holder(out) != pid:  # it let go meanwhile (or someone else holds it now)
+            break
         say(f"stopping the launcher (pid {pid}, {sig.name})")
         try:
             os.kill(pid, sig)
@@ -51,10 +72,17 @@ def _take_lock(out: Path, *, grace_s: float, say) -> int | None:
                 return pid
             except KimiInputError:
                 time.sleep(0.2)
-    raise KimiInputError(f"the launcher (pid {pid}) still holds {out / run_guard.LOCK_FILE} after SIGKILL")
+    try:
+        run_guard.acquire_lock(out)
+        return pid
+    except KimiInputError:
+        raise KimiInputError(
+            f"{out / run_guard.LOCK_FILE} is still held (pid {run_guard.lock_holder(out)}) after the launcher (pid "
+            f"{pid}) was signalled; stop it first"
+        ) from None
 
 
-def stop_run(recipe, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say=print) -> dict:
+def stop_run(recipe: Any, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say: Callable[[str], object] = print) -> dict:
     """Steps 1-3 of the module's docstring for ``recipe``'s output directory; returns what was done."""
     from specforge_kimi.online.resume import read_record, run_started
     from specforge_kimi.online.shm_leftovers import remove_leftovers
@@ -81,7 +109,7 @@ def stop_run(recipe, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say=print) 
     return done
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "stop",
         help="stop every process of a run on this node (its launcher, trainer ranks a kill -9 left behind) and "
@@ -91,7 +119,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: Any) -> int:
     from specforge_kimi.online.recipes import load_recipe
 
     stop_run(load_recipe(args.recipe))
