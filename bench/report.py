@@ -1360,6 +1360,13 @@ def section_cpu_simulated(mla: list[tuple[str, dict]], greedy: list[tuple[str, d
     return out
 
 
+def _fault_outcomes(r: dict) -> list[dict]:
+    """A fault-drill file's outcomes: a list (``fault_drills_h200x2.json``) or by drill name
+    (``fault_drills_tp<TP>_h200.json``)."""
+    drills = r.get("drills") or []
+    return list(drills.values()) if isinstance(drills, dict) else list(drills)
+
+
 def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         return [
@@ -1374,7 +1381,7 @@ def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
                 d.get("duplicates"),
                 d.get("processes_left"),
             ]
-            for d in r.get("drills", [])
+            for d in _fault_outcomes(r)
         ]
 
     return _tabled(
