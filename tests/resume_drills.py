@@ -16,7 +16,6 @@ Only process groups are killed: torchrun's ranks (sessions of their own) outlive
 
 from __future__ import annotations
 
-import calendar
 import json
 import os
 import random
@@ -347,10 +346,10 @@ def check_run(run: Run, *, prompts: int, quantum: int, save_interval: int) -> di
     assert not left, left
     # what the run's processes left in /dev/shm (SGLang's load snapshot, torch's and CUDA's IPC files) was removed
     # by the last attempt's cleanup (resume.run_attempts)
+    from specforge_kimi.online.resume import read_record, run_started
     from specforge_kimi.online.shm_leftovers import matching
 
-    since = calendar.timegm(time.strptime(attempts[0]["started_utc"], "%Y-%m-%dT%H:%M:%SZ")) - 1.0
-    shm_left = matching(since)  # held or not: no process of the run is left (above)
+    shm_left = matching(run_started(read_record(run.out)))  # held or not: no process of the run is left (above)
     assert not shm_left, shm_left
     return {
         "seed": run.seed,

@@ -563,7 +563,7 @@ def run_attempts(
 
     def clean(since: float, *, settle_s: float = 0.0) -> None:
         deadline = time.monotonic() + settle_s  # a stopped server's schedulers may take a moment to go
-        while run_guard.run_processes(out) and time.monotonic() < deadline:
+        while settle_s and time.monotonic() < deadline and run_guard.run_processes(out):
             time.sleep(0.2)
         remove_stale_pools(recipe)
         removed = remove_leftovers(since)  # what live processes hold stays: the next attempt's start retries

@@ -85,20 +85,31 @@ def _read(path: Path) -> bytes:
         return b""
 
 
+def stat_fields(pid: int, proc: Path = Path("/proc")) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent's pid); empty when
+    there is no such process."""
+    stat = _read(proc / str(pid) / "stat").decode(errors="replace")
+    return stat[stat.rindex(")") + 2 :].split() if ")" in stat else []
+
+
+def ancestors() -> set[int]:
+    """This process and the processes it runs under: never to be stopped by it."""
+    mine, pid = {os.getpid()}, os.getpid()
+    while pid > 1:
+        fields = stat_fields(pid)
+        if len(fields) < 2 or not fields[1].isdigit():
+            break
+        pid = int(fields[1])
+        mine.add(pid)
+    return mine
+
+
 def run_processes(out: Path) -> list[tuple[int, str]]:
     """``(pid, command line)`` of every live process that carries ``out``'s mark (this process and its
     ancestors excluded)."""
     key = str(Path(out).resolve())
     mark = f"{RUN_DIR_ENV}={key}".encode() + b"\0"
-    mine = {os.getpid()}
-    pid = os.getpid()
-    while pid > 1:  # ancestors: never stop the processes this one runs under
-        stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
-        try:
-            pid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        except (ValueError, IndexError):
-            break
-        mine.add(pid)
+    mine = ancestors()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in mine:
@@ -117,8 +128,8 @@ def stop(processes: list[tuple[int, str]], *, grace_s: float = STOP_GRACE_S) -> 
     pids = [pid for pid, _ in processes]
 
     def alive(pid: int) -> bool:
-        stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
-        return bool(stat) and stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+        fields = stat_fields(pid)
+        return bool(fields) and fields[0] != "Z"
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:

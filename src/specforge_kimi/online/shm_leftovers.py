@@ -45,13 +45,12 @@ def _creator(name: str) -> tuple[bool, int | None]:
 def _running(pid: int, proc: Path) -> bool:
     """Whether ``pid`` runs. A zombie holds no files -- unless only its main thread exited and other threads of
     it still run (``/proc/<pid>/task`` lists them)."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    from specforge_kimi.online.run_guard import stat_fields
+
+    fields = stat_fields(pid, proc)
+    if not fields:
         return False
-    except OSError:
-        return True  # there, unreadable: count it as running
-    if text[text.rfind(")") + 2 :][:1] != "Z":
+    if fields[0] != "Z":
         return True
     try:
         return len(os.listdir(proc / str(pid) / "task")) > 1

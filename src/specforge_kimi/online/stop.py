@@ -29,19 +29,6 @@ from specforge_kimi.errors import KimiInputError
 from specforge_kimi.online import run_guard
 
 
-def _ancestors() -> set[int]:
-    """This process and the processes it runs under: never signalled."""
-    pids, pid = {os.getpid()}, os.getpid()
-    while pid > 1:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            pid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        pids.add(pid)
-    return pids
-
-
 def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> int | None:
     """Hold the run's lock, stopping its launcher first if one holds it; the launcher's pid, if there was one.
     The launcher is the lock's holder as the kernel reports it (``run_guard.lock_holder``), checked again before
@@ -52,7 +39,7 @@ def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> in
     except KimiInputError:
         pass
     pid = run_guard.lock_holder(out)
-    if pid is None or pid <= 1 or pid in _ancestors():
+    if pid is None or pid <= 1 or pid in run_guard.ancestors():
         raise KimiInputError(
             f"{out / run_guard.LOCK_FILE} is held by a process this one cannot see or must not stop "
             f"(pid {pid}; another pid namespace?): stop the run's launcher where it runs"
