@@ -319,6 +319,17 @@ def _memory(r, slice_overheads: dict) -> dict:
     }
 
 
+def _recipes():
+    """``specforge_kimi.online.recipes``, with this checkout's ``src/`` put on ``sys.path`` once (the script runs
+    from a checkout without an install)."""
+    src = str(REPO / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    from specforge_kimi.online import recipes
+
+    return recipes
+
+
 def _with_transport(r, transport: str):
     return r.model_copy(update={"server": r.server.model_copy(update={"transport": transport})})
 
@@ -326,8 +337,7 @@ def _with_transport(r, transport: str):
 def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict, dict]:
     """Recipes' shapes and transports, and memory per GPU per transport: ``recipes.memory_plan`` and the plan
     corrected as the slice's run measured it (server: its peak outside the pool; trainer: its peak over plan)."""
-    sys.path.insert(0, str(REPO / "src"))
-    from specforge_kimi.online.recipes import load_recipe, memory_plan
+    load_recipe, memory_plan = _recipes().load_recipe, _recipes().memory_plan
 
     sl = _with_transport(load_recipe(REPO / "recipes" / SLICE_RECIPE), slice_transport)
     sp = memory_plan(sl)
@@ -587,8 +597,7 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         raise SystemExit(f"error: no online_run_k25_slice_<transport>*.json in {results}")
     fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
     capture = capture_rates(pipeline, length)
-    sys.path.insert(0, str(REPO / "src"))
-    from specforge_kimi.online.recipes import load_recipe
+    load_recipe = _recipes().load_recipe
 
     recipe_step = _recipe_step(load_recipe(REPO / "recipes" / SLICE_RECIPE))
     runs = slice_runs(
