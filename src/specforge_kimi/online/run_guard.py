@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
+from specforge_kimi.procfs import stat_fields
 
 RUN_DIR_ENV = "SPECFORGE_KIMI_RUN_DIR"
 LOCK_FILE = "launch.lock"
@@ -83,13 +84,6 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
-
-
-def stat_fields(pid: int, proc: Path = Path("/proc")) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent's pid); empty when
-    there is no such process."""
-    stat = _read(proc / str(pid) / "stat").decode(errors="replace")
-    return stat[stat.rindex(")") + 2 :].split() if ")" in stat else []
 
 
 def ancestors() -> set[int]:

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from specforge_kimi.procfs import stat_fields
+
 # SGLang 0.5.14 derives its gRPC port as --port + 10000 (unless SGLANG_GRPC_PORT is set) and
 # refuses to start above 65535: an ephemeral port (up to 60999 on Linux) fails about one time in five
 MAX_SERVER_PORT = 55535
@@ -61,13 +63,9 @@ def group_pids(pgid: int) -> list[int]:
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        try:
-            stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(d.name))
-        except (OSError, ValueError, IndexError):
-            continue
+        fields = stat_fields(int(d.name))
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            out.append(int(d.name))
     return out
 
 

@@ -45,7 +45,7 @@ def _creator(name: str) -> tuple[bool, int | None]:
 def _running(pid: int, proc: Path) -> bool:
     """Whether ``pid`` runs. A zombie holds no files -- unless only its main thread exited and other threads of
     it still run (``/proc/<pid>/task`` lists them)."""
-    from specforge_kimi.online.run_guard import stat_fields
+    from specforge_kimi.procfs import stat_fields
 
     fields = stat_fields(pid, proc)
     if not fields:

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.procfs import stat_fields
 from specforge_kimi.transport.slots import SlotTable, create_private_file, open_existing, shm_dir
 
 #: the pool ids :class:`~specforge_kimi.transport.writer.IpcCaptureWriter` makes (``uuid4().hex[:16]``)
@@ -130,11 +131,8 @@ def read_pool_file(directory: str | os.PathLike, pool_id: str) -> PoolInfo:
 
 def process_start(pid: int) -> str | None:
     """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22), None where unavailable."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2 :].split()[19]
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def alive(pid: int, start: str | None) -> bool:
