@@ -181,32 +181,34 @@ def _compute_apps() -> list[str]:
     return [ln for ln in res.stdout.splitlines() if ln.strip() and ln.split(",")[0].strip() != str(os.getpid())]
 
 
-def _own_shm() -> set[str]:
-    """Names of this user's regular files in ``/dev/shm`` now."""
-    names = set()
+def _own_shm() -> dict[str, tuple[int, int]]:
+    """``{name: (st_dev, st_ino)}`` of this user's regular files in ``/dev/shm`` now."""
+    names = {}
     for entry in os.scandir("/dev/shm"):
         try:
-            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
-                names.add(entry.name)
+            st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
+        if entry.is_file(follow_symlinks=False) and st.st_uid == os.getuid():
+            names[entry.name] = (st.st_dev, st.st_ino)
     return names
 
 
 @pytest.fixture
 def shm_before():
     """This user's files in ``/dev/shm`` before the drill: what a drill adds is compared against them."""
-    return _own_shm()
+    return set(_own_shm())
 
 
 def _check_after(name: str, res: dict, shm_before: set[str], transport: str) -> None:
     """Nothing the drill started holds GPU memory, and once the launcher's cleanup ran (what ``resume.run_attempts``
     does around each attempt: stale cuda_ipc pools, the run's libraries' files in ``/dev/shm``) no file of this user
-    is in ``/dev/shm`` that was not there before the drill, whatever its name. On cuda_ipc also: no lease expiry,
-    no pool file nor slot table left."""
+    is in ``/dev/shm`` that was not there before the drill, whatever its name, unless a live process holds it (the
+    drill's own processes are all gone by then: ``processes_left``; a drill run beside it on another GPU holds its
+    own). On cuda_ipc also: no lease expiry, no pool file nor slot table left."""
     import time
 
-    from specforge_kimi.online.shm_leftovers import remove_leftovers
+    from specforge_kimi.online.shm_leftovers import held, remove_leftovers
     from specforge_kimi.transport.pool import remove_stale
     from specforge_kimi.transport.slots import shm_dir
 
@@ -216,7 +218,9 @@ def _check_after(name: str, res: dict, shm_before: set[str], transport: str) -> 
     removed = remove_stale(res["out"] / "ipc") if transport == "cuda_ipc" else []
     since = min(p.stat().st_mtime for p in (res["out"] / "rendered").iterdir()) - 1.0
     shm_removed = remove_leftovers(since)
-    new = sorted(_own_shm() - shm_before)
+    added = {n: key for n, key in _own_shm().items() if n not in shm_before}
+    busy = held()
+    new = sorted(n for n, key in added.items() if key not in busy)
     _append(
         {
             "drill": name,
@@ -224,6 +228,7 @@ def _check_after(name: str, res: dict, shm_before: set[str], transport: str) -> 
             "stale_pools_removed": removed,
             "shm_leftovers_removed": shm_removed,
             "shm_new_after_cleanup": new,
+            "shm_new_held_by_live_processes": sorted(set(added) - set(new)),
         }
     )
     assert not apps, apps
