@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+from specforge_kimi.procfs import stat_fields
+
 STOP_BOUND_S = 60.0  # kill -> run_plan returned: SpecForge's supervisor polls children every 50 ms,
 # then SIGTERM with a 30 s grace before SIGKILL (launch.build_colocated_plan's shutdown_grace_s)
 KILL_AFTER_STEP = 3
@@ -143,12 +145,9 @@ def descendants(pid: int) -> list[int]:
     """``pid``'s children, grandchildren, ... (from /proc)."""
     parents: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                parents.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                continue
+        fields = stat_fields(int(d.name)) if d.name.isdigit() else []
+        if len(fields) > 1:
+            parents.setdefault(int(fields[1]), []).append(int(d.name))
     out, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):

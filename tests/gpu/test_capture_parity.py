@@ -49,6 +49,8 @@ from pathlib import Path
 
 import pytest
 
+from specforge_kimi.procfs import stat_fields
+
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -339,15 +341,14 @@ def _group_processes(pgid: int) -> list[dict]:
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        try:
-            stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) != pgid:
-                continue
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            out.append({"pid": int(d.name), "state": fields[0], "cmd": cmd[:300]})
-        except (OSError, ValueError, IndexError):
+        fields = stat_fields(int(d.name))
+        if len(fields) < 3 or fields[2] != str(pgid):
             continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out.append({"pid": int(d.name), "state": fields[0], "cmd": cmd[:300]})
     return sorted(out, key=lambda p: p["pid"])
 
 

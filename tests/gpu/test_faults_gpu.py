@@ -61,6 +61,7 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
     def build():
         from specforge_kimi.online.launch import build_colocated_plan
         from specforge_kimi.online.recipes import Recipe, render
+        from specforge_kimi.online.resume import marked
         from specforge_kimi.online.services import free_ports
 
         root, target = inputs
@@ -85,7 +86,9 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
         cfg = yaml.safe_load(cfg_path.read_text())
         cfg["training"]["log_interval"] = 1  # the drills key on "step N:" lines
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return build_colocated_plan(recipe, rendered, python=sys.executable), recipe, root / "data" / "prompts.jsonl"
+        # every process of the run carries its mark, as under launch: _check_after finds what outlived the drill by it
+        plan = marked(build_colocated_plan(recipe, rendered, python=sys.executable), run_dir)
+        return plan, recipe, root / "data" / "prompts.jsonl"
 
     return build
 
@@ -172,13 +175,30 @@ def test_mooncake_master_killed(tmp_path, inputs, shm_before):
     _check_after(name, res, shm_before, "mooncake")
 
 
-def _compute_apps() -> list[str]:
+def _smi(query: str) -> list[list[str]]:
     import subprocess
 
-    res = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"], capture_output=True, text=True
-    )
-    return [ln for ln in res.stdout.splitlines() if ln.strip() and ln.split(",")[0].strip() != str(os.getpid())]
+    res = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, check=True)
+    return [[f.strip() for f in ln.split(",")] for ln in res.stdout.splitlines() if ln.strip()]
+
+
+def _drill_gpus() -> set[str]:
+    """UUIDs of the GPUs a drill runs on: the first ``TP`` that ``CUDA_VISIBLE_DEVICES`` lists (indices or UUIDs),
+    else GPUs 0..TP-1."""
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpus = _smi("--query-gpu=index,uuid")
+    picked = listed[:TP] if listed else [str(i) for i in range(TP)]
+    return {uuid for index, uuid in gpus if index in picked or uuid in picked}
+
+
+def _compute_apps() -> list[str]:
+    """Compute processes on the drill's GPUs (a drill beside it on another GPU is not counted), this one excepted."""
+    mine = _drill_gpus()
+    return [
+        ", ".join((pid, mib))
+        for pid, uuid, mib in _smi("--query-compute-apps=pid,gpu_uuid,used_memory")
+        if uuid in mine and pid != str(os.getpid())
+    ]
 
 
 def _own_shm() -> dict[str, tuple[int, int]]:
@@ -196,18 +216,20 @@ def _own_shm() -> dict[str, tuple[int, int]]:
 
 @pytest.fixture
 def shm_before():
-    """This user's files in ``/dev/shm`` before the drill: what a drill adds is compared against them."""
-    return set(_own_shm())
+    """This user's files in ``/dev/shm`` before the drill (name -> inode): what a drill adds is compared against them."""
+    return _own_shm()
 
 
-def _check_after(name: str, res: dict, shm_before: set[str], transport: str) -> None:
+def _check_after(name: str, res: dict, shm_before: dict[str, tuple[int, int]], transport: str) -> None:
     """Nothing the drill started holds GPU memory, and once the launcher's cleanup ran (what ``resume.run_attempts``
     does around each attempt: stale cuda_ipc pools, the run's libraries' files in ``/dev/shm``) no file of this user
-    is in ``/dev/shm`` that was not there before the drill, whatever its name, unless a live process holds it (the
-    drill's own processes are all gone by then: ``processes_left``; a drill run beside it on another GPU holds its
-    own). On cuda_ipc also: no lease expiry, no pool file nor slot table left."""
+    is in ``/dev/shm`` that was not there before the drill (by name and inode), whatever its name, unless a live process
+    holds it: no process with the run's mark is left (SGLang renames its children, so they are found by the mark, not
+    by their command lines), so a holder is another run's, e.g. a drill beside it on another GPU. On cuda_ipc also:
+    no lease expiry, no pool file nor slot table left."""
     import time
 
+    from specforge_kimi.online.run_guard import run_processes
     from specforge_kimi.online.shm_leftovers import held, remove_leftovers
     from specforge_kimi.transport.pool import remove_stale
     from specforge_kimi.transport.slots import shm_dir
@@ -218,7 +240,8 @@ def _check_after(name: str, res: dict, shm_before: set[str], transport: str) -> 
     removed = remove_stale(res["out"] / "ipc") if transport == "cuda_ipc" else []
     since = min(p.stat().st_mtime for p in (res["out"] / "rendered").iterdir()) - 1.0
     shm_removed = remove_leftovers(since)
-    added = {n: key for n, key in _own_shm().items() if n not in shm_before}
+    ours = run_processes(res["out"])
+    added = {n: key for n, key in _own_shm().items() if shm_before.get(n) != key}
     busy = held()
     new = sorted(n for n, key in added.items() if key not in busy)
     _append(
@@ -229,8 +252,10 @@ def _check_after(name: str, res: dict, shm_before: set[str], transport: str) -> 
             "shm_leftovers_removed": shm_removed,
             "shm_new_after_cleanup": new,
             "shm_new_held_by_live_processes": sorted(set(added) - set(new)),
+            "run_processes_left": [cmd[:200] for _pid, cmd in ours],
         }
     )
+    assert not ours, ours
     assert not apps, apps
     assert not new, new
     if transport != "cuda_ipc":

@@ -374,7 +374,7 @@ def _base_config_path(plan) -> Path:
     raise KimiInputError("the plan has no SpecForge command with -c CONFIG")
 
 
-def _marked(plan, out: Path):
+def marked(plan, out: Path):
     """Every service and command of ``plan`` with the run's mark in its environment (:mod:`run_guard`)."""
     mark = {run_guard.RUN_DIR_ENV: str(Path(out).resolve())}
     cmd = dataclasses.replace
@@ -458,7 +458,7 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
             )
         )
         write_record(out, record)
-        return _marked(plan, out)
+        return marked(plan, out)
     if record is None:
         if not first["supervisor"].exists():
             raise KimiInputError(f"{out} holds no launch of this run to resume; launch it without --resume")
@@ -537,7 +537,7 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
         + (f"; set aside: {', '.join(attempt.abandoned)}" if attempt.abandoned else "")
         + f"; logs in {paths['logs']}"
     )
-    return _marked(new_plan, out)
+    return marked(new_plan, out)
 
 
 #: how long an attempt's cleanup waits for the attempt's last processes to exit before it removes their files
