@@ -201,7 +201,19 @@ def colocated(*, prefill: float, trainer: float, overlap: float, tax_s: float, g
 
 
 #: SpecForge 0.2.0's own step, as ``training.step_knobs.step_env`` spells it (what every run before the knobs ran)
-SPECFORGE_STEP = {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0"}
+SPECFORGE_STEP = {
+    "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
+    "SPECFORGE_ADAMW_FUSED": "0",
+    "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+}
+
+
+def _norm_step(env: dict) -> dict[str, str]:
+    """A step's variables without the unset ones; a record written before patch 0005's switch existed ran without
+    it (``SPECFORGE_EAGLE3_FEWER_SYNCS=0``)."""
+    out = {k: v for k, v in env.items() if v is not None}
+    out.setdefault("SPECFORGE_EAGLE3_FEWER_SYNCS", "0")
+    return out
 
 
 def _recipe_step(r) -> dict[str, str]:
@@ -209,11 +221,16 @@ def _recipe_step(r) -> dict[str, str]:
     from specforge_kimi.training.step_knobs import step_env
 
     t = r.trainer
-    return step_env(empty_cache=t.step_empty_cache, fused_adamw=t.fused_adamw, alloc_conf=t.cuda_alloc_conf)
+    return step_env(
+        empty_cache=t.step_empty_cache,
+        fused_adamw=t.fused_adamw,
+        alloc_conf=t.cuda_alloc_conf,
+        fewer_syncs=t.step_fewer_host_syncs,
+    )
 
 
 def _same_step(row_env: dict, step: dict[str, str]) -> bool:
-    return {k: v for k, v in row_env.items() if v is not None} == step
+    return _norm_step(row_env) == _norm_step(step)
 
 
 def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tuple[int, float]:
@@ -520,7 +537,10 @@ def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, di
     step = run.get("trainer_step_env")
     if step is None:
         step = recipe_step if "step_recipe" in name else SPECFORGE_STEP
-    return ("recipe" if step == recipe_step else "specforge" if step == SPECFORGE_STEP else "other"), step
+    step = _norm_step(step)
+    return (
+        "recipe" if _same_step(step, recipe_step) else "specforge" if _same_step(step, SPECFORGE_STEP) else "other"
+    ), step
 
 
 def slice_runs(

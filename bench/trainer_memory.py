@@ -52,8 +52,9 @@ model's terms -- and the chrome trace is ``WORKDIR/trace-BACKEND-LENGTH-rankR.js
 same batches and the same seeded initial weights (``--seed``): ``specforge`` (as shipped: ``empty_cache`` every
 step, foreach AdamW), ``keep_cache`` (SpecForge patch 0003, ``SPECFORGE_EAGLE3_EMPTY_CACHE=0``),
 ``keep_cache_fused_adamw`` (+ patch 0004, ``SPECFORGE_ADAMW_FUSED=1``), ``expandable`` (+ ``PYTORCH_CUDA_ALLOC_CONF=
-expandable_segments:True``) and ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
-``cuda_alloc_conf``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+expandable_segments:True``), ``fewer_syncs`` (``keep_cache_fused_adamw`` + patch 0005,
+``SPECFORGE_EAGLE3_FEWER_SYNCS=1``) and ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
+``step_fewer_host_syncs`` / ``cuda_alloc_conf``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
 script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
@@ -172,8 +173,14 @@ VARIANTS = {
     "keep_cache": {"step_empty_cache": False, "fused_adamw": False, "cuda_alloc_conf": None},
     "keep_cache_fused_adamw": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": None},
     "expandable": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": "expandable_segments:True"},
+    "fewer_syncs": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": None, "fewer_syncs": True},
 }
-STEP_ENV_KEYS = ("SPECFORGE_EAGLE3_EMPTY_CACHE", "SPECFORGE_ADAMW_FUSED", "PYTORCH_CUDA_ALLOC_CONF")
+STEP_ENV_KEYS = (
+    "SPECFORGE_EAGLE3_EMPTY_CACHE",
+    "SPECFORGE_ADAMW_FUSED",
+    "SPECFORGE_EAGLE3_FEWER_SYNCS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
 
 
 def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
@@ -189,11 +196,17 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
             "step_empty_cache": t.step_empty_cache,
             "fused_adamw": t.fused_adamw,
             "cuda_alloc_conf": t.cuda_alloc_conf,
+            "fewer_syncs": t.step_fewer_host_syncs,
         }
     )
     env = {k: val for k, val in base.items() if k != ALLOC_CONF_ENV}
     env.update(
-        step_env(empty_cache=v["step_empty_cache"], fused_adamw=v["fused_adamw"], alloc_conf=v["cuda_alloc_conf"])
+        step_env(
+            empty_cache=v["step_empty_cache"],
+            fused_adamw=v["fused_adamw"],
+            alloc_conf=v["cuda_alloc_conf"],
+            fewer_syncs=v.get("fewer_syncs", False),
+        )
     )
     return env
 
@@ -382,6 +395,10 @@ def child(args) -> int:
         core = TrainerCore(strategy, backend)
         # what the variant's SPECFORGE_ADAMW_FUSED did (patch 0004 applied or not)
         adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
+        # what the variant's SPECFORGE_EAGLE3_FEWER_SYNCS did (patch 0005 applied or not)
+        import specforge.algorithms.eagle3.model as eagle3_model
+
+        fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
         if args.profile_steps:
             step_profile.annotate(target_head=bundle.target_head, backend=backend)
         build_s = time.perf_counter() - t0
@@ -407,6 +424,7 @@ def child(args) -> int:
                 "step_env": {k: os.environ.get(k) for k in STEP_ENV_KEYS},
                 "feed": _feed(args, cuda) or "host",
                 "adamw_fused": adamw_fused,
+                "fewer_host_syncs": fewer_syncs,
                 "backend": args.backend,
                 "length": length,
                 "fsdp_sharding": sharding,

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 
 def eagle3_step(
-    draft_model, *, length: int, ttt: int, vocab: int, target_hidden: int, model_cls=None, attention="sdpa"
+    draft_model,
+    *,
+    length: int,
+    ttt: int,
+    vocab: int,
+    target_hidden: int,
+    model_cls=None,
+    attention="sdpa",
+    draft_ids=None,
 ):
-    """A zero-argument callable running one forward + backward and returning the loss (a detached tensor)."""
+    """A zero-argument callable running one forward + backward and returning the loss (a detached tensor). The draft
+    vocabulary is the first ``draft_vocab_size`` target ids, or the sorted target ids ``draft_ids``."""
     import torch
     import torch.nn as nn
     from specforge.modeling.target.target_head import TargetHead
@@ -23,7 +32,12 @@ def eagle3_step(
         from specforge.algorithms.eagle3.model import OnlineEagle3Model as model_cls
     vd = draft_model.draft_vocab_size
     draft_model.t2d.zero_()
-    draft_model.t2d[:vd] = True  # draft ids are the first vd target ids: d2t stays 0
+    if draft_ids is None:
+        draft_model.t2d[:vd] = True  # draft ids are the first vd target ids: d2t stays 0
+    else:
+        ids = torch.as_tensor(draft_ids)
+        draft_model.t2d[ids] = True
+        draft_model.d2t.copy_(ids - torch.arange(vd))  # SpecForge's d2t: target id minus draft id
     draft_model.embed_tokens.weight.requires_grad_(False)  # SpecForge freezes the target-copied embedding
     head = TargetHead.__new__(TargetHead)  # the real class, its weight set here instead of read from disk
     nn.Module.__init__(head)

@@ -148,7 +148,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
             "--steps",
             "3",
             "--variants",
-            "specforge,keep_cache_fused_adamw,expandable",
+            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -163,25 +163,32 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert [r["variant"] for r in rows] == ["specforge", "keep_cache_fused_adamw", "expandable"], rows
+    variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs"]
+    assert [r["variant"] for r in rows] == variants, rows
+    cache, fused, syncs, alloc = (
+        "SPECFORGE_EAGLE3_EMPTY_CACHE",
+        "SPECFORGE_ADAMW_FUSED",
+        "SPECFORGE_EAGLE3_FEWER_SYNCS",
+        "PYTORCH_CUDA_ALLOC_CONF",
+    )
     assert [r["step_env"] for r in rows] == [
-        {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0", "PYTORCH_CUDA_ALLOC_CONF": None},
-        {"SPECFORGE_EAGLE3_EMPTY_CACHE": "0", "SPECFORGE_ADAMW_FUSED": "1", "PYTORCH_CUDA_ALLOC_CONF": None},
-        {
-            "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
-            "SPECFORGE_ADAMW_FUSED": "1",
-            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        },
+        {cache: "1", fused: "0", syncs: "0", alloc: None},
+        {cache: "0", fused: "1", syncs: "0", alloc: None},
+        {cache: "0", fused: "1", syncs: "0", alloc: "expandable_segments:True"},
+        {cache: "0", fused: "1", syncs: "1", alloc: None},
     ]
-    assert [r["adamw_fused"] for r in rows] == [False, True, True]
+    assert [r["adamw_fused"] for r in rows] == [False, True, True, True]
+    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True]
     assert doc["config"]["variants"]["expandable"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     base = rows[0]["losses"]
     assert len(base) == 3 and len(set(base)) == 3  # three different batches
     comps = {c["variant"]: c for c in doc["comparisons"]}
-    assert set(comps) == {"specforge", "keep_cache_fused_adamw", "expandable"}
+    assert set(comps) == set(variants)
     assert all(c["against"] == "specforge" and c["length"] == 32 for c in comps.values())
     assert comps["specforge"]["loss_max_abs_diff"] == 0.0 and comps["specforge"]["speed_ratio"] == 1.0
-    for name in ("keep_cache_fused_adamw", "expandable"):
+    # patch 0005 changes where values are built and when they are read, not what they are
+    assert rows[3]["losses"] == rows[1]["losses"]
+    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs"):
         r = rows[[x["variant"] for x in rows].index(name)]
         diff = max(abs(a - b) for a, b in zip(r["losses"], base, strict=True))
         assert comps[name]["loss_max_abs_diff"] == diff <= 1e-3 * max(base)

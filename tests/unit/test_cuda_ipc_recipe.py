@@ -361,16 +361,26 @@ def test_run_report_names_the_trainer_step(tmp_path):
     assert trainer_step(run) == {
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
         "SPECFORGE_ADAMW_FUSED": "1",
+        "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     shipped = tmp_path / "shipped"
     render(load_recipe(RECIPES / "tiny-k25-tp1-h200.yaml"), shipped / "rendered")
-    assert trainer_step(shipped) == {"SPECFORGE_EAGLE3_EMPTY_CACHE": "0", "SPECFORGE_ADAMW_FUSED": "1"}
+    shipped_step = {
+        "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
+        "SPECFORGE_ADAMW_FUSED": "1",
+        "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+    }
+    assert trainer_step(shipped) == shipped_step
     sheet = json.loads((shipped / "rendered" / "launch.json").read_text())
-    for key in ("SPECFORGE_EAGLE3_EMPTY_CACHE", "SPECFORGE_ADAMW_FUSED"):
+    for key in shipped_step:
         sheet["env"].pop(key)
     (shipped / "rendered" / "launch.json").write_text(json.dumps(sheet))
-    assert trainer_step(shipped) == {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0"}
+    assert trainer_step(shipped) == {
+        "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
+        "SPECFORGE_ADAMW_FUSED": "0",
+        "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+    }
     assert trainer_step(tmp_path / "not-a-run") is None
 
 

@@ -1,11 +1,13 @@
-"""Our SpecForge patches 0003 (keep the allocator cache across eagle3 steps) and 0004 (fused AdamW in
-``BF16Optimizer``), their recipe fields and the launch preflight.
+"""Our SpecForge patches 0003 (keep the allocator cache across eagle3 steps), 0004 (fused AdamW in
+``BF16Optimizer``) and 0005 (fewer host waits in the eagle3 step), their recipe fields and the launch preflight.
 
 The patched files are loaded from a scratch copy of the installed wheel's (``load_patched_specforge_module``);
 the install is not touched. Equal results: with patch 0003's switch off the step's loss and every gradient are
 bit-identical to SpecForge's and ``torch.cuda.empty_cache`` is never called; patch 0004's fused AdamW leaves the
-fp32 masters within 1e-6 of the foreach one after 20 steps, and a foreach checkpoint resumes under it. That the
-patches apply to the wheel and the checkout is ``test_setup_patches.py``'s.
+fp32 masters within 1e-6 of the foreach one after 20 steps, and a foreach checkpoint resumes under it; patch 0005's
+switch leaves the step's loss, gradients and logged metrics bit-identical while the draft vocabulary's ids are
+computed once and the metrics read back in one copy. That the patches apply to the wheel and the checkout is
+``test_setup_patches.py``'s.
 """
 
 from __future__ import annotations
@@ -97,6 +99,123 @@ def test_0003_switch_off_skips_empty_cache_and_changes_nothing_else(patched_mode
         assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
 
 
+#: a draft vocabulary scattered over the target's 40 ids (SpecForge's mask index and patch 0005's index_select must
+#: pick the same columns in the same order)
+SCATTERED = [0, 3, 4, 9, 11, 17, 18, 25, 30, 33, 37, 39]
+
+
+def _fewer_syncs_steps(model_cls, monkeypatch, value: str | None, steps: int = 2):
+    """``steps`` forward+backward passes of one seeded draft with ``SPECFORGE_EAGLE3_FEWER_SYNCS`` = value, the
+    draft vocabulary scattered: (losses, grads after the last, ``Tensor.nonzero`` calls, ``torch.tensor`` calls made
+    from ``model_cls``'s module)."""
+    calls = {"nonzero": 0, "tensor": 0}
+    nonzero, tensor = torch.Tensor.nonzero, torch.tensor
+    module = sys.modules[model_cls.__module__]
+
+    def counted_nonzero(self, *a, **k):
+        calls["nonzero"] += 1
+        return nonzero(self, *a, **k)
+
+    def counted_tensor(*a, **k):
+        if sys._getframe(1).f_globals.get("__name__") == module.__name__:
+            calls["tensor"] += 1
+        return tensor(*a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "nonzero", counted_nonzero)
+    monkeypatch.setattr(module.torch, "tensor", counted_tensor)
+    if value is None:
+        monkeypatch.delenv(step_knobs.FEWER_SYNCS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(step_knobs.FEWER_SYNCS_ENV, value)
+    draft = _draft()
+    run = eagle3_step(draft, length=10, ttt=3, vocab=40, target_hidden=16, model_cls=model_cls, draft_ids=SCATTERED)
+    losses = []
+    for _ in range(steps):
+        draft.zero_grad()
+        losses.append(run())
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    monkeypatch.undo()
+    return losses, grads, calls["nonzero"], calls["tensor"]
+
+
+def test_0005_switch_on_builds_on_the_device_and_changes_no_value(patched_model_module, monkeypatch):
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+
+    cls = patched_model_module.OnlineEagle3Model
+    ref_losses, ref_grads, ref_nonzero, _ = _fewer_syncs_steps(OnlineEagle3Model, monkeypatch, None)
+    off_losses, off_grads, off_nonzero, off_tensor = _fewer_syncs_steps(cls, monkeypatch, None)
+    on_losses, on_grads, on_nonzero, on_tensor = _fewer_syncs_steps(cls, monkeypatch, "1")
+    # SpecForge's mask index counts its columns inside the op; the switch computes the ids once for both steps
+    assert ref_nonzero == off_nonzero == 0 and on_nonzero == 1
+    # one loss denominator per TTT position and step from a host value; none with the switch
+    assert off_tensor == 3 * 2 and on_tensor == 0
+    assert ref_grads and set(ref_grads) == set(off_grads) == set(on_grads)
+    for losses, grads in ((off_losses, off_grads), (on_losses, on_grads)):
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+def test_0005_draft_ids_follow_an_in_place_change_of_t2d(patched_model_module):
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[SCATTERED] = True
+    first = patched_model_module._draft_ids(t2d)
+    assert first.tolist() == SCATTERED and patched_model_module._draft_ids(t2d) is first
+    t2d[1] = True  # e.g. load_state_dict copying a new mapping in
+    assert patched_model_module._draft_ids(t2d).tolist() == sorted([*SCATTERED, 1])
+
+
+@pytest.fixture
+def patched_controller_module(tmp_path):
+    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+
+    return load_patched_specforge_module("specforge/training/controller.py", tmp_path)
+
+
+@pytest.mark.parametrize("acceptance", [False, True])
+def test_0005_metrics_are_read_back_once_with_the_same_values(patched_controller_module, monkeypatch, acceptance):
+    from specforge.training import controller
+
+    g = torch.Generator().manual_seed(3)
+    n = 7
+    raw = {
+        "acc_corrects": [torch.randint(0, 50, (), generator=g).float() for _ in range(n)],
+        "acc_denoms": [torch.tensor(64.0) for _ in range(n)],
+        "metric_losses": torch.rand(n, generator=g),
+        "metric_loss_denoms": [torch.tensor(float(64 - i)) for i in range(n)],
+    }
+    if acceptance:
+        raw["acceptance_rates"] = torch.rand(n, generator=g)
+    reads = {"item": 0, "tolist": 0}
+    item, tolist = torch.Tensor.item, torch.Tensor.tolist
+
+    def counted(name, fn):
+        def wrapper(self, *a, **k):
+            reads[name] += 1
+            return fn(self, *a, **k)
+
+        return wrapper
+
+    def reduce(module):
+        reads.update(item=0, tolist=0)
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", counted("item", item))
+            m.setattr(torch.Tensor, "tolist", counted("tolist", tolist))
+            out = module._reduce_eagle3_metrics(raw, device=torch.device("cpu"), process_group=None, ploss_decay=0.8)
+        return out, dict(reads)
+
+    ref, ref_reads = reduce(controller)
+    monkeypatch.setenv(step_knobs.FEWER_SYNCS_ENV, "0")
+    off, _ = reduce(patched_controller_module)
+    monkeypatch.setenv(step_knobs.FEWER_SYNCS_ENV, "1")
+    on, on_reads = reduce(patched_controller_module)
+    again, again_reads = reduce(patched_controller_module)
+    assert ref_reads == ({"item": 3, "tolist": 3} if acceptance else {"item": 2, "tolist": 2})
+    assert on_reads == again_reads == {"item": 0, "tolist": 1}
+    assert list(ref) == list(off) == list(on) == list(again)  # same keys, same order
+    assert ref == off == on == again  # the same floats, bit for bit
+    assert ("acceptance_rate" in ref) is acceptance and len(ref) == 2 * n + 2 + (n + 1) * acceptance
+
+
 def _train(opt_cls, monkeypatch, fused: str | None, steps: int = 20, state=None):
     """``BF16Optimizer`` over a fresh seeded bf16 model fed the same seeded gradients: (optimizer, model)."""
     if fused is None:
@@ -147,20 +266,31 @@ def test_0004_a_foreach_checkpoint_resumes_fused(patched_optimizer_module, monke
         assert (a - b).abs().max().item() <= 1e-6
 
 
-def test_step_env_spells_both_switches_and_names_the_patches():
-    env = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf="expandable_segments:True")
+def test_step_env_spells_every_switch_and_names_the_patches():
+    env = step_knobs.step_env(
+        empty_cache=False, fused_adamw=True, alloc_conf="expandable_segments:True", fewer_syncs=True
+    )
     assert env == {
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
         "SPECFORGE_ADAMW_FUSED": "1",
+        "SPECFORGE_EAGLE3_FEWER_SYNCS": "1",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
-    assert step_knobs.patches_needed(env) == [step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH]
+    assert step_knobs.patches_needed(env) == [
+        step_knobs.EMPTY_CACHE_PATCH,
+        step_knobs.FUSED_ADAMW_PATCH,
+        step_knobs.FEWER_SYNCS_PATCH,
+    ]
     shipped = step_knobs.step_env(empty_cache=True, fused_adamw=False, alloc_conf=None)
-    assert shipped == {"SPECFORGE_EAGLE3_EMPTY_CACHE": "1", "SPECFORGE_ADAMW_FUSED": "0"}
+    assert shipped == {
+        "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
+        "SPECFORGE_ADAMW_FUSED": "0",
+        "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+    }
     assert step_knobs.patches_needed(shipped) == []
     from specforge_kimi.online.setup_patches import patches_root
 
-    for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH):
+    for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH, step_knobs.FEWER_SYNCS_PATCH):
         assert (patches_root() / "specforge" / "0.2.0" / name).is_file()
 
 
@@ -171,11 +301,15 @@ def test_recipe_fields_reach_the_specforge_processes():
     assert r.trainer.step_empty_cache is False and r.trainer.fused_adamw is True and r.trainer.cuda_alloc_conf is None
     env = process_env(r)
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "0" and env["SPECFORGE_ADAMW_FUSED"] == "1"
+    assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "0"  # not measured on a GPU yet: off in the recipes
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
     raw = r.model_dump()
-    raw["trainer"].update(step_empty_cache=True, fused_adamw=False, cuda_alloc_conf="expandable_segments:True")
+    raw["trainer"].update(
+        step_empty_cache=True, fused_adamw=False, cuda_alloc_conf="expandable_segments:True", step_fewer_host_syncs=True
+    )
     env = process_env(type(r).model_validate(raw))
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "1" and env["SPECFORGE_ADAMW_FUSED"] == "0"
+    assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "1"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
@@ -205,7 +339,7 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
 
     from specforge_kimi.online import launch, setup_patches
 
-    wanted = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf=None)
+    wanted = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True)
     plan = SimpleNamespace(commands=[SimpleNamespace(env={}), SimpleNamespace(env=wanted)])
     patched = tmp_path / "sf"
     shutil.copytree(
@@ -218,6 +352,7 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
         launch.trainer_step_preflight(plan)
     msg = str(e.value)
     assert step_knobs.EMPTY_CACHE_PATCH in msg and step_knobs.FUSED_ADAMW_PATCH in msg and "specforge-kimi setup" in msg
+    assert step_knobs.FEWER_SYNCS_PATCH in msg
     assert "\n" not in msg
     assert setup_patches.run(argparse.Namespace(specforge_checkout=str(patched), check=False, no_sglang=True)) == 0
     launch.trainer_step_preflight(plan)

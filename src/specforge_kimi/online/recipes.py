@@ -206,6 +206,13 @@ class TrainerSection(_Strict):
         "the foreach one; same update to fp32 rounding, same state_dict. Measured in bench/trainer_memory.py "
         "--variants (NOTES.md, issue 34)",
     )
+    step_fewer_host_syncs: bool = Field(
+        default=False,
+        description="true builds the eagle3 step's loss denominators and draft-vocabulary columns on the device "
+        "and reads its metrics back in one copy (SPECFORGE_EAGLE3_FEWER_SYNCS=1; needs our SpecForge patch 0005; the "
+        "launch refuses to start without it): SpecForge makes the host wait for the GPU ~16 times per step at TTT "
+        "length 7. Same values (tests/unit/test_step_patches.py); not yet measured on a GPU, so off by default",
+    )
     cuda_alloc_conf: str | None = Field(
         default=None,
         description="PYTORCH_CUDA_ALLOC_CONF for SpecForge's producer and trainer ranks, verbatim (key:value[,...], "
@@ -503,7 +510,14 @@ def process_env(r: Recipe) -> dict[str, str]:
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
     t = r.trainer
-    env.update(step_env(empty_cache=t.step_empty_cache, fused_adamw=t.fused_adamw, alloc_conf=t.cuda_alloc_conf))
+    env.update(
+        step_env(
+            empty_cache=t.step_empty_cache,
+            fused_adamw=t.fused_adamw,
+            alloc_conf=t.cuda_alloc_conf,
+            fewer_syncs=t.step_fewer_host_syncs,
+        )
+    )
     return env
 
 

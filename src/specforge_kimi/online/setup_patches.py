@@ -316,14 +316,17 @@ def load_patched_specforge_module(rel: str, scratch: Path):
     import sys
 
     site = specforge_root(None)
-    root = _scratch_copy(site, [rel], Path(scratch))
-    for patch in sorted((patches_root() / "specforge" / SPECFORGE_PIN).glob("*.patch")):
-        if rel in _files(patch, 1):
-            status = classify(patch, root, 1)
-            if status.state == "drift":
-                raise KimiInputError(f"{patch} does not apply to {site / rel}. {status.detail}")
-            if status.state == "applicable":
-                apply(status)
+    touching = [
+        p for p in sorted((patches_root() / "specforge" / SPECFORGE_PIN).glob("*.patch")) if rel in _files(p, 1)
+    ]
+    # a patch that also edits other files is classified against all of them
+    root = _scratch_copy(site, sorted({rel, *(f for p in touching for f in _files(p, 1))}), Path(scratch))
+    for patch in touching:
+        status = classify(patch, root, 1)
+        if status.state == "drift":
+            raise KimiInputError(f"{patch} does not apply to {site / rel}. {status.detail}")
+        if status.state == "applicable":
+            apply(status)
     name = "specforge_kimi_patched_" + rel.replace("/", "_").removesuffix(".py")
     spec = importlib.util.spec_from_file_location(name, root / rel)
     module = importlib.util.module_from_spec(spec)

@@ -4,7 +4,8 @@ Scope: the names and values only. Each variable is read by one of our SpecForge 
 (``patches/specforge/0.2.0``) inside SpecForge's own code; without the patch the variable does nothing and
 SpecForge behaves as shipped, so a launch that asks for a non-default value checks the patch first
 (``online.setup_patches.trainer_step_gaps``, ``online.launch.trainer_step_preflight``). The recipe fields
-(``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.cuda_alloc_conf``) say why each exists and
+(``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.step_fewer_host_syncs``, ``trainer.cuda_alloc_conf``)
+say why each exists and
 what it was measured to do; ``bench/trainer_memory.py --variants`` measures them side by side.
 """
 
@@ -19,6 +20,10 @@ EMPTY_CACHE_PATCH = "0003-eagle3-keep-allocator-cache.patch"
 #: patch 0004: "1" builds ``BF16Optimizer``'s AdamW with ``fused=True`` (one kernel over the fp32 masters)
 FUSED_ADAMW_ENV = "SPECFORGE_ADAMW_FUSED"
 FUSED_ADAMW_PATCH = "0004-bf16-optimizer-fused-adamw.patch"
+#: patch 0005: "1" builds the eagle3 step's loss denominators and draft-vocabulary columns on the device and reads the
+#: step's metrics back in one copy (SpecForge: 7 + 1 + 7 host waits per step at TTT length 7; same values)
+FEWER_SYNCS_ENV = "SPECFORGE_EAGLE3_FEWER_SYNCS"
+FEWER_SYNCS_PATCH = "0005-eagle3-fewer-host-syncs.patch"
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -35,10 +40,16 @@ def check_alloc_conf(value: str) -> str:
     return value
 
 
-def step_env(*, empty_cache: bool, fused_adamw: bool, alloc_conf: str | None) -> dict[str, str]:
-    """The variables for SpecForge's trainer processes: both patch switches always spelled out (so an
+def step_env(
+    *, empty_cache: bool, fused_adamw: bool, alloc_conf: str | None, fewer_syncs: bool = False
+) -> dict[str, str]:
+    """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given."""
-    env = {EMPTY_CACHE_ENV: "1" if empty_cache else "0", FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
+    env = {
+        EMPTY_CACHE_ENV: "1" if empty_cache else "0",
+        FUSED_ADAMW_ENV: "1" if fused_adamw else "0",
+        FEWER_SYNCS_ENV: "1" if fewer_syncs else "0",
+    }
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
     return env
@@ -51,4 +62,6 @@ def patches_needed(env: dict[str, str]) -> list[str]:
         need.append(EMPTY_CACHE_PATCH)
     if env.get(FUSED_ADAMW_ENV) == "1":
         need.append(FUSED_ADAMW_PATCH)
+    if env.get(FEWER_SYNCS_ENV) == "1":
+        need.append(FEWER_SYNCS_PATCH)
     return need
