@@ -211,7 +211,7 @@ class TrainerSection(_Strict):
         description="true builds the eagle3 step's loss denominators and draft-vocabulary columns on the device "
         "and reads its metrics back in one copy (SPECFORGE_EAGLE3_FEWER_SYNCS=1; needs our SpecForge patch 0005; the "
         "launch refuses to start without it): SpecForge makes the host wait for the GPU ~16 times per step at TTT "
-        "length 7. Same values (tests/unit/test_step_patches.py); not yet measured on a GPU, so off by default",
+        "length 7. Same values (tests/unit/test_step_patches.py; on one H200 at the tiny recipe 13 -> 2 waits per step); its speed at K2.5's draft is not measured yet, so off by default",
     )
     cuda_alloc_conf: str | None = Field(
         default=None,
