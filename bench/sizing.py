@@ -535,8 +535,8 @@ def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, di
     name's tag (module docstring; run-reports written before the field existed do not carry it). Named ``recipe``,
     ``specforge`` or ``other``."""
     step = run.get("trainer_step_env")
-    if step is None:
-        step = recipe_step if "step_recipe" in name else SPECFORGE_STEP
+    if step is None:  # a run-report from before the field, so from before patch 0005's switch too
+        step = {**recipe_step, "SPECFORGE_EAGLE3_FEWER_SYNCS": "0"} if "step_recipe" in name else SPECFORGE_STEP
     step = _norm_step(step)
     return (
         "recipe" if _same_step(step, recipe_step) else "specforge" if _same_step(step, SPECFORGE_STEP) else "other"

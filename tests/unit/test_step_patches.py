@@ -162,6 +162,10 @@ def test_0005_draft_ids_follow_an_in_place_change_of_t2d(patched_model_module):
     assert first.tolist() == SCATTERED and patched_model_module._draft_ids(t2d) is first
     t2d[1] = True  # e.g. load_state_dict copying a new mapping in
     assert patched_model_module._draft_ids(t2d).tolist() == sorted([*SCATTERED, 1])
+    replaced = torch.zeros(40, dtype=torch.bool)
+    replaced[[2, 5]] = True
+    t2d.data = replaced  # new storage without a version bump (what FSDP's buffer cast does)
+    assert patched_model_module._draft_ids(t2d).tolist() == [2, 5]
 
 
 @pytest.fixture
@@ -211,6 +215,7 @@ def test_0005_metrics_are_read_back_once_with_the_same_values(patched_controller
     again, again_reads = reduce(patched_controller_module)
     assert ref_reads == ({"item": 3, "tolist": 3} if acceptance else {"item": 2, "tolist": 2})
     assert on_reads == again_reads == {"item": 0, "tolist": 1}
+    assert len(patched_controller_module._PLOSS_WEIGHTS) == 1  # built at the first call, reused by the second
     assert list(ref) == list(off) == list(on) == list(again)  # same keys, same order
     assert ref == off == on == again  # the same floats, bit for bit
     assert ("acceptance_rate" in ref) is acceptance and len(ref) == 2 * n + 2 + (n + 1) * acceptance
