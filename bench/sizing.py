@@ -218,15 +218,9 @@ def _norm_step(env: dict) -> dict[str, str]:
 
 def _recipe_step(r) -> dict[str, str]:
     """The trainer step a recipe ships, as the trainer bench's ``step_env`` records it."""
-    from specforge_kimi.training.step_knobs import step_env
+    from specforge_kimi.training.step_knobs import trainer_env
 
-    t = r.trainer
-    return step_env(
-        empty_cache=t.step_empty_cache,
-        fused_adamw=t.fused_adamw,
-        alloc_conf=t.cuda_alloc_conf,
-        fewer_syncs=t.step_fewer_host_syncs,
-    )
+    return trainer_env(r.trainer)
 
 
 def _same_step(row_env: dict, step: dict[str, str]) -> bool:
@@ -354,7 +348,8 @@ def _with_transport(r, transport: str):
 def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict, dict]:
     """Recipes' shapes and transports, and memory per GPU per transport: ``recipes.memory_plan`` and the plan
     corrected as the slice's run measured it (server: its peak outside the pool; trainer: its peak over plan)."""
-    load_recipe, memory_plan = _recipes().load_recipe, _recipes().memory_plan
+    recipes = _recipes()
+    load_recipe, memory_plan = recipes.load_recipe, recipes.memory_plan
 
     sl = _with_transport(load_recipe(REPO / "recipes" / SLICE_RECIPE), slice_transport)
     sp = memory_plan(sl)
@@ -538,9 +533,7 @@ def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, di
     if step is None:  # a run-report from before the field, so from before patch 0005's switch too
         step = {**recipe_step, "SPECFORGE_EAGLE3_FEWER_SYNCS": "0"} if "step_recipe" in name else SPECFORGE_STEP
     step = _norm_step(step)
-    return (
-        "recipe" if _same_step(step, recipe_step) else "specforge" if _same_step(step, SPECFORGE_STEP) else "other"
-    ), step
+    return ("recipe" if step == _norm_step(recipe_step) else "specforge" if step == SPECFORGE_STEP else "other"), step
 
 
 def slice_runs(

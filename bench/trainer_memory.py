@@ -173,7 +173,12 @@ VARIANTS = {
     "keep_cache": {"step_empty_cache": False, "fused_adamw": False, "cuda_alloc_conf": None},
     "keep_cache_fused_adamw": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": None},
     "expandable": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": "expandable_segments:True"},
-    "fewer_syncs": {"step_empty_cache": False, "fused_adamw": True, "cuda_alloc_conf": None, "fewer_syncs": True},
+    "fewer_syncs": {
+        "step_empty_cache": False,
+        "fused_adamw": True,
+        "cuda_alloc_conf": None,
+        "step_fewer_host_syncs": True,
+    },
 }
 STEP_ENV_KEYS = (
     "SPECFORGE_EAGLE3_EMPTY_CACHE",
@@ -186,28 +191,13 @@ STEP_ENV_KEYS = (
 def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
     """``base`` (the environment) with the step variables of variant ``name`` (``training.step_knobs.step_env``);
     an allocator setting the variant does not name is removed, so that the shell's never leaks into a variant."""
-    from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, step_env
+    from types import SimpleNamespace
 
-    t = recipe.trainer
-    v = (
-        VARIANTS[name]
-        if name != "recipe"
-        else {
-            "step_empty_cache": t.step_empty_cache,
-            "fused_adamw": t.fused_adamw,
-            "cuda_alloc_conf": t.cuda_alloc_conf,
-            "fewer_syncs": t.step_fewer_host_syncs,
-        }
-    )
+    from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, trainer_env
+
+    v = recipe.trainer if name == "recipe" else SimpleNamespace(**{"step_fewer_host_syncs": False, **VARIANTS[name]})
     env = {k: val for k, val in base.items() if k != ALLOC_CONF_ENV}
-    env.update(
-        step_env(
-            empty_cache=v["step_empty_cache"],
-            fused_adamw=v["fused_adamw"],
-            alloc_conf=v["cuda_alloc_conf"],
-            fewer_syncs=v.get("fewer_syncs", False),
-        )
-    )
+    env.update(trainer_env(v))
     return env
 
 

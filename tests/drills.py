@@ -80,6 +80,7 @@ def drill(tmp_path: Path, victim, build, *, edit_plan=None, wait_s: float = 240)
         "spawned_alive": [p.pid for p in spawned if p.poll() is None],
         "report": report(out),
         "out": out,
+        "recipe": recipe,
     }
 
 

@@ -203,15 +203,9 @@ def _compute_apps() -> list[str]:
 
 def _own_shm() -> dict[str, tuple[int, int]]:
     """``{name: (st_dev, st_ino)}`` of this user's regular files in ``/dev/shm`` now."""
-    names = {}
-    for entry in os.scandir("/dev/shm"):
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if entry.is_file(follow_symlinks=False) and st.st_uid == os.getuid():
-            names[entry.name] = (st.st_dev, st.st_ino)
-    return names
+    from specforge_kimi.online.shm_leftovers import own_files
+
+    return {name: (st.st_dev, st.st_ino) for name, st in own_files().items()}
 
 
 @pytest.fixture
@@ -229,17 +223,16 @@ def _check_after(name: str, res: dict, shm_before: dict[str, tuple[int, int]], t
     no lease expiry, no pool file nor slot table left."""
     import time
 
+    from specforge_kimi.online.resume import clean_leftovers
     from specforge_kimi.online.run_guard import run_processes
-    from specforge_kimi.online.shm_leftovers import held, remove_leftovers
-    from specforge_kimi.transport.pool import remove_stale
+    from specforge_kimi.online.shm_leftovers import held
     from specforge_kimi.transport.slots import shm_dir
 
     time.sleep(5)
     apps = _compute_apps()
     server = (res["out"] / "logs" / "capture-server-node0.log").read_text(errors="replace")
-    removed = remove_stale(res["out"] / "ipc") if transport == "cuda_ipc" else []
     since = min(p.stat().st_mtime for p in (res["out"] / "rendered").iterdir()) - 1.0
-    shm_removed = remove_leftovers(since)
+    removed, shm_removed = clean_leftovers(res["recipe"], since)  # what the launcher runs after each attempt
     ours = run_processes(res["out"])
     added = {n: key for n, key in _own_shm().items() if shm_before.get(n) != key}
     busy = held()

@@ -165,3 +165,12 @@ def _record(partial: dict) -> dict:
         **partial["attempts"][0],
     }
     return json.loads(json.dumps({"run_id": "r", "consumer_quantum": 1, "attempts": [attempt]}))
+
+
+def test_a_creator_there_but_unreadable_counts_as_running(tmp_path):
+    """A process directory whose ``stat`` cannot be read is not taken for a dead creator (its files stay)."""
+    from specforge_kimi.online.shm_leftovers import _running
+
+    (tmp_path / "77").mkdir()  # there, no readable stat
+    assert _running(77, tmp_path)
+    assert not _running(78, tmp_path)  # gone

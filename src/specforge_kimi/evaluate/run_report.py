@@ -129,17 +129,14 @@ def trainer_step(run: Path) -> dict[str, str] | None:
     (``training.step_knobs``), SpecForge's own values for a sheet written before it set them (SpecForge's step
     was the only one then); None without a sheet. An allocator setting the launching shell passed down
     (``trainer.cuda_alloc_conf`` unset) is not in the sheet and not here."""
-    from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, EMPTY_CACHE_ENV, FEWER_SYNCS_ENV, FUSED_ADAMW_ENV
+    from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, step_env
 
     sheet_path = run / "rendered" / "launch.json"
     if not sheet_path.is_file():
         return None
     env = json.loads(sheet_path.read_text()).get("env") or {}
-    out = {
-        EMPTY_CACHE_ENV: env.get(EMPTY_CACHE_ENV, "1"),
-        FUSED_ADAMW_ENV: env.get(FUSED_ADAMW_ENV, "0"),
-        FEWER_SYNCS_ENV: env.get(FEWER_SYNCS_ENV, "0"),
-    }
+    specforge = step_env(empty_cache=True, fused_adamw=False, alloc_conf=None)  # SpecForge's own step
+    out = {key: env.get(key, value) for key, value in specforge.items()}
     if env.get(ALLOC_CONF_ENV):
         out[ALLOC_CONF_ENV] = env[ALLOC_CONF_ENV]
     return out

@@ -502,22 +502,14 @@ def process_env(r: Recipe) -> dict[str, str]:
     """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
     from specforge_kimi.online import transport_plan
     from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
-    from specforge_kimi.training.step_knobs import step_env
+    from specforge_kimi.training.step_knobs import trainer_env
 
     env = {"SPECFORGE_PLUGINS": "specforge_kimi", **transport_plan.process_env(r)}
     if r.gpus.nnodes == 1:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds the address the host name resolves to, not always loopback
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
-    t = r.trainer
-    env.update(
-        step_env(
-            empty_cache=t.step_empty_cache,
-            fused_adamw=t.fused_adamw,
-            alloc_conf=t.cuda_alloc_conf,
-            fewer_syncs=t.step_fewer_host_syncs,
-        )
-    )
+    env.update(trainer_env(r.trainer))
     return env
 
 

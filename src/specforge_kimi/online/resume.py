@@ -547,6 +547,16 @@ SETTLE_S = 10.0
 _STOPPED = {128 + 1, 128 + 2, 128 + 15}
 
 
+def clean_leftovers(recipe, since: float) -> tuple[list[str], list[str]]:
+    """What an attempt's killed processes left: the cuda_ipc pools of dead capture servers
+    (``transport_plan.remove_stale_pools``; nothing for Mooncake) and the run's libraries' files in ``/dev/shm``
+    since ``since`` (:mod:`shm_leftovers`; what live processes hold stays). The names removed, of each."""
+    from specforge_kimi.online.shm_leftovers import remove_leftovers
+    from specforge_kimi.online.transport_plan import remove_stale_pools
+
+    return remove_stale_pools(recipe), remove_leftovers(since)
+
+
 def run_attempts(
     recipe, plan, run, *, resume: bool, stop_stale: bool = False, restarts: int = 0, check=None, say=print
 ) -> int:
@@ -558,15 +568,12 @@ def run_attempts(
     libraries left in ``/dev/shm`` since its first attempt (:mod:`shm_leftovers`), so every caller -- ``launch``,
     the drills -- starts and ends each attempt clean."""
     from specforge_kimi.online.ledger import durable_step
-    from specforge_kimi.online.shm_leftovers import remove_leftovers
-    from specforge_kimi.online.transport_plan import remove_stale_pools
 
     def clean(since: float, *, settle_s: float = 0.0) -> None:
         deadline = time.monotonic() + settle_s  # a stopped server's schedulers may take a moment to go
         while settle_s and time.monotonic() < deadline and run_guard.run_processes(out):
             time.sleep(0.2)
-        remove_stale_pools(recipe)
-        removed = remove_leftovers(since)  # what live processes hold stays: the next attempt's start retries
+        _pools, removed = clean_leftovers(recipe, since)
         if removed:
             say(f"removed {len(removed)} files the run's processes left in /dev/shm: {', '.join(removed[:4])}")
 

@@ -49,7 +49,7 @@ def _running(pid: int, proc: Path) -> bool:
 
     fields = stat_fields(pid, proc)
     if not fields:
-        return False
+        return (proc / str(pid)).exists()  # gone; or there but unreadable: count it as running
     if fields[0] != "Z":
         return True
     try:
@@ -96,9 +96,9 @@ def held(proc: Path = Path("/proc")) -> set[tuple[int, int]]:
     return found
 
 
-def matching(since: float, shm: Path | None = None) -> dict[str, tuple[int, int]]:
-    """``{name: (st_dev, st_ino)}`` of this user's regular files in ``shm`` (default: ``/dev/shm``) with one of
-    :data:`PATTERNS`' names, modified at or after ``since``, whoever holds them: what the drills require to be gone."""
+def own_files(shm: Path | None = None) -> dict[str, os.stat_result]:
+    """``{name: lstat}`` of this user's regular files in ``shm`` (default: ``/dev/shm``), whatever their names; a file
+    that vanishes meanwhile is skipped."""
     shm = Path("/dev/shm") if shm is None else Path(shm)
     try:
         entries = sorted(os.listdir(shm))
@@ -107,15 +107,23 @@ def matching(since: float, shm: Path | None = None) -> dict[str, tuple[int, int]
     uid = os.getuid()
     found = {}
     for name in entries:
-        if not _creator(name)[0]:
-            continue
         try:
             st = os.lstat(shm / name)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_mtime >= since:
-            found[name] = (st.st_dev, st.st_ino)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            found[name] = st
     return found
+
+
+def matching(since: float, shm: Path | None = None) -> dict[str, tuple[int, int]]:
+    """``{name: (st_dev, st_ino)}`` of this user's regular files in ``shm`` (default: ``/dev/shm``) with one of
+    :data:`PATTERNS`' names, modified at or after ``since``, whoever holds them: what the drills require to be gone."""
+    return {
+        name: (st.st_dev, st.st_ino)
+        for name, st in own_files(shm).items()
+        if _creator(name)[0] and st.st_mtime >= since
+    }
 
 
 def leftovers(since: float, shm: Path | None = None, proc: Path = Path("/proc")) -> list[str]:

@@ -55,6 +55,17 @@ def step_env(
     return env
 
 
+def trainer_env(trainer) -> dict[str, str]:
+    """:func:`step_env` of a recipe's ``trainer`` section (``online.recipes.TrainerSection``: its
+    ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf`` and ``step_fewer_host_syncs``)."""
+    return step_env(
+        empty_cache=trainer.step_empty_cache,
+        fused_adamw=trainer.fused_adamw,
+        alloc_conf=trainer.cuda_alloc_conf,
+        fewer_syncs=trainer.step_fewer_host_syncs,
+    )
+
+
 def patches_needed(env: dict[str, str]) -> list[str]:
     """Our SpecForge patches an environment's values need to take effect (SpecForge's defaults need none)."""
     need = []
