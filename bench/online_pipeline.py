@@ -239,7 +239,7 @@ def bench_shape(
 def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]:
     """The producer's ``/generate`` body for ``prompts`` (``capture_features.producer_body``: SpecForge's
     own builders), cut down to ``variant``; and the (sample_id, names) it makes the server write."""
-    from specforge_kimi.online.offline_twin import producer_body
+    from specforge_kimi.run.offline_twin import producer_body
 
     body = producer_body(adapter, _tasks(prompts, adapter.run_id, tag), compact=variant == "compact")
     if variant == "plain":
@@ -410,9 +410,9 @@ def run_tp(
     transport: str = "mooncake",
     ipc_pool_gib: float = 8.0,
 ) -> dict:
-    from specforge_kimi.online import services
-    from specforge_kimi.online.capture_server import capture_server_argv, capture_server_env
-    from specforge_kimi.online.offline_twin import capture_tools
+    from specforge_kimi.run import services
+    from specforge_kimi.run.offline_twin import capture_tools
+    from specforge_kimi.servers.capture_server import capture_server_argv, capture_server_env
 
     port, *mc_ports = services.free_ports(4)  # drawn together: a port drawn alone can come back for the master
     longest = max(length for _, length in shapes)
@@ -440,7 +440,7 @@ def run_tp(
             argv = [
                 sys.executable,
                 "-m",
-                "specforge_kimi.online.reference_server",
+                "specforge_kimi.servers.reference_server",
                 "--model-path",
                 target,
                 "--spec-capture-aux-layer-ids",
@@ -611,7 +611,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.aux_ids:
-        from specforge_kimi.target.layer_ids import parse_id_list
+        from specforge_kimi.targets.layer_ids import parse_id_list
 
         AUX_IDS = list(parse_id_list(args.aux_ids, "--aux-ids"))
     SERVER_START_TIMEOUT_S = args.server_start_timeout
@@ -627,12 +627,12 @@ def main(argv=None) -> int:
 
     import specforge_kimi
     from specforge_kimi.provenance import versions
-    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.targets.checkpoint import inspect_target
 
     specforge_kimi.register()
     if args.compact_passthrough:
-        from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
-        from specforge_kimi.online.setup_patches import compact_passthrough_gaps
+        from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
+        from specforge_kimi.setup.setup_patches import compact_passthrough_gaps
 
         gaps = compact_passthrough_gaps(sglang=args.engine == "sglang")  # the reference engine takes them as is
         if gaps:
@@ -655,7 +655,7 @@ def main(argv=None) -> int:
             "target": args.target,
             "layers": info.num_layers,
             "hidden": info.hidden_size,
-            "quantization": info.quantization or "bf16",  # the routed experts' format (target.checkpoint)
+            "quantization": info.quantization or "bf16",  # the routed experts' format (targets.checkpoint)
             "aux_specforge_ids": AUX_IDS,
             "shapes": args.shapes,
             "reps": args.reps,

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from specforge_kimi.provenance import versions
-    from specforge_kimi.target.checkpoint import read_config, text_config_dict
+    from specforge_kimi.targets.checkpoint import read_config, text_config_dict
 
     cfg = read_config(args.target)  # config only: a depth view's files may hold more layers than it serves
     text = text_config_dict(cfg)

@@ -312,7 +312,7 @@ def _memory(r, slice_overheads: dict) -> dict:
     """``memory_plan`` per GPU, and the sum with the server's memory outside its pool as the slice measured it
     (CUDA context, activations: real use). The trainer's peak scaled like the slice's nvidia-smi peak (the
     allocator's cache included, so an upper bound) is kept beside it."""
-    from specforge_kimi.online.recipes import memory_plan
+    from specforge_kimi.plan.recipes import memory_plan
 
     p = memory_plan(r)
     server_peak = p["server_pool_gib"] + slice_overheads["server_outside_pool_gib"]
@@ -331,12 +331,12 @@ def _memory(r, slice_overheads: dict) -> dict:
 
 
 def _recipes():
-    """``specforge_kimi.online.recipes``, with this checkout's ``src/`` put on ``sys.path`` once (the script runs
+    """``specforge_kimi.plan.recipes``, with this checkout's ``src/`` put on ``sys.path`` once (the script runs
     from a checkout without an install)."""
     src = str(REPO / "src")
     if src not in sys.path:
         sys.path.insert(0, src)
-    from specforge_kimi.online import recipes
+    from specforge_kimi.plan import recipes
 
     return recipes
 

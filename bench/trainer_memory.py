@@ -85,7 +85,7 @@ def write_standin_target(recipe, out: Path) -> Path:
     from safetensors.torch import save_file
 
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
-    from specforge_kimi.target.tiny import TinySpec, config
+    from specforge_kimi.targets.tiny import TinySpec, config
 
     t = recipe.target
     if (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
@@ -130,7 +130,7 @@ def write_vocab_mapping(recipe, path: Path) -> Path:
 
 def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int, backend: str):
     """The recipe the model is built from: its max length and backend, the stand-in paths (validated again)."""
-    from specforge_kimi.online.recipes import Recipe
+    from specforge_kimi.plan.recipes import Recipe
 
     raw = recipe.model_dump()
     raw["target"]["path"] = str(target)
@@ -324,7 +324,7 @@ def child(args) -> int:
     import torch
 
     from specforge_kimi import register
-    from specforge_kimi.online.recipes import load_recipe, render, trainer_terms
+    from specforge_kimi.plan.recipes import load_recipe, render, trainer_terms
     from specforge_kimi.training.step_flops import recipe_step_flops
 
     cuda = torch.cuda.is_available()
@@ -521,7 +521,7 @@ def _merge_ranks(row: dict, dist, world: int) -> dict:
 
 
 def _free_port() -> int:
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.run.services import free_ports
 
     return free_ports(1)[0]
 
@@ -592,7 +592,7 @@ def main(argv=None) -> int:
     import torch
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.plan.recipes import load_recipe
 
     recipe = load_recipe(args.recipe)
     for flag, value in (("--lengths", args.lengths), ("--sdpa-lengths", args.sdpa_lengths)):
@@ -682,7 +682,7 @@ def main(argv=None) -> int:
             [sys.executable]
             if args.nproc == 1
             else [
-                *(sys.executable, "-m", "specforge_kimi.online.loopback", "torch.distributed.run"),
+                *(sys.executable, "-m", "specforge_kimi.servers.loopback", "torch.distributed.run"),
                 *("--standalone", "--local-addr=127.0.0.1", f"--nproc_per_node={args.nproc}"),
             ]
         )

@@ -79,7 +79,7 @@ def prepare_corpus(root, conversations: int, *tokenizer_args: str):
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "k25", TinySpec(**TEST_SPEC))
 
@@ -112,7 +112,7 @@ def specforge_as_shipped(root):
     the venv's wheel or the user's checkout was set up). Returns ``root``."""
     import subprocess
 
-    from specforge_kimi.online import setup_patches
+    from specforge_kimi.setup import setup_patches
 
     for patch in reversed(
         sorted((setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN).glob("*.patch"))

@@ -40,7 +40,7 @@ def pids_matching(text: str) -> list[int]:
 def drill(tmp_path: Path, victim, build, *, edit_plan=None, wait_s: float = 240) -> dict:
     """``build()`` -> ``(plan, recipe, prompts_path)``; kill with ``victim(spawned)``; the outcome."""
     from specforge_kimi.evaluate.run_report import report
-    from specforge_kimi.online.launch import run_plan
+    from specforge_kimi.run.launch import run_plan
 
     plan, recipe, prompts_path = build()
     if edit_plan is not None:
@@ -157,11 +157,11 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_server_child(module: str = "specforge_kimi.online.reference_server"):
+def kill_server_child(module: str = "specforge_kimi.servers.reference_server"):
     """SIGKILL the capture server a keeper runs (and its workers: SGLang's schedulers), not the keeper."""
 
     def kill(_spawned):
-        roots = [pid for pid in pids_matching(module) if "specforge_kimi.online.keeper" not in cmdline(pid)]
+        roots = [pid for pid in pids_matching(module) if "specforge_kimi.run.keeper" not in cmdline(pid)]
         victims = [p for root in roots for p in (root, *descendants(root))]
         for pid in victims:
             try:

@@ -3,8 +3,8 @@
 
 Builds the run's plan the way the drill's kind says -- ``cpu``: the CPU plan of
 ``tests/integration/online_cpu.py`` (reference capture server); ``gpu``: ``recipes/tiny-k25-tp1-h200.yaml``
-with real SGLang at TP=1 -- checks the recipe's input files (``online.inputs``), then runs
-``online.resume.run_attempts``: the same code ``specforge-kimi launch RECIPE [--resume]`` runs (the lock,
+with real SGLang at TP=1 -- checks the recipe's input files (``plan.inputs``), then runs
+``run.resume.run_attempts``: the same code ``specforge-kimi launch RECIPE [--resume]`` runs (the lock,
 the attempt record, the reconciliation and cut-back, whole-run restarts), minus the machine preflight
 (ports, installed patches) the CPU stand-ins do not pass. The consumer is
 ``tests/integration/resume_drill_consumer.py`` (plain ``specforge_kimi train`` unless ``slow_save`` asks
@@ -35,9 +35,9 @@ def _event(settings: dict, **kw) -> None:
 def _gpu_plan(s: dict):
     import yaml
 
-    from specforge_kimi.online.launch import build_colocated_plan
-    from specforge_kimi.online.recipes import Recipe, render
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.run.launch import build_colocated_plan
+    from specforge_kimi.run.services import free_ports
 
     raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
     out = Path(s["root"]) / "run"
@@ -95,9 +95,9 @@ def _drill_consumer(plan, s: dict):
 
 def main() -> int:
     s = json.loads(Path(sys.argv[1]).read_text())
-    from specforge_kimi.online.inputs import require_inputs
-    from specforge_kimi.online.launch import run_plan
-    from specforge_kimi.online.resume import read_record, run_attempts
+    from specforge_kimi.plan.inputs import require_inputs
+    from specforge_kimi.run.launch import run_plan
+    from specforge_kimi.run.resume import read_record, run_attempts
 
     plan, recipe = _gpu_plan(s) if s["kind"] == "gpu" else _cpu_plan(s)
     require_inputs(recipe)

@@ -41,7 +41,7 @@ def steps_logged(text: str) -> dict[int, dict]:
     is not anchored to lines, and a dict cut by the other rank's line does not match (no brace inside).
     Keys are given without the tracker's ``train/`` prefix (SpecForge adds it when a tracker such as
     TensorBoard, the recipes' default, is on), so ``lr`` and ``loss`` read the same either way."""
-    from specforge_kimi.online.progress import parse_step_line
+    from specforge_kimi.run.progress import parse_step_line
 
     out: dict[int, dict] = {}
     for m in re.finditer(r"step \d+: \{[^{}]*\}", text):
@@ -229,7 +229,7 @@ def final_ledger(out: Path) -> dict:
     """Acknowledged sample ids in rowid order, the durable step and committed count, from SpecForge's ledger."""
     import sqlite3
 
-    from specforge_kimi.online.ledger import ledger_db
+    from specforge_kimi.run.ledger import ledger_db
 
     con = sqlite3.connect(f"file:{ledger_db(out)}?mode=ro", uri=True)
     try:
@@ -252,7 +252,7 @@ def backup_acked(path: Path) -> list[str]:
 
 
 def run_processes(out: Path) -> list[tuple[int, str]]:
-    from specforge_kimi.online.run_guard import run_processes as found
+    from specforge_kimi.run.run_guard import run_processes as found
 
     return found(out)
 
@@ -271,7 +271,7 @@ def check_run(run: Run, *, prompts: int, quantum: int, save_interval: int) -> di
     - the loss curve continues from the checkpoint: attempt k+1 logs steps S+1, S+2, ... (none at or below
       S), at the learning rate the schedule gives (equal to what attempt k logged at those steps, if it got
       there), and where attempt k+1 trained the very samples attempt k had at step S+1, the same loss;
-    - no process of the run is left, nor what its processes left in ``/dev/shm`` (``online.shm_leftovers``).
+    - no process of the run is left, nor what its processes left in ``/dev/shm`` (``run.shm_leftovers``).
     """
     rec = run.record()
     led = final_ledger(run.out)
@@ -346,8 +346,8 @@ def check_run(run: Run, *, prompts: int, quantum: int, save_interval: int) -> di
     assert not left, left
     # what the run's processes left in /dev/shm (SGLang's load snapshot, torch's and CUDA's IPC files) was removed
     # by the last attempt's cleanup (resume.run_attempts)
-    from specforge_kimi.online.resume import read_record, run_started
-    from specforge_kimi.online.shm_leftovers import matching
+    from specforge_kimi.run.resume import read_record, run_started
+    from specforge_kimi.run.shm_leftovers import matching
 
     shm_left = matching(run_started(read_record(run.out)))  # held or not: no process of the run is left (above)
     assert not shm_left, shm_left

@@ -2,7 +2,7 @@
 whether each series stayed flat.
 
 Sampled every ``interval_s`` against the consumer's optimizer step: host RSS (``VmRSS``) and open file
-descriptors of every process carrying the run's mark (``online.run_guard``), GPU memory per process
+descriptors of every process carrying the run's mark (``run.run_guard``), GPU memory per process
 (``nvidia-smi --query-compute-apps``), and the Mooncake master's ``master_allocated_bytes`` /
 ``master_key_count`` (its ``/metrics``).
 
@@ -127,7 +127,7 @@ class Sampler:
         return self.samples
 
     def _loop(self) -> None:
-        from specforge_kimi.online.run_guard import run_processes
+        from specforge_kimi.run.run_guard import run_processes
 
         t0 = time.time()
         while not self._stop.is_set():

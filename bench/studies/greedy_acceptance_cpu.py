@@ -98,8 +98,8 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
 
     from specforge_kimi.demo.pipeline import DEMO_TARGET
     from specforge_kimi.demo.pretrain import pretrain
-    from specforge_kimi.target.checkpoint import load_text_model
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.checkpoint import load_text_model
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     spec = TinySpec(seed=a.seed, **DEMO_TARGET)
     raw = write_tiny(work / f"target-{loss}-random", spec)
@@ -163,9 +163,9 @@ def run_config(
     from specforge_kimi.demo.pipeline import DEMO_AUX_IDS, _draft_config, _load_draft, capture_samples, load_head_weight
     from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
     from specforge_kimi.evaluate.simulate import add_target_greedy, simulated_acceptance
-    from specforge_kimi.target.checkpoint import inspect_target, load_text_model
-    from specforge_kimi.target.layer_ids import AuxLayers
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.layer_ids import AuxLayers
+    from specforge_kimi.targets.tiny import TinySpec
     from specforge_kimi.training.offline import train_offline
 
     target_dir = tgt["dir"]

@@ -81,9 +81,9 @@ def inputs_from_demo_dir(demo_dir: Path, progress: bool):
         load_head_weight,
     )
     from specforge_kimi.evaluate.simulate import add_target_greedy
-    from specforge_kimi.target.checkpoint import inspect_target, load_text_model
-    from specforge_kimi.target.layer_ids import AuxLayers
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.layer_ids import AuxLayers
+    from specforge_kimi.targets.tiny import TinySpec
 
     specforge_kimi.register()
     demo_dir = demo_dir.resolve()

@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.run.services import free_ports
+    from specforge_kimi.servers.capture_server import mooncake_config, mooncake_master_argv
 
     rpc, meta, metrics = free_ports(3)
     argv_master = mooncake_master_argv(mooncake_config(rpc_port=rpc, metadata_port=meta, metrics_port=metrics))

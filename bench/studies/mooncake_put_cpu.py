@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi.online import services
+    from specforge_kimi.run import services
 
     n, per = a.samples, a.tokens * 4 * a.hidden * 2
     result = {

@@ -69,7 +69,7 @@ def _adapter(module):
 def _body(adapter, prompts, compact: bool) -> dict:
     from specforge.runtime.contracts import PromptTask
 
-    from specforge_kimi.online.offline_twin import producer_body
+    from specforge_kimi.run.offline_twin import producer_body
 
     tasks = [
         PromptTask(
@@ -100,7 +100,7 @@ def measure(adapter, n: int, length: int, reps: int) -> dict:
 
     from pydantic import TypeAdapter
 
-    from specforge_kimi.online.reference_server import passthrough_tensor
+    from specforge_kimi.servers.reference_server import passthrough_tensor
 
     rng = random.Random(length * 1000 + n)
     prompts = [[rng.randrange(1000, 150000) for _ in range(length)] for _ in range(n)]
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     if args.reps < 1:
         p.error("--reps must be >= 1")
 
-    from specforge_kimi.online.setup_patches import load_patched_specforge_module
     from specforge_kimi.provenance import versions
+    from specforge_kimi.setup.setup_patches import load_patched_specforge_module
 
     with tempfile.TemporaryDirectory(prefix="passthrough-bench-") as tmp:
         adapter = _adapter(load_patched_specforge_module(SERVER_CAPTURE, Path(tmp)))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from mooncake.store import MooncakeDistributedStore
 
-from specforge_kimi.online import services
+from specforge_kimi.run import services
 
 
 def load(path, name):

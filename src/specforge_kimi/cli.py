@@ -15,7 +15,7 @@ from specforge_kimi.errors import KimiInputError, validation_summary
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     spec = TinySpec(
         layers=args.layers,
@@ -32,7 +32,7 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
     )
     if args.pretrain:
         from specforge_kimi.demo.pretrain import pretrain_structured_target
-        from specforge_kimi.target.checkpoint import resolve_device
+        from specforge_kimi.targets.checkpoint import resolve_device
 
         res = pretrain_structured_target(
             args.out_dir,
@@ -79,7 +79,7 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.targets.checkpoint import inspect_target
 
     info = asdict(inspect_target(args.target))
     info.pop("text")
@@ -88,7 +88,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_layer_ids(args: argparse.Namespace) -> int:
-    from specforge_kimi.target.layer_ids import ENGINES, AuxLayers, parse_id_list
+    from specforge_kimi.targets.layer_ids import ENGINES, AuxLayers, parse_id_list
 
     given = parse_id_list(args.ids, "layer-ids")
     aux = AuxLayers.from_engine(args.engine, given, args.num_layers)
@@ -140,15 +140,15 @@ def _cmd_export_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
-    from specforge_kimi.online.recipes import load_recipe, memory_plan, render
+    from specforge_kimi.plan.recipes import load_recipe, memory_plan, render
 
     recipe = load_recipe(args.recipe)
     if args.action == "validate":
-        if args.check_files:  # the data files against the target and each other (online.inputs), one line each
-            from specforge_kimi.online.inputs import require_inputs
+        if args.check_files:  # the data files against the target and each other (plan.inputs), one line each
+            from specforge_kimi.plan.inputs import require_inputs
 
             require_inputs(recipe)
-        from specforge_kimi.online.transport_plan import choice
+        from specforge_kimi.plan.transport_plan import choice
 
         report = {"name": recipe.name, "tp": recipe.tp, "transport": choice(recipe), "memory_plan": memory_plan(recipe)}
         print(json.dumps(report, indent=2))
@@ -423,15 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name in (
         "data.prepare",
         "data.regenerate",
-        "online.setup_patches",
-        "online.launch",
-        "online.stop",
-        "online.progress",
-        "online.doctor",
+        "setup.setup_patches",
+        "run.launch",
+        "run.stop",
+        "run.progress",
+        "setup.doctor",
         "evaluate.bench",
         "demo.draft_eval",
         "evaluate.run_report",
-        "online.offline_twin",
+        "run.offline_twin",
         "demo.target_text",
     ):
         try:

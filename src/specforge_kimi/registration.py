@@ -34,7 +34,7 @@ imports transformers/specforge lazily. The seams:
    trainer rank dies, torchrun SIGTERMs the others, and each of them publishes
    ``consumer_failed: _WorkerTermination: 15``, which stops the producer for good -- so a consumer
    the keeper is about to resume (``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``, set by
-   :mod:`specforge_kimi.online.keeper` while it has restarts left) would find no producer. In that case
+   :mod:`specforge_kimi.run.keeper` while it has restarts left) would find no producer. In that case
    only, a signal-driven stop (``_WorkerTermination``) is not published, nor is a collective that
    failed because a peer rank's connection closed (gloo's ``Connection closed by peer``, which can
    reach a surviving rank before torchrun's SIGTERM does: :data:`PEER_LOST`); the producer waits
@@ -48,7 +48,7 @@ imports transformers/specforge lazily. The seams:
    (``metadata["cuda_ipc"]``, ``cudaipc://`` URI). Without the variable, and for results without a
    descriptor, both are SpecForge's own.
 
-Whole-run resume (``specforge-kimi launch RECIPE --resume``, :mod:`specforge_kimi.online.resume`) needs
+Whole-run resume (``specforge-kimi launch RECIPE --resume``, :mod:`specforge_kimi.run.resume`) needs
 three more (9-11), installed in every run from its first attempt:
 
 9. SpecForge's online prompt plan (``specforge.launch._iter_epoch_online_prompt_batches``): every prompt
@@ -84,7 +84,7 @@ def _is_k25_dir(model_path) -> bool:
     if not isinstance(model_path, (str, os.PathLike)) or not os.path.isdir(model_path):
         return False
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.target.checkpoint import is_kimi_k25_checkpoint
+    from specforge_kimi.targets.checkpoint import is_kimi_k25_checkpoint
 
     try:
         return is_kimi_k25_checkpoint(model_path)
@@ -101,7 +101,7 @@ def _resolving(role: str, key_arg: str, key_pos: int, default: str):
 
         @functools.wraps(fn)
         def wrapper(self, model_path, *args, **kwargs):
-            from specforge_kimi.target.checkpoint import resolve_weight_key
+            from specforge_kimi.targets.checkpoint import resolve_weight_key
 
             if _is_k25_dir(model_path):
                 if key_arg in kwargs:
@@ -133,7 +133,7 @@ def _install_weight_key_resolution() -> None:
 
         @functools.wraps(original)
         def _load_weights(self, model_path, embed_key, lm_head_key, tie_weights):
-            from specforge_kimi.target.checkpoint import resolve_weight_key
+            from specforge_kimi.targets.checkpoint import resolve_weight_key
 
             if _is_k25_dir(model_path):
                 embed_key = resolve_weight_key(model_path, embed_key, "embedding")
@@ -161,7 +161,7 @@ def _install_tokenizer_loader() -> None:
         if not cfg.model.trust_remote_code and tok_cfg and os.path.isfile(tok_cfg):
             with open(tok_cfg, encoding="utf-8") as f:
                 remote = "auto_map" in json.load(f)
-            from specforge_kimi.target.checkpoint import is_kimi_k25_checkpoint
+            from specforge_kimi.targets.checkpoint import is_kimi_k25_checkpoint
 
             if remote and is_kimi_k25_checkpoint(path):
                 from specforge_kimi.data.tokenizer import load_tokenizer
@@ -475,7 +475,7 @@ def register_all() -> None:
     global _DONE
     if _DONE:
         return
-    from specforge_kimi.target.checkpoint import register_config
+    from specforge_kimi.targets.checkpoint import register_config
 
     register_config()
     _install_weight_key_resolution()

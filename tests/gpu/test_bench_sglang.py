@@ -38,8 +38,8 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
     from specforge_kimi.data.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
     from specforge_kimi.demo.pipeline import _draft_config, _rows
     from specforge_kimi.drafts.export import export_sglang, finalize_sglang_export
-    from specforge_kimi.target.checkpoint import inspect_target
-    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
+    from specforge_kimi.targets.checkpoint import inspect_target
+    from specforge_kimi.targets.layer_ids import AuxLayers, default_specforge_ids
 
     specforge_kimi.register()
     work.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ def untrained_draft(target_dir: Path, out_dir: Path, work: Path) -> Path:
 def test_bench_against_sglang(tmp_path):
     from specforge_kimi.demo.pretrain import pretrain_structured_target
     from specforge_kimi.evaluate.bench import BenchSettings, SpecConfig, run_bench
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.tiny import TinySpec
 
     given_target = os.environ.get("SPECFORGE_KIMI_BENCH_TARGET")
     given_draft = os.environ.get("SPECFORGE_KIMI_BENCH_DRAFT")

@@ -8,7 +8,7 @@ TP=1 / TP=2 / TP=8 with FlashInfer all-reduce fusion off / on, and at TP=8 with 
 and with attention data parallelism (8 groups). Capture requests go through SpecForge's
 own producer transport (``SGLangServerCaptureAdapter.produce_refs`` with the eagle3 server
 layout), tensors come back through SpecForge's ``MooncakeFeatureStore.get``; the reference is
-:func:`specforge_kimi.target.capture.capture_aux` on an fp32 transformers forward of the same weights.
+:func:`specforge_kimi.targets.capture.capture_aux` on an fp32 transformers forward of the same weights.
 
 Tolerances, chosen knowingly:
 - The tiny target routes every token to all of its experts (``experts_per_token == experts``).
@@ -242,7 +242,7 @@ def _versions() -> dict:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_k25(tmp_path_factory) -> Path:
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     # K2.5's width is generated (and quantized) on the GPU: seconds instead of minutes of CPU randn
     device = "cuda" if SPEC.get("int4_experts") and _gpu_count() else "cpu"
@@ -251,7 +251,7 @@ def tiny_k25(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def aux_layers():
-    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
+    from specforge_kimi.targets.layer_ids import AuxLayers, default_specforge_ids
 
     ids = AUX_IDS or default_specforge_ids(SPEC["layers"])  # tiny: (1, 3, 4) -> SGLang positions (2, 4, 5)
     return ids, AuxLayers.from_specforge(ids, SPEC["layers"])
@@ -284,8 +284,8 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
     ``hidden_states`` at every position the identity check needs (CPU fp32)."""
     import torch
 
-    from specforge_kimi.target.capture import capture_aux, text_decoder
-    from specforge_kimi.target.checkpoint import load_text_model
+    from specforge_kimi.targets.capture import capture_aux, text_decoder
+    from specforge_kimi.targets.checkpoint import load_text_model
 
     _, aux = aux_layers
     layers = SPEC["layers"]
@@ -317,7 +317,7 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
     _SUMMARY.setdefault("reference", {}).update(
         {
             "impl": "transformers DeepseekV3Model fp32 (no TF32, eager attention and experts) + "
-            "specforge_kimi.target.capture hooks",
+            "specforge_kimi.targets.capture hooks",
             "device": dev,
             "seconds": round(time.time() - t0, 2),
         }
@@ -330,7 +330,7 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
 # --------------------------------------------------------------------------------------------
 def _free_ports(n: int) -> list[int]:
     """``services.free_ports``: distinct, and low enough for SGLang's gRPC port (server port + 10000)."""
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.run.services import free_ports
 
     return free_ports(n)
 
@@ -380,7 +380,7 @@ def _wait_tcp(port: int, timeout_s: float) -> bool:
 
 @contextmanager
 def mooncake_master(workdir: Path, ports=None):
-    from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
+    from specforge_kimi.servers.capture_server import mooncake_config, mooncake_master_argv
 
     rpc, meta, metrics = ports or _free_ports(3)
     mc = mooncake_config(
@@ -414,7 +414,7 @@ class ServerStartError(RuntimeError):
 
 
 def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep: int = 1, dp: int = 1) -> list[str]:
-    from specforge_kimi.online.capture_server import capture_server_argv
+    from specforge_kimi.servers.capture_server import capture_server_argv
 
     return capture_server_argv(
         ckpt,
@@ -540,7 +540,7 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
     from specforge.runtime.contracts import PromptTask, SampleRef
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
-    from specforge_kimi.online.capture_server import mooncake_reader_setup_kwargs
+    from specforge_kimi.servers.capture_server import mooncake_reader_setup_kwargs
 
     algorithm = create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
@@ -751,7 +751,7 @@ def _failures(rows: list[dict], *, with_identity: bool) -> list[str]:
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp,fusion,ep,dp", CONFIGS, ids=[run_name(*c) for c in CONFIGS])
 def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, reference, out_dir, tmp_path):
-    from specforge_kimi.online.capture_server import capture_server_env
+    from specforge_kimi.servers.capture_server import capture_server_env
 
     name = run_name(tp, fusion, ep, dp)
     aux_ids, aux = aux_layers

@@ -42,7 +42,7 @@ def _record(out: Path, key: str, value) -> None:
 def test_mooncake_build_matches_this_hosts_cuda(out):
     import torch
 
-    from specforge_kimi.online import doctor
+    from specforge_kimi.setup import doctor
 
     checks = {c.name: c for c in doctor.check_versions()}
     c = checks["mooncake"]
@@ -53,7 +53,7 @@ def test_mooncake_build_matches_this_hosts_cuda(out):
 
 def test_gpu_samples_name_the_process_and_plot(out):
     from specforge_kimi.evaluate.run_plots import plot_run
-    from specforge_kimi.online.gpu_memory import GpuSampler, read_samples, role_of
+    from specforge_kimi.run.gpu_memory import GpuSampler, read_samples, role_of
 
     holder = subprocess.Popen(
         [

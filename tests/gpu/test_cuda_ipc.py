@@ -58,10 +58,10 @@ def test_cuda_ipc_reads_equal_mooncake_reads_bit_for_bit(tmp_path):
     import torch
 
     import specforge_kimi
-    from specforge_kimi.online import services
-    from specforge_kimi.online.capture_server import capture_server_argv, capture_server_env
-    from specforge_kimi.online.offline_twin import capture_tools
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.run import services
+    from specforge_kimi.run.offline_twin import capture_tools
+    from specforge_kimi.servers.capture_server import capture_server_argv, capture_server_env
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
     from specforge_kimi.transport.pool import remove_stale
     from specforge_kimi.transport.slots import SlotTable
     from specforge_kimi.transport.store import CudaIpcFeatureStore

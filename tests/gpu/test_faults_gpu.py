@@ -49,7 +49,7 @@ TP = int(os.environ.get("SPECFORGE_KIMI_DRILL_TP", "2"))
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     root = tmp_path_factory.mktemp("faults")
     target = write_tiny(root / "k25", TinySpec(layers=8, hidden=512))
@@ -59,10 +59,10 @@ def inputs(tmp_path_factory):
 
 def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None, transport: str = "mooncake"):
     def build():
-        from specforge_kimi.online.launch import build_colocated_plan
-        from specforge_kimi.online.recipes import Recipe, render
-        from specforge_kimi.online.resume import marked
-        from specforge_kimi.online.services import free_ports
+        from specforge_kimi.plan.recipes import Recipe, render
+        from specforge_kimi.run.launch import build_colocated_plan
+        from specforge_kimi.run.resume import marked
+        from specforge_kimi.run.services import free_ports
 
         root, target = inputs
         raw = copy.deepcopy(yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text()))
@@ -203,7 +203,7 @@ def _compute_apps() -> list[str]:
 
 def _own_shm() -> dict[str, tuple[int, int]]:
     """``{name: (st_dev, st_ino)}`` of this user's regular files in ``/dev/shm`` now."""
-    from specforge_kimi.online.shm_leftovers import own_files
+    from specforge_kimi.run.shm_leftovers import own_files
 
     return {name: (st.st_dev, st.st_ino) for name, st in own_files().items()}
 
@@ -223,9 +223,9 @@ def _check_after(name: str, res: dict, shm_before: dict[str, tuple[int, int]], t
     no lease expiry, no pool file nor slot table left."""
     import time
 
-    from specforge_kimi.online.resume import clean_leftovers
-    from specforge_kimi.online.run_guard import run_processes
-    from specforge_kimi.online.shm_leftovers import held
+    from specforge_kimi.run.resume import clean_leftovers
+    from specforge_kimi.run.run_guard import run_processes
+    from specforge_kimi.run.shm_leftovers import held
     from specforge_kimi.transport.slots import shm_dir
 
     time.sleep(5)

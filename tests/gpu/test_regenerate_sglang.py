@@ -51,7 +51,7 @@ def test_regenerate_against_sglang(tmp_path):
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
     from specforge_kimi.demo.pipeline import DEMO_TARGET, _rows
     from specforge_kimi.demo.pretrain import pretrain
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     tok = build_standin_tokenizer()
     rows = _rows(list(corpus.conversations(2000, seed=1)), tok)

@@ -42,7 +42,7 @@ TRANSPORT = os.environ.get("SPECFORGE_KIMI_DRILL_TRANSPORT") or None
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     root = tmp_path_factory.mktemp("resume-gpu")
     target = write_tiny(root / "k25", TinySpec(layers=8, hidden=512), device="cuda")  # seconds, not ~25 s on CPU
@@ -65,7 +65,7 @@ def _run(tmp_path, inputs, resilience=None) -> Run:
 
 
 def _transport() -> str:
-    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.plan.recipes import load_recipe
 
     return (
         TRANSPORT
@@ -124,7 +124,7 @@ def test_resume_gpu_kill_twice(tmp_path, inputs):
 
 
 def test_resume_gpu_mooncake_master_killed(tmp_path, inputs):
-    if _transport() != "mooncake":  # a cuda_ipc run starts no Mooncake master (online.launch)
+    if _transport() != "mooncake":  # a cuda_ipc run starts no Mooncake master (run.launch)
         pytest.skip("the master drill runs on Mooncake: set SPECFORGE_KIMI_DRILL_TRANSPORT=mooncake")
     run = _run(tmp_path, inputs, resilience={"run_restarts": 1})
     step = run.rng.randint(SAVE + 1, 3 * SAVE)

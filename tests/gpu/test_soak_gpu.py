@@ -27,7 +27,7 @@ from conftest import prepare_corpus
 from resume_drills import Run, final_ledger
 from soak import WARMUP_FRACTION, Sampler, plot, verdicts
 
-from specforge_kimi.online.recipes import load_recipe
+from specforge_kimi.plan.recipes import load_recipe
 
 pytestmark = pytest.mark.gpu
 
@@ -41,8 +41,8 @@ TRANSPORT = os.environ.get("SPECFORGE_KIMI_DRILL_TRANSPORT") or None
 
 
 def test_soak_gpu(tmp_path):
-    from specforge_kimi.online.services import free_ports
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.run.services import free_ports
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     target = write_tiny(tmp_path / "k25", TinySpec(layers=8, hidden=512), device="cuda")
     data = prepare_corpus(tmp_path, CONVERSATIONS, "--tokenizer", str(target))
@@ -121,7 +121,7 @@ def test_soak_gpu(tmp_path):
     assert rc == 0, (run.root / "attempt1.log").read_text()[-3000:]
     assert led["global_step"] == STEPS and len(led["acked"]) == len(set(led["acked"])) == STEPS
     kinds = {name.rsplit("/", 1)[-1] for name in judged}
-    # the master's series only where there is a master: a cuda_ipc run starts none (online.launch)
+    # the master's series only where there is a master: a cuda_ipc run starts none (run.launch)
     want = {"rss_bytes", "gpu_bytes", "fds"} | ({"mooncake_allocated_bytes"} if transport == "mooncake" else set())
     assert want <= kinds, sorted(judged)
     leaking = {name: v for name, v in judged.items() if not v["flat"]}

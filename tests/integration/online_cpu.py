@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cpu_inputs(root: Path, conversations: int = 40) -> tuple[Path, Path]:
     """The tiny target (``TEST_SPEC``) and ``conversations`` prepared corpus conversations under ``root``."""
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     target = write_tiny(root / "k25", TinySpec(**TEST_SPEC))
     return target, prepare_corpus(root, conversations, "--standin-tokenizer")
@@ -41,9 +41,9 @@ def cpu_plan(
     import SpecForge from there. ``transport``: the recipe's ``server.transport`` (``cuda_ipc``: the
     reference server writes into a cuda_ipc pool on its shared-memory backend, no Mooncake master).
     ``inputs``: ``(target, data dir)`` of :func:`cpu_inputs` to reuse (default: written under ``root``)."""
-    from specforge_kimi.online.launch import build_colocated_plan
-    from specforge_kimi.online.recipes import Recipe, render
-    from specforge_kimi.online.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
+    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.run.launch import build_colocated_plan
+    from specforge_kimi.run.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
 
     target, data = inputs or cpu_inputs(root, conversations)
 
@@ -84,12 +84,12 @@ def cpu_plan(
     old = list(server.command.argv)
     server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1 :][:3]
     assert [int(i) for i in server_ids] == cfg["model"]["aux_hidden_state_layer_ids"]
-    keeper = old[: old.index("--") + 1] if "specforge_kimi.online.keeper" in old else []
+    keeper = old[: old.index("--") + 1] if "specforge_kimi.run.keeper" in old else []
     argv = (
         *keeper,
         sys.executable,
         "-m",
-        "specforge_kimi.online.reference_server",
+        "specforge_kimi.servers.reference_server",
         "--model-path",
         str(target),
         "--spec-capture-aux-layer-ids",

@@ -71,7 +71,7 @@ def _launchable_recipe(tmp, tiny_dir, mutate=None):
 
 
 def _busy_port_recipe(tmp, tiny_dir):
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.run.services import free_ports
 
     s = socket.socket()
     s.bind(("127.0.0.1", free_ports(1)[0]))  # a port recipes accept (<= MAX_SERVER_PORT)

@@ -180,6 +180,6 @@ def test_gpu_options_need_gpu():
 
 
 def test_the_pinned_commit_is_setups():
-    from specforge_kimi.online.setup_patches import SPECFORGE_PIN_COMMIT
+    from specforge_kimi.setup.setup_patches import SPECFORGE_PIN_COMMIT
 
     assert f'SF_COMMIT="${{SPECFORGE_COMMIT:-{SPECFORGE_PIN_COMMIT}}}"' in SCRIPT.read_text()

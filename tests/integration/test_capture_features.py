@@ -15,16 +15,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_capture_features_round_trip(tmp_path, capsys):
-    from specforge_kimi.online.offline_twin import run_recipe
-    from specforge_kimi.target.capture import capture
-    from specforge_kimi.target.checkpoint import load_text_model
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.run.offline_twin import run_recipe
+    from specforge_kimi.targets.capture import capture
+    from specforge_kimi.targets.checkpoint import load_text_model
+    from specforge_kimi.targets.layer_ids import AuxLayers
 
     _plan, recipe, rendered, target = cpu_plan(tmp_path, steps=4, save_interval=0)
     argv = [
         sys.executable,
         "-m",
-        "specforge_kimi.online.reference_server",
+        "specforge_kimi.servers.reference_server",
         "--model-path",
         str(target),
         "--spec-capture-aux-layer-ids",

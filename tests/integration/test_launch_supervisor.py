@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from specforge_kimi.online.launch import build_colocated_plan, run_plan
-from specforge_kimi.online.recipes import Recipe, render
+from specforge_kimi.plan.recipes import Recipe, render
+from specforge_kimi.run.launch import build_colocated_plan, run_plan
 
 STUB = r"""
 import http.server, socketserver, sys, threading
@@ -33,7 +33,7 @@ socketserver.TCPServer(("127.0.0.1", http_port), H).serve_forever()
 def _plan(tmp_path, consumer_code: str):
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
     raw = copy.deepcopy(raw)
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.run.services import free_ports
 
     rpc, meta, srv = free_ports(3)
     raw["output_dir"] = str(tmp_path / "run")

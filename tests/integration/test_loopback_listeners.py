@@ -81,7 +81,7 @@ def _loopback(addr: str) -> bool:
 
 @pytest.fixture(scope="module")
 def run_listeners(tmp_path_factory):
-    from specforge_kimi.online.launch import run_plan
+    from specforge_kimi.run.launch import run_plan
 
     plan, recipe, _, _ = cpu_plan(tmp_path_factory.mktemp("loopback"), steps=3, save_interval=3, conversations=12)
     seen: dict = {}

@@ -198,7 +198,7 @@ def test_specforge_trains_and_exports_the_mla_draft(tmp_path):
 
     from specforge_kimi.drafts.export import export_run_draft
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.targets.layer_ids import AuxLayers
 
     # (the fixture's target is an embedding/head stub, which the target check would refuse)
     run_out = export_run_draft(

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from online_cpu import cpu_plan
 
-from specforge_kimi.online.progress import consumer_steps
+from specforge_kimi.run.progress import consumer_steps
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,8 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def compact_run(tmp_path_factory):
-    from specforge_kimi.online import setup_patches
-    from specforge_kimi.online.launch import run_plan
+    from specforge_kimi.run.launch import run_plan
+    from specforge_kimi.setup import setup_patches
 
     root = tmp_path_factory.mktemp("compact")
     patched = root / "specforge-patched"

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from online_cpu import cpu_plan
 
-from specforge_kimi.online.progress import consumer_steps
+from specforge_kimi.run.progress import consumer_steps
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +43,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def online_run(tmp_path_factory):
-    from specforge_kimi.online.launch import export_latest, run_plan
-    from specforge_kimi.online.progress import LiveProgress
+    from specforge_kimi.run.launch import export_latest, run_plan
+    from specforge_kimi.run.progress import LiveProgress
 
     plan, recipe, rendered, target = cpu_plan(tmp_path_factory.mktemp("online"), steps=STEPS, save_interval=6)
     spawned = []

@@ -27,7 +27,7 @@ STEPS = 10
 def ipc_run(request, tmp_path_factory):
     """With 2 trainer ranks both map the one pool (TP > 1's layout: one writer, every rank reads it) and each
     releases only the ids it acknowledged."""
-    from specforge_kimi.online.launch import export_latest, run_plan
+    from specforge_kimi.run.launch import export_latest, run_plan
 
     dp = request.param
     plan, recipe, rendered, target = cpu_plan(

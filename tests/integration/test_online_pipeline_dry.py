@@ -77,7 +77,7 @@ def test_in_flight_must_be_positive(tmp_path, capsys, monkeypatch):
 
 def test_put_clients_run_one_server_each(tmp_path, monkeypatch, pipeline):
     """``--put-clients 1 2``: one server run per value, each started with that many sink put clients."""
-    from specforge_kimi.online import capture_server
+    from specforge_kimi.servers import capture_server
 
     mod, target, out = pipeline
     seen = []
@@ -103,7 +103,7 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     passthrough lists only in ``full``, and every key the server wrote discarded after its post."""
     from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
 
-    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+    from specforge_kimi.setup.setup_patches import load_patched_specforge_module
 
     mod, target, out = pipeline
     bodies, discards = [], []
@@ -216,7 +216,7 @@ def test_server_and_master_ports_are_drawn_together(tmp_path, monkeypatch, pipel
     """A port drawn and released can be drawn again: the kernel handed the capture server's port to the
     Mooncake master's metadata server once (the run's /generate got the master's 404). The stand-in here
     hands out the same free ports on every draw; the run must still put every service on its own port."""
-    from specforge_kimi.online import services
+    from specforge_kimi.run import services
 
     mod, target, out = pipeline
     pool = services.free_ports(8)

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.capture import capture, text_decoder
-from specforge_kimi.target.checkpoint import load_text_model
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.targets.capture import capture, text_decoder
+from specforge_kimi.targets.checkpoint import load_text_model
+from specforge_kimi.targets.layer_ids import AuxLayers
 
 
 class K25Wrapper(nn.Module):

@@ -29,7 +29,7 @@ SMALL = dict(
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     from specforge_kimi.demo.pretrain import pretrain_structured_target
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.tiny import TinySpec
 
     out = tmp_path_factory.mktemp("target-text") / "t"
     pretrain_structured_target(
@@ -41,7 +41,7 @@ def target(tmp_path_factory):
 def _model_and_tok(target):
     from transformers import AutoTokenizer
 
-    from specforge_kimi.target.checkpoint import load_text_model
+    from specforge_kimi.targets.checkpoint import load_text_model
 
     return load_text_model(str(target)).eval(), AutoTokenizer.from_pretrained(str(target))
 

@@ -171,7 +171,7 @@ def test_server_argv_is_text_only_launcher_without_capture(tmp_path):
 @pytest.mark.slow
 def test_server_argv_parses_with_sglangs_own_parser_through_our_launcher(tmp_path):
     """Every flag exists in SGLang 0.5.14 and lands where meant (imports sglang: ~10 s)."""
-    from specforge_kimi.online.capture_server import parse_text_only_args
+    from specforge_kimi.servers.capture_server import parse_text_only_args
 
     target, draft = _dirs(tmp_path)
     s = BenchSettings(
@@ -486,7 +486,7 @@ def test_server_that_dies_at_start_fails_with_its_log(tmp_path, fake_server, mon
 def test_recipe_settings(tmp_path):
     import yaml
 
-    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.plan.recipes import load_recipe
 
     target, draft = _dirs(tmp_path)
     raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())

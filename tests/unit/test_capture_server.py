@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from specforge_kimi.online import capture_server as cs
+from specforge_kimi.servers import capture_server as cs
 
 
 def test_import_does_not_pull_sglang_or_specforge():

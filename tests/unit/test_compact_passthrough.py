@@ -15,8 +15,8 @@ import types
 import pytest
 import torch
 
-from specforge_kimi.online import setup_patches
-from specforge_kimi.online.reference_server import passthrough_tensor
+from specforge_kimi.servers.reference_server import passthrough_tensor
+from specforge_kimi.setup import setup_patches
 
 FILE = "specforge/inference/adapters/server_capture.py"
 
@@ -128,8 +128,8 @@ def test_producer_body_sets_the_variable_for_the_call_only(patched, monkeypatch)
     caller's environment is as it was afterwards."""
     import os
 
-    from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
-    from specforge_kimi.online.offline_twin import producer_body
+    from specforge_kimi.run.offline_twin import producer_body
+    from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
 
     adapter = _adapter(patched)
     adapter._request_inputs = lambda tasks: {"input_ids": [list(t.payload["input_ids"]) for t in tasks]}
@@ -182,8 +182,8 @@ def test_launch_refuses_compact_without_its_patches(tmp_path, monkeypatch):
     import yaml
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.online.launch import build_colocated_plan, compact_preflight
-    from specforge_kimi.online.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.run.launch import build_colocated_plan, compact_preflight
 
     wheel = _unpatched_specforge(tmp_path / "wheel")
     (tmp_path / "sglang").mkdir()

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online import transport_plan as tp
-from specforge_kimi.online.recipes import GIB, Recipe, load_recipe, memory_plan, render
+from specforge_kimi.plan import transport_plan as tp
+from specforge_kimi.plan.recipes import GIB, Recipe, load_recipe, memory_plan, render
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -240,7 +240,7 @@ def test_rendered_roles_and_specforge_config(tmp_path):
 
 
 def test_launch_plan_has_no_mooncake_master(tmp_path):
-    from specforge_kimi.online.launch import build_colocated_plan
+    from specforge_kimi.run.launch import build_colocated_plan
 
     raw = _raw("tiny-k25-tp2-h200x2.yaml")
     raw["output_dir"] = str(tmp_path / "run")
@@ -257,7 +257,7 @@ def test_launch_plan_has_no_mooncake_master(tmp_path):
 
 
 def test_launch_preflight_wants_patch_0005(tmp_path, monkeypatch):
-    from specforge_kimi.online import launch, setup_patches
+    from specforge_kimi.run import launch, setup_patches
 
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")
@@ -307,7 +307,7 @@ def test_stale_pools_are_removed_after_a_run(tmp_path):
 def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
     """doctor with a cuda_ipc recipe: a ``cuda_ipc transport`` check (SGLang 0005, peer access) instead of the
     Mooncake master's; on this CPU box's unpatched sglang it fails naming 0005, with a fix."""
-    from specforge_kimi.online import doctor, setup_patches
+    from specforge_kimi.setup import doctor, setup_patches
 
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")
@@ -390,7 +390,7 @@ def test_stale_pools_are_removed_around_each_attempt(tmp_path, monkeypatch):
     each whole-run restart) and after the last."""
     import subprocess
 
-    from specforge_kimi.online import ledger, resume
+    from specforge_kimi.run import ledger, resume
 
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")

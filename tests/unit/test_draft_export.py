@@ -20,7 +20,7 @@ import torch
 from specforge_kimi.drafts import export_engines as ex
 from specforge_kimi.drafts import mla_eagle3 as m
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.targets.layer_ids import AuxLayers
 
 NUM_LAYERS = 61
 MLA_SMALL = dict(

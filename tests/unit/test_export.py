@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from specforge_kimi.drafts.export import check_sglang_export, finalize_sglang_export
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.targets.layer_ids import AuxLayers
 
 H, DRAFT_VOCAB, VOCAB = 64, 16, 163840
 

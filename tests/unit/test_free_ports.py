@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specforge_kimi.online.services import MAX_SERVER_PORT, free_ports
+from specforge_kimi.run.services import MAX_SERVER_PORT, free_ports
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml"
 
@@ -21,7 +21,7 @@ def test_free_ports_are_distinct_and_bounded():
 def test_recipe_rejects_a_server_port_sglang_cannot_use():
     from pydantic import ValidationError
 
-    from specforge_kimi.online.recipes import Recipe
+    from specforge_kimi.plan.recipes import Recipe
 
     raw = copy.deepcopy(yaml.safe_load(RECIPE.read_text()))
     raw["server"]["port"] = 60000

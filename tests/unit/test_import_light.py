@@ -6,7 +6,7 @@ import sys
 
 def test_import_is_light():
     code = (
-        "import sys, specforge_kimi, specforge_kimi.cli, specforge_kimi.target.layer_ids, specforge_kimi.errors;"
+        "import sys, specforge_kimi, specforge_kimi.cli, specforge_kimi.targets.layer_ids, specforge_kimi.errors;"
         "heavy=[m for m in ('sglang','mooncake','specforge','torch','transformers','triton') if m in sys.modules];"
         "print(','.join(heavy))"
     )

@@ -1,4 +1,4 @@
-"""The recipe's input files checked before anything starts (``online.inputs``: ``recipe validate
+"""The recipe's input files checked before anything starts (``plan.inputs``: ``recipe validate
 --check-files``, ``doctor RECIPE``, ``launch``): good inputs pass; each mismatch is one line naming the file."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def data(tmp_path_factory):
 
 
 def _recipe(target: Path, data: Path, **trainer):
-    from specforge_kimi.online.recipes import Recipe
+    from specforge_kimi.plan.recipes import Recipe
 
     raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
     raw["target"].update(
@@ -41,7 +41,7 @@ def _recipe(target: Path, data: Path, **trainer):
 
 
 def _problems(recipe) -> list[str]:
-    from specforge_kimi.online.inputs import check_inputs
+    from specforge_kimi.plan.inputs import check_inputs
 
     return check_inputs(recipe)
 
@@ -123,7 +123,7 @@ def test_vocab_mapping_for_another_target_or_draft(tmp_path, tiny_dir, data):
 
 def test_require_inputs_one_error_line_per_problem(tmp_path):
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.online.inputs import require_inputs
+    from specforge_kimi.plan.inputs import require_inputs
 
     with pytest.raises(KimiInputError) as exc:
         require_inputs(_recipe(tmp_path / "x", tmp_path / "y"))

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target import int4
-from specforge_kimi.target.checkpoint import check_int4_shapes, inspect_target, load_text_model, weight_index
-from specforge_kimi.target.tiny import TinySpec, disk_tensor_shapes, write_tiny
+from specforge_kimi.targets import int4
+from specforge_kimi.targets.checkpoint import check_int4_shapes, inspect_target, load_text_model, weight_index
+from specforge_kimi.targets.tiny import TinySpec, disk_tensor_shapes, write_tiny
 
 SPEC = dict(
     layers=3,

@@ -34,7 +34,7 @@ def test_results_logs_and_binaries(tmp_path):
     res = _keep(src, root, "2026-12-03-real-width")
     assert res.returncode == 0, res.stderr
     assert json.loads((root / "bench/results/online_pipeline_k25_slice_h200.json").read_text()) == {"runs": []}
-    logs = root / "tests/gpu/logs/2026-12-03-real-width/rw"
+    logs = root / "archive/gpu-runs/logs/2026-12-03-real-width/rw"
     assert json.loads((root / "bench/results/soak_cuda_ipc_tp1_h200.json").read_text()) == {"verdicts": {}}
     assert sorted(p.name for p in logs.iterdir()) == [
         "online_run_broken.json",

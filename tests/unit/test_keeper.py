@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from specforge_kimi.online import keeper
+from specforge_kimi.run import keeper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_sigterm_stops_the_child_and_does_not_restart(tmp_path):
         [
             sys.executable,
             "-m",
-            "specforge_kimi.online.keeper",
+            "specforge_kimi.run.keeper",
             "--restarts",
             "5",
             "--",
@@ -146,8 +146,8 @@ def test_stop_during_the_back_off_spawns_no_new_child(monkeypatch):
 
 
 def test_resilience_shapes_the_plan(tmp_path):
-    from specforge_kimi.online.launch import build_colocated_plan
-    from specforge_kimi.online.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.run.launch import build_colocated_plan
 
     raw = copy.deepcopy(yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text()))
     raw["output_dir"] = str(tmp_path / "run")
@@ -159,9 +159,9 @@ def test_resilience_shapes_the_plan(tmp_path):
     server = plan.services[2].command
     assert server.env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0"
     assert plan.services[1].command.env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == str(int(32 * 2**30))
-    assert server.argv[:5] == (sys.executable, "-m", "specforge_kimi.online.keeper", "--restarts", "2")
+    assert server.argv[:5] == (sys.executable, "-m", "specforge_kimi.run.keeper", "--restarts", "2")
     consumer = plan.commands[1].argv
-    assert "specforge_kimi.online.keeper" in consumer and "--resume-consumer" in consumer
+    assert "specforge_kimi.run.keeper" in consumer and "--resume-consumer" in consumer
     assert 35999 in plan.managed_ports
     with pytest.raises(ValidationError, match="segment_owner"):
         Recipe.model_validate({**raw, "resilience": {"segment_owner": "somewhere"}})

@@ -1,9 +1,9 @@
-"""``launch.node_gpus``: a node's GPUs follow the launching environment's CUDA_VISIBLE_DEVICES."""
+"""``plan.devices.node_gpus``: a node's GPUs follow the launching environment's CUDA_VISIBLE_DEVICES."""
 
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online.launch import node_gpus
+from specforge_kimi.plan.devices import node_gpus
 
 
 def test_default_is_the_first_devices():

@@ -3,7 +3,7 @@
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.layer_ids import K25_DEFAULT_SPECFORGE_IDS, AuxLayers, default_specforge_ids
+from specforge_kimi.targets.layer_ids import K25_DEFAULT_SPECFORGE_IDS, AuxLayers, default_specforge_ids
 
 # (engine, ids, num_layers) -> captured positions (== HF hidden_states indices)
 TABLE = [

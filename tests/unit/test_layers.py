@@ -19,12 +19,15 @@ PKG = Path(__file__).resolve().parents[2] / "src" / "specforge_kimi"
 LAYERS = [
     {"errors", "provenance", "scratch", "console", "durable", "procfs"},
     {"data"},
-    {"target"},
+    {"targets"},
     {"drafts"},
     {"transport"},
     {"registration", ""},  # "" = the package's own __init__ (register() lazily imports registration)
     {"training"},
-    {"online"},
+    {"servers"},
+    {"plan"},
+    {"setup"},
+    {"run"},
     {"evaluate"},
     {"demo"},
     {"cli", "__main__", "capture_server"},

@@ -1,4 +1,4 @@
-"""torchrun's rendezvous store on loopback (``online/loopback.py``) and the recipe's single-node consumer."""
+"""torchrun's rendezvous store on loopback (``servers/loopback.py``) and the recipe's single-node consumer."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_tcpstore_server_listens_on_loopback_only(host, monkeypatch):
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
-    from specforge_kimi.online import loopback
+    from specforge_kimi.servers import loopback
 
     for module in (dist, c10d_rendezvous_backend):  # install() rebinds these names; undo after the test
         monkeypatch.setattr(module, "TCPStore", module.TCPStore)
@@ -43,7 +43,7 @@ def test_tcpstore_server_listens_on_loopback_only(host, monkeypatch):
 
 
 def test_not_loopback_is_left_to_torch():
-    from specforge_kimi.online.loopback import is_loopback
+    from specforge_kimi.servers.loopback import is_loopback
 
     assert is_loopback("localhost") and is_loopback("127.0.0.2") and is_loopback("::1")
     assert not is_loopback("10.0.0.1") and not is_loopback("node0")
@@ -52,7 +52,7 @@ def test_not_loopback_is_left_to_torch():
 def test_single_node_consumer_runs_through_loopback(tmp_path):
     import yaml
 
-    from specforge_kimi.online.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe, render
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
     raw["output_dir"] = str(tmp_path)
@@ -61,7 +61,7 @@ def test_single_node_consumer_runs_through_loopback(tmp_path):
     assert consumer[:7] == [
         "python",
         "-m",
-        "specforge_kimi.online.loopback",
+        "specforge_kimi.servers.loopback",
         "torch.distributed.run",
         "--standalone",
         "--local-addr=127.0.0.1",

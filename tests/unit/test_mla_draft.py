@@ -274,7 +274,7 @@ def test_k25_default_config_shapes():
 
 
 def test_tiny_config_matches_tiny_target():
-    from specforge_kimi.target.tiny import TinySpec, text_config
+    from specforge_kimi.targets.tiny import TinySpec, text_config
 
     spec = TinySpec(layers=8, hidden=64, heads=8, q_lora_rank=64, dense_intermediate=128)
     cfg = m.tiny_config(spec, draft_vocab_size=100)

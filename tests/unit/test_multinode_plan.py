@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online.launch import build_colocated_plan
-from specforge_kimi.online.recipes import load_recipe, render
+from specforge_kimi.plan.recipes import load_recipe, render
+from specforge_kimi.run.launch import build_colocated_plan
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-2x8xb300.yaml"
 
@@ -65,7 +65,7 @@ def test_run_report_reads_the_ledger_where_the_config_put_it(tmp_path):
 
     import yaml
 
-    from specforge_kimi.online.ledger import durable_step
+    from specforge_kimi.run.ledger import durable_step
 
     run, state = tmp_path / "run", tmp_path / "node-local" / "consumer-state"
     (run / "rendered").mkdir(parents=True)
@@ -87,7 +87,7 @@ def test_run_report_finds_a_moved_run_dirs_default_ledger(tmp_path):
 
     import yaml
 
-    from specforge_kimi.online.ledger import durable_step
+    from specforge_kimi.run.ledger import durable_step
 
     run = tmp_path / "fetched" / "tiny-k25-tp1"
     (run / "rendered").mkdir(parents=True)

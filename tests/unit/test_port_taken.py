@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from specforge_kimi.online.services import free_ports, port_taken
+from specforge_kimi.run.services import free_ports, port_taken
 
 
 def _time_wait(port: int) -> None:

@@ -28,7 +28,7 @@ def test_training_loss_is_the_written_checkpoints_cross_entropy(tmp_path, tiny_d
     import torch
     import torch.nn.functional as F
 
-    from specforge_kimi.target.checkpoint import load_text_model
+    from specforge_kimi.targets.checkpoint import load_text_model
 
     seq = [5, 17, 3, 17, 5, 99, 3, 17]
     res = pretrain(
@@ -87,7 +87,7 @@ def test_step_bounded_pretraining_repeats_bit_for_bit(tmp_path, tiny_dir, schedu
 
 def test_step_bound_must_be_positive(tmp_path):
     from specforge_kimi.demo.pretrain import pretrain_structured_target
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.tiny import TinySpec
 
     with pytest.raises(KimiInputError, match="--pretrain-steps must be positive"):
         pretrain_structured_target(tmp_path / "t", TinySpec(), seconds=10, max_steps=0)
@@ -130,7 +130,7 @@ def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
     """``prompt_rules=N``: N rule conversations join the corpus in training (the step losses change),
     and pretrain.json scores the rule on the bench's own 96 prompts; the structured numbers stay."""
     from specforge_kimi.demo.pretrain import pretrain_structured_target
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.tiny import TinySpec
 
     kw = dict(seconds=300, max_steps=2, progress=False, heldout=2, conversations=8, batch_size=4)
     plain = pretrain_structured_target(tmp_path / "plain", TinySpec(**SMALL), **kw)
@@ -156,7 +156,7 @@ def test_prompt_rules_are_trained_on_and_scored_on_the_bench_prompts(tmp_path):
 )
 def test_bad_prompt_rule_counts_are_refused(tmp_path, n, rule, match):
     from specforge_kimi.demo.pretrain import pretrain_structured_target
-    from specforge_kimi.target.tiny import TinySpec
+    from specforge_kimi.targets.tiny import TinySpec
 
     with pytest.raises(KimiInputError, match=match):
         pretrain_structured_target(

@@ -35,7 +35,7 @@ def test_missing_or_unreadable_process_reads_as_no_fields(tmp_path):
 
 
 def test_group_of_a_child_session():
-    from specforge_kimi.online.services import group_pids
+    from specforge_kimi.run.services import group_pids
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
     try:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online import ledger
-from specforge_kimi.online.progress import LiveProgress, RunTail, consumer_steps, parse_step_line, status_line
+from specforge_kimi.run import ledger
+from specforge_kimi.run.progress import LiveProgress, RunTail, consumer_steps, parse_step_line, status_line
 
 
 def _line(step: int, loss: float, prefix: str = "", step_time: float = 0.5) -> str:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online.recipes import Recipe, load_recipe, memory_plan, render
+from specforge_kimi.plan.recipes import Recipe, load_recipe, memory_plan, render
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
@@ -53,7 +53,7 @@ def test_num_epochs_reaches_specforge(tmp_path):
 
 
 def test_capture_put_clients_reach_the_server_env():
-    from specforge_kimi.online.recipes import server_env
+    from specforge_kimi.plan.recipes import server_env
 
     raw = _raw()
     raw["server"]["transport"] = "mooncake"  # put clients are a Mooncake knob
@@ -67,7 +67,7 @@ def test_compact_passthrough_reaches_every_specforge_process(tmp_path):
     ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (our SpecForge patch 0002 reads it); off, they do not."""
     import sys
 
-    from specforge_kimi.online.launch import build_colocated_plan
+    from specforge_kimi.run.launch import build_colocated_plan
 
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")

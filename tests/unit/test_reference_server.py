@@ -9,7 +9,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from specforge_kimi.online.reference_server import make_handler
+from specforge_kimi.servers.reference_server import make_handler
 
 
 class _Backend:

@@ -106,8 +106,8 @@ def _save(out: Path, step: int, *, run_id: str = RUN, rank_state=True) -> Path:
 
 
 def test_resume_checkpoint_marker_written_and_checked(tmp_path):
-    from specforge_kimi.online.resume import checkpoint_problem
     from specforge_kimi.registration import CHECKPOINT_COMPLETE
+    from specforge_kimi.run.resume import checkpoint_problem
 
     ckpt = _save(tmp_path, 3)
     marker = json.loads((ckpt / CHECKPOINT_COMPLETE).read_text())
@@ -124,8 +124,8 @@ def test_resume_checkpoint_marker_written_and_checked(tmp_path):
 
 
 def test_resume_checkpoint_shared_state_must_load(tmp_path):
-    from specforge_kimi.online.resume import checkpoint_problem
     from specforge_kimi.registration import CHECKPOINT_COMPLETE
+    from specforge_kimi.run.resume import checkpoint_problem
 
     ckpt = _save(tmp_path, 4)
     shared = ckpt / "training_state.pt"
@@ -160,7 +160,7 @@ def _rewrite_state(ckpt: Path, state: dict, step: int) -> None:
 
 def test_resume_checkpoint_probe_runs_no_pickled_code(tmp_path):
     """Issue 32: probing every step directory must not unpickle arbitrary objects (weights_only)."""
-    from specforge_kimi.online.resume import checkpoint_problem
+    from specforge_kimi.run.resume import checkpoint_problem
 
     ckpt = _save(tmp_path, 3)
     ran = tmp_path / "pickle-ran-code"
@@ -176,7 +176,7 @@ def test_resume_checkpoint_probe_loads_specforge_shared_state(tmp_path):
     weights_only, so real checkpoints stay resume targets."""
     import torch
 
-    from specforge_kimi.online.resume import checkpoint_problem
+    from specforge_kimi.run.resume import checkpoint_problem
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
@@ -244,7 +244,7 @@ def _ledger(
 
 
 def _reconcile(out: Path, *, q: int):
-    from specforge_kimi.online.resume import reconcile
+    from specforge_kimi.run.resume import reconcile
 
     return reconcile(out, run_id=RUN, quantum=q, world_size=1, ledger=out / "consumer-state" / "consumer.sqlite")
 
@@ -267,7 +267,7 @@ def test_resume_reconcile_picks_newest_complete_checkpoint_and_first_s_q_rows(tm
 
 
 def test_resume_reconcile_without_checkpoint_starts_over(tmp_path):
-    from specforge_kimi.online.resume import cut_ledger
+    from specforge_kimi.run.resume import cut_ledger
 
     db = tmp_path / "consumer-state" / "consumer.sqlite"
     _ledger(db, q=1, steps=2)
@@ -325,7 +325,7 @@ def test_resume_reconcile_refuses_when_ledger_and_checkpoint_disagree(tmp_path, 
 def test_resume_cut_ledger_keeps_what_the_checkpoint_holds(tmp_path):
     from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
 
-    from specforge_kimi.online.resume import cut_ledger
+    from specforge_kimi.run.resume import cut_ledger
 
     db = tmp_path / "consumer-state" / "consumer.sqlite"
     names = _ledger(db, q=2, steps=5, extra_committed=2)
@@ -351,8 +351,8 @@ def test_resume_cut_ledger_keeps_what_the_checkpoint_holds(tmp_path):
 def _recipe_and_plan(tmp_path: Path):
     import yaml
 
-    from specforge_kimi.online.launch import build_colocated_plan
-    from specforge_kimi.online.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.run.launch import build_colocated_plan
 
     root = Path(__file__).resolve().parents[2]
     raw = yaml.safe_load((root / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
@@ -368,7 +368,7 @@ def _argv(plan, label):
 
 
 def test_resume_first_attempt_recorded_and_a_second_launch_refused(tmp_path):
-    from specforge_kimi.online import resume, run_guard
+    from specforge_kimi.run import resume, run_guard
 
     recipe, plan = _recipe_and_plan(tmp_path)
     out = Path(recipe.output_dir)
@@ -384,8 +384,8 @@ def test_resume_first_attempt_recorded_and_a_second_launch_refused(tmp_path):
 
 
 def test_resume_attempt_plan_and_record(tmp_path, capsys):
-    from specforge_kimi.online import resume, run_guard
     from specforge_kimi.registration import FRESH_CHANNEL_ENV, RESUME_SKIP_ENV
+    from specforge_kimi.run import resume, run_guard
 
     recipe, plan = _recipe_and_plan(tmp_path)
     out = Path(recipe.output_dir)
@@ -428,7 +428,7 @@ def test_resume_interrupted_twice_never_overwrites_the_ledger_backup(tmp_path, m
     again: the first backup -- the only copy of the ledger before any cut -- stays as it was."""
     from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
 
-    from specforge_kimi.online import resume, run_guard
+    from specforge_kimi.run import resume, run_guard
 
     recipe, plan = _recipe_and_plan(tmp_path)
     out = Path(recipe.output_dir)
@@ -459,7 +459,7 @@ def test_resume_interrupted_twice_never_overwrites_the_ledger_backup(tmp_path, m
 
 
 def test_resume_refuses_while_processes_of_the_run_live_and_stops_them_when_asked(tmp_path):
-    from specforge_kimi.online import resume, run_guard
+    from specforge_kimi.run import resume, run_guard
 
     recipe, plan = _recipe_and_plan(tmp_path)
     out = Path(recipe.output_dir)
@@ -482,14 +482,14 @@ def test_resume_refuses_while_processes_of_the_run_live_and_stops_them_when_aske
 
 
 def test_resume_lock_refuses_a_second_launcher(tmp_path):
-    from specforge_kimi.online import run_guard
+    from specforge_kimi.run import run_guard
 
     src = Path(__file__).resolve().parents[2] / "src"
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from specforge_kimi.online import run_guard; "
+            "import sys, time; from pathlib import Path; from specforge_kimi.run import run_guard; "
             "run_guard.acquire_lock(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
             str(tmp_path),
         ],
@@ -509,7 +509,7 @@ def test_resume_lock_refuses_a_second_launcher(tmp_path):
 
 
 def test_resume_without_a_record_is_refused(tmp_path):
-    from specforge_kimi.online import resume, run_guard
+    from specforge_kimi.run import resume, run_guard
 
     recipe, plan = _recipe_and_plan(tmp_path)
     out = Path(recipe.output_dir)
@@ -535,7 +535,7 @@ def test_resume_without_a_record_is_refused(tmp_path):
     ],
 )
 def test_resume_run_restarts_policy(tmp_path, monkeypatch, statuses, progress, runs):
-    from specforge_kimi.online import ledger, resume
+    from specforge_kimi.run import ledger, resume
 
     calls = []
     monkeypatch.setattr(resume, "begin_attempt", lambda recipe, plan, **kw: calls.append(kw) or plan)

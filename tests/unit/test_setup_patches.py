@@ -12,7 +12,7 @@ import pytest
 from conftest import specforge_as_shipped
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online import setup_patches
+from specforge_kimi.setup import setup_patches
 
 WHEEL_PKG = Path(importlib.util.find_spec("specforge").origin).parent
 

@@ -23,7 +23,7 @@ def checkout(specforge_checkout) -> str:
 
 @pytest.fixture()
 def patched_site(tmp_path, checkout):
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
@@ -39,7 +39,7 @@ def patched_site(tmp_path, checkout):
 
 
 def test_drift_in_our_patch_is_named(tmp_path, checkout):
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
@@ -54,7 +54,7 @@ def test_drift_in_our_patch_is_named(tmp_path, checkout):
 def sink_site(request, tmp_path, checkout):
     """The sink as `setup` leaves it (capture patch, 0001, 0002, 0003) with one put client (0003's
     default) or two (``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=2``), or with 0001 alone; -> (site, clients)."""
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     if request.param.startswith("stack"):
         return request.getfixturevalue("patched_site"), 2 if "2 put" in request.param else 1
@@ -76,7 +76,7 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi.online import services
+    from specforge_kimi.run import services
 
     spec = importlib.util.spec_from_file_location("patched_sink", patched_site / "sglang/srt/spec_capture_sink.py")
     module = importlib.util.module_from_spec(spec)
@@ -172,7 +172,7 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi.online import services
+    from specforge_kimi.run import services
 
     def load(name, rel):
         spec = importlib.util.spec_from_file_location(name, patched_site / rel)
@@ -278,7 +278,7 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
 def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
     """Once SpecForge's capture patch and ours are in, ``compact_passthrough_gaps`` no longer names SGLang
     patch 0004 (the launch preflight's check for ``server.compact_passthrough``)."""
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     gaps = sp.compact_passthrough_gaps(sglang_site=patched_site)
     assert not any(g.startswith("0004-") for g in gaps), gaps
@@ -287,7 +287,7 @@ def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
 def test_half_applied_stack_is_finished(tmp_path, checkout):
     """The capture patch and our 0001 in, the rest not (an interrupted setup, or one from an older
     specforge-kimi): setup reads the applied prefix and finishes the stack instead of calling it drift."""
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     capture = Path(checkout) / sp.CAPTURE_PATCH
     stack = [capture, *sp.our_sglang_patches()]
@@ -310,7 +310,7 @@ def test_drift_error_names_the_file_that_fails(tmp_path, checkout):
     import argparse
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     capture = Path(checkout) / sp.CAPTURE_PATCH
     site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site")
@@ -342,7 +342,7 @@ def _load(patched_site, monkeypatch, name: str, rel: str):
 def test_cuda_ipc_gaps_clear_on_the_patched_sglang(patched_site, tmp_path, checkout):
     """0005 in the stack: ``cuda_ipc_gaps`` (the launch preflight for ``server.transport: cuda_ipc``) is empty, and
     the earlier patches still read as applied (0005 edits lines 0004 wrote: read as a stack, not alone)."""
-    from specforge_kimi.online import setup_patches as sp
+    from specforge_kimi.setup import setup_patches as sp
 
     assert sp.cuda_ipc_gaps(sglang_site=patched_site) == []
     assert not any(g.startswith("0004-") for g in sp.compact_passthrough_gaps(sglang_site=patched_site))
@@ -364,7 +364,7 @@ def test_cuda_ipc_sink_routes_samples_to_the_pool(patched_site, tmp_path, monkey
     import torch
     from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi.online import services
+    from specforge_kimi.run import services
     from specforge_kimi.transport.descriptor import with_descriptor
     from specforge_kimi.transport.store import CudaIpcFeatureStore
     from specforge_kimi.transport.writer import IpcCaptureWriter

@@ -1,4 +1,4 @@
-"""``online.shm_leftovers``: what dead processes of a run left in ``/dev/shm`` goes; nothing in use, nothing of
+"""``run.shm_leftovers``: what dead processes of a run left in ``/dev/shm`` goes; nothing in use, nothing of
 another name or owner, nothing older than the run. The leak itself reproduced with SGLang's own writer."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge_kimi.online.shm_leftovers import held, matching, remove_leftovers
+from specforge_kimi.run.shm_leftovers import held, matching, remove_leftovers
 
 
 def _dead_pid() -> int:
@@ -130,7 +130,7 @@ def test_run_attempts_removes_what_an_attempt_left(tmp_path, monkeypatch):
     """``resume.run_attempts`` cleans ``/dev/shm`` around each attempt of the run (the launch and the drills)."""
     if not Path("/dev/shm").is_dir():
         pytest.skip("needs /dev/shm")
-    from specforge_kimi.online import resume
+    from specforge_kimi.run import resume
 
     leftover = Path("/dev/shm") / f"torch_{_dead_pid()}_{os.getpid()}_0"
     said = []
@@ -142,7 +142,7 @@ def test_run_attempts_removes_what_an_attempt_left(tmp_path, monkeypatch):
     record = {"attempts": [{"started_utc": resume._utc()}]}
     monkeypatch.setattr(resume, "begin_attempt", lambda *a, **k: "plan")
     monkeypatch.setattr(resume, "read_record", lambda out: resume.RunRecord.model_validate(_record(record)))
-    monkeypatch.setattr("specforge_kimi.online.transport_plan.remove_stale_pools", lambda r: [])
+    monkeypatch.setattr("specforge_kimi.plan.transport_plan.remove_stale_pools", lambda r: [])
 
     class _Recipe:
         output_dir = str(tmp_path)
@@ -169,7 +169,7 @@ def _record(partial: dict) -> dict:
 
 def test_a_creator_there_but_unreadable_counts_as_running(tmp_path):
     """A process directory whose ``stat`` cannot be read is not taken for a dead creator (its files stay)."""
-    from specforge_kimi.online.shm_leftovers import _running
+    from specforge_kimi.run.shm_leftovers import _running
 
     (tmp_path / "77").mkdir()  # there, no readable stat
     assert _running(77, tmp_path)

@@ -53,7 +53,7 @@ def _draft(seed: int = 0):
 def patched_model_module(cpu_shims, tmp_path):
     """The patched ``model.py`` as a module of its own; its ``torch.compile``'d helpers made eager, as the CPU shims
     make the installed module's (they patch that module only)."""
-    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+    from specforge_kimi.setup.setup_patches import load_patched_specforge_module
 
     module = load_patched_specforge_module("specforge/algorithms/eagle3/model.py", tmp_path)
     for name, value in list(vars(module).items()):
@@ -65,7 +65,7 @@ def patched_model_module(cpu_shims, tmp_path):
 
 @pytest.fixture
 def patched_optimizer_module(tmp_path):
-    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+    from specforge_kimi.setup.setup_patches import load_patched_specforge_module
 
     return load_patched_specforge_module("specforge/optimizer.py", tmp_path)
 
@@ -170,7 +170,7 @@ def test_0005_draft_ids_follow_an_in_place_change_of_t2d(patched_model_module):
 
 @pytest.fixture
 def patched_controller_module(tmp_path):
-    from specforge_kimi.online.setup_patches import load_patched_specforge_module
+    from specforge_kimi.setup.setup_patches import load_patched_specforge_module
 
     return load_patched_specforge_module("specforge/training/controller.py", tmp_path)
 
@@ -293,14 +293,14 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
-    from specforge_kimi.online.setup_patches import patches_root
+    from specforge_kimi.setup.setup_patches import patches_root
 
     for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH, step_knobs.FEWER_SYNCS_PATCH):
         assert (patches_root() / "specforge" / "0.2.0" / name).is_file()
 
 
 def test_recipe_fields_reach_the_specforge_processes():
-    from specforge_kimi.online.recipes import load_recipe, process_env
+    from specforge_kimi.plan.recipes import load_recipe, process_env
 
     r = load_recipe("recipes/kimi-k25-8xb200-lowered.yaml")
     assert r.trainer.step_empty_cache is False and r.trainer.fused_adamw is True and r.trainer.cuda_alloc_conf is None
@@ -322,7 +322,7 @@ def test_recipe_fields_reach_the_specforge_processes():
 def test_a_malformed_allocator_setting_is_a_one_line_recipe_error(tmp_path, bad):
     import yaml
 
-    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.plan.recipes import load_recipe
 
     raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered.yaml"))
     raw["trainer"]["cuda_alloc_conf"] = bad
@@ -342,7 +342,7 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
     from pathlib import Path
     from types import SimpleNamespace
 
-    from specforge_kimi.online import launch, setup_patches
+    from specforge_kimi.run import launch, setup_patches
 
     wanted = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True)
     plan = SimpleNamespace(commands=[SimpleNamespace(env={}), SimpleNamespace(env=wanted)])

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online import run_guard
-from specforge_kimi.online.stop import stop_run
+from specforge_kimi.run import run_guard
+from specforge_kimi.run.stop import stop_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def _recipe(out: Path):
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 def test_stop_stops_the_launcher_and_what_a_kill_left_and_cleans_shm(tmp_path):
-    from specforge_kimi.online.resume import RECORD_FILE, _utc
+    from specforge_kimi.run.resume import RECORD_FILE, _utc
 
     out = tmp_path / "run"
     out.mkdir()
@@ -59,7 +59,7 @@ def test_stop_stops_the_launcher_and_what_a_kill_left_and_cleans_shm(tmp_path):
     launcher = _spawn(
         "import time, sys\n"
         "from pathlib import Path\n"
-        "from specforge_kimi.online import run_guard\n"
+        "from specforge_kimi.run import run_guard\n"
         f"run_guard.acquire_lock(Path({str(out)!r}))\n"
         "print('locked', flush=True)\n"
         "time.sleep(600)\n",
@@ -122,7 +122,7 @@ def test_stop_signals_the_lock_holder_the_kernel_names_not_the_pid_in_the_file(t
     launcher = _spawn(
         "import os, time\n"
         "from pathlib import Path\n"
-        "from specforge_kimi.online import run_guard\n"
+        "from specforge_kimi.run import run_guard\n"
         f"out = Path({str(out)!r})\n"
         "run_guard.acquire_lock(out)\n"
         f"(out / run_guard.LOCK_FILE).write_text('{bystander.pid}\\n')  # a stale pid in the file\n"

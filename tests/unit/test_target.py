@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.checkpoint import inspect_target, register_config, resolve_weight_key
+from specforge_kimi.targets.checkpoint import inspect_target, register_config, resolve_weight_key
 
 
 def test_autoconfig_resolves_kimi_k25_without_remote_code(tiny_dir):

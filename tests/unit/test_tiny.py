@@ -4,8 +4,8 @@ import json
 
 from safetensors import safe_open
 
-from specforge_kimi.target.checkpoint import weight_index
-from specforge_kimi.target.tiny import TinySpec, config, text_tensor_shapes
+from specforge_kimi.targets.checkpoint import weight_index
+from specforge_kimi.targets.tiny import TinySpec, config, text_tensor_shapes
 
 
 def test_config_nesting(tiny_dir):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online.recipes import load_recipe, render
+from specforge_kimi.plan.recipes import load_recipe, render
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml"
 

@@ -74,8 +74,8 @@ def capture_rows(target_dir: str, rows, aux_specforge_ids: Sequence[int], device
     import torch
 
     from specforge_kimi.demo.pipeline import capture_samples
-    from specforge_kimi.target.checkpoint import inspect_target, load_text_model
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.layer_ids import AuxLayers
 
     info = inspect_target(target_dir)
     aux = AuxLayers.from_specforge(aux_specforge_ids, info.num_layers)
@@ -105,7 +105,7 @@ def evaluate(
     import specforge_kimi
     from specforge_kimi.demo.pipeline import _load_draft, load_head_weight
     from specforge_kimi.evaluate.simulate import add_target_greedy, simulated_acceptance
-    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.targets.checkpoint import inspect_target
 
     specforge_kimi.register()
     for c in checkpoints:
@@ -199,7 +199,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from specforge_kimi.target.layer_ids import parse_id_list
+    from specforge_kimi.targets.layer_ids import parse_id_list
 
     res = evaluate(
         args.target,

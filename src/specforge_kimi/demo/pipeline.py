@@ -68,7 +68,7 @@ class DemoSettings:
 
 
 def _draft_config(hidden: int, draft_vocab: int, aux_ids: list[int]) -> dict:
-    from specforge_kimi.target.tiny import K25_BOS, K25_EOS, K25_PAD, K25_VOCAB
+    from specforge_kimi.targets.tiny import K25_BOS, K25_EOS, K25_PAD, K25_VOCAB
 
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -177,7 +177,7 @@ def capture_samples(
     import torch
 
     from specforge_kimi.console import Progress
-    from specforge_kimi.target.capture import capture
+    from specforge_kimi.targets.capture import capture
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     bar = Progress(desc, len(rows), unit="row", enabled=progress)
@@ -217,9 +217,9 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
     from specforge_kimi.demo.pretrain import pretrain
     from specforge_kimi.evaluate.simulate import add_target_greedy
-    from specforge_kimi.target.checkpoint import inspect_target, load_text_model
-    from specforge_kimi.target.layer_ids import AuxLayers
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.layer_ids import AuxLayers
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     say = say or (lambda *a, **k: None)
     lap = lap or (lambda name, since: time.monotonic())
@@ -322,7 +322,7 @@ def load_head_weight(target_dir, info):
     """The target's lm_head weight (fp32)."""
     from safetensors import safe_open
 
-    from specforge_kimi.target.checkpoint import weight_index
+    from specforge_kimi.targets.checkpoint import weight_index
 
     with safe_open(str(Path(target_dir) / weight_index(target_dir)[info.lm_head_key]), framework="pt") as f:
         return f.get_tensor(info.lm_head_key).float()
@@ -344,7 +344,7 @@ def run_demo(s: DemoSettings) -> dict:
     inp = prepare_inputs(s, say, lap)
     log = inp.out / "specforge.log"
     # from the first draft on, SpecForge's own output (metric dicts, notices, bars) goes to the log only
-    from specforge_kimi.online.progress import StepLines
+    from specforge_kimi.run.progress import StepLines
 
     steps = StepLines()  # the training bar follows SpecForge's own step lines
     with console.output_to_log(log, on_line=steps):

@@ -148,8 +148,8 @@ def _pretrain(
     import torch.nn.functional as F
 
     from specforge_kimi.console import Progress
-    from specforge_kimi.target.checkpoint import inspect_target, load_text_model
-    from specforge_kimi.target.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     if "specforge_kimi_tiny" not in cfg:
@@ -275,8 +275,8 @@ def pretrain_structured_target(
     from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
     from specforge_kimi.demo import prompt_rules as rules
-    from specforge_kimi.target.checkpoint import load_text_model, resolve_device
-    from specforge_kimi.target.tiny import write_tiny
+    from specforge_kimi.targets.checkpoint import load_text_model, resolve_device
+    from specforge_kimi.targets.tiny import write_tiny
 
     if seconds <= 0:
         raise KimiInputError("--pretrain SECONDS must be positive")

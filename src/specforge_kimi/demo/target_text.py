@@ -160,7 +160,7 @@ def measure(
     """:func:`text_stats` of one target on the selection prompts, per group and pooled."""
     from transformers import AutoTokenizer
 
-    from specforge_kimi.target.checkpoint import load_text_model
+    from specforge_kimi.targets.checkpoint import load_text_model
 
     target_dir = Path(target_dir)
     if not (target_dir / "tokenizer_config.json").is_file():
@@ -212,7 +212,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specforge_kimi.target.checkpoint import resolve_device
+    from specforge_kimi.targets.checkpoint import resolve_device
 
     if (
         min(args.corpus_prompts, args.mix_prompts) < 0

@@ -4,7 +4,7 @@
   SGLang 0.5.14's ``Eagle3DeepseekV2ForCausalLM`` (``sglang/srt/models/kimi_k25_eagle3.py``)
   serves, its config (K2.5 default, tiny variant) and its explicit SpecForge registration.
 - :mod:`.export_engines`: SGLang and vLLM export of that draft and of SpecForge's Llama-style
-  draft, with aux layer ids converted per engine (:mod:`specforge_kimi.target.layer_ids`) and
+  draft, with aux layer ids converted per engine (:mod:`specforge_kimi.targets.layer_ids`) and
   provenance.
 
 Nothing heavy is imported here; the submodules import torch/transformers/specforge.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.provenance import canonical_hash, file_hash, provenance
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.targets.layer_ids import AuxLayers
 
 REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 TRAINER_PREFIXES = ("draft_model.", "module.", "_orig_mod.", "_fsdp_wrapped_module.", "model.")
@@ -63,7 +63,7 @@ def finalize_sglang_export(
     extra: dict | None = None,
 ) -> dict:
     """Write K2.5's ``eagle_config`` and ``provenance.json`` into a SpecForge export; check it."""
-    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.targets.checkpoint import inspect_target
 
     d = Path(export_dir)
     cfg_path = d / "config.json"
@@ -153,7 +153,7 @@ def export_run_draft(
 
 def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.PathLike | None = None) -> dict:
     """Raise :class:`KimiInputError` naming the first problem; return a summary when sound."""
-    from specforge_kimi.target.checkpoint import inspect_target
+    from specforge_kimi.targets.checkpoint import inspect_target
 
     d = Path(export_dir)
     cfg_path = d / "config.json"

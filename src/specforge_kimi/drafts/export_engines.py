@@ -4,7 +4,7 @@ Scope: SpecForge 0.2.0 ``eagle3`` checkpoints of two drafts -- the Llama-style
 ``LlamaForCausalLMEagle3`` and our MLA draft (:mod:`.mla_eagle3`, ``Eagle3DeepseekV2ForCausalLM``)
 -- written as one ``model.safetensors`` + ``config.json`` + ``provenance.json`` in the layout
 each engine's loader reads. The frozen embedding is never exported: both engines share the
-target's. Aux layer ids are converted once, through :class:`specforge_kimi.target.layer_ids.AuxLayers`:
+target's. Aux layer ids are converted once, through :class:`specforge_kimi.targets.layer_ids.AuxLayers`:
 the draft config carries SpecForge ids (SGLang's convention: +1 shift when the first id is 1);
 every export writes the captured *positions*, which SGLang then uses unshifted and vLLM uses as
 is (it never shifts).
@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.targets.layer_ids import AuxLayers
 
 ENGINES = ("sglang", "vllm")
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
@@ -326,7 +326,7 @@ def export_draft(
     aux = AuxLayers.from_specforge(specforge_ids, num_layers)
     target_info = None
     if target_dir is not None:
-        from specforge_kimi.target.checkpoint import inspect_target
+        from specforge_kimi.targets.checkpoint import inspect_target
 
         info = inspect_target(target_dir)
         if (

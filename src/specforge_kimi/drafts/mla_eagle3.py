@@ -183,14 +183,14 @@ def tiny_config(
     fc_norm: bool = False,
     norm_output: bool = False,
 ) -> dict:
-    """The MLA draft for a tiny K2.5 from :mod:`specforge_kimi.target.tiny` (``TinySpec``).
+    """The MLA draft for a tiny K2.5 from :mod:`specforge_kimi.targets.tiny` (``TinySpec``).
 
     Hidden size, heads, q_lora rank, dense MLP width and vocab follow the spec; the other MLA
     dims and the rope are K2.5's, as in the tiny target. ``aux_ids`` default to SGLang's own
-    default for the target's depth (:func:`specforge_kimi.target.layer_ids.default_specforge_ids`).
+    default for the target's depth (:func:`specforge_kimi.targets.layer_ids.default_specforge_ids`).
     """
-    from specforge_kimi.target.layer_ids import AuxLayers, default_specforge_ids
-    from specforge_kimi.target.tiny import TinySpec, text_config
+    from specforge_kimi.targets.layer_ids import AuxLayers, default_specforge_ids
+    from specforge_kimi.targets.tiny import TinySpec, text_config
 
     spec = spec or TinySpec()
     text = text_config(spec)

@@ -442,7 +442,7 @@ def serving(
         _wait_for_service,
     )
 
-    from specforge_kimi.online.capture_server import NVLS_OFF_ENV
+    from specforge_kimi.servers.capture_server import NVLS_OFF_ENV
 
     service = ServiceSpec(
         command=CommandSpec(label, tuple(argv), {**NVLS_OFF_ENV, **(env or {})}),
@@ -608,7 +608,7 @@ def _serve_and_measure(
     out: Path,
     launcher: Sequence[str] | None,
 ) -> tuple[dict, dict]:
-    from specforge_kimi.online.services import free_ports
+    from specforge_kimi.run.services import free_ports
 
     port = settings.port or free_ports(1)[0]
     argv = server_argv(settings, spec, port=port, context=context)
@@ -961,7 +961,7 @@ def add_parser(sub) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if args.recipe:
-        from specforge_kimi.online.recipes import load_recipe
+        from specforge_kimi.plan.recipes import load_recipe
 
         s = recipe_settings(load_recipe(args.recipe), args.draft, out_dir=args.out)
         if args.num_prompts is not None:

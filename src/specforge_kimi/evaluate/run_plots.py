@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specforge_kimi.online.progress import per_position
+from specforge_kimi.run.progress import per_position
 
 
 def _roles_over_time(samples_csv: Path) -> dict[str, list[tuple[float, int]]]:
     """Per role, ``(time, MiB)`` of its largest process at each sample time."""
-    from specforge_kimi.online.gpu_memory import read_samples, role_of
+    from specforge_kimi.run.gpu_memory import read_samples, role_of
 
     per_time: dict[str, dict[float, int]] = {}
     for t, _pid, mib, cmd in read_samples(samples_csv):

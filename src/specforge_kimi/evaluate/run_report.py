@@ -8,7 +8,7 @@ durable; ``marker.global_step``), the checkpoint directories ``<run_id>-step<N>`
 Disk: every byte under the run directory except checkpoints, the export, the rendered
 configs and this command's own ``run-report/``, per trained token -- features travel through
 Mooncake, so this is metadata (refs, ledger, logs). GPU memory per role from the per-process samples
-``launch`` records (``logs/gpu_mem_samples.csv``, :mod:`online.gpu_memory`) or ``--gpu-samples``. The
+``launch`` records (``logs/gpu_mem_samples.csv``, :mod:`run.gpu_memory`) or ``--gpu-samples``. The
 JSON goes to ``--out`` (default ``<run_dir>/run-report/run_report.json``), the plots
 (:mod:`run_plots`) beside it.
 
@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online.ledger import ledger
-from specforge_kimi.online.progress import consumer_steps
+from specforge_kimi.run.ledger import ledger
+from specforge_kimi.run.progress import consumer_steps
 
 #: where ``run-report`` writes its JSON and plots by default: ``<run_dir>/run-report/``
 REPORT_DIR = "run-report"
@@ -60,8 +60,8 @@ def disk_bytes(run_dir: Path, run_id: str) -> dict:
 
 
 def gpu_memory(samples_csv: Path) -> dict:
-    """Peak MiB per role from ``time,pid,used_mib,cmdline`` samples (:mod:`online.gpu_memory`)."""
-    from specforge_kimi.online.gpu_memory import read_samples, role_of
+    """Peak MiB per role from ``time,pid,used_mib,cmdline`` samples (:mod:`run.gpu_memory`)."""
+    from specforge_kimi.run.gpu_memory import read_samples, role_of
 
     peaks: dict[str, int] = {}
     for _t, pid, mib, cmd in read_samples(samples_csv):
@@ -200,7 +200,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
 
 def default_gpu_samples(run: Path, given: str | None) -> Path | None:
     """``given``, else the samples ``launch`` records (``logs/gpu_mem_samples.csv``), if the file exists."""
-    from specforge_kimi.online.gpu_memory import SAMPLES_CSV
+    from specforge_kimi.run.gpu_memory import SAMPLES_CSV
 
     path = Path(given) if given else run / "logs" / SAMPLES_CSV
     return path if path.is_file() else None

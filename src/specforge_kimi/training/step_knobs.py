@@ -3,7 +3,7 @@
 Scope: the names and values only. Each variable is read by one of our SpecForge patches
 (``patches/specforge/0.2.0``) inside SpecForge's own code; without the patch the variable does nothing and
 SpecForge behaves as shipped, so a launch that asks for a non-default value checks the patch first
-(``online.setup_patches.trainer_step_gaps``, ``online.launch.trainer_step_preflight``). The recipe fields
+(``setup.setup_patches.trainer_step_gaps``, ``run.launch.trainer_step_preflight``). The recipe fields
 (``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.step_fewer_host_syncs``, ``trainer.cuda_alloc_conf``)
 say why each exists and
 what it was measured to do; ``bench/trainer_memory.py --variants`` measures them side by side.
@@ -56,7 +56,7 @@ def step_env(
 
 
 def trainer_env(trainer) -> dict[str, str]:
-    """:func:`step_env` of a recipe's ``trainer`` section (``online.recipes.TrainerSection``: its
+    """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
     ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf`` and ``step_fewer_host_syncs``)."""
     return step_env(
         empty_cache=trainer.step_empty_cache,

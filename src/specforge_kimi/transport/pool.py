@@ -9,7 +9,7 @@ Scope: one host. Two backends behind one interface:
   a trainer rank on another GPU of the node reads it over NVLink and no rank creates a context on the
   writer's GPU. The exporting process cannot open its own handle; readers are other processes.
 - ``shm``: a file under ``/dev/shm`` mapped by both sides, for the CPU stand-in capture server
-  (:mod:`specforge_kimi.online.reference_server`), so everything but the CUDA handle runs on a CPU machine.
+  (:mod:`specforge_kimi.servers.reference_server`), so everything but the CUDA handle runs on a CPU machine.
 
 The pool file ``<dir>/<pool_id>.json`` names the memory, the slot table, the writer's pid (with its start time,
 so a reused pid is not taken for the writer) and the lease; it is written once, atomically, before the server

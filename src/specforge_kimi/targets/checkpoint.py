@@ -281,7 +281,7 @@ def inspect_target(model_dir: str | os.PathLike) -> TargetInfo:
 
 def _quantization(model_dir, config: dict, text: dict, index: dict) -> str | None:
     """K2.5's INT4 routed experts checked by name (config block, complete triplets); shapes: ``doctor``."""
-    from specforge_kimi.target import int4
+    from specforge_kimi.targets import int4
 
     block = int4.quantization_config_of(config, text)
     source = f"{model_dir}/config.json"
@@ -301,7 +301,7 @@ def check_int4_shapes(model_dir: str | os.PathLike, info: TargetInfo) -> int:
     against the config (safetensors headers and the int [2] tensors only). Returns the count checked."""
     from safetensors import safe_open
 
-    from specforge_kimi.target import int4
+    from specforge_kimi.targets import int4
 
     index = weight_index(model_dir)
     by_file: dict[str, list[str]] = {}
@@ -357,14 +357,14 @@ def load_text_model(model_dir: str | os.PathLike, dtype=None):
     Per-expert tensors (``mlp.experts.E.{gate,up,down}_proj.weight``, K2.5's on-disk names) are
     fused into transformers 5's ``experts.gate_up_proj`` [E, 2I, H] (gate rows first, as its
     forward splits them) and ``experts.down_proj`` [E, H, I]. K2.5's INT4 experts
-    (:mod:`specforge_kimi.target.int4`) are dequantized by compressed-tensors first, each checked against
+    (:mod:`specforge_kimi.targets.int4`) are dequantized by compressed-tensors first, each checked against
     its ``weight_shape`` and the config: the model computes with exactly the weights SGLang dequantizes.
     """
     import torch
     from safetensors import safe_open
     from transformers import DeepseekV3ForCausalLM
 
-    from specforge_kimi.target import int4
+    from specforge_kimi.targets import int4
 
     info = inspect_target(model_dir)
     dtype = dtype or torch.float32

@@ -16,12 +16,12 @@ such a signal it stops restarting and exits with the child.
   checkpoint's. That condition is checked first; when it does not hold the keeper exits with the
   consumer's status and says why (after a crash between checkpoints SpecForge 0.2.0 cannot resume the
   consumer alone: acknowledged samples' features are already freed), and the run stops; ``launch
-  --resume`` (or ``resilience.run_restarts``) then resumes it whole (:mod:`specforge_kimi.online.resume`). While restarts are left the consumer
+  --resume`` (or ``resilience.run_restarts``) then resumes it whole (:mod:`specforge_kimi.run.resume`). While restarts are left the consumer
   runs with ``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``: ranks that torchrun stops with a signal
   after a sibling died do not publish ``consumer_failed`` (registration seam 7), so the producer
   is still there for the resumed consumer.
 
-    python -m specforge_kimi.online.keeper --restarts 3 --backoff 2 -- python -m specforge_kimi.capture_server ...
+    python -m specforge_kimi.run.keeper --restarts 3 --backoff 2 -- python -m specforge_kimi.capture_server ...
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specforge_kimi.online.ledger import durable_step
 from specforge_kimi.registration import RESTARTABLE_ENV
+from specforge_kimi.run.ledger import durable_step
 
 _STOP = {"signum": None}
 
@@ -126,10 +126,10 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: tuple[P
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m specforge_kimi.online.keeper [options] -- COMMAND...", file=sys.stderr)
+        print("usage: python -m specforge_kimi.run.keeper [options] -- COMMAND...", file=sys.stderr)
         return 2
     split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m specforge_kimi.online.keeper")
+    p = argparse.ArgumentParser(prog="python -m specforge_kimi.run.keeper")
     p.add_argument("--restarts", type=int, default=3)
     p.add_argument("--backoff", type=float, default=2.0)
     p.add_argument("--resume-consumer", nargs=2, metavar=("RUN_DIR", "RUN_ID"), default=None)

@@ -1,7 +1,7 @@
 """Tiny Kimi-K2.5 checkpoints: K2.5's exact config nesting and tensor names, random weights.
 
 Scope: a local directory that SGLang 0.5.14 loads as ``KimiK25ForConditionalGeneration`` and
-transformers/SpecForge read through :mod:`specforge_kimi.target.checkpoint`: ``model_type: kimi_k25``, a
+transformers/SpecForge read through :mod:`specforge_kimi.targets.checkpoint`: ``model_type: kimi_k25``, a
 DeepSeek-V3 ``text_config`` (layer 0 dense, MoE after it with sigmoid ``noaux_tc`` routing, an
 ``e_score_correction_bias`` and one shared expert; MLA with K2.5's head dims), a ``vision_config``
 carrying both the tower's plain names and the projector's ``vt_*`` names, K2.5's special ids,
@@ -10,7 +10,7 @@ experts and intermediate sizes divisible by 8 so the same checkpoint runs at TP=
 Routed experts are bf16 by default; ``int4_experts`` (``tiny --int4-experts``) writes them as K2.5
 ships them: compressed-tensors ``pack-quantized`` int4 symmetric group 32 (``weight_packed``,
 ``weight_scale``, ``weight_shape``), made by the library's own compressor
-(:mod:`specforge_kimi.target.int4`), with K2.5's ``quantization_config`` under ``text_config``.
+(:mod:`specforge_kimi.targets.int4`), with K2.5's ``quantization_config`` under ``text_config``.
 ``device`` generates and quantizes the random weights there (a GPU writes a K2.5-width slice in
 seconds; the bytes are the same function of the seed on any device of one kind).
 """
@@ -61,7 +61,7 @@ class TinySpec:
         if not 0 < self.experts_per_token <= self.experts:
             raise KimiInputError("experts_per_token must be in 1..experts")
         if self.int4_experts:
-            from specforge_kimi.target.int4 import GROUP_SIZE
+            from specforge_kimi.targets.int4 import GROUP_SIZE
 
             for name in ("hidden", "moe_intermediate"):
                 if getattr(self, name) % GROUP_SIZE:
@@ -128,7 +128,7 @@ def text_config(spec: TinySpec) -> dict:
         "vocab_size": spec.vocab,
     }
     if spec.int4_experts:
-        from specforge_kimi.target.int4 import quantization_block
+        from specforge_kimi.targets.int4 import quantization_block
 
         text["quantization_config"] = quantization_block()
     return text
@@ -246,7 +246,7 @@ def text_tensor_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
 def disk_tensor_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     """Every tensor written for ``spec`` -> its shape: text then vision, routed experts as
     ``weight_packed`` / ``weight_scale`` / ``weight_shape`` with ``int4_experts``."""
-    from specforge_kimi.target.int4 import EXPERT_MODULE, packed_shapes
+    from specforge_kimi.targets.int4 import EXPERT_MODULE, packed_shapes
 
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in {**text_tensor_shapes(spec), **vision_tensor_shapes(spec)}.items():
@@ -337,7 +337,7 @@ def write_tiny(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        from specforge_kimi.target.int4 import EXPERT_MODULE, quantize
+        from specforge_kimi.targets.int4 import EXPERT_MODULE, quantize
 
         gen = torch.Generator(device=device).manual_seed(spec.seed)
         shapes = {**text_tensor_shapes(spec), **vision_tensor_shapes(spec)}

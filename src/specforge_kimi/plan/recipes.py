@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from specforge_kimi.errors import KimiInputError, validation_summary
-from specforge_kimi.online.trainer_terms import draft_params as _draft_params
-from specforge_kimi.online.trainer_terms import trainer_peak_bytes, trainer_room_bytes, trainer_terms
+from specforge_kimi.plan.trainer_terms import draft_params as _draft_params
+from specforge_kimi.plan.trainer_terms import trainer_peak_bytes, trainer_room_bytes, trainer_terms
 
 GIB = 1 << 30
 
@@ -102,7 +102,7 @@ class ServerSection(_Strict):
         description="How captured features reach the trainer ranks: cuda_ipc (one GPU pool the capture server owns, "
         "mapped by CUDA IPC by every rank of the node, device-to-device copies; one node, needs SGLang patch 0005) "
         "or mooncake (GPU -> host -> Mooncake over TCP/RDMA -> host -> GPU; any topology). auto: cuda_ipc wherever "
-        "the recipe passes every check with it, else mooncake (online.transport_plan.choice says why; `recipe "
+        "the recipe passes every check with it, else mooncake (plan.transport_plan.choice says why; `recipe "
         "validate` prints it). docs/online.md 'Feature transports' says when to use which",
     )
     ipc_pool_gib: float | None = Field(
@@ -131,7 +131,7 @@ class MooncakeSection(_Strict):
         default=32,
         gt=0,
         description="Segment holding features in flight (the server's, or the keeper's); the producer pauses at "
-        "0.8 of it less 8 samples (online.transport_plan), and one optimizer window plus those 8 must fit",
+        "0.8 of it less 8 samples (plan.transport_plan), and one optimizer window plus those 8 must fit",
     )
 
 
@@ -153,7 +153,7 @@ class ResilienceSection(_Strict):
     run_restarts: int = Field(
         default=0,
         ge=0,
-        description="Whole-run resumes after a failed attempt (online.resume: every service restarted, the newest "
+        description="Whole-run resumes after a failed attempt (run.resume: every service restarted, the newest "
         "complete checkpoint loaded, what was acknowledged after it captured again): a lost Mooncake master, a crash "
         "between checkpoints. Not after Ctrl-C/SIGTERM/SIGHUP, nor after an attempt that made no durable step",
     )
@@ -279,7 +279,7 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
-        from specforge_kimi.target.layer_ids import AuxLayers
+        from specforge_kimi.targets.layer_ids import AuxLayers
 
         tp = self.tp
         if self.target.num_attention_heads % tp:
@@ -323,7 +323,7 @@ class Recipe(_Strict):
             raise ValueError(
                 "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
             )
-        from specforge_kimi.online.transport_plan import refusal, store_refusal
+        from specforge_kimi.plan.transport_plan import refusal, store_refusal
 
         try:
             why = refusal(self) if self.server.transport == "cuda_ipc" else store_refusal(self)
@@ -366,7 +366,7 @@ def memory_plan(r: Recipe) -> dict:
     also each rank's prefetched samples, and on the capture writer's GPU the pool and the captured rows
     waiting for the sink come out of the trainer's room (:func:`transport_plan.memory_terms`).
     """
-    from specforge_kimi.online.transport_plan import memory_terms
+    from specforge_kimi.plan.transport_plan import memory_terms
 
     g, t, s, tr = r.gpus, r.target, r.server, r.trainer
     weights = t.weights_gib / r.tp
@@ -435,8 +435,8 @@ def load_recipe(path: str | Path) -> Recipe:
 def server_argv(r: Recipe) -> list[str]:
     """The capture server's command line (:func:`capture_server.capture_server_argv`, i.e. what
     SpecForge's managed launcher builds, with our text-only module); ``python`` is a placeholder."""
-    from specforge_kimi.online.capture_server import capture_server_argv
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.servers.capture_server import capture_server_argv
+    from specforge_kimi.targets.layer_ids import AuxLayers
 
     AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)  # validates
     extra: list[str] = []
@@ -471,7 +471,7 @@ def server_argv(r: Recipe) -> list[str]:
 
 def _mooncake(r: Recipe):
     """SpecForge's own ``ManagedLocalMooncakeConfig`` for the recipe's Mooncake section."""
-    from specforge_kimi.online.capture_server import mooncake_config
+    from specforge_kimi.servers.capture_server import mooncake_config
 
     mc = r.mooncake
     extra = {"rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}
@@ -488,8 +488,8 @@ def _mooncake(r: Recipe):
 
 def server_env(r: Recipe) -> dict[str, str]:
     """The capture server's environment: SpecForge's managed-local Mooncake settings + our plugin."""
-    from specforge_kimi.online import transport_plan
-    from specforge_kimi.online.capture_server import capture_server_env
+    from specforge_kimi.plan import transport_plan
+    from specforge_kimi.servers.capture_server import capture_server_env
 
     env = capture_server_env(_mooncake(r), put_clients=r.server.capture_put_clients)
     if r.mooncake.host != "127.0.0.1":
@@ -500,8 +500,8 @@ def server_env(r: Recipe) -> dict[str, str]:
 
 def process_env(r: Recipe) -> dict[str, str]:
     """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
-    from specforge_kimi.online import transport_plan
-    from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
+    from specforge_kimi.plan import transport_plan
+    from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
     from specforge_kimi.training.step_knobs import trainer_env
 
     env = {"SPECFORGE_PLUGINS": "specforge_kimi", **transport_plan.process_env(r)}
@@ -569,7 +569,7 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
             },
         },
     }
-    from specforge_kimi.online.transport_plan import runtime_config
+    from specforge_kimi.plan.transport_plan import runtime_config
 
     cfg["runtime"] = runtime_config(r)  # the producer pauses on bytes before the pool or the segment fills
     from specforge.config import Config
@@ -579,7 +579,7 @@ def specforge_config(r: Recipe, draft_config_path: str) -> dict:
 
 
 def _master_argv(r: Recipe) -> list[str]:
-    from specforge_kimi.online.capture_server import mooncake_master_argv
+    from specforge_kimi.servers.capture_server import mooncake_master_argv
 
     return mooncake_master_argv(_mooncake(r), python="python", host=r.mooncake.host)
 
@@ -591,7 +591,7 @@ def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
 
     import yaml
 
-    from specforge_kimi.online.transport_plan import choice as transport_choice
+    from specforge_kimi.plan.transport_plan import choice as transport_choice
 
     o = Path(out_dir)
     if write:
@@ -618,12 +618,12 @@ def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
             "producer",
         ],
         # one node: --standalone picks a free rendezvous port (as SpecForge's own plan does), and
-        # online.loopback keeps torchrun's stores on 127.0.0.1 (torch binds them to every address otherwise)
+        # servers.loopback keeps torchrun's stores on 127.0.0.1 (torch binds them to every address otherwise)
         "consumer": [
             "python",
             "-m",
             *(
-                ["specforge_kimi.online.loopback", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1"]
+                ["specforge_kimi.servers.loopback", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1"]
                 if r.gpus.nnodes == 1
                 else [
                     "torch.distributed.run",

@@ -11,7 +11,7 @@ on GPUs; the default stays ``server``.
 Serves ``GET /health`` once the segment is mounted (the supervisor's readiness probe); exits on
 SIGTERM/SIGINT. Mooncake settings come from the ``MOONCAKE_*`` environment, like the sink.
 
-    python -m specforge_kimi.online.segment_keeper --port 35904
+    python -m specforge_kimi.run.segment_keeper --port 35904
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def mount():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specforge_kimi.online.segment_keeper")
+    p = argparse.ArgumentParser(prog="python -m specforge_kimi.run.segment_keeper")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)

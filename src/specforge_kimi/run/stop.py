@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online import run_guard
+from specforge_kimi.run import run_guard
 
 
 def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> int | None:
@@ -71,9 +71,9 @@ def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> in
 
 def stop_run(recipe: Any, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say: Callable[[str], object] = print) -> dict:
     """Steps 1-3 of the module's docstring for ``recipe``'s output directory; returns what was done."""
-    from specforge_kimi.online.resume import read_record, run_started
-    from specforge_kimi.online.shm_leftovers import remove_leftovers
-    from specforge_kimi.online.transport_plan import remove_stale_pools
+    from specforge_kimi.plan.transport_plan import remove_stale_pools
+    from specforge_kimi.run.resume import read_record, run_started
+    from specforge_kimi.run.shm_leftovers import remove_leftovers
 
     out = Path(recipe.output_dir)
     if not out.is_dir():
@@ -107,7 +107,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: Any) -> int:
-    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.plan.recipes import load_recipe
 
     stop_run(load_recipe(args.recipe))
     return 0

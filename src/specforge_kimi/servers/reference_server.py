@@ -15,7 +15,7 @@ Not a server for real models: one request at a time, no batching, no generation 
 greedy token SGLang's capture requests ask for (``max_new_tokens: 1``). Request bodies over
 ``--max-request-bytes`` (64 MiB) are answered 413 without being read.
 
-    python -m specforge_kimi.online.reference_server --model-path DIR --spec-capture-aux-layer-ids 1 3 4 \
+    python -m specforge_kimi.servers.reference_server --model-path DIR --spec-capture-aux-layer-ids 1 3 4 \
         --host 127.0.0.1 --port 30000 [--dtype float32]
 
 Mooncake settings come from the same ``MOONCAKE_*`` environment variables as the real sink. With
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-logger = logging.getLogger("specforge_kimi.online.reference_server")
+logger = logging.getLogger("specforge_kimi.servers.reference_server")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 #: request bodies above this are answered 413 unread (a tiny model's capture batches are a few MiB of JSON)
@@ -81,8 +81,8 @@ class ReferenceCapture:
     def __init__(self, model_path: str, aux_layer_ids: Sequence[int], dtype: str = "float32") -> None:
         import torch
 
-        from specforge_kimi.target.checkpoint import inspect_target, load_text_model
-        from specforge_kimi.target.layer_ids import AuxLayers
+        from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+        from specforge_kimi.targets.layer_ids import AuxLayers
 
         info = inspect_target(model_path)
         # SGLang's rule (+1 for all when the first id is 1); the ids themselves are echoed back
@@ -128,7 +128,7 @@ class ReferenceCapture:
         """Forward one prompt, write its features; returns (meta_info result, greedy next token)."""
         import torch
 
-        from specforge_kimi.target.capture import capture_aux, text_decoder
+        from specforge_kimi.targets.capture import capture_aux, text_decoder
 
         ids = torch.tensor([input_ids], dtype=torch.long)
         with torch.no_grad(), capture_aux(self.model, self.aux) as out:
@@ -304,7 +304,7 @@ def make_handler(backend: ReferenceCapture, max_request_bytes: int = MAX_REQUEST
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m specforge_kimi.online.reference_server", description=__doc__.split("\n")[0]
+        prog="python -m specforge_kimi.servers.reference_server", description=__doc__.split("\n")[0]
     )
     p.add_argument("--model-path", required=True)
     p.add_argument(

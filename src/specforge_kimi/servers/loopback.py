@@ -4,7 +4,7 @@ Scope: the TCPStore servers the torchrun agent starts (the c10d rendezvous store
 join). torch's TCPStore server listens on ``::`` (else ``0.0.0.0``) whatever host it is given
 (``torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp``, ``UvTcpServer::makeWithPort``); only a socket handed
 over as ``master_listen_fd`` (``makeWithSocket``) decides its address, and torchrun has no option for that. So
-``python -m specforge_kimi.online.loopback torch.distributed.run ARGS`` runs torchrun unchanged except that a
+``python -m specforge_kimi.servers.loopback torch.distributed.run ARGS`` runs torchrun unchanged except that a
 TCPStore server whose host is a loopback address (or ``localhost``) gets a socket bound to that address.
 A recipe renders it for single-node consumers with ``--standalone --local-addr=127.0.0.1`` (so the ranks are
 told 127.0.0.1); multi-node consumers run plain torchrun on the recipe's ``master_addr``.
@@ -70,7 +70,7 @@ def install() -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != TORCHRUN:
-        raise SystemExit(f"usage: python -m specforge_kimi.online.loopback {TORCHRUN} [torchrun args]")
+        raise SystemExit(f"usage: python -m specforge_kimi.servers.loopback {TORCHRUN} [torchrun args]")
     install()
     sys.argv = [TORCHRUN, *argv[1:]]
     runpy.run_module(TORCHRUN, run_name="__main__", alter_sys=True)

@@ -21,11 +21,11 @@ refused unless ``--resume`` continues that run (:mod:`resume`, which also restar
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from specforge_kimi.errors import KimiInputError
+from specforge_kimi.plan.devices import node_gpus
 
 SERVER_START_TIMEOUT_S = 900.0  # K2.5 at TP=8 loads ~550 GB; first starts JIT-compile kernels
 MOONCAKE_START_TIMEOUT_S = 60.0
@@ -39,21 +39,6 @@ def _logged(argv: list[str], log: Path) -> tuple[str, ...]:
 def _py(argv: list[str], python: str) -> list[str]:
     """The rendered sheet says ``python``; run with this interpreter."""
     return [python if i == 0 and a == "python" else a for i, a in enumerate(argv)]
-
-
-def node_gpus(count: int, environ: Any = None) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` value for a node's ``count`` GPUs: the first ``count`` devices
-    the launching environment already lists in ``CUDA_VISIBLE_DEVICES``, else ``0..count-1``."""
-    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
-        return ",".join(str(i) for i in range(count))
-    devices = [d.strip() for d in visible.split(",") if d.strip()]
-    if len(devices) < count:
-        raise KimiInputError(
-            f"CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} device(s) but the recipe needs "
-            f"{count} per node (gpus.per_node); list {count} or unset it"
-        )
-    return ",".join(devices[:count])
 
 
 def build_colocated_plan(
@@ -100,7 +85,7 @@ def build_colocated_plan(
                     (
                         python,
                         "-m",
-                        "specforge_kimi.online.segment_keeper",
+                        "specforge_kimi.run.segment_keeper",
                         "--host",
                         mc.host,
                         "--port",
@@ -130,7 +115,7 @@ def build_colocated_plan(
         server_argv = [
             python,
             "-m",
-            "specforge_kimi.online.keeper",
+            "specforge_kimi.run.keeper",
             "--restarts",
             str(res.server_restarts),
             "--",
@@ -162,7 +147,7 @@ def build_colocated_plan(
         consumer = [
             python,
             "-m",
-            "specforge_kimi.online.keeper",
+            "specforge_kimi.run.keeper",
             "--restarts",
             str(res.consumer_restarts),
             "--resume-consumer",
@@ -201,7 +186,7 @@ def preflight(plan) -> None:
             f"{plan.managed_root} exists: a previous launch used this output_dir; "
             "move it away or choose another output_dir"
         )
-    from specforge_kimi.online.services import port_taken
+    from specforge_kimi.run.services import port_taken
 
     for port in plan.managed_ports:
         if port_taken(port):
@@ -211,7 +196,7 @@ def preflight(plan) -> None:
     if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
         raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
-        from specforge_kimi.online.setup_patches import GET_CHECKOUT
+        from specforge_kimi.setup.setup_patches import GET_CHECKOUT
 
         raise KimiInputError(
             "the installed sglang lacks SpecForge's spec-capture patch; run specforge-kimi setup "
@@ -230,8 +215,8 @@ def cuda_ipc_preflight(plan) -> None:
     server = [s for s in plan.services if s.command.env.get(SERVER_TRANSPORT_ENV) == "cuda_ipc"]
     if not server:
         return
-    from specforge_kimi.online.setup_patches import cuda_ipc_gaps
-    from specforge_kimi.online.transport_plan import peer_access_problem
+    from specforge_kimi.plan.transport_plan import peer_access_problem
+    from specforge_kimi.setup.setup_patches import cuda_ipc_gaps
 
     gaps = cuda_ipc_gaps()
     if gaps:
@@ -248,10 +233,10 @@ def cuda_ipc_preflight(plan) -> None:
 def compact_preflight(plan) -> None:
     """With ``server.compact_passthrough`` on (the plan's SpecForge processes carry the variable), refuse to
     start unless both halves of it are applied (``setup_patches.compact_passthrough_gaps``)."""
-    from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
+    from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
 
     if any(c.env.get(COMPACT_PASSTHROUGH_ENV) == "1" for c in plan.commands):
-        from specforge_kimi.online.setup_patches import compact_passthrough_gaps
+        from specforge_kimi.setup.setup_patches import compact_passthrough_gaps
 
         gaps = compact_passthrough_gaps()
         if gaps:
@@ -266,7 +251,7 @@ def trainer_step_preflight(plan) -> None:
     """Refuse to start when the plan's SpecForge processes ask for a trainer-step setting (``trainer.step_empty_cache:
     false``, ``trainer.fused_adamw: true``, ``trainer.step_fewer_host_syncs: true``) whose SpecForge patch is not
     applied: without it the variable is ignored and the run trains as SpecForge ships, silently."""
-    from specforge_kimi.online.setup_patches import specforge_patch_gaps
+    from specforge_kimi.setup.setup_patches import specforge_patch_gaps
     from specforge_kimi.training.step_knobs import patches_needed
 
     needed = sorted({name for c in plan.commands for name in patches_needed(c.env)})
@@ -301,7 +286,7 @@ def export_latest(recipe, rendered: dict) -> Path:
     import sys
 
     from specforge_kimi.drafts.export import export_run_draft
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.targets.layer_ids import AuxLayers
 
     out = Path(recipe.output_dir)
     latest = out / f"{recipe.name}-latest"
@@ -370,7 +355,7 @@ def plan_document(recipe, rendered: dict, plan) -> dict:
     memory split, with the directory ``launch`` would render them into (nothing is written)."""
     import json
 
-    from specforge_kimi.online.transport_plan import choice
+    from specforge_kimi.plan.transport_plan import choice
 
     rendered_dir = Path(recipe.output_dir) / "rendered"
     return {
@@ -389,13 +374,13 @@ def run(args) -> int:
     import json
     import sys
 
-    from specforge_kimi.online.recipes import load_recipe, render
+    from specforge_kimi.plan.recipes import load_recipe, render
 
     recipe = load_recipe(args.recipe)
     if args.stop_stale and not args.resume:
         raise KimiInputError("--stop-stale goes with --resume")
     if not args.plan:
-        from specforge_kimi.online.inputs import require_inputs
+        from specforge_kimi.plan.inputs import require_inputs
 
         require_inputs(recipe)  # target, tokenizer, prompts, vocab mapping, lengths: one line each, nothing started
     rendered = render(recipe, Path(recipe.output_dir) / "rendered", write=not args.plan)
@@ -408,9 +393,9 @@ def run(args) -> int:
     out = Path(recipe.output_dir)
     from contextlib import nullcontext
 
-    from specforge_kimi.online.gpu_memory import SAMPLES_CSV, GpuSampler
-    from specforge_kimi.online.progress import LiveProgress
-    from specforge_kimi.online.resume import run_attempts
+    from specforge_kimi.run.gpu_memory import SAMPLES_CSV, GpuSampler
+    from specforge_kimi.run.progress import LiveProgress
+    from specforge_kimi.run.resume import run_attempts
 
     def attempt(p) -> int:  # run_attempts removes stale cuda_ipc pools around it
         logs = Path(p.services[0].log_path).parent if p.services else out / "logs"

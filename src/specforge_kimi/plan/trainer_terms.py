@@ -1,7 +1,7 @@
 """The trainer side of a recipe's memory plan, term by term (``recipes.memory_plan`` sums them; the cuda_ipc pool's
 size, ``transport_plan.pool_room_bytes``, is what GPU 0 has left beside them).
 
-Scope: arithmetic on a validated recipe (``online.recipes.Recipe``) and its draft config; no imports of torch or
+Scope: arithmetic on a validated recipe (``plan.recipes.Recipe``) and its draft config; no imports of torch or
 SpecForge. ``bench/trainer_memory.py`` measures the same terms on a GPU with SpecForge's own step.
 """
 

@@ -4,7 +4,7 @@ online run uses (``capture-features``), and its draft trained on them by SpecFor
 
 Scope: the offline side of an online-vs-offline comparison (the same draft trained offline on the
 same captured data), and offline training in general. ``capture-features`` starts the recipe's
-Mooncake master and capture server (:mod:`specforge_kimi.online.services`, the recipe's own server
+Mooncake master and capture server (:mod:`specforge_kimi.run.services`, the recipe's own server
 argv), sends ``prompts.jsonl`` rows through SpecForge's producer transport
 (``SGLangServerCaptureAdapter.produce_refs``) exactly as the online producer does, reads every
 sample back with SpecForge's ``MooncakeFeatureStore.get`` and writes it in SpecForge's offline
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online.capture_server import COMPACT_PASSTHROUGH_ENV
+from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
 
 BATCH_TOKENS = 16384
 
@@ -94,7 +94,7 @@ def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vo
     from specforge.inference.capture import CaptureConfig
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
-    from specforge_kimi.online.capture_server import mooncake_reader_setup_kwargs
+    from specforge_kimi.servers.capture_server import mooncake_reader_setup_kwargs
 
     algorithm = create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
@@ -190,11 +190,11 @@ def run_recipe(
     start_timeout_s: float = 900.0,
 ) -> dict:
     """Start the recipe's Mooncake + capture server on this node, capture its prompts, stop both."""
-    from specforge_kimi.online import services
-    from specforge_kimi.online.capture_server import capture_server_env
-    from specforge_kimi.online.launch import node_gpus
-    from specforge_kimi.online.recipes import server_argv as recipe_server_argv
-    from specforge_kimi.online.recipes import server_env
+    from specforge_kimi.plan.devices import node_gpus
+    from specforge_kimi.plan.recipes import server_argv as recipe_server_argv
+    from specforge_kimi.plan.recipes import server_env
+    from specforge_kimi.run import services
+    from specforge_kimi.servers.capture_server import capture_server_env
 
     out = Path(out_dir)
     if out.exists():
@@ -250,7 +250,7 @@ def add_capture_parser(sub) -> None:
 
 
 def run_capture(args) -> int:
-    from specforge_kimi.online.recipes import load_recipe
+    from specforge_kimi.plan.recipes import load_recipe
 
     summary = run_recipe(load_recipe(args.recipe), args.out, limit=args.limit)
     print(json.dumps(summary, indent=2))
@@ -295,8 +295,8 @@ def run_train(args) -> int:
     import json
 
     from specforge_kimi import console
-    from specforge_kimi.online.progress import StepLines
-    from specforge_kimi.online.recipes import load_recipe, render
+    from specforge_kimi.plan.recipes import load_recipe, render
+    from specforge_kimi.run.progress import StepLines
 
     recipe = load_recipe(args.recipe)
     _check_inputs(recipe, args.features)
@@ -328,7 +328,7 @@ def _train_and_export(recipe, features: str, out: str, draft_config: str, max_st
     import sys
 
     from specforge_kimi.drafts.export import export_run_draft
-    from specforge_kimi.target.layer_ids import AuxLayers
+    from specforge_kimi.targets.layer_ids import AuxLayers
     from specforge_kimi.training.offline import _cuda_available, train_offline
 
     result = train_offline(

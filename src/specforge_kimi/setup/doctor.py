@@ -3,7 +3,7 @@
 Scope: read-only checks, each with a fix. Versions against the pins; our SpecForge patch and
 SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recipe also the
 target checkpoint (config vs recipe, tensor names and shapes against the config), its data files
-(tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.online.inputs`), Mooncake
+(tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.plan.inputs`), Mooncake
 reachability (or, with ``server.transport: cuda_ipc``, SGLang patch 0005 and peer access to GPU 0) and GPU
 count/memory against the recipe's budget. Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
@@ -152,7 +152,7 @@ def check_patches() -> list[Check]:
     import importlib.util
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.online import setup_patches
+    from specforge_kimi.setup import setup_patches
 
     out = []
     try:
@@ -225,7 +225,7 @@ def check_cuda() -> list[Check]:
 
 def check_target(recipe) -> list[Check]:
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.target.checkpoint import inspect_target, tensor_shapes, weight_index
+    from specforge_kimi.targets.checkpoint import inspect_target, tensor_shapes, weight_index
 
     t = recipe.target
     try:
@@ -293,7 +293,7 @@ def _check_int4(path, info, tp: int) -> Check:
     """K2.5's INT4 experts: every packed projection against the config, and the shapes SGLang's Marlin
     MoE kernel takes at the recipe's TP (hidden % 128, moe_intermediate / TP % 64)."""
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.target.checkpoint import check_int4_shapes
+    from specforge_kimi.targets.checkpoint import check_int4_shapes
 
     try:
         n = check_int4_shapes(path, info)
@@ -319,8 +319,8 @@ def _check_int4(path, info, tp: int) -> Check:
 
 
 def check_inputs(recipe) -> list[Check]:
-    """The recipe's data files against the target and each other (:mod:`specforge_kimi.online.inputs`)."""
-    from specforge_kimi.online import inputs
+    """The recipe's data files against the target and each other (:mod:`specforge_kimi.plan.inputs`)."""
+    from specforge_kimi.plan import inputs
 
     problems = inputs.check_inputs(recipe)
     if not problems:
@@ -377,9 +377,9 @@ def check_mooncake_binds(recipe) -> Check:
 
 def check_cuda_ipc(recipe) -> list[Check]:
     """``server.transport: cuda_ipc``: SGLang patch 0005 applied, and every GPU of the node reaching GPU 0."""
-    from specforge_kimi.online.launch import node_gpus
-    from specforge_kimi.online.setup_patches import cuda_ipc_gaps
-    from specforge_kimi.online.transport_plan import peer_access_problem, pool_bytes
+    from specforge_kimi.plan.devices import node_gpus
+    from specforge_kimi.plan.transport_plan import peer_access_problem, pool_bytes
+    from specforge_kimi.setup.setup_patches import cuda_ipc_gaps
 
     problems = cuda_ipc_gaps()
     if not problems:
@@ -430,14 +430,14 @@ def run_checks(recipe_path: str | None) -> list[Check]:
     checks = check_versions() + check_patches() + check_cuda()
     if recipe_path:
         from specforge_kimi.errors import KimiInputError
-        from specforge_kimi.online.recipes import load_recipe
+        from specforge_kimi.plan.recipes import load_recipe
 
         try:
             recipe = load_recipe(recipe_path)
         except KimiInputError as exc:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
-        from specforge_kimi.online.transport_plan import choice
+        from specforge_kimi.plan.transport_plan import choice
 
         c = choice(recipe)
         checks.append(Check("transport", "ok", f"{c['transport']} ({c['chosen_by']}): {c['why']}"))

@@ -111,7 +111,7 @@ def mooncake_master(
     log_path: Path, *, segment_bytes: int = 8 << 30, buffer_bytes: int = 1 << 30, ports: Sequence[int] | None = None
 ) -> Iterator:
     """A loopback Mooncake master; yields SpecForge's ``ManagedLocalMooncakeConfig`` for it."""
-    from specforge_kimi.online.capture_server import mooncake_config, mooncake_master_argv
+    from specforge_kimi.servers.capture_server import mooncake_config, mooncake_master_argv
 
     rpc, meta, metrics = ports or free_ports(3)
     mc = mooncake_config(

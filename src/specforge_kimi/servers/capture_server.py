@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from specforge_kimi.target.checkpoint import is_kimi_k25_checkpoint
+from specforge_kimi.targets.checkpoint import is_kimi_k25_checkpoint
 
 #: What the spec-capture patch's sink and SpecForge's managed_local launcher use.
 SPEC_CAPTURE_METHOD = "eagle3"
@@ -162,7 +162,7 @@ def capture_server_argv(
     single SM90 node; named so that the multicast-based ``mnnvl`` backend is never chosen).
 
     ``aux_specforge_ids`` are SpecForge/SGLang ids (SGLang shifts all by +1 when the first is 1;
-    see :mod:`specforge_kimi.target.layer_ids`). ``context_length=None`` keeps the checkpoint's own.
+    see :mod:`specforge_kimi.targets.layer_ids`). ``context_length=None`` keeps the checkpoint's own.
 
     ``ep_size`` (expert parallelism) and ``dp_attention_size`` (``--enable-dp-attention --dp-size N``:
     N attention data-parallel groups inside the TP group, the layout DeepSeek-V3-style models are served

@@ -35,7 +35,7 @@ def check_inputs(recipe) -> list[str]:
     target_vocab = t.vocab_size
     text: dict = {}
     try:
-        from specforge_kimi.target.checkpoint import inspect_target
+        from specforge_kimi.targets.checkpoint import inspect_target
 
         info = inspect_target(t.path)
     except KimiInputError as exc:

@@ -107,7 +107,7 @@ def prefetch_bytes(r) -> int:
 def pool_room_bytes(r) -> int:
     """What GPU 0 has left for the pool: the trainer's room beside the server's static pool, less the captured
     rows and the trainer's planned peak (``trainer_terms`` + prefetch + ``trainer.reserve_gib``)."""
-    from specforge_kimi.online.trainer_terms import trainer_peak_bytes, trainer_room_bytes
+    from specforge_kimi.plan.trainer_terms import trainer_peak_bytes, trainer_room_bytes
 
     return trainer_room_bytes(r) - server_rows_bytes(r) - trainer_peak_bytes(r, prefetch=prefetch_bytes(r))
 

@@ -202,7 +202,7 @@ class RunTail:
         return max(found) if found else None
 
     def poll(self, *, force_ledger: bool = False) -> Snapshot:
-        from specforge_kimi.online.ledger import counts
+        from specforge_kimi.run.ledger import counts
 
         self._read_logs()
         self._read_refs()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.target.layer_ids import AuxLayers
+from specforge_kimi.targets.layer_ids import AuxLayers
 
 
 def text_decoder(model: nn.Module) -> nn.Module:

@@ -61,13 +61,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specforge_kimi.durable import fsync_path, write_atomic
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.online import run_guard
 from specforge_kimi.registration import (
     CHECKPOINT_COMPLETE,
     CHECKPOINT_COMPLETE_FORMAT,
     FRESH_CHANNEL_ENV,
     RESUME_SKIP_ENV,
 )
+from specforge_kimi.run import run_guard
 
 RECORD_FILE = "resume.json"
 RECORD_FORMAT = "specforge-kimi/run-attempts/v1"
@@ -485,7 +485,7 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
             )
         say(f"stopping {len(stale)} processes of the previous attempt: {[pid for pid, _ in stale]}")
         stopped = run_guard.stop(stale)
-    from specforge_kimi.online.ledger import ledger_db
+    from specforge_kimi.run.ledger import ledger_db
 
     ledger = ledger_db(out)
     point = reconcile(out, run_id=recipe.name, quantum=quantum, world_size=recipe.tp, ledger=ledger)
@@ -551,8 +551,8 @@ def clean_leftovers(recipe, since: float) -> tuple[list[str], list[str]]:
     """What an attempt's killed processes left: the cuda_ipc pools of dead capture servers
     (``transport_plan.remove_stale_pools``; nothing for Mooncake) and the run's libraries' files in ``/dev/shm``
     since ``since`` (:mod:`shm_leftovers`; what live processes hold stays). The names removed, of each."""
-    from specforge_kimi.online.shm_leftovers import remove_leftovers
-    from specforge_kimi.online.transport_plan import remove_stale_pools
+    from specforge_kimi.plan.transport_plan import remove_stale_pools
+    from specforge_kimi.run.shm_leftovers import remove_leftovers
 
     return remove_stale_pools(recipe), remove_leftovers(since)
 
@@ -567,7 +567,7 @@ def run_attempts(
     tables) is removed (``transport_plan.remove_stale_pools``; nothing for Mooncake), and so is what the run's
     libraries left in ``/dev/shm`` since its first attempt (:mod:`shm_leftovers`), so every caller -- ``launch``,
     the drills -- starts and ends each attempt clean."""
-    from specforge_kimi.online.ledger import durable_step
+    from specforge_kimi.run.ledger import durable_step
 
     def clean(since: float, *, settle_s: float = 0.0) -> None:
         deadline = time.monotonic() + settle_s  # a stopped server's schedulers may take a moment to go

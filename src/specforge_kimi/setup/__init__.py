@@ -1,0 +1,1 @@
+"""Machine set-up: the patch set applied to and checked in the pinned SpecForge and SGLang, and ``doctor``."""
