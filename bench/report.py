@@ -120,8 +120,8 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# what is current: edit HEADLINE and SUPERSEDED when a measurement lands (NOTES.md "Measurements" names the
-# current figure per area, "History" the superseded ones; tests/gpu/RUNS.md has each run)
+# what is current: edit HEADLINE and SUPERSEDED when a measurement lands (bench/REPORT.md and docs/decisions/ quote the
+# current figure per area, SUPERSEDED the older ones; archive/gpu-runs/RUNS.md has each run)
 # --------------------------------------------------------------------------------------------
 K25_HIDDEN = 7168
 
@@ -341,8 +341,8 @@ _ECHO_ONLINE = "acceptance_online_draft_echo_tp1_h200.json on 2026-12-01"
 _ECHO_TWIN = "acceptance_offline_twin_echo_tp1_h200.json on 2026-12-01"
 _ECHO_PAIR = "offline_twin_echo_tp1_h200.json on 2026-12-01"
 _ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
-#: Files taken out of the main sections into the appendix, each with its one-line reason: a file NOTES.md's
-#: History names and no current Measurements paragraph cites (a file both cite stays in the main sections), and
+#: Files taken out of the main sections into the appendix, each with its one-line reason: a file the archived
+#: notes' History names (archive/notes-2026-12-04.md) and no current Measurements paragraph cites (a file both cite stays in the main sections), and
 #: failed experiments. A value ``(reason, sections)`` takes the file out of those sections only (the section ids of
 #: ``_sections``). An acceptance run below its threshold goes to the appendix without an entry here; an entry adds
 #: its context.
@@ -353,7 +353,7 @@ _ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
 SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     # acceptance through SGLang
     "acceptance_k25_slice_h200.json": "a loading-and-counting check, not a quality number: the K2.5-width slice "
-    "(random weights) with a 20-step draft, served by SGLang's own EAGLE-3 (RUNS.md 2026-12-03 (evening))",
+    "(random weights) with a 20-step draft, served by SGLang's own EAGLE-3 (archive/gpu-runs/RUNS.md 2026-12-03 (evening))",
     "acceptance_online_draft_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on corpus text (2026-11-30)",
     "acceptance_online_draft_regen_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on regenerated "
     "data (2026-11-30, late)",
@@ -365,7 +365,7 @@ SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     "acceptance_offline_twin_taps_tp1_h200.json": f"superseded by {_ECHO_TWIN}: the deep-taps run's twin",
     # below the 3.0 threshold (the appendix says so by itself); what each was for
     "acceptance_online_draft_taps_tp1_h200.json": "deep aux taps on the step-bounded target (2026-12-01): no "
-    "measurable difference from SGLang's default taps (NOTES.md Measurements, acceptance)",
+    "measurable difference from SGLang's default taps (docs/decisions/001-target-and-adapter.md)",
     "acceptance_online_draft_4800_tp1_h200.json": "4,800 online steps on the step-bounded target (2026-12-01): the "
     "default-taps side of the deep-taps comparison",
     "acceptance_mla_offline_tp1_h200.json": "the MLA draft on the first TP=1 run's features (2026-12-01), 3.2% behind "
@@ -1707,7 +1707,7 @@ def section_engine_pairs(twins: list[tuple[str, dict]], engines: list[tuple[str,
         rows.append([n, "Llama-style", "MLA", a, b, _num((b - a) / a if a and b else None, "{:+.1%}"), None])
     notes = [
         f"- `{n}`: the online side is `{r['online_bench_from']}`, an earlier device call's bench; the twin's "
-        "target and data were rebuilt for it (tests/gpu/RUNS.md says how closely)"
+        "target and data were rebuilt for it (archive/gpu-runs/RUNS.md says how closely)"
         for n, r in twins
         if r.get("online_bench_from")
     ]

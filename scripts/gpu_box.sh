@@ -6,7 +6,7 @@
 #                                        JIT cache .tgz) into /tmp/gb; nothing else
 #   . scripts/gpu_box.sh                 the rest, once the last part is in /tmp/gb (idempotent: a second call
 #                                        re-copies the tree and re-exports the variables only)
-# The bundle: ../shared/gpu-bundle/build.sh (NOTES "Open work" has its patch list); 0005 is applied here so that
+# The bundle: ../shared/gpu-bundle/build.sh (NOTES.md "GPU campaigns" has its patch list); 0005 is applied here so that
 # the bundle need not be rebuilt when it changes. Results: write under $OUT (tar a folder: 8 files come back).
 _gb_main() {
   local src dest=/tmp/gpu-site

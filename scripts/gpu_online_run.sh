@@ -28,7 +28,7 @@
 #        bash scripts/gpu_online_run.sh [LAUNCH_TIMEOUT_S]
 # REGEN_DETERMINISTIC=1 (the default) starts the regenerate server with SGLang's --enable-deterministic-inference
 # (batch-invariant kernels, pytorch sampling), so two data stages on the same target give the same data bit for bit:
-# measured on one H200 (2026-12-02, tests/gpu/RUNS.md), two such stages 0 of 3,100 rows apart, two with
+# measured on one H200 (2026-12-02, archive/gpu-runs/RUNS.md), two such stages 0 of 3,100 rows apart, two with
 # REGEN_DETERMINISTIC=0 (SGLang's default kernels, 256 requests in flight) 31 of 3,100; about 25% slower regeneration.
 set -uo pipefail
 cd "$(dirname "$0")/.."

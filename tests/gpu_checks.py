@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 #: bytes written per trained token besides checkpoints, export and rendered configs (refs, ledger, logs);
-#: measured 64 on H200x2 (tests/gpu/RUNS.md): features travel through the transport, not the disk
+#: measured 64 on H200x2 (archive/gpu-runs/RUNS.md): features travel through the transport, not the disk
 METADATA_BOUND = 256
 
 

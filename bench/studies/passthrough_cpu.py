@@ -1,7 +1,7 @@
 """CPU cost of a capture request's passthrough lists on the request path, SpecForge's JSON lists
 against the compact forms of our SpecForge patch 0002 + SGLang patch 0004.
 
-On the H200 (``bench/online_pipeline.py --breakdown``, tests/gpu/RUNS.md, 2026-12-01, the prompt-rule target run) the
+On the H200 (``bench/online_pipeline.py --breakdown``, archive/gpu-runs/RUNS.md, 2026-12-01, the prompt-rule target run) the
 passthrough lists (input_ids, loss_mask, attention_mask as JSON int lists inside ``spec_capture``)
 cost 40-80 ms per 65,536-token batch on the server and 11-23 ms of client encoding, most of what
 capture adds to a prefill; the 270 MB feature write itself added 7-15 ms. This script times, on

@@ -19,7 +19,7 @@ Tolerances, chosen knowingly:
 - Per token: cosine >= 0.99 for every aux slot and the last hidden state.
 - Per prompt: relative Frobenius error <= 0.02 + 0.04 * T / 1024 (a transformers bf16 forward on
   CPU, used as a proxy before the GPU run, gave 0.6-0.9% at 16-64 tokens and up to 3.6% at 1024;
-  SGLang on H200 measured 0.64-0.84% at every length, see tests/gpu/RUNS.md).
+  SGLang on H200 measured 0.64-0.84% at every length, see archive/gpu-runs/RUNS.md).
 - Layer identity, strict: each captured slot must be >= 5x closer (relative Frobenius) to HF
   ``hidden_states[p]`` than to ``hidden_states[p-1]`` and ``[p+1]``; adjacent residuals of this
   model differ by >= 50%. This is what catches wrong layers and per-rank partial sums.

@@ -6,7 +6,7 @@ over two device calls). A device call lost to a script slip costs a budget's GPU
 shell logic is checked here with stand-ins: ``python3 -m specforge_kimi <cmd>`` and ``nvidia-smi``
 are replaced on ``PATH`` by shims that record their arguments and write the files the scripts
 read; every other ``python3`` (recipe loading) is the real interpreter. The commands themselves
-run on the GPU box (tests/gpu/RUNS.md).
+run on the GPU box (archive/gpu-runs/RUNS.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Scope: the script's code paths -- Mooncake master, capture server, SpecForge's capture adapter
 and feature store, one batch at a time and ``--in-flight K`` batches from K threads sharing the
 adapter -- with ``--engine reference`` (the CPU stand-in for SGLang). The rates it prints are not
-measurements of anything; the GPU box runs the same script against SGLang (tests/gpu/RUNS.md).
+measurements of anything; the GPU box runs the same script against SGLang (archive/gpu-runs/RUNS.md).
 """
 
 from __future__ import annotations

@@ -704,7 +704,7 @@ def test_report_tabulates_targets_runs_evaluations_drills(tmp_path):
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
     assert "## Unrecognised results files" not in md
     assert "| target_select.json | 1 | 2000 | - | 1.700 | 1.500 | 1.900 | 0.600 | yes |" in md
-    # superseded files (NOTES.md History) are tabulated in the appendix, not in their main sections
+    # superseded files (the archived notes' History) are tabulated in the appendix, not in their main sections
     assert "| tiny_target_pretrain_120s_h200x2.json | 8L/512h | cuda | 1283 |" in _appendix(md)
     assert "tiny_target_pretrain_120s_h200x2.json" not in _section(md, "Tiny targets")
     assert "| online_run_regen_h200x2.json | 900 | 1800 | 0 | 492414 |" in md
@@ -1008,7 +1008,7 @@ def test_report_superseded_and_failed_go_to_the_appendix(tmp_path):
     assert "- `acceptance_below.json`: failed experiment: AL 2.500 below its 3.0 threshold" in appendix
     assert (
         "- `acceptance_online_draft_taps_tp1_h200.json`: deep aux taps on the step-bounded target (2026-12-01): no "
-        "measurable difference from SGLang's default taps (NOTES.md Measurements, acceptance); AL 2.159 below its "
+        "measurable difference from SGLang's default taps (docs/decisions/001-target-and-adapter.md); AL 2.159 below its "
         "3.0 threshold"
     ) in appendix
     assert "| acceptance_below.json | tiny 8L/512h, pretrained 1400 steps | 3/1/4 | structured |" in appendix
