@@ -1,72 +1,72 @@
 """What :func:`specforge_kimi.register` installs, seam by seam.
 
 Scope: in-process registration only; it changes no file on disk. Every step is idempotent and
-imports transformers/specforge lazily. The seams:
+imports transformers/specforge lazily. The seams, each by its name (code, tests and docs use the name):
 
-1. transformers ``AutoConfig``: ``kimi_k25`` -> :class:`target.KimiK25Config` (no remote code;
-   top-level ``hidden_size``/``vocab_size``/``num_hidden_layers`` read through ``text_config``,
-   which is what SpecForge's ``TargetHead`` and draft-config derivation read).
-2. SpecForge weight loaders (``TargetHead.load_weights``,
-   ``TargetEmbeddingsAndHead._load_weights``, ``Eagle3DraftModel.load_embedding``): a key that
-   a local checkpoint does not contain is resolved to the checkpoint's own embedding / LM-head
-   name (K2.5 ``language_model.*``, NVFP4 ``language_model.layers.*``) instead of a KeyError.
-   Keys that exist are passed through untouched. These are wrappers, not rewrites: SpecForge's
-   own loading code still runs. They act only on a checkpoint :func:`_is_k25_dir` recognises (a
-   local directory whose ``config.json`` is K2.5's wrapper); for any other target SpecForge's code
-   runs with the arguments it was given, so its own checks and errors (``.bin`` checkpoints, a
-   missing tensor, a missing shard) are what the user sees.
-3. SpecForge ``TEMPLATE_REGISTRY``: the ``kimi-k2.5`` chat template.
-4. SpecForge's producer tokenizer (``training.assembly._load_text_tokenizer``, which calls
-   ``AutoTokenizer`` with the run's ``trust_remote_code``, False by default): a K2.5 checkpoint
-   whose tokenizer is remote code (``tokenization_kimi.py``, tiktoken) is loaded with
-   ``trust_remote_code=True`` from local files and its special ids are checked
-   (:func:`tokenizer.load_tokenizer`); the run's config (and with it the AutoConfig path) keeps
-   ``trust_remote_code: false``. Other targets pass through untouched.
-5. SpecForge's draft registry and ``eagle3`` algorithm: the MLA EAGLE-3 draft
-   (``Eagle3DeepseekV2ForCausalLM``, :func:`specforge_kimi.drafts.mla_eagle3.register_mla_draft`).
-6. SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
-   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
-   ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
-   SpecForge. Its rollout worker requeues the prompts (retryable) either way, but it drops a
-   worker after 3 consecutive failed calls and fails a prompt after 5 attempts, so without the
-   wait a server restart (a minute or more) ends the run. Successful calls are untouched.
-7. SpecForge's consumer-failure sidecar (``StreamingRefChannel.mark_consumer_failed``): when one
-   trainer rank dies, torchrun SIGTERMs the others, and each of them publishes
-   ``consumer_failed: _WorkerTermination: 15``, which stops the producer for good -- so a consumer
-   the keeper is about to resume (``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``, set by
-   :mod:`specforge_kimi.run.keeper` while it has restarts left) would find no producer. In that case
-   only, a signal-driven stop (``_WorkerTermination``) is not published, nor is a collective that
-   failed because a peer rank's connection closed (gloo's ``Connection closed by peer``, which can
-   reach a surviving rank before torchrun's SIGTERM does: :data:`PEER_LOST`); the producer waits
-   for the resumed consumer instead, and if the keeper cannot resume it exits and the supervisor
-   stops the run. Real training errors are always published.
-8. The cuda_ipc feature transport (:mod:`specforge_kimi.transport`): with ``SPECFORGE_KIMI_TRANSPORT=cuda_ipc``
-   (set by a recipe with ``server.transport: cuda_ipc`` for every role) SpecForge's online feature store
-   (``training.disaggregated._mooncake_store``, looked up at call time) is our
-   :class:`~specforge_kimi.transport.store.CudaIpcFeatureStore`; and the producer's
-   ``SGLangServerCaptureAdapter._ref_from_result`` carries a capture's ``cuda_ipc`` descriptor into the ref
-   (``metadata["cuda_ipc"]``, ``cudaipc://`` URI). Without the variable, and for results without a
-   descriptor, both are SpecForge's own.
+- ``k25-config``: transformers ``AutoConfig``: ``kimi_k25`` -> ``targets.checkpoint.KimiK25Config`` (no remote code;
+  top-level ``hidden_size``/``vocab_size``/``num_hidden_layers`` read through ``text_config``,
+  which is what SpecForge's ``TargetHead`` and draft-config derivation read).
+- ``weight-keys``: SpecForge weight loaders (``TargetHead.load_weights``,
+  ``TargetEmbeddingsAndHead._load_weights``, ``Eagle3DraftModel.load_embedding``): a key that
+  a local checkpoint does not contain is resolved to the checkpoint's own embedding / LM-head
+  name (K2.5 ``language_model.*``, NVFP4 ``language_model.layers.*``) instead of a KeyError.
+  Keys that exist are passed through untouched. These are wrappers, not rewrites: SpecForge's
+  own loading code still runs. They act only on a checkpoint :func:`_is_k25_dir` recognises (a
+  local directory whose ``config.json`` is K2.5's wrapper); for any other target SpecForge's code
+  runs with the arguments it was given, so its own checks and errors (``.bin`` checkpoints, a
+  missing tensor, a missing shard) are what the user sees.
+- ``chat-template``: SpecForge ``TEMPLATE_REGISTRY``: the ``kimi-k2.5`` chat template.
+- ``remote-tokenizer``: SpecForge's producer tokenizer (``training.assembly._load_text_tokenizer``, which calls
+  ``AutoTokenizer`` with the run's ``trust_remote_code``, False by default): a K2.5 checkpoint
+  whose tokenizer is remote code (``tokenization_kimi.py``, tiktoken) is loaded with
+  ``trust_remote_code=True`` from local files and its special ids are checked
+  (:func:`tokenizer.load_tokenizer`); the run's config (and with it the AutoConfig path) keeps
+  ``trust_remote_code: false``. Other targets pass through untouched.
+- ``mla-draft``: SpecForge's draft registry and ``eagle3`` algorithm: the MLA EAGLE-3 draft
+  (``Eagle3DeepseekV2ForCausalLM``, :func:`specforge_kimi.drafts.mla_eagle3.register_mla_draft`).
+- ``outage-wait``: SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
+  request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
+  ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
+  SpecForge. Its rollout worker requeues the prompts (retryable) either way, but it drops a
+  worker after 3 consecutive failed calls and fails a prompt after 5 attempts, so without the
+  wait a server restart (a minute or more) ends the run. Successful calls are untouched.
+- ``restartable-consumer``: SpecForge's consumer-failure sidecar (``StreamingRefChannel.mark_consumer_failed``):
+  when one trainer rank dies, torchrun SIGTERMs the others, and each of them publishes
+  ``consumer_failed: _WorkerTermination: 15``, which stops the producer for good -- so a consumer
+  the keeper is about to resume (``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``, set by
+  :mod:`specforge_kimi.run.keeper` while it has restarts left) would find no producer. In that case
+  only, a signal-driven stop (``_WorkerTermination``) is not published, nor is a collective that
+  failed because a peer rank's connection closed (gloo's ``Connection closed by peer``, which can
+  reach a surviving rank before torchrun's SIGTERM does: :data:`PEER_LOST`); the producer waits
+  for the resumed consumer instead, and if the keeper cannot resume it exits and the supervisor
+  stops the run. Real training errors are always published.
+- ``cuda-ipc-store``: the cuda_ipc feature transport (:mod:`specforge_kimi.transport`): with
+  ``SPECFORGE_KIMI_TRANSPORT=cuda_ipc`` (set by a recipe with ``server.transport: cuda_ipc`` for every role)
+  SpecForge's online feature store (``training.disaggregated._mooncake_store``, looked up at call time) is our
+  :class:`~specforge_kimi.transport.store.CudaIpcFeatureStore`; and the producer's
+  ``SGLangServerCaptureAdapter._ref_from_result`` carries a capture's ``cuda_ipc`` descriptor into the ref
+  (``metadata["cuda_ipc"]``, ``cudaipc://`` URI). Without the variable, and for results without a
+  descriptor, both are SpecForge's own.
 
 Whole-run resume (``specforge-kimi launch RECIPE --resume``, :mod:`specforge_kimi.run.resume`) needs
-three more (9-11), installed in every run from its first attempt:
+three more, installed in every run from its first attempt:
 
-9. SpecForge's online prompt plan (``specforge.launch._iter_epoch_online_prompt_batches``): every prompt
-   gets a deterministic task id, ``epoch{e:04d}-prompt{i:012d}`` (SpecForge's own multi-epoch form, now
-   also for one epoch, where SpecForge mints a random ``task-<uuid>`` per producer run), so the ledger's
-   sample ids name prompts across attempts. With ``SPECFORGE_KIMI_RESUME_SKIP`` naming a file of task
-   ids (one a line: the samples trained into the checkpoint a resumed attempt starts from), those
-   prompts are left out of the plan; the rest keep their order.
-10. SpecForge's ``RefDistributor.__init__`` on a fresh channel (``SPECFORGE_KIMI_RESUME_FRESH_CHANNEL=1``,
-   set for a resumed attempt, whose control directory is new): it still skips the released sample ids,
-   but does not "repair" the channel's consumed counter from them -- that repair is for a consumer
-   restarted on the same channel; on a new one it marks consumed what was never published there, which
-   turns the producer's backpressure off.
-11. SpecForge's ``CheckpointManager.save``: after SpecForge wrote a checkpoint (``torch.save`` + rename,
-    no fsync, ``-latest`` re-pointed by remove + symlink), every rank fsyncs its own file, then rank 0
-    fsyncs the shared one and writes ``specforge_kimi_complete.json`` (step, run id, world size, every
-    file's size) atomically and fsynced. ``--resume`` loads only checkpoints with that marker whose files
-    still have those sizes, so a checkpoint the node died writing is never loaded.
+- ``prompt-ids``: SpecForge's online prompt plan (``specforge.launch._iter_epoch_online_prompt_batches``): every prompt
+  gets a deterministic task id, ``epoch{e:04d}-prompt{i:012d}`` (SpecForge's own multi-epoch form, now
+  also for one epoch, where SpecForge mints a random ``task-<uuid>`` per producer run), so the ledger's
+  sample ids name prompts across attempts. With ``SPECFORGE_KIMI_RESUME_SKIP`` naming a file of task
+  ids (one a line: the samples trained into the checkpoint a resumed attempt starts from), those
+  prompts are left out of the plan; the rest keep their order.
+- ``fresh-channel``: SpecForge's ``RefDistributor.__init__`` on a fresh channel
+  (``SPECFORGE_KIMI_RESUME_FRESH_CHANNEL=1``, set for a resumed attempt, whose control directory is new): it
+  still skips the released sample ids, but does not "repair" the channel's consumed counter from them -- that
+  repair is for a consumer restarted on the same channel; on a new one it marks consumed what was never
+  published there, which turns the producer's backpressure off.
+- ``checkpoint-save``: SpecForge's ``CheckpointManager.save``: after SpecForge wrote a checkpoint (``torch.save`` +
+  rename, no fsync, ``-latest`` re-pointed by remove + symlink), every rank fsyncs its own file, then rank 0
+  fsyncs the shared one and writes ``specforge_kimi_complete.json`` (step, run id, world size, every
+  file's size) atomically and fsynced. ``--resume`` loads only checkpoints with that marker whose files
+  still have those sizes, so a checkpoint the node died writing is never loaded.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def _resolving(role: str, key_arg: str, key_pos: int, default: str):
 
 
 def _install_weight_key_resolution() -> None:
+    """The ``weight-keys`` seam (module docstring)."""
     from specforge.modeling.draft.base import Eagle3DraftModel
     from specforge.modeling.target.target_head import TargetHead
     from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
@@ -146,6 +147,7 @@ def _install_weight_key_resolution() -> None:
 
 
 def _install_tokenizer_loader() -> None:
+    """The ``remote-tokenizer`` seam (module docstring)."""
     import json
 
     from specforge.training import assembly
@@ -186,6 +188,7 @@ def _server_healthy(base_url: str) -> bool:
 
 
 def _install_outage_wait() -> None:
+    """The ``outage-wait`` seam (module docstring)."""
     from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
 
     original = SGLangServerCaptureAdapter.produce_refs
@@ -242,6 +245,7 @@ def _peer_stop(reason: str) -> bool:
 
 
 def _install_restartable_consumer_failure() -> None:
+    """The ``restartable-consumer`` seam (module docstring)."""
     from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
 
     original = StreamingRefChannel.mark_consumer_failed
@@ -266,6 +270,7 @@ def _install_restartable_consumer_failure() -> None:
 
 
 def _install_cuda_ipc_transport() -> None:
+    """The ``cuda-ipc-store`` seam (module docstring)."""
     from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
     from specforge.training import disaggregated
 
@@ -313,7 +318,7 @@ CHECKPOINT_COMPLETE_FORMAT = "specforge-kimi/checkpoint-complete/v1"
 
 
 def prompt_task_id(epoch: int, index: int) -> str:
-    """The task id seam 9 gives prompt ``index`` of ``epoch`` (SpecForge's multi-epoch form)."""
+    """The task id the ``prompt-ids`` seam gives prompt ``index`` of ``epoch`` (SpecForge's multi-epoch form)."""
     return f"epoch{epoch:04d}-prompt{index:012d}"
 
 
@@ -331,6 +336,7 @@ def _resume_skip_ids() -> frozenset[str]:
 
 
 def _install_deterministic_prompt_ids() -> None:
+    """The ``prompt-ids`` seam (module docstring)."""
     import specforge.launch as sf_launch
 
     original = sf_launch._iter_epoch_online_prompt_batches
@@ -368,6 +374,7 @@ def _install_deterministic_prompt_ids() -> None:
 
 
 def _install_fresh_channel_distributor() -> None:
+    """The ``fresh-channel`` seam (module docstring)."""
     from specforge.runtime.data_plane.ref_distributor import RefDistributor
 
     original = RefDistributor.__init__
@@ -424,6 +431,7 @@ def _mark_checkpoint_complete(ckpt_dir: str, *, run_id: str, step: int, world_si
 
 
 def _install_checkpoint_completion() -> None:
+    """The ``checkpoint-save`` seam (module docstring)."""
     from specforge.training.checkpoint import CheckpointManager
 
     original = CheckpointManager.save
