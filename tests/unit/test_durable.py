@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from specforge_kimi import durable
+from specforge_kimi.errors import KimiInputError
 
 
 def test_write_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
@@ -50,3 +52,29 @@ def test_replace_dir_swaps_in_the_new_tree(tmp_path):
     assert (out / "f").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     durable.replace_dir(_tree(tmp_path / ".out.partial-2", "newer"), out)
     assert (out / "f").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_open_lock_refuses_a_link_and_never_truncates_its_target(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / "x.lock").symlink_to(victim)
+    with pytest.raises(KimiInputError, match="symbolic link to .*victim") as err:
+        durable.open_lock(tmp_path / "x.lock")
+    assert "\n" not in str(err.value) and victim.read_text() == "keep me"
+    (tmp_path / "dangling.lock").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(KimiInputError, match="symbolic link"):
+        durable.open_lock(tmp_path / "dangling.lock")
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_open_lock_creates_owner_only_and_refuses_what_is_not_a_file(tmp_path):
+    fd = durable.open_lock(tmp_path / "a.lock")
+    try:
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600 and os.get_inheritable(fd) is False
+    finally:
+        os.close(fd)
+    (tmp_path / "d.lock").mkdir()
+    os.mkfifo(tmp_path / "f.lock")
+    for name in ("d.lock", "f.lock"):
+        with pytest.raises(KimiInputError, match=name):
+            durable.open_lock(tmp_path / name)

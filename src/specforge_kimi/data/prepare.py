@@ -61,6 +61,7 @@ __all__ = [
     "SUMMARY_FILE",
     "VOCAB_MAPPING_FILE",
     "PrepareOptions",
+    "add_arguments",
     "add_parser",
     "prepare",
     "run",
@@ -183,7 +184,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="conversations JSONL -> pre-tokenized prompts + draft vocab mapping",
         description=_DESCRIPTION,
     )
-    _add_arguments(parser)
+    add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -217,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``prepare`` flags (the CLI builds the subcommand from these and :func:`run`)."""
     parser.add_argument("input", metavar="IN.jsonl", help="conversations, one JSON object per line")
     parser.add_argument(
         "--out",
