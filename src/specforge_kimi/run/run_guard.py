@@ -4,7 +4,8 @@ Scope: one node, Linux ``/proc``. Every process ``launch`` starts carries ``SPEC
 (absolute) in its environment, and every process those start inherits it: SGLang's schedulers, torchrun's
 trainer ranks -- which run in sessions of their own, so a ``kill -9`` of the launch's process groups leaves
 them behind, blocked on a Mooncake that is gone. The launcher itself holds ``<output_dir>/launch.lock``
-(``flock``; the kernel drops it when the process dies, however it dies). ``launch --resume`` refuses while
+(``flock``; the kernel drops it when the process dies, however it dies; opened ``O_NOFOLLOW``, mode ``0600``:
+a ``launch.lock`` that is a link or not a regular file is refused with one line). ``launch --resume`` refuses while
 the lock is held or marked processes live, and stops the marked processes when asked (``--stop-stale``:
 SIGTERM, then SIGKILL after a grace period). Only the mark counts: a ``tail -f`` of a run log is not the
 run's. Processes of other users cannot be read and are not seen.
@@ -17,6 +18,7 @@ import signal
 import time
 from pathlib import Path
 
+from specforge_kimi.durable import open_lock
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.procfs import stat_fields
 
@@ -36,7 +38,7 @@ def acquire_lock(out: Path) -> None:
         return
     Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(key) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_lock(path, what="launch lock")  # O_NOFOLLOW, 0600: a planted link is refused, never truncated
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
