@@ -6,10 +6,12 @@ Bad input (:class:`errors.KimiInputError`) prints one ``error: ...`` line and ex
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from specforge_kimi.errors import KimiInputError, validation_summary
 
@@ -76,6 +78,94 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiny_arguments(p: argparse.ArgumentParser) -> None:
+    """``tiny``: the checkpoint's shape, and the optional pretraining on the structured corpus."""
+    from specforge_kimi.demo import prompt_rules  # light: the rule names for --pretrain-prompt-rule
+
+    p.add_argument("out_dir", help="new directory for the checkpoint (config, safetensors, tokenizer)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (K2.5: 61; the first is dense)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (K2.5: 7168)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the TP size you test)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (K2.5: 384)")
+    p.add_argument("--experts-per-token", type=int, default=2, help="top-k routing (K2.5: 8)")
+    p.add_argument("--moe-intermediate", type=int, default=256, help="routed expert intermediate size (K2.5: 2048)")
+    p.add_argument("--dense-intermediate", type=int, default=1024, help="layer 0's dense MLP size (K2.5: 18432)")
+    p.add_argument("--q-lora-rank", type=int, default=1536, help="MLA query low-rank size (K2.5: 1536)")
+    p.add_argument("--vocab", type=int, default=163840, help="vocabulary (K2.5: 163840; must hold K2.5's special ids)")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument(
+        "--int4-experts",
+        action="store_true",
+        help="routed experts as K2.5 ships them: compressed-tensors pack-quantized int4, symmetric, "
+        "group 32 (weight_packed/weight_scale/weight_shape), K2.5's quantization_config; with "
+        "--pretrain they are quantized after training and the held-out numbers are the quantized model's",
+    )
+    p.add_argument(
+        "--init-device",
+        default="cpu",
+        help="device that generates (and quantizes) the random weights: cpu (default; the same bytes "
+        "for a seed everywhere) or cuda (a K2.5-width checkpoint in seconds; other bytes than cpu's)",
+    )
+    p.add_argument(
+        "--pretrain",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)",
+    )
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="also stop pretraining after N optimizer steps (whichever of SECONDS / N ends first)",
+    )
+    p.add_argument(
+        "--no-pretrain-deterministic",
+        dest="pretrain_deterministic",
+        action="store_false",
+        help="allow non-deterministic kernels (faster on CUDA; two runs of N steps then differ)",
+    )
+    p.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
+    p.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--pretrain-batch-size", type=int, default=32, metavar="B", help="sequences per optimizer step")
+    p.add_argument(
+        "--pretrain-precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32, or bf16 autocast for the decoder's forward (weights, optimizer and loss in fp32)",
+    )
+    p.add_argument(
+        "--pretrain-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="constant, or warm-up + cosine decay over --pretrain-steps (with "
+        "--no-pretrain-deterministic: over the time budget if that ends first)",
+    )
+    p.add_argument(
+        "--pretrain-loss",
+        choices=("full", "corpus"),
+        default="full",
+        help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
+        "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)",
+    )
+    p.add_argument(
+        "--pretrain-prompt-rules",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.demo.prompt_rules), "
+        "so the target answers the bench's natural-language prompts by that rule, not at random",
+    )
+    p.add_argument(
+        "--pretrain-prompt-rule",
+        choices=sorted(prompt_rules.RULES),
+        default=prompt_rules.DEFAULT_RULE,
+        help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
+        "one per numbered line); specforge_kimi.demo.prompt_rules describes both",
+    )
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -85,6 +175,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     info.pop("text")
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    """``inspect``: the checkpoint."""
+    p.add_argument("target", help="checkpoint directory (config.json + safetensors)")
 
 
 def _cmd_layer_ids(args: argparse.Namespace) -> int:
@@ -132,11 +227,30 @@ def _cmd_layer_ids(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_ids_arguments(p: argparse.ArgumentParser) -> None:
+    """``layer-ids``: the ids and whose convention they are in."""
+    p.add_argument("ids", help="comma-separated, e.g. 1,29,57")
+    p.add_argument(
+        "--engine",
+        default="specforge",
+        choices=("specforge", "sglang", "vllm", "hf"),
+        help="whose convention the ids are in",
+    )
+    p.add_argument("--num-layers", type=int, default=61, help="target decoder layers (K2.5: 61)")
+    p.add_argument("--json", action="store_true", help="every convention as JSON instead of the table")
+
+
 def _cmd_export_check(args: argparse.Namespace) -> int:
     from specforge_kimi.drafts.export import check_sglang_export
 
     print(json.dumps(check_sglang_export(args.draft, target_dir=args.target), indent=2))
     return 0
+
+
+def _export_check_arguments(p: argparse.ArgumentParser) -> None:
+    """``export-check``: the exported draft and, optionally, its target."""
+    p.add_argument("draft", help="exported draft directory (config.json + model.safetensors)")
+    p.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
@@ -156,6 +270,24 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     out = render(recipe, args.out or f"{recipe.output_dir}/rendered")
     print(json.dumps(out["commands"], indent=2))
     return 0
+
+
+def _recipe_arguments(p: argparse.ArgumentParser) -> None:
+    """``recipe``: the action and the recipe."""
+    p.add_argument(
+        "action",
+        choices=("validate", "render"),
+        help="validate: schema + per-GPU memory split (writes nothing); render: write the SpecForge config, "
+        "draft config and launch.json",
+    )
+    p.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("--out", default=None, help="render directory (default: OUTPUT_DIR/rendered)")
+    p.add_argument(
+        "--check-files",
+        action="store_true",
+        help="validate: also check that the target, its tokenizer, the prompts and the vocab mapping exist and "
+        "agree (vocab, special ids, draft vocab, max_length within the server's context)",
+    )
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -184,6 +316,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise KimiInputError(f"SpecForge run config: {validation_summary(exc)}") from None
 
 
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    """``train``: everything is passed on to ``specforge train``."""
+    p.description = (
+        "Passes its arguments to `specforge train`, e.g. "
+        "torchrun --nproc_per_node 8 -m specforge_kimi train -c run.yaml --role consumer"
+    )
+    p.add_argument(
+        "specforge_args",
+        nargs=argparse.REMAINDER,
+        help="passed on: see `specforge train --help` (-c CONFIG, --role ...)",
+    )
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from specforge_kimi.demo.pipeline import DemoSettings, run_demo
 
@@ -197,6 +342,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
     result = run_demo(settings)
     return 0 if result["ok"] else 1
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    """``demo``: the output directory and the budgets."""
+    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--steps", type=int, default=300, help="SpecForge optimizer steps")
+    p.add_argument("--pretrain-seconds", type=float, default=60.0, help="tiny-target pretraining budget")
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=0,
+        help="also stop tiny-target pretraining after this many steps (0: the time budget only)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny target and the training")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="print nothing but errors (SpecForge's own output still goes to OUT/specforge.log)",
+    )
 
 
 #: ``--help`` lists the commands by stage; a command missing here is listed under "other"
@@ -253,9 +417,201 @@ def _group_commands(p: argparse.ArgumentParser, sub) -> None:
     p.epilog = "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, ``module:function`` strings for its handler and its argument-adder, its help.
+
+    Nothing is imported until the command's parser is built; ``--help`` needs only the names and helps.
+    """
+
+    name: str
+    handler: str  #: ``module:function`` taking the parsed ``argparse.Namespace``, returning an exit code
+    help: str  #: the one line ``specforge-kimi --help`` lists
+    arguments: str  #: ``module:function`` adding the command's arguments (and description) to its parser
+
+    def load(self) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+        """The argument-adder and the handler; :class:`CommandUnavailable` when either cannot be imported."""
+        return _resolve(self, self.arguments), _resolve(self, self.handler)
+
+
+class CommandUnavailable(Exception):
+    """A command whose module fails to import: ``specforge-kimi <cmd>: cannot import <module>: <error>``."""
+
+
+def _resolve(command: Command, ref: str) -> Callable:
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- any import-time failure; the other commands still work
+        reason = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+        reason = " ".join(reason.split())  # one line, whatever the exception's text
+        raise CommandUnavailable(f"specforge-kimi {command.name}: cannot import {module_name}: {reason}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise CommandUnavailable(
+            f"specforge-kimi {command.name}: cannot import {ref}: no {attr} in {module_name}"
+        ) from None
+
+
+_K = "specforge_kimi."
+
+#: every subcommand, declared once; ``--help`` groups them by :data:`COMMAND_GROUPS`
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "tiny",
+        _K + "cli:_cmd_tiny",
+        "write a tiny random Kimi-K2.5 checkpoint (K2.5 names and nesting)",
+        _K + "cli:_tiny_arguments",
+    ),
+    Command(
+        "inspect",
+        _K + "cli:_cmd_inspect",
+        "check a target checkpoint and print what SpecForge needs",
+        _K + "cli:_inspect_arguments",
+    ),
+    Command(
+        "layer-ids",
+        _K + "cli:_cmd_layer_ids",
+        "convert aux layer ids between SpecForge/SGLang, vLLM and HF",
+        _K + "cli:_layer_ids_arguments",
+    ),
+    Command(
+        "export-check",
+        _K + "cli:_cmd_export_check",
+        "check an exported SGLang draft against what its loader needs",
+        _K + "cli:_export_check_arguments",
+    ),
+    Command(
+        "train",
+        _K + "cli:_cmd_train",
+        "`specforge train ...` with the K2.5 adapter registered (torchrun-able)",
+        _K + "cli:_train_arguments",
+    ),
+    Command(
+        "recipe",
+        _K + "cli:_cmd_recipe",
+        "validate a recipe or render it to SpecForge config + launch commands",
+        _K + "cli:_recipe_arguments",
+    ),
+    Command(
+        "demo",
+        _K + "cli:_cmd_demo",
+        "CPU demo: tiny K2.5 -> features -> SpecForge EAGLE-3 training -> export",
+        _K + "cli:_demo_arguments",
+    ),
+    Command(
+        "prepare",
+        _K + "data.prepare:run",
+        "conversations JSONL -> pre-tokenized prompts + draft vocab mapping",
+        _K + "data.prepare:add_arguments",
+    ),
+    Command(
+        "regenerate",
+        _K + "data.regenerate:run",
+        "replace assistant turns with K2.5's own generations via an OpenAI-compatible server",
+        _K + "data.regenerate:add_arguments",
+    ),
+    Command(
+        "setup",
+        _K + "setup.setup_patches:run",
+        "apply our patches to SpecForge and SpecForge's + ours to the installed SGLang",
+        _K + "setup.setup_patches:add_arguments",
+    ),
+    Command(
+        "launch",
+        _K + "run.launch:run",
+        "co-located online run of a recipe on this node (server + Mooncake + trainer), with a live status line",
+        _K + "run.launch:add_arguments",
+    ),
+    Command(
+        "stop",
+        _K + "run.stop:run",
+        "stop every process of a run on this node (its launcher, trainer ranks a kill -9 left behind) and "
+        "remove what they left; the run stays resumable",
+        _K + "run.stop:add_arguments",
+    ),
+    Command(
+        "watch",
+        _K + "run.progress:run",
+        "the live status line of an online run (started elsewhere or in the background)",
+        _K + "run.progress:add_arguments",
+    ),
+    Command(
+        "doctor",
+        _K + "setup.doctor:run",
+        "check versions, patches, CUDA, target, Mooncake and GPU budget (read-only)",
+        _K + "setup.doctor:add_arguments",
+    ),
+    Command(
+        "bench",
+        _K + "evaluate.bench:run",
+        "acceptance length + speedup of a draft through SGLang EAGLE-3 speculation",
+        _K + "evaluate.bench:add_arguments",
+    ),
+    Command(
+        "eval-draft",
+        _K + "demo.draft_eval:run",
+        "tiny targets only: simulated acceptance of checkpoints on held-out corpus conversations",
+        _K + "demo.draft_eval:add_arguments",
+    ),
+    Command(
+        "run-report",
+        _K + "evaluate.run_report:run",
+        "summarize an online run directory (steps, loss, ledger, disk, memory) and plot it",
+        _K + "evaluate.run_report:add_arguments",
+    ),
+    Command(
+        "capture-features",
+        _K + "run.offline_twin:run_capture",
+        "capture a recipe's prompts to SpecForge offline feature files through the recipe's capture server",
+        _K + "run.offline_twin:add_capture_arguments",
+    ),
+    Command(
+        "train-offline",
+        _K + "run.offline_twin:run_train",
+        "train a recipe's draft offline (SpecForge's trainer, in-process) on "
+        "feature files, e.g. from capture-features; then export for SGLang",
+        _K + "run.offline_twin:add_train_arguments",
+    ),
+    Command(
+        "target-text",
+        _K + "demo.target_text:run",
+        "how predictable candidate targets' own greedy text is; names the lowest-entropy one",
+        _K + "demo.target_text:add_arguments",
+    ),
+)
+
+
+def _add_command(sub, command: Command, with_arguments: bool) -> None:
+    """The command's parser; its module imported only ``with_arguments``. A module that fails to import leaves
+    the command listed, its parser taking any arguments and its handler printing why it cannot run."""
+    p = sub.add_parser(command.name, help=command.help)
+    if not with_arguments:
+        return
+    try:
+        add_arguments, handler = command.load()
+    except CommandUnavailable as exc:
+        p.description = str(exc)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help="not parsed: the command cannot run")
+        p.set_defaults(func=_unavailable(str(exc)))
+        return
+    add_arguments(p)
+    p.set_defaults(func=handler)
+
+
+def _unavailable(reason: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        print(reason, file=sys.stderr)
+        return 1
+
+    return handler
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI: every command listed, with its arguments for all of them or, given ``only``, for that
+    command alone (``""``: none, so ``--help`` imports no command module)."""
     from specforge_kimi import __version__
-    from specforge_kimi.demo import prompt_rules  # light: the rule names for --pretrain-prompt-rule
 
     p = _Parser(
         prog="specforge-kimi",
@@ -265,180 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser, help="one of the commands below"
     )
-
-    t = sub.add_parser("tiny", help="write a tiny random Kimi-K2.5 checkpoint (K2.5 names and nesting)")
-    t.add_argument("out_dir", help="new directory for the checkpoint (config, safetensors, tokenizer)")
-    t.add_argument("--layers", type=int, default=8, help="decoder layers (K2.5: 61; the first is dense)")
-    t.add_argument("--hidden", type=int, default=512, help="hidden size (K2.5: 7168)")
-    t.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the TP size you test)")
-    t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (K2.5: 384)")
-    t.add_argument("--experts-per-token", type=int, default=2, help="top-k routing (K2.5: 8)")
-    t.add_argument("--moe-intermediate", type=int, default=256, help="routed expert intermediate size (K2.5: 2048)")
-    t.add_argument("--dense-intermediate", type=int, default=1024, help="layer 0's dense MLP size (K2.5: 18432)")
-    t.add_argument("--q-lora-rank", type=int, default=1536, help="MLA query low-rank size (K2.5: 1536)")
-    t.add_argument("--vocab", type=int, default=163840, help="vocabulary (K2.5: 163840; must hold K2.5's special ids)")
-    t.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    t.add_argument(
-        "--int4-experts",
-        action="store_true",
-        help="routed experts as K2.5 ships them: compressed-tensors pack-quantized int4, symmetric, "
-        "group 32 (weight_packed/weight_scale/weight_shape), K2.5's quantization_config; with "
-        "--pretrain they are quantized after training and the held-out numbers are the quantized model's",
-    )
-    t.add_argument(
-        "--init-device",
-        default="cpu",
-        help="device that generates (and quantizes) the random weights: cpu (default; the same bytes "
-        "for a seed everywhere) or cuda (a K2.5-width checkpoint in seconds; other bytes than cpu's)",
-    )
-    t.add_argument(
-        "--pretrain",
-        type=float,
-        default=0,
-        metavar="SECONDS",
-        help="pretrain on the synthetic structured corpus for SECONDS (writes pretrain.json)",
-    )
-    t.add_argument(
-        "--pretrain-steps",
-        type=int,
-        default=10_000,
-        metavar="N",
-        help="also stop pretraining after N optimizer steps (whichever of SECONDS / N ends first)",
-    )
-    t.add_argument(
-        "--no-pretrain-deterministic",
-        dest="pretrain_deterministic",
-        action="store_false",
-        help="allow non-deterministic kernels (faster on CUDA; two runs of N steps then differ)",
-    )
-    t.add_argument("--device", default="auto", help="pretraining device: auto, cpu, cuda, cuda:N")
-    t.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
-    t.add_argument("--pretrain-batch-size", type=int, default=32, metavar="B", help="sequences per optimizer step")
-    t.add_argument(
-        "--pretrain-precision",
-        choices=("fp32", "bf16"),
-        default="fp32",
-        help="fp32, or bf16 autocast for the decoder's forward (weights, optimizer and loss in fp32)",
-    )
-    t.add_argument(
-        "--pretrain-schedule",
-        choices=("constant", "cosine"),
-        default="constant",
-        help="constant, or warm-up + cosine decay over --pretrain-steps (with "
-        "--no-pretrain-deterministic: over the time budget if that ends first)",
-    )
-    t.add_argument(
-        "--pretrain-loss",
-        choices=("full", "corpus"),
-        default="full",
-        help="full: softmax over the whole vocab as the written checkpoint scores it (untrained "
-        "tokens at logit 0); corpus: restricted to the corpus's tokens (earlier behaviour)",
-    )
-    t.add_argument(
-        "--pretrain-prompt-rules",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also pretrain on N chat/math/code prompts answered by a rule (specforge_kimi.demo.prompt_rules), "
-        "so the target answers the bench's natural-language prompts by that rule, not at random",
-    )
-    t.add_argument(
-        "--pretrain-prompt-rule",
-        choices=sorted(prompt_rules.RULES),
-        default=prompt_rules.DEFAULT_RULE,
-        help="the rule of --pretrain-prompt-rules: echo (restate the prompt) or words (its first words, "
-        "one per numbered line); specforge_kimi.demo.prompt_rules describes both",
-    )
-    t.set_defaults(func=_cmd_tiny)
-
-    i = sub.add_parser("inspect", help="check a target checkpoint and print what SpecForge needs")
-    i.add_argument("target", help="checkpoint directory (config.json + safetensors)")
-    i.set_defaults(func=_cmd_inspect)
-
-    lid = sub.add_parser("layer-ids", help="convert aux layer ids between SpecForge/SGLang, vLLM and HF")
-    lid.add_argument("ids", help="comma-separated, e.g. 1,29,57")
-    lid.add_argument(
-        "--engine",
-        default="specforge",
-        choices=("specforge", "sglang", "vllm", "hf"),
-        help="whose convention the ids are in",
-    )
-    lid.add_argument("--num-layers", type=int, default=61, help="target decoder layers (K2.5: 61)")
-    lid.add_argument("--json", action="store_true", help="every convention as JSON instead of the table")
-    lid.set_defaults(func=_cmd_layer_ids)
-
-    e = sub.add_parser("export-check", help="check an exported SGLang draft against what its loader needs")
-    e.add_argument("draft", help="exported draft directory (config.json + model.safetensors)")
-    e.add_argument("--target", default=None, help="target checkpoint to check sizes and aux ids against")
-    e.set_defaults(func=_cmd_export_check)
-
-    tr = sub.add_parser(
-        "train",
-        help="`specforge train ...` with the K2.5 adapter registered (torchrun-able)",
-        description="Passes its arguments to `specforge train`, e.g. "
-        "torchrun --nproc_per_node 8 -m specforge_kimi train -c run.yaml --role consumer",
-    )
-    tr.add_argument(
-        "specforge_args",
-        nargs=argparse.REMAINDER,
-        help="passed on: see `specforge train --help` (-c CONFIG, --role ...)",
-    )
-    tr.set_defaults(func=_cmd_train)
-
-    rc = sub.add_parser("recipe", help="validate a recipe or render it to SpecForge config + launch commands")
-    rc.add_argument(
-        "action",
-        choices=("validate", "render"),
-        help="validate: schema + per-GPU memory split (writes nothing); render: write the SpecForge config, "
-        "draft config and launch.json",
-    )
-    rc.add_argument("recipe", help="recipe YAML (recipes/*.yaml)")
-    rc.add_argument("--out", default=None, help="render directory (default: OUTPUT_DIR/rendered)")
-    rc.add_argument(
-        "--check-files",
-        action="store_true",
-        help="validate: also check that the target, its tokenizer, the prompts and the vocab mapping exist and "
-        "agree (vocab, special ids, draft vocab, max_length within the server's context)",
-    )
-    rc.set_defaults(func=_cmd_recipe)
-
-    d = sub.add_parser("demo", help="CPU demo: tiny K2.5 -> features -> SpecForge EAGLE-3 training -> export")
-    d.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    d.add_argument("--steps", type=int, default=300, help="SpecForge optimizer steps")
-    d.add_argument("--pretrain-seconds", type=float, default=60.0, help="tiny-target pretraining budget")
-    d.add_argument(
-        "--pretrain-steps",
-        type=int,
-        default=0,
-        help="also stop tiny-target pretraining after this many steps (0: the time budget only)",
-    )
-    d.add_argument("--seed", type=int, default=0, help="seed of the tiny target and the training")
-    d.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="print nothing but errors (SpecForge's own output still goes to OUT/specforge.log)",
-    )
-    d.set_defaults(func=_cmd_demo)
-
-    for name in (
-        "data.prepare",
-        "data.regenerate",
-        "setup.setup_patches",
-        "run.launch",
-        "run.stop",
-        "run.progress",
-        "setup.doctor",
-        "evaluate.bench",
-        "demo.draft_eval",
-        "evaluate.run_report",
-        "run.offline_twin",
-        "demo.target_text",
-    ):
-        try:
-            module = __import__(f"specforge_kimi.{name}", fromlist=["add_parser"])
-        except ModuleNotFoundError:
-            continue
-        module.add_parser(sub)
+    for command in COMMANDS:
+        _add_command(sub, command, with_arguments=only in (None, command.name))
     _group_commands(p, sub)
     return p
 
@@ -448,11 +632,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     quiet_known_notices()  # two import-time notices of the stack that say nothing about a run (console.KNOWN_NOTICES)
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((c for c in COMMANDS if argv[:1] == [c.name]), None)
+    if command is not None:
+        try:
+            command.load()
+        except CommandUnavailable as exc:  # this command cannot run; the others, and --help, still do
+            print(exc, file=sys.stderr)
+            return 1
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:2]):
         # argparse's REMAINDER drops leading options ("train -c run.yaml"); hand them over whole
         args = argparse.Namespace(func=_cmd_train, specforge_args=argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        args = build_parser(only=command.name if command else "").parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KimiInputError as exc:

@@ -361,12 +361,9 @@ def test_cli_with_tokenizer_dir_and_one_row_per_answer(tmp_path, capsys):
 
 
 def test_argparse_wiring():
-    import argparse
+    from specforge_kimi import cli
 
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    prepare_module.add_parser(sub)
-    args = parser.parse_args(
+    args = cli.build_parser(only="prepare").parse_args(
         [
             "prepare",
             "in.jsonl",

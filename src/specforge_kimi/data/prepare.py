@@ -62,7 +62,6 @@ __all__ = [
     "VOCAB_MAPPING_FILE",
     "PrepareOptions",
     "add_arguments",
-    "add_parser",
     "prepare",
     "run",
 ]
@@ -177,18 +176,6 @@ def prepare(options: PrepareOptions, tokenizer: TextTokenizer, *, tokenizer_sour
     return summary
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``prepare`` subcommand (``args.func(args)`` runs it and returns an exit code)."""
-    parser = subparsers.add_parser(
-        "prepare",
-        help="conversations JSONL -> pre-tokenized prompts + draft vocab mapping",
-        description=_DESCRIPTION,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments; KimiInputError is reported by the CLI (exit 2)."""
     from specforge_kimi.data.tokenizer import build_standin_tokenizer, load_tokenizer
@@ -219,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``prepare`` flags (the CLI builds the subcommand from these and :func:`run`)."""
+    """The ``prepare`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
+    parser.description = _DESCRIPTION
     parser.add_argument("input", metavar="IN.jsonl", help="conversations, one JSON object per line")
     parser.add_argument(
         "--out",

@@ -78,7 +78,7 @@ from specforge_kimi.data.conversation import (
 )
 from specforge_kimi.errors import KimiInputError
 
-__all__ = ["RegenerateOptions", "add_parser", "regenerate", "run"]
+__all__ = ["RegenerateOptions", "add_arguments", "regenerate", "run"]
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 60.0
@@ -262,18 +262,6 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
     return counts
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``regenerate`` subcommand (``args.func(args)`` returns an exit code)."""
-    parser = subparsers.add_parser(
-        "regenerate",
-        help="replace assistant turns with K2.5's own generations via an OpenAI-compatible server",
-        description=_DESCRIPTION,
-    )
-    _add_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
-
-
 def run(args: argparse.Namespace) -> int:
     """Run from parsed arguments; exit 0 when every row was written or skipped, 1 if some failed."""
     options = RegenerateOptions(
@@ -306,7 +294,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if counts["failed"] else 0
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``regenerate`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
+    parser.description = _DESCRIPTION
     parser.add_argument("input", metavar="IN.jsonl", help="conversations (OpenAI messages or ShareGPT)")
     parser.add_argument(
         "--server",

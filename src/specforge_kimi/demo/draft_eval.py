@@ -14,6 +14,7 @@ comes from ``specforge-kimi bench``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -166,14 +167,13 @@ def evaluate(
     }
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "eval-draft",
-        help="tiny targets only: simulated acceptance of checkpoints on held-out corpus conversations",
-        description="Scope: tiny or small targets that fit one device in transformers (the target is loaded and "
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``eval-draft`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
+    p.description = (
+        "Scope: tiny or small targets that fit one device in transformers (the target is loaded and "
         "captured here, no SGLang); Llama-style EAGLE-3 drafts. Scores the untrained draft and each checkpoint "
         "(simulated chain acceptance, top-k 1, greedy; SpecForge's held-out loss). For a real K2.5 draft use "
-        "`specforge-kimi bench` (SGLang's own speculation).",
+        "`specforge-kimi bench` (SGLang's own speculation)."
     )
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--draft-config", required=True, help="the draft config JSON the run trained")
@@ -195,7 +195,6 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="draft steps per round (SGLang's --speculative-num-steps)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out", default=None, help="write the JSON here too")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -196,10 +196,8 @@ def measure(
     return res
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "target-text", help="how predictable candidate targets' own greedy text is; names the lowest-entropy one"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``target-text`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument("targets", nargs="+", help="target directories (written by `specforge-kimi tiny`)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
@@ -208,7 +206,6 @@ def add_parser(sub) -> None:
     p.add_argument("--mix-prompts", type=int, default=48, help="selection prompts from the chat/math/code prompt mix")
     p.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     p.add_argument("--out", default=None, help="write the JSON here")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -884,12 +884,9 @@ def run_recipe_bench(recipe, draft_dir: str | os.PathLike, *, out_dir: str | Non
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="acceptance length + speedup of a draft through SGLang EAGLE-3 speculation",
-        description=__doc__.split("\n\n")[0],
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
+    p.description = __doc__.split("\n\n")[0]
     p.add_argument("--target", help="target checkpoint directory")
     p.add_argument("--draft", required=True, help="exported SGLang draft directory")
     p.add_argument(
@@ -956,7 +953,6 @@ def add_parser(sub) -> None:
         help="output directory: bench_result.json, acceptance.png, logs/ "
         "(default runs/bench; with --recipe OUTPUT_DIR/bench)",
     )
-    p.set_defaults(func=run)
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -1042,6 +1038,6 @@ __all__ = [
     "run_recipe_bench",
     "check_threshold",
     "plot_result",
-    "add_parser",
+    "add_arguments",
     "run",
 ]

@@ -17,6 +17,7 @@ JSON goes to ``--out`` (default ``<run_dir>/run-report/run_report.json``), the p
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -206,12 +207,11 @@ def default_gpu_samples(run: Path, given: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "run-report",
-        help="summarize an online run directory (steps, loss, ledger, disk, memory) and plot it",
-        description="Reads the run back from what SpecForge wrote (consumer log, ledger, checkpoints) and writes "
-        "run_report.json with PNG plots beside it: loss, per-position acceptance, trained tokens/s, GPU memory per role.",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``run-report`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
+    p.description = (
+        "Reads the run back from what SpecForge wrote (consumer log, ledger, checkpoints) and writes "
+        "run_report.json with PNG plots beside it: loss, per-position acceptance, trained tokens/s, GPU memory per role."
     )
     p.add_argument("run_dir", help="the recipe's output_dir")
     p.add_argument(
@@ -226,7 +226,6 @@ def add_parser(sub) -> None:
         help="the JSON file to write; the plots go beside it (default: RUN_DIR/run-report/run_report.json)",
     )
     p.add_argument("--no-plots", action="store_true", help="write the JSON only")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

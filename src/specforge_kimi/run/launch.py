@@ -21,6 +21,7 @@ refused unless ``--resume`` continues that run (:mod:`resume`, which also restar
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -306,11 +307,8 @@ def export_latest(recipe, rendered: dict) -> Path:
     )
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "launch",
-        help="co-located online run of a recipe on this node (server + Mooncake + trainer), with a live status line",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``launch`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument("recipe", help="recipe YAML (recipes/*.yaml); its output_dir receives configs, logs, checkpoints")
     p.add_argument(
         "--node-rank",
@@ -347,7 +345,6 @@ def add_parser(sub) -> None:
         action="store_true",
         help="no status line while the run trains (`specforge-kimi watch OUTPUT_DIR` shows it from elsewhere)",
     )
-    p.set_defaults(func=run)
 
 
 def plan_document(recipe, rendered: dict, plan) -> dict:

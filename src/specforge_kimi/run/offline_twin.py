@@ -19,6 +19,7 @@ GPUs). ``train-offline`` uses the recipe's draft config, vocab mapping, lr, TTT,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -238,15 +239,11 @@ def run_recipe(
     return summary
 
 
-def add_capture_parser(sub) -> None:
-    p = sub.add_parser(
-        "capture-features",
-        help="capture a recipe's prompts to SpecForge offline feature files through the recipe's capture server",
-    )
+def add_capture_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``capture-features`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument("recipe", help="recipe YAML (recipes/*.yaml): target, server flags, data and draft")
     p.add_argument("--out", required=True, help="new directory for sample-NNNNNN.ckpt files")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    p.set_defaults(func=run_capture)
 
 
 def run_capture(args) -> int:
@@ -257,17 +254,12 @@ def run_capture(args) -> int:
     return 0
 
 
-def add_train_parser(sub) -> None:
-    p = sub.add_parser(
-        "train-offline",
-        help="train a recipe's draft offline (SpecForge's trainer, in-process) on "
-        "feature files, e.g. from capture-features; then export for SGLang",
-    )
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``train-offline`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument("recipe", help="recipe YAML (recipes/*.yaml): target, server flags, data and draft")
     p.add_argument("--features", required=True, help="directory of SpecForge offline .ckpt feature files")
     p.add_argument("--out", required=True, help="output directory (checkpoints, export-sglang/)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's max_steps)")
-    p.set_defaults(func=run_train)
 
 
 def _check_inputs(recipe, features: str) -> None:
@@ -365,8 +357,3 @@ def _train_and_export(recipe, features: str, out: str, draft_config: str, max_st
         extra={"offline_features": os.path.abspath(features)},
     )
     return {**result, "export_dir": export_dir}
-
-
-def add_parser(sub) -> None:
-    add_capture_parser(sub)
-    add_train_parser(sub)

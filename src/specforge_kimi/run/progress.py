@@ -346,12 +346,11 @@ class LiveProgress:
             self.show(f"(progress unavailable: {e})", final=True)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "watch",
-        help="the live status line of an online run (started elsewhere or in the background)",
-        description="Follows OUTPUT_DIR (a recipe's output_dir) from what SpecForge writes there: its "
-        "consumer log, ledger, refs and checkpoints. Ends when SpecForge marks the consumer done, or on Ctrl-C.",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``watch`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
+    p.description = (
+        "Follows OUTPUT_DIR (a recipe's output_dir) from what SpecForge writes there: its "
+        "consumer log, ledger, refs and checkpoints. Ends when SpecForge marks the consumer done, or on Ctrl-C."
     )
     p.add_argument("output_dir", help="the recipe's output_dir (what `specforge-kimi launch` writes)")
     p.add_argument(
@@ -363,7 +362,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--once", action="store_true", help="print the status once and exit")
     p.add_argument("--json", action="store_true", help="with --once: the whole snapshot as JSON")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

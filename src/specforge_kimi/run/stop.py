@@ -18,6 +18,7 @@ ledger are untouched: ``launch --resume`` continues the run later.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import time
@@ -96,14 +97,9 @@ def stop_run(recipe: Any, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say: C
     return done
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "stop",
-        help="stop every process of a run on this node (its launcher, trainer ranks a kill -9 left behind) and "
-        "remove what they left; the run stays resumable",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``stop`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument("recipe", help="the run's recipe (its output_dir names the run)")
-    p.set_defaults(func=run)
 
 
 def run(args: Any) -> int:

@@ -11,6 +11,7 @@ Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -449,8 +450,8 @@ def run_checks(recipe_path: str | None) -> list[Check]:
     return checks
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="check versions, patches, CUDA, target, Mooncake and GPU budget (read-only)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``doctor`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument(
         "recipe",
         nargs="?",
@@ -458,7 +459,6 @@ def add_parser(sub) -> None:
         help="also check this recipe's target checkpoint, Mooncake and per-GPU memory budget",
     )
     p.add_argument("--json", action="store_true", help="the checks as a JSON list")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

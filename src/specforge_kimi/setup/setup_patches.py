@@ -335,8 +335,8 @@ def load_patched_specforge_module(rel: str, scratch: Path):
     return module
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("setup", help="apply our patches to SpecForge and SpecForge's + ours to the installed SGLang")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``setup`` command's arguments (``specforge_kimi.cli.COMMANDS`` declares the command)."""
     p.add_argument(
         "--specforge-checkout",
         default=None,
@@ -345,7 +345,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--check", action="store_true", help="dry run: report each patch's state, change nothing")
     p.add_argument("--no-sglang", action="store_true", help="leave the installed sglang alone")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
