@@ -9,7 +9,7 @@ from the first to the last third of the judged steps; a fall is no leak); every 
 Writes ``$SPECFORGE_KIMI_GPU_OUT/soak_<transport>_tp1_h200.json`` (the recipe's transport, cuda_ipc, or
 ``SPECFORGE_KIMI_DRILL_TRANSPORT=mooncake``) (samples, per-series drift, bound, verdict) and
 ``soak_<transport>_tp1_h200.png`` beside it. Expected wall time ~8 min in one device call: ~20 s of inputs, ~90 s of
-server start, 5,000 steps at ~62 ms (measured for this recipe, NOTES.md) = ~5.2 min, plus sampling; lower
+server start, 5,000 steps at ~62 ms (measured for this recipe: bench/results/online_run_echo_tp1_h200.json) = ~5.2 min, plus sampling; lower
 ``SPECFORGE_KIMI_SOAK_STEPS`` if the call's budget is short.
 """
 

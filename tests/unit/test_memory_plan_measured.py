@@ -6,7 +6,7 @@ vocab 163,840, hidden 7,168), world size 1, at 2k-16k tokens with flex_attention
 trainer terms, recomputed here from today's ``recipes.trainer_terms`` (not read from the file), must stay at
 or above every measured peak allocation: the plan is what ``launch`` checks a recipe against before it
 starts, so a change that makes it promise less than was measured fails here. (The allocator's reserved
-memory ran 15-32 GiB above allocation in that run; the plan's reserve does not claim to cover it: NOTES.md.)
+memory ran 15-32 GiB above allocation in that run; the plan's reserve does not claim to cover it: docs/decisions/008-recipes-and-memory-plan.md.)
 """
 
 import json
