@@ -146,30 +146,30 @@ def test_producer_body_sets_the_variable_for_the_call_only(patched, monkeypatch)
 
 
 def _unpatched_specforge(dest):
-    """The installed wheel's FILE under ``dest`` as SpecForge ships it: copied, and our 0002 taken back out
+    """The installed wheel's FILE under ``dest`` as SpecForge ships it: copied, and SpecForge patch compact-capture-passthrough taken back out
     when ``specforge-kimi setup`` had applied it there (so these tests do not depend on the venv's state)."""
     from conftest import specforge_as_shipped
 
     specforge_as_shipped(setup_patches._scratch_copy(setup_patches.specforge_root(None), [FILE], dest))
-    patch = (
-        setup_patches.patches_root() / "specforge" / setup_patches.SPECFORGE_PIN / setup_patches.COMPACT_SPECFORGE_PATCH
-    )
+    patch = setup_patches.patch_file("specforge", setup_patches.COMPACT_SPECFORGE_PATCH)
     assert setup_patches.classify(patch, dest, 1).state == "applicable"
     return dest
 
 
 def test_compact_gaps_name_each_missing_half(tmp_path):
-    """``compact_passthrough_gaps`` names our SpecForge 0002 on the wheel as shipped and stops naming it on
-    a copy ``setup`` patched; SGLang 0004 is named on an sglang tree without the capture stack."""
+    """``compact_passthrough_gaps`` names SpecForge patch compact-capture-passthrough on the wheel as
+    shipped and stops naming it on a copy ``setup`` patched; SGLang patch spec-capture-compact-passthrough is named on
+    an sglang tree without the capture stack."""
     sf_site = _unpatched_specforge(tmp_path / "wheel")
     sg_site = tmp_path / "sglang-without-capture"
     sg_site.mkdir()
     gaps = setup_patches.compact_passthrough_gaps(specforge_site=sf_site, sglang_site=sg_site)
-    assert any(g.startswith("0002-compact-capture-passthrough.patch is not applied") for g in gaps), gaps
-    assert any(g.startswith("0004-spec-capture-compact-passthrough.patch is not applied") for g in gaps), gaps
+    assert any(g.startswith("SpecForge patch compact-capture-passthrough is not applied") for g in gaps), gaps
+    assert any(g.startswith("SGLang patch spec-capture-compact-passthrough is not applied") for g in gaps), gaps
     setup_patches.load_patched_specforge_module(FILE, tmp_path / "patched")  # patches the copy there
     gaps = setup_patches.compact_passthrough_gaps(specforge_site=tmp_path / "patched", sglang_site=sg_site)
-    assert not any(g.startswith("0002-") for g in gaps) and any(g.startswith("0004-") for g in gaps), gaps
+    assert not any(g.startswith("SpecForge patch compact-capture-passthrough ") for g in gaps), gaps
+    assert any(g.startswith("SGLang patch spec-capture-compact-passthrough ") for g in gaps), gaps
 
 
 def test_launch_refuses_compact_without_its_patches(tmp_path, monkeypatch):
@@ -200,7 +200,7 @@ def test_launch_refuses_compact_without_its_patches(tmp_path, monkeypatch):
             with pytest.raises(KimiInputError) as e:
                 compact_preflight(plan)
             msg = str(e.value)
-            assert "server.compact_passthrough is on" in msg and "0002-compact-capture-passthrough.patch" in msg
+            assert "server.compact_passthrough is on" in msg and "SpecForge patch compact-capture-passthrough" in msg
             assert "specforge-kimi setup" in msg and "server.compact_passthrough: false" in msg
         else:
             compact_preflight(plan)

@@ -256,15 +256,16 @@ def test_launch_plan_has_no_mooncake_master(tmp_path):
     )
 
 
-def test_launch_preflight_wants_patch_0005(tmp_path, monkeypatch):
-    from specforge_kimi.run import launch, setup_patches
+def test_launch_preflight_wants_spec_capture_cuda_ipc(tmp_path, monkeypatch):
+    from specforge_kimi.run import launch
+    from specforge_kimi.setup import setup_patches
 
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")
     r = Recipe.model_validate(raw)
     plan = launch.build_colocated_plan(r, render(r, tmp_path / "rendered"), python=sys.executable)
-    monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: ["0005-spec-capture-cuda-ipc.patch is not applied"])
-    with pytest.raises(KimiInputError, match="server.transport is cuda_ipc, but 0005"):
+    monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: ["SGLang patch spec-capture-cuda-ipc is not applied"])
+    with pytest.raises(KimiInputError, match="server.transport is cuda_ipc, but SGLang patch spec-capture-cuda-ipc"):
         launch.cuda_ipc_preflight(plan)
     monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
     launch.cuda_ipc_preflight(plan)  # one GPU: no peer-access question
@@ -305,8 +306,9 @@ def test_stale_pools_are_removed_after_a_run(tmp_path):
 
 
 def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
-    """doctor with a cuda_ipc recipe: a ``cuda_ipc transport`` check (SGLang 0005, peer access) instead of the
-    Mooncake master's; on this CPU box's unpatched sglang it fails naming 0005, with a fix."""
+    """doctor with a cuda_ipc recipe: a ``cuda_ipc transport`` check (SGLang patch spec-capture-cuda-ipc, peer
+    access) instead of the Mooncake master's; on this CPU box's unpatched sglang it fails naming that patch, with a
+    fix."""
     from specforge_kimi.setup import doctor, setup_patches
 
     raw = _raw()
@@ -316,7 +318,11 @@ def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
     checks = {c.name: c for c in doctor.run_checks(str(path))}
     assert "mooncake master" not in checks
     ipc = checks["cuda_ipc transport"]
-    assert ipc.status == "fail" and "0005-spec-capture-cuda-ipc.patch" in ipc.detail and "setup" in ipc.fix
+    assert (
+        ipc.status == "fail"
+        and "SGLang patch spec-capture-cuda-ipc is not applied" in ipc.detail
+        and "setup" in ipc.fix
+    )
     monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
     (ok,) = doctor.check_cuda_ipc(load_recipe(path))
     assert ok.status == "ok" and "pool 1.00 GiB on GPU 0" in ok.detail

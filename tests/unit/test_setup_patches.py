@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,3 +117,30 @@ def test_applies_to_the_pinned_checkout(tmp_path, specforge_checkout):
     assert _run(root) == 0
     assert {s.state for s in setup_patches.plan(str(root), sglang=False)} == {"applied"}
     assert _run(root) == 0
+
+
+def test_every_patch_file_is_known_by_name():
+    """Every file under ``patches/<project>/<pin>`` is ``NNNN-<name>.patch`` with ``<name>`` among
+    ``KNOWN_PATCHES`` (in file order, each once), and every name the code asks for resolves to one file."""
+    from specforge_kimi.training import step_knobs
+
+    pins = {"specforge": setup_patches.SPECFORGE_PIN, "sglang": setup_patches.SGLANG_PIN}
+    for project, pin in pins.items():
+        files = sorted((setup_patches.patches_root() / project / pin).glob("*.patch"))
+        assert files and all(re.fullmatch(r"\d{4}-[a-z0-9-]+\.patch", f.name) for f in files), files
+        assert tuple(setup_patches.patch_name(f) for f in files) == setup_patches.KNOWN_PATCHES[project]
+    used = {
+        "specforge": [
+            setup_patches.COMPACT_SPECFORGE_PATCH,
+            step_knobs.EMPTY_CACHE_PATCH,
+            step_knobs.FUSED_ADAMW_PATCH,
+            step_knobs.FEWER_SYNCS_PATCH,
+        ],
+        "sglang": [setup_patches.COMPACT_SGLANG_PATCH, setup_patches.CUDA_IPC_SGLANG_PATCH],
+    }
+    for project, names in used.items():
+        for name in names:
+            assert name in setup_patches.KNOWN_PATCHES[project]
+            assert setup_patches.patch_name(setup_patches.patch_file(project, name)) == name
+    with pytest.raises(LookupError):
+        setup_patches.patch_file("sglang", "no-such-patch")

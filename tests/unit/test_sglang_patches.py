@@ -277,11 +277,11 @@ def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
 
 def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
     """Once SpecForge's capture patch and ours are in, ``compact_passthrough_gaps`` no longer names SGLang
-    patch 0004 (the launch preflight's check for ``server.compact_passthrough``)."""
+    patch spec-capture-compact-passthrough (the launch preflight's check for ``server.compact_passthrough``)."""
     from specforge_kimi.setup import setup_patches as sp
 
     gaps = sp.compact_passthrough_gaps(sglang_site=patched_site)
-    assert not any(g.startswith("0004-") for g in gaps), gaps
+    assert not any(g.startswith("SGLang patch spec-capture-compact-passthrough ") for g in gaps), gaps
 
 
 def test_half_applied_stack_is_finished(tmp_path, checkout):
@@ -340,18 +340,21 @@ def _load(patched_site, monkeypatch, name: str, rel: str):
 
 
 def test_cuda_ipc_gaps_clear_on_the_patched_sglang(patched_site, tmp_path, checkout):
-    """0005 in the stack: ``cuda_ipc_gaps`` (the launch preflight for ``server.transport: cuda_ipc``) is empty, and
-    the earlier patches still read as applied (0005 edits lines 0004 wrote: read as a stack, not alone)."""
+    """spec-capture-cuda-ipc in the stack: ``cuda_ipc_gaps`` (the launch preflight for ``server.transport:
+    cuda_ipc``) is empty, and the earlier patches still read as applied (spec-capture-cuda-ipc edits lines
+    spec-capture-compact-passthrough wrote: read as a stack, not alone)."""
     from specforge_kimi.setup import setup_patches as sp
 
     assert sp.cuda_ipc_gaps(sglang_site=patched_site) == []
-    assert not any(g.startswith("0004-") for g in sp.compact_passthrough_gaps(sglang_site=patched_site))
+    compact = sp.compact_passthrough_gaps(sglang_site=patched_site)
+    assert not any(g.startswith("SGLang patch spec-capture-compact-passthrough ") for g in compact), compact
     capture = Path(checkout) / sp.CAPTURE_PATCH
     stack = [capture, *sp.our_sglang_patches()]
     site = sp._scratch_copy(sp.sglang_root(), {f for p in stack for f in sp._files(p, 2)}, tmp_path / "to0004")
     for p in stack[:-1]:
         sp.apply(sp.classify(p, site, 2))
-    assert [g.split(" ")[0] for g in sp.cuda_ipc_gaps(sglang_site=site)] == [sp.CUDA_IPC_SGLANG_PATCH]
+    gaps = sp.cuda_ipc_gaps(sglang_site=site)
+    assert [g.split(" is not applied")[0] for g in gaps] == [f"SGLang patch {sp.CUDA_IPC_SGLANG_PATCH}"], gaps
 
 
 def test_cuda_ipc_sink_routes_samples_to_the_pool(patched_site, tmp_path, monkeypatch):

@@ -293,10 +293,10 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
-    from specforge_kimi.setup.setup_patches import patches_root
+    from specforge_kimi.setup.setup_patches import patch_file
 
     for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH, step_knobs.FEWER_SYNCS_PATCH):
-        assert (patches_root() / "specforge" / "0.2.0" / name).is_file()
+        assert patch_file("specforge", name).is_file()
 
 
 def test_recipe_fields_reach_the_specforge_processes():
@@ -342,7 +342,8 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
     from pathlib import Path
     from types import SimpleNamespace
 
-    from specforge_kimi.run import launch, setup_patches
+    from specforge_kimi.run import launch
+    from specforge_kimi.setup import setup_patches
 
     wanted = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True)
     plan = SimpleNamespace(commands=[SimpleNamespace(env={}), SimpleNamespace(env=wanted)])
@@ -356,8 +357,9 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
     with pytest.raises(KimiInputError) as e:
         launch.trainer_step_preflight(plan)
     msg = str(e.value)
-    assert step_knobs.EMPTY_CACHE_PATCH in msg and step_knobs.FUSED_ADAMW_PATCH in msg and "specforge-kimi setup" in msg
-    assert step_knobs.FEWER_SYNCS_PATCH in msg
+    for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH, step_knobs.FEWER_SYNCS_PATCH):
+        assert f"SpecForge patch {name} is not applied" in msg, msg
+    assert "specforge-kimi setup" in msg
     assert "\n" not in msg
     assert setup_patches.run(argparse.Namespace(specforge_checkout=str(patched), check=False, no_sglang=True)) == 0
     launch.trainer_step_preflight(plan)

@@ -85,25 +85,25 @@ class ServerSection(_Strict):
         ge=1,
         le=16,
         description="Mooncake store clients the capture sink splits each batch's put over, "
-        "each into its own 1/N of the server's segment (our SGLang patch 0003; Mooncake copies one client's "
-        "same-process puts on one thread); each client holds its own local transfer buffer. segment_owner: server "
-        "only",
+        "each into its own 1/N of the server's segment (our SGLang patch spec-capture-parallel-put; Mooncake copies "
+        "one client's same-process puts on one thread); each client holds its own local transfer buffer. "
+        "segment_owner: server only",
     )
     compact_passthrough: bool = Field(
         default=True,
         description="SpecForge's producer sends each capture's input_ids / loss_mask / attention_mask "
         "compactly (the request's own ids, a fill value or base64 bytes) instead of JSON int lists "
-        "(SPECFORGE_SPEC_CAPTURE_COMPACT=1; needs our SpecForge patch 0002 and SGLang patch 0004, both applied by "
-        "`specforge-kimi setup`; the launch refuses to start when either is missing). Measured on one H200 (TP=1, "
-        "NOTES.md): saves 30-35 ms on the server and 15 ms of client encoding per 65,536-token capture call",
+        "(SPECFORGE_SPEC_CAPTURE_COMPACT=1; needs our SpecForge patch compact-capture-passthrough and SGLang patch "
+        "spec-capture-compact-passthrough, both applied by `specforge-kimi setup`; the launch refuses to start when "
+        "either is missing). What it saves per capture call: bench/REPORT.md, 'Where a capture call's time goes'",
     )
     transport: Literal["auto", "mooncake", "cuda_ipc"] = Field(
         default="auto",
         description="How captured features reach the trainer ranks: cuda_ipc (one GPU pool the capture server owns, "
-        "mapped by CUDA IPC by every rank of the node, device-to-device copies; one node, needs SGLang patch 0005) "
-        "or mooncake (GPU -> host -> Mooncake over TCP/RDMA -> host -> GPU; any topology). auto: cuda_ipc wherever "
-        "the recipe passes every check with it, else mooncake (plan.transport_plan.choice says why; `recipe "
-        "validate` prints it). docs/online.md 'Feature transports' says when to use which",
+        "mapped by CUDA IPC by every rank of the node, device-to-device copies; one node, needs SGLang patch "
+        "spec-capture-cuda-ipc) or mooncake (GPU -> host -> Mooncake over TCP/RDMA -> host -> GPU; any topology). "
+        "auto: cuda_ipc wherever the recipe passes every check with it, else mooncake (plan.transport_plan.choice "
+        "says why; `recipe validate` prints it). docs/online.md 'Feature transports' says when to use which",
     )
     ipc_pool_gib: float | None = Field(
         default=None,
@@ -195,23 +195,25 @@ class TrainerSection(_Strict):
         default=False,
         description="SpecForge's eagle3 forward calls torch.cuda.empty_cache() every step, so every step "
         "cudaMallocs its activations again and the rank's reserved memory swings between the weights and the step's "
-        "peak. false keeps the allocator's cache (SPECFORGE_EAGLE3_EMPTY_CACHE=0; needs our SpecForge patch 0003, "
-        "applied by `specforge-kimi setup`; the launch refuses to start without it); true is SpecForge as shipped. "
-        "Measured in bench/trainer_memory.py --variants (NOTES.md, issue 34)",
+        "peak. false keeps the allocator's cache (SPECFORGE_EAGLE3_EMPTY_CACHE=0; needs our SpecForge patch "
+        "eagle3-keep-allocator-cache, applied by `specforge-kimi setup`; the launch refuses to start without it); "
+        "true is SpecForge as shipped. Measured by bench/trainer_memory.py --variants: bench/REPORT.md, 'One "
+        "trainer rank at a recipe's sizes'",
     )
     fused_adamw: bool = Field(
         default=True,
         description="SpecForge's BF16Optimizer with torch's fused AdamW over its fp32 masters "
-        "(SPECFORGE_ADAMW_FUSED=1; needs our SpecForge patch 0004; the launch refuses to start without it) instead of "
-        "the foreach one; same update to fp32 rounding, same state_dict. Measured in bench/trainer_memory.py "
-        "--variants (NOTES.md, issue 34)",
+        "(SPECFORGE_ADAMW_FUSED=1; needs our SpecForge patch bf16-optimizer-fused-adamw; the launch refuses to start "
+        "without it) instead of the foreach one; same update to fp32 rounding, same state_dict. Measured by "
+        "bench/trainer_memory.py --variants: bench/REPORT.md, 'One trainer rank at a recipe's sizes'",
     )
     step_fewer_host_syncs: bool = Field(
         default=False,
         description="true builds the eagle3 step's loss denominators and draft-vocabulary columns on the device "
-        "and reads its metrics back in one copy (SPECFORGE_EAGLE3_FEWER_SYNCS=1; needs our SpecForge patch 0005; the "
-        "launch refuses to start without it): SpecForge makes the host wait for the GPU ~16 times per step at TTT "
-        "length 7. Same values (tests/unit/test_step_patches.py; on one H200 at the tiny recipe 13 -> 2 waits per step); its speed at K2.5's draft is not measured yet, so off by default",
+        "and reads its metrics back in one copy (SPECFORGE_EAGLE3_FEWER_SYNCS=1; needs our SpecForge patch "
+        "eagle3-fewer-host-syncs; the launch refuses to start without it): SpecForge makes the host wait for the GPU "
+        "7 + 1 + 7 times per step at TTT length 7. Same values (tests/unit/test_step_patches.py); measured by "
+        "bench/trainer_memory.py --variants: bench/REPORT.md, 'One trainer rank at a recipe's sizes'. Off by default",
     )
     cuda_alloc_conf: str | None = Field(
         default=None,

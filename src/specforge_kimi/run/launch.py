@@ -13,7 +13,7 @@ memory split is checked when the recipe loads; nothing starts if it does not fit
 finish the newest checkpoint is exported for SGLang and the recipe's acceptance bench runs
 (``bench:`` section); below its ``min_acceptance_length`` the command exits 1. With
 ``server.transport: cuda_ipc`` no Mooncake master starts (the features go through the server's GPU pool),
-the preflight also wants SGLang patch 0005 and, at TP > 1, peer access from every GPU to GPU 0, and what a
+the preflight also wants SGLang patch spec-capture-cuda-ipc and, at TP > 1, peer access from every GPU to GPU 0, and what a
 killed server's pool left behind is removed when the run ends. The recipe's input files are checked first (:mod:`inputs`); an output_dir an earlier launch used is
 refused unless ``--resume`` continues that run (:mod:`resume`, which also restarts a failed attempt under
 ``resilience.run_restarts``).
@@ -210,7 +210,8 @@ def preflight(plan) -> None:
 
 def cuda_ipc_preflight(plan) -> None:
     """With ``server.transport: cuda_ipc`` (the capture server carries the variable), refuse to start unless
-    SGLang patch 0005 is applied and, with more than one GPU, every GPU reaches GPU 0 (the pool) by peer access."""
+    SGLang patch spec-capture-cuda-ipc is applied and, with more than one GPU, every GPU reaches GPU 0 (the pool)
+    by peer access."""
     from specforge_kimi.transport import SERVER_TRANSPORT_ENV
 
     server = [s for s in plan.services if s.command.env.get(SERVER_TRANSPORT_ENV) == "cuda_ipc"]

@@ -1,11 +1,11 @@
 """``specforge-kimi doctor [RECIPE]``: is this machine ready to run a K2.5 draft recipe?
 
-Scope: read-only checks, each with a fix. Versions against the pins; our SpecForge patch and
+Scope: read-only checks, each with a fix. Versions against the pins; our SpecForge and SGLang patches (by name) and
 SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recipe also the
 target checkpoint (config vs recipe, tensor names and shapes against the config), its data files
 (tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.plan.inputs`), Mooncake
-reachability (or, with ``server.transport: cuda_ipc``, SGLang patch 0005 and peer access to GPU 0) and GPU
-count/memory against the recipe's budget. Nothing is started or written.
+reachability (or, with ``server.transport: cuda_ipc``, SGLang patch spec-capture-cuda-ipc and peer access to
+GPU 0) and GPU count/memory against the recipe's budget. Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
 """
 
@@ -162,12 +162,12 @@ def check_patches() -> list[Check]:
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[s.state]
             warn = (
                 "specforge-kimi setup (or set server.compact_passthrough: false in the recipe)"
-                if s.patch.name == setup_patches.COMPACT_SPECFORGE_PATCH
+                if setup_patches.patch_name(s.patch) == setup_patches.COMPACT_SPECFORGE_PATCH
                 else "specforge-kimi setup (or run SpecForge through `specforge-kimi train`)"
             )
             out.append(
                 Check(
-                    f"specforge patch {s.patch.name}",
+                    f"specforge patch {setup_patches.patch_name(s.patch)}",
                     status,
                     f"{s.state}; {files}",
                     {"ok": "", "warn": warn, "fail": "reinstall specforge==0.2.0, then specforge-kimi setup"}[status],
@@ -184,7 +184,7 @@ def check_patches() -> list[Check]:
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[state]
             out.append(
                 Check(
-                    f"sglang patch {s.patch.name}",
+                    f"sglang patch {setup_patches.patch_name(s.patch)}",
                     status,
                     state,
                     {
@@ -377,7 +377,8 @@ def check_mooncake_binds(recipe) -> Check:
 
 
 def check_cuda_ipc(recipe) -> list[Check]:
-    """``server.transport: cuda_ipc``: SGLang patch 0005 applied, and every GPU of the node reaching GPU 0."""
+    """``server.transport: cuda_ipc``: SGLang patch spec-capture-cuda-ipc applied, and every GPU of the node reaching
+    GPU 0."""
     from specforge_kimi.plan.devices import node_gpus
     from specforge_kimi.plan.transport_plan import peer_access_problem, pool_bytes
     from specforge_kimi.setup.setup_patches import cuda_ipc_gaps
@@ -391,7 +392,7 @@ def check_cuda_ipc(recipe) -> list[Check]:
             "cuda_ipc transport",
             "fail" if problems else "ok",
             "; ".join(problems)
-            or f"SGLang patch 0005 applied; pool {pool_bytes(recipe) / 2**30:.2f} GiB on GPU 0"
+            or f"SGLang patch spec-capture-cuda-ipc applied; pool {pool_bytes(recipe) / 2**30:.2f} GiB on GPU 0"
             + (", every GPU reaches it by peer access" if recipe.gpus.per_node > 1 else ""),
             "specforge-kimi setup --specforge-checkout /path/to/SpecForge, or server.transport: mooncake"
             if problems

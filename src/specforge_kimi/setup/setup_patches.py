@@ -9,6 +9,10 @@ changed is drift, not a guess. A stack (SpecForge's capture patch, then ours, ea
 one before left) is read as its longest applied prefix, then the rest in order, so a half-applied
 stack is finished rather than refused. ``--check`` classifies only. Applying twice is a no-op. The
 inventory of what each patch touches and why is ``patches/README.md``.
+
+Our patches go by name: ``patches/<project>/<pin>/NNNN-<name>.patch`` is ``<project>`` patch ``<name>`` (e.g.
+SGLang patch ``spec-capture-cuda-ipc``); ``NNNN`` only orders the files. Code and messages use the name
+(:func:`patch_name`, :func:`patch_file`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,46 @@ class PatchStatus:
     files: list[str]
     detail: str = ""
     failed: list[str] = field(default_factory=list)  # drift: the files whose hunks fail
+
+
+#: our patches by name, per project, in application order (a test checks these against the files)
+KNOWN_PATCHES = {
+    "specforge": (
+        "load-plugins",
+        "compact-capture-passthrough",
+        "eagle3-keep-allocator-cache",
+        "bf16-optimizer-fused-adamw",
+        "eagle3-fewer-host-syncs",
+    ),
+    "sglang": (
+        "spec-capture-staging-buffer",
+        "spec-capture-zero-copy",
+        "spec-capture-parallel-put",
+        "spec-capture-compact-passthrough",
+        "spec-capture-cuda-ipc",
+    ),
+}
+_PROJECT_LABEL = {"specforge": "SpecForge", "sglang": "SGLang"}
+
+
+def patch_name(patch: Path | str) -> str:
+    """A patch file's name less its order prefix and suffix: ``0005-spec-capture-cuda-ipc.patch`` ->
+    ``spec-capture-cuda-ipc``."""
+    return re.sub(r"^\d{4}-", "", Path(patch).name.removesuffix(".patch"))
+
+
+def patch_file(project: str, name: str) -> Path:
+    """Our ``project`` (``specforge`` or ``sglang``) patch ``name`` at the pin: its file under ``patches/``."""
+    pin = {"specforge": SPECFORGE_PIN, "sglang": SGLANG_PIN}[project]
+    found = [p for p in sorted((patches_root() / project / pin).glob("*.patch")) if patch_name(p) == name]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} {project} patch files named {name} under {patches_root() / project / pin}")
+    return found[0]
+
+
+def _label(project: str, name: str) -> str:
+    """How messages name a patch: ``SGLang patch spec-capture-cuda-ipc``."""
+    return f"{_PROJECT_LABEL[project]} patch {name}"
 
 
 def _files(patch: Path, strip: int) -> list[str]:
@@ -237,8 +281,8 @@ def our_sglang_patches() -> list[Path]:
 
 
 #: the two patches ``server.compact_passthrough`` needs: our SpecForge producer side and our SGLang sink side
-COMPACT_SPECFORGE_PATCH = "0002-compact-capture-passthrough.patch"
-COMPACT_SGLANG_PATCH = "0004-spec-capture-compact-passthrough.patch"
+COMPACT_SPECFORGE_PATCH = "compact-capture-passthrough"
+COMPACT_SGLANG_PATCH = "spec-capture-compact-passthrough"
 
 
 def compact_passthrough_gaps(
@@ -248,41 +292,35 @@ def compact_passthrough_gaps(
     compact patch that is not applied (empty when all are; the SGLang half only with ``sglang``). Without the
     SpecForge half the producer silently sends the JSON lists again; without the SGLang half the server
     refuses the compact items, so a launch checks this first (``launch.preflight``)."""
-    root = patches_root()
-    checks = [
-        (
-            root / "specforge" / SPECFORGE_PIN / COMPACT_SPECFORGE_PATCH,
-            1,
-            lambda: specforge_site or specforge_root(None),
-        )
-    ]
+    checks = [("specforge", COMPACT_SPECFORGE_PATCH, 1, lambda: specforge_site or specforge_root(None))]
     if sglang:
-        checks.append((root / "sglang" / SGLANG_PIN / COMPACT_SGLANG_PATCH, 2, lambda: sglang_site or sglang_root()))
+        checks.append(("sglang", COMPACT_SGLANG_PATCH, 2, lambda: sglang_site or sglang_root()))
     gaps = []
-    for patch, strip, site_of in checks:
+    for project, name, strip, site_of in checks:
         try:
             site = site_of()
         except KimiInputError as e:
-            gaps.append(f"{patch.name}: {e}")
+            gaps.append(f"{_label(project, name)}: {e}")
             continue
+        patch = patch_file(project, name)
         state = _sglang_state(patch, site) if strip == 2 else classify(patch, site, strip).state
         if state != "applied":
-            gaps.append(f"{patch.name} is not applied to {site} ({state})")
+            gaps.append(f"{_label(project, name)} is not applied to {site} ({state})")
     return gaps
 
 
 def specforge_patch_gaps(names: list[str], *, specforge_site: Path | None = None) -> list[str]:
-    """Which of our SpecForge patches ``names`` (file names under ``patches/specforge/<pin>``) are not applied to
-    the installed (or given) SpecForge: one line each, empty when all are."""
+    """Which of our SpecForge patches ``names`` (:data:`KNOWN_PATCHES` names) are not applied to the installed (or
+    given) SpecForge: one line each, empty when all are."""
     try:
         site = specforge_site or specforge_root(None)
     except KimiInputError as e:
-        return [f"{name}: {e}" for name in names]
+        return [f"{_label('specforge', name)}: {e}" for name in names]
     gaps = []
     for name in names:
-        state = classify(patches_root() / "specforge" / SPECFORGE_PIN / name, site, 1).state
+        state = classify(patch_file("specforge", name), site, 1).state
         if state != "applied":
-            gaps.append(f"{name} is not applied to {site} ({state})")
+            gaps.append(f"{_label('specforge', name)} is not applied to {site} ({state})")
     return gaps
 
 
@@ -293,19 +331,21 @@ def _sglang_state(patch: Path, site: Path) -> str:
 
 
 #: the SGLang patch ``server.transport: cuda_ipc`` needs (the capture server's pool)
-CUDA_IPC_SGLANG_PATCH = "0005-spec-capture-cuda-ipc.patch"
+CUDA_IPC_SGLANG_PATCH = "spec-capture-cuda-ipc"
 
 
 def cuda_ipc_gaps(*, sglang_site: Path | None = None) -> list[str]:
     """What keeps ``server.transport: cuda_ipc`` from working on the installed (or given) SGLang: one line when
-    SGLang patch 0005 is not applied (empty when it is). Without it the server ignores the transport and writes
+    SGLang patch ``spec-capture-cuda-ipc`` is not applied (empty when it is). Without it the server ignores the transport and writes
     to Mooncake, so a launch checks this first (``launch.preflight``)."""
     try:
         site = sglang_site or sglang_root()
     except KimiInputError as e:
-        return [f"{CUDA_IPC_SGLANG_PATCH}: {e}"]
-    state = _sglang_state(patches_root() / "sglang" / SGLANG_PIN / CUDA_IPC_SGLANG_PATCH, site)
-    return [] if state == "applied" else [f"{CUDA_IPC_SGLANG_PATCH} is not applied to {site} ({state})"]
+        return [f"{_label('sglang', CUDA_IPC_SGLANG_PATCH)}: {e}"]
+    state = _sglang_state(patch_file("sglang", CUDA_IPC_SGLANG_PATCH), site)
+    return (
+        [] if state == "applied" else [f"{_label('sglang', CUDA_IPC_SGLANG_PATCH)} is not applied to {site} ({state})"]
+    )
 
 
 def load_patched_specforge_module(rel: str, scratch: Path):

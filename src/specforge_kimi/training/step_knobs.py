@@ -3,27 +3,29 @@
 Scope: the names and values only. Each variable is read by one of our SpecForge patches
 (``patches/specforge/0.2.0``) inside SpecForge's own code; without the patch the variable does nothing and
 SpecForge behaves as shipped, so a launch that asks for a non-default value checks the patch first
-(``setup.setup_patches.trainer_step_gaps``, ``run.launch.trainer_step_preflight``). The recipe fields
+(``setup.setup_patches.specforge_patch_gaps``, ``run.launch.trainer_step_preflight``). The recipe fields
 (``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.step_fewer_host_syncs``, ``trainer.cuda_alloc_conf``)
-say why each exists and
-what it was measured to do; ``bench/trainer_memory.py --variants`` measures them side by side.
+say why each exists; ``bench/trainer_memory.py --variants`` measures them side by side (bench/REPORT.md,
+"One trainer rank at a recipe's sizes").
 """
 
 from __future__ import annotations
 
 import re
 
-#: patch 0003: "0" keeps the caching allocator's blocks across steps (SpecForge's eagle3 forward calls
-#: ``torch.cuda.empty_cache()`` every step, so every step cudaMallocs its activations again)
+#: SpecForge patch eagle3-keep-allocator-cache: "0" keeps the caching allocator's blocks across steps (SpecForge's
+#: eagle3 forward calls ``torch.cuda.empty_cache()`` every step, so every step cudaMallocs its activations again)
 EMPTY_CACHE_ENV = "SPECFORGE_EAGLE3_EMPTY_CACHE"
-EMPTY_CACHE_PATCH = "0003-eagle3-keep-allocator-cache.patch"
-#: patch 0004: "1" builds ``BF16Optimizer``'s AdamW with ``fused=True`` (one kernel over the fp32 masters)
+EMPTY_CACHE_PATCH = "eagle3-keep-allocator-cache"
+#: SpecForge patch bf16-optimizer-fused-adamw: "1" builds ``BF16Optimizer``'s AdamW with ``fused=True`` (one kernel
+#: over the fp32 masters)
 FUSED_ADAMW_ENV = "SPECFORGE_ADAMW_FUSED"
-FUSED_ADAMW_PATCH = "0004-bf16-optimizer-fused-adamw.patch"
-#: patch 0005: "1" builds the eagle3 step's loss denominators and draft-vocabulary columns on the device and reads the
-#: step's metrics back in one copy (SpecForge: 7 + 1 + 7 host waits per step at TTT length 7; same values)
+FUSED_ADAMW_PATCH = "bf16-optimizer-fused-adamw"
+#: SpecForge patch eagle3-fewer-host-syncs: "1" builds the eagle3 step's loss denominators and draft-vocabulary
+#: columns on the device and reads the step's metrics back in one copy (SpecForge: 7 + 1 + 7 host waits per step at
+#: TTT length 7; same values)
 FEWER_SYNCS_ENV = "SPECFORGE_EAGLE3_FEWER_SYNCS"
-FEWER_SYNCS_PATCH = "0005-eagle3-fewer-host-syncs.patch"
+FEWER_SYNCS_PATCH = "eagle3-fewer-host-syncs"
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -67,7 +69,7 @@ def trainer_env(trainer) -> dict[str, str]:
 
 
 def patches_needed(env: dict[str, str]) -> list[str]:
-    """Our SpecForge patches an environment's values need to take effect (SpecForge's defaults need none)."""
+    """Our SpecForge patches (by name) an environment's values need to take effect (SpecForge's defaults need none)."""
     need = []
     if env.get(EMPTY_CACHE_ENV) == "0":
         need.append(EMPTY_CACHE_PATCH)
