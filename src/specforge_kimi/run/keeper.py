@@ -7,7 +7,7 @@ such a signal it stops restarting and exits with the child.
 
 - ``--restarts N`` (service mode): rerun the command when it exits, at most ``N`` times, after
   ``--backoff`` seconds. For the capture server: the producer waits for it meanwhile
-  (``registration``'s produce-refs seam) and the features already committed survive in the
+  (``registration``'s ``outage-wait`` seam) and the features already committed survive in the
   Mooncake segment when a separate segment owner holds them (:mod:`segment_keeper`).
 - ``--resume-consumer RUN_DIR RUN_ID --restarts N`` (consumer mode): when the torchrun consumer
   exits non-zero, rerun it with ``training.resume_from=RUN_DIR/RUN_ID-latest`` -- SpecForge's own
@@ -18,8 +18,8 @@ such a signal it stops restarting and exits with the child.
   consumer alone: acknowledged samples' features are already freed), and the run stops; ``launch
   --resume`` (or ``resilience.run_restarts``) then resumes it whole (:mod:`specforge_kimi.run.resume`). While restarts are left the consumer
   runs with ``SPECFORGE_KIMI_CONSUMER_RESTARTABLE=1``: ranks that torchrun stops with a signal
-  after a sibling died do not publish ``consumer_failed`` (registration seam 7), so the producer
-  is still there for the resumed consumer.
+  after a sibling died do not publish ``consumer_failed`` (registration's ``restartable-consumer`` seam), so the
+  producer is still there for the resumed consumer.
 
     python -m specforge_kimi.run.keeper --restarts 3 --backoff 2 -- python -m specforge_kimi.capture_server ...
 """
@@ -80,7 +80,7 @@ def run(argv: Sequence[str], *, restarts: int, backoff: float, consumer: tuple[P
     used = 0
     while True:
         env = None
-        if consumer is not None:  # registration seam 7: a signalled rank of a resumable consumer stays quiet
+        if consumer is not None:  # the restartable-consumer seam: a signalled rank of a resumable consumer stays quiet
             env = {**os.environ, RESTARTABLE_ENV: "1" if used < restarts else "0"}
         child = subprocess.Popen(current, env=env)  # same process group: the supervisor's killpg reaches it
         while child.poll() is None:

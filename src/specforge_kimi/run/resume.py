@@ -13,15 +13,15 @@ attempt is refused, with the fix named.
 
 How ledger and checkpoint are reconciled. SpecForge's consumer ledger (``consumer.sqlite``, written by
 rank 0 only) is the record of what was trained; the checkpoint holds the weights, optimizer, scheduler and
-RNG; registration seams 9-11 make both usable:
+RNG; the registration seams ``prompt-ids``, ``fresh-channel`` and ``checkpoint-save`` make both usable:
 
 - every optimizer step acknowledges exactly ``Q = dp x batch x accumulation`` samples in one transaction,
   after the step and before any checkpoint of it, and sets ``marker.global_step``. So a ledger at durable
   step ``M`` holds ``M x Q`` acknowledged rows, in step order by rowid, and the samples trained into
   checkpoint ``S <= M`` are its first ``S x Q`` rows;
-- sample ids are ``<run_id>:epoch{e:04d}-prompt{i:012d}`` (seam 9), so a row names a prompt of the
+- sample ids are ``<run_id>:epoch{e:04d}-prompt{i:012d}`` (``prompt-ids``), so a row names a prompt of the
   dataset across attempts;
-- a checkpoint counts only with its completion marker (seam 11), its files at the sizes the marker
+- a checkpoint counts only with its completion marker (``checkpoint-save``), its files at the sizes the marker
   recorded, and a shared state that loads with ``global_step == S``, the run id and the world size.
 
 ``--resume`` takes ``S`` = the newest complete checkpoint with ``S <= M`` (0 when there is none: the run
@@ -31,11 +31,12 @@ never overwritten), cuts it back in one transaction to the first ``S x Q`` ackno
 rows and their committed refs with marker ``S``, renames step directories past ``S`` to ``*.abandoned-attempt{k}``, points ``-latest`` at
 ``S`` (atomically), and starts attempt k: the consumer with SpecForge's own ``training.resume_from=S``
 (which reconciles the cut ledger, releases those samples and restores the optimizer boundary), the
-producer leaving the ``S x Q`` trained prompts out of its plan (seam 9), on a new channel (seam 10).
+producer leaving the ``S x Q`` trained prompts out of its plan (``prompt-ids``), on a new channel (``fresh-channel``).
 
 It refuses, with a one-line error and nothing changed, when they disagree instead of guessing: no
 ledger beside checkpoints; acknowledged rows != ``M x Q``; a marker not ``optimizer_durable``;
-acknowledged samples never committed; sample ids not of seam 9's form (a run started before 2026-12-02);
+acknowledged samples never committed; sample ids not of the ``prompt-ids`` form (a run started by a specforge-kimi
+without that seam);
 a complete checkpoint ahead of the ledger's durable step; a ``Q`` other than the previous attempt's (other
 GPUs, batch or accumulation); processes of the previous attempt still alive (:mod:`run_guard`;
 ``--stop-stale`` stops them). A checkpoint without its marker, with a file of another size, or whose state
@@ -97,7 +98,7 @@ class Attempt(_Strict):
     incomplete: dict[str, str] = Field(default_factory=dict, description="Why each abandoned checkpoint was not loaded")
     stale_stopped: list[int] = Field(default_factory=list, description="Pids of the previous attempt stopped first")
     ledger_backup: str | None = Field(default=None, description="Copy of the ledger before the cut")
-    skip_file: str | None = Field(default=None, description="Task ids the producer leaves out (seam 9)")
+    skip_file: str | None = Field(default=None, description="Task ids the producer leaves out (the prompt-ids seam)")
 
 
 class RunRecord(_Strict):
@@ -159,8 +160,8 @@ def consumer_quantum(config: dict) -> int:
 
 
 def checkpoint_problem(ckpt: Path, *, run_id: str, step: int, world_size: int) -> str | None:
-    """Why ``ckpt`` is not a checkpoint to resume from, or None: it needs seam 11's completion marker, its
-    files at the recorded sizes, and a shared state that loads with this step, run id and world size."""
+    """Why ``ckpt`` is not a checkpoint to resume from, or None: it needs the ``checkpoint-save`` seam's completion
+    marker, its files at the recorded sizes, and a shared state that loads with this step, run id and world size."""
     marker = ckpt / CHECKPOINT_COMPLETE
     if not marker.is_file():
         return "no completion marker (the node died while writing it, or it was never finished)"
@@ -258,7 +259,8 @@ def reconcile(out: Path, *, run_id: str, quantum: int, world_size: int, ledger: 
     if odd:
         raise KimiInputError(
             f"ledger {ledger}: sample id {odd[0]!r} does not name a prompt (expected {run_id}:epochEEEE-promptIIII...): "
-            "the run started without deterministic prompt ids (before 2026-12-02), so which prompts were trained "
+            "the run started without deterministic prompt ids (a specforge-kimi older than its prompt-ids seam), so "
+            "which prompts were trained "
             "cannot be told; start it again in a new output_dir"
         )
     incomplete: dict[str, str] = {}
@@ -463,7 +465,7 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
         if not first["supervisor"].exists():
             raise KimiInputError(f"{out} holds no launch of this run to resume; launch it without --resume")
         raise KimiInputError(
-            f"{out} has no {RECORD_FILE}: it was launched before whole-run resume existed (2026-12-02), with random "
+            f"{out} has no {RECORD_FILE}: it was launched before whole-run resume existed, with random "
             "sample ids, so which prompts were trained cannot be told; start it again in a new output_dir"
         )
     if record.run_id != recipe.name:

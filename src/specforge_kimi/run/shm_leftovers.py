@@ -2,12 +2,13 @@
 their own cleanup, and its removal around each attempt (``resume.run_attempts``).
 
 Scope: one node, Linux ``/proc``; the names SGLang 0.5.14, loky, the CUDA driver and torch 2.11 give these files.
-Seen on one H200 (2026-12-04, ``box_after.txt`` of ``tests/gpu/logs/2026-12-04-drill-*`` and ``-soak-cuda-ipc``):
-every capture server start leaves ``sglang_loads_<instance>_<digest>.shm`` (16 KiB, SGLang's load snapshot: its
-writer never unlinks it, even on a clean stop) and ``sem.loky-<pid>-<tag>`` (a named semaphore of the scheduler);
+Seen on a GPU node after the fault and resume drills and the cuda_ipc soak (``box_after.txt`` of their logs under
+``archive/gpu-runs/logs``; archive/gpu-runs/RUNS.md, "What box_after.txt showed"): every capture server start leaves
+``sglang_loads_<instance>_<digest>.shm`` (SGLang's load snapshot: its writer never unlinks it, even on a clean stop)
+and ``sem.loky-<pid>-<tag>`` (a named semaphore of the scheduler);
 on cuda_ipc also ``cuda.shm.<device>.<pid, hex>.<n>`` (the CUDA driver's, for exported allocations) and
 ``torch_<pid>_<n>_<n>`` (torch's CUDA IPC reference counters). SGLang stops its scheduler with SIGKILL, so a run
-that ends well leaves them too: ~180 KiB per server start, piling up in a RAM-backed filesystem over a run that
+that ends well leaves them too, a few per server start, piling up in a RAM-backed filesystem over a run that
 restarts for days.
 
 Removed: regular files of this user with one of those names, modified at or after ``since``, whose creating

@@ -3,8 +3,8 @@ processes left.
 
 Scope: one node. A ``kill -9`` of a launch leaves torchrun's trainer ranks running (sessions of their own): they go
 on training from the samples already delivered and writing checkpoints, holding their GPU memory, until something
-stops them (one H200, 2026-12-04: from step 57 to 113). ``launch --resume --stop-stale`` stops them and resumes;
-this stops them and resumes nothing:
+stops them (as in the resume drills: archive/gpu-runs/RUNS.md, the cuda_ipc kill-twice drill). ``launch --resume
+--stop-stale`` stops them and resumes; this stops them and resumes nothing:
 
 1. a live launcher of the run (the holder of ``<output_dir>/launch.lock`` as ``/proc/locks`` names it) gets SIGTERM -- SpecForge's supervisor
    stops its services and roles as on Ctrl-C -- and SIGKILL if it has not let go of the lock after the grace;
