@@ -580,6 +580,134 @@ def test_pool_files_are_owner_only_whatever_the_umask(tmp_path, umask, existing_
         w.close()
 
 
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+OTHER_UID = 65534  # nobody
+
+
+@needs_root
+def test_pool_files_are_owner_only_not_in_another_users_directory(tmp_path):
+    """A pool directory of another user (even one only it may read) is refused: the writer would hand it the
+    pool file and its IPC handle. Nothing is written into it."""
+    from specforge_kimi.transport.writer import IpcCaptureWriter
+
+    ipc = tmp_path / "ipc"
+    ipc.mkdir(mode=0o700)
+    os.chown(ipc, OTHER_UID, OTHER_UID)
+    with pytest.raises(PermissionError, match=f"belongs to uid {OTHER_UID}") as err:
+        IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=ipc, device="cpu", max_slots=4)
+    assert "\n" not in str(err.value)
+    assert list(ipc.iterdir()) == [] and _mode(ipc) == 0o700 and os.lstat(ipc).st_uid == OTHER_UID
+
+
+def _dead_pool(ipc, pool_id: str) -> list:
+    """A pool file in ``ipc`` whose writer is gone, and its slot table and shared-memory file; returns those."""
+    info = {
+        "version": 1,
+        "pool_id": pool_id,
+        "backend": "shm",
+        "nbytes": 1,
+        "slots_path": str(slots_path(pool_id)),
+        "pid": _dead_pid(),
+        "pid_start": None,
+        "lease_s": 1.0,
+        "created": 0.0,
+        "device": {},
+        "handle": {"path": str(shm_pool_path(pool_id))},
+    }
+    files = [ipc / f"{pool_id}.json", slots_path(pool_id), shm_pool_path(pool_id)]
+    files[0].write_text(json.dumps(info))
+    for p in files[1:]:
+        p.write_bytes(b"\0")
+    return files
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("kind", ["another_user", "group_writable", "world_writable", "link_to_ours"])
+def test_stale_cleanup_refuses_a_directory_that_is_not_privately_ours(tmp_path, caplog, kind):
+    """Stale-pool cleanup trusts the pool files it reads only in a private directory of this user -- the check
+    the writer makes -- so a directory of another user (its pools' slot tables in /dev/shm are live to it), a
+    directory others may write to, or a link is refused with one warning and nothing is removed."""
+    from specforge_kimi.transport.pool import remove_stale
+
+    if kind == "another_user" and os.geteuid() != 0:
+        pytest.skip("making a directory of another user needs root")
+    real = tmp_path / "ipc"
+    real.mkdir(mode=0o700)
+    files = _dead_pool(real, "00112233aabbccdd")
+    ipc = real
+    if kind == "another_user":
+        for p in files:
+            os.chown(p, OTHER_UID, OTHER_UID)
+        os.chown(real, OTHER_UID, OTHER_UID)
+    elif kind == "link_to_ours":
+        ipc = tmp_path / "link"
+        ipc.symlink_to(real)
+    else:
+        os.chmod(real, 0o770 if kind == "group_writable" else 0o777)
+    try:
+        with caplog.at_level(logging.WARNING, logger="specforge_kimi.transport.pool"):
+            assert remove_stale(ipc) == []
+        assert all(os.path.lexists(p) for p in files), kind
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert str(ipc) in warning and "removing nothing" in warning and "\n" not in warning
+    finally:
+        for p in files[1:]:
+            p.unlink(missing_ok=True)
+    os.chmod(real, 0o700)
+    os.chown(real, os.geteuid(), os.getegid())
+    for p in files[:1]:
+        os.chown(p, os.geteuid(), os.getegid())
+    # the same pool, now in a private directory of ours: it goes
+    for p in files[1:]:
+        p.write_bytes(b"\0")
+    assert remove_stale(real) == ["00112233aabbccdd"] and not any(os.path.lexists(p) for p in files)
+
+
+@needs_root
+def test_stale_cleanup_leaves_another_users_shared_memory_file_of_the_same_name(tmp_path):
+    """The names in /dev/shm are derived from the pool id; where another user's file holds one, it stays (root
+    could unlink it through the sticky bit): only this user's files go."""
+    from specforge_kimi.transport.pool import remove_stale
+
+    ipc = tmp_path / "ipc"
+    ipc.mkdir(mode=0o700)
+    files = _dead_pool(ipc, "ffeeddccbbaa9988")
+    os.chown(files[1], OTHER_UID, OTHER_UID)  # another user's live slot table under the same name
+    try:
+        assert remove_stale(ipc) == ["ffeeddccbbaa9988"]
+        assert not files[0].exists() and not files[2].exists()
+        assert files[1].read_bytes() == b"\0"
+    finally:
+        for p in files[1:]:
+            p.unlink(missing_ok=True)
+
+
+def test_a_reused_pid_is_not_taken_for_the_pools_writer(writer):
+    """The pool file names its writer by pid and start time: a live process at that pid that started at another
+    time (the pid reused after the writer died) is not the writer -- the pool is refused and the cleanup removes
+    it; the real writer, same pid and start time, keeps it."""
+    from specforge_kimi.transport.pool import process_start, remove_stale
+
+    (res,) = _put(writer, [(_spec("run:a", 3), _rows(3, 0))])
+    raw = json.loads(writer.pool_file.read_text())
+    assert raw["pid"] == os.getpid() and raw["pid_start"] == process_start(os.getpid())
+    store = _store(writer)
+    store.get(_ref_for(res))  # the writer as it is: alive
+    assert remove_stale(writer.pool_dir) == []
+    raw["pid_start"] = str(int(raw["pid_start"]) + 1)  # same pid, another start: a process that reused the pid
+    writer.pool_file.write_text(json.dumps(raw))
+    reader = _store(writer)._reader(raw["pool_id"])
+    with pytest.raises(RuntimeError, match="is gone"):
+        reader.check_alive()
+    assert remove_stale(writer.pool_dir) == [raw["pool_id"]]
+    assert not writer.pool_file.exists() and not os.path.exists(raw["slots_path"])
+
+
 def slots_path(pool_id: str):
     from specforge_kimi.transport.slots import shm_dir
 
@@ -727,37 +855,50 @@ def test_descriptor_offsets_must_be_sane_integers(place):
 
 # -- release by key against a slot reused under it (issue 31) --------------------------------------------------------
 def test_release_by_key_never_frees_a_slots_new_occupant(tmp_path):
-    """The server frees a row and lends it to another sample at any point of a reader's by-key release: the
-    release must reach the old occupant or nothing, never the new one. Tried at every read of the table."""
+    """The server frees a row and lends it to another sample at any point of a reader's by-key release -- before
+    each read of the table :meth:`SlotTable.find` makes, or between ``find`` and ``release``: the release reaches
+    the old occupant or nothing. It never names the new occupant's alloc id (``find``'s two reads of the alloc
+    column around the key), never writes a release into the new row and never reports success
+    (``release``'s alloc check)."""
     import numpy as np
 
-    state = {"n": 0, "at": 0, "fired": False}
+    state = {"n": 0, "at": None, "fired": False}
+
+    def reuse():
+        server.free(1)
+        server.claim(alloc_id=2, key=sample_key("run:new"), offset=0, nbytes=8, t_ns=2)
+        state["fired"] = True
 
     class Hooked(np.ndarray):
         def __getitem__(self, idx):
             state["n"] += 1
             if state["n"] == state["at"]:
-                server.free(1)
-                server.claim(alloc_id=2, key=sample_key("run:new"), offset=0, nbytes=8, t_ns=2)
-                state["fired"] = True
+                reuse()
             return super().__getitem__(idx)
 
-    fired_at = []
-    for at in range(1, 40):
+    def by_key(at):
         path = tmp_path / f"t{at}.slots"
+        nonlocal server
         server = SlotTable.create(path, max_slots=1, capacity=4096)
         server.claim(alloc_id=1, key=sample_key("run:old"), offset=0, nbytes=8, t_ns=1)
         reader = SlotTable.attach(path)
         reader._a = reader._a.view(Hooked)
         state.update(n=0, at=at, fired=False)
-        for slot, alloc_id in reader.find(sample_key("run:old")):
-            reader.release(slot, alloc_id)
-        if state["fired"]:
-            fired_at.append(at)
-            assert server.current(1) == 2 and server.released() == [], f"new occupant released (reuse at read {at})"
-        else:
-            assert server.released() == [1]  # no reuse: the old occupant is released
-    assert len(fired_at) >= 3  # the reuse did land inside find / release
+        found = reader.find(sample_key("run:old"))
+        if at == "between":
+            reuse()
+        return found, [reader.release(slot, alloc_id) for slot, alloc_id in found]
+
+    server = None
+    assert by_key(None) == ([(1, 1)], [True]) and server.released() == [1]  # no reuse: the old occupant goes
+    reads = state["n"]  # the reads of the table a by-key release makes (find's four, release's check)
+    assert reads >= 5
+    for at in [*range(1, reads + 1), "between"]:
+        found, released = by_key(at)
+        assert state["fired"]
+        assert (1, 2) not in found, f"find named the new occupant (reuse before read {at})"
+        assert True not in released, f"release reported success on a reused row (reuse at {at})"
+        assert server.row(1)["release"] == 0 and server.released() == [], f"new row released (reuse at {at})"
 
 
 # -- the store's record of freed samples stays bounded (issue 31) -----------------------------------------------------

@@ -17,8 +17,10 @@ answers its first request. A reader refuses a pool whose writer is gone: its fea
 
 The pool file carries the CUDA IPC handle, so another user must not read it: the pool directory is 0700, the
 pool file, the slot table and the shared-memory file 0600, whatever the umask, and each is created without
-following a link (one planted at the path is refused, not written through). Stale-pool cleanup removes only
-names of the form this module creates for a well-formed pool id, never a path a pool file names.
+following a link (one planted at the path is refused, not written through). Stale-pool cleanup works only in a
+private directory of this user (a directory of another user, or one others may write to, is refused with a
+warning) and removes only names of the form this module creates for a well-formed pool id, each a file of this
+user, never a path a pool file names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import base64
 import dataclasses
 import errno
 import json
+import logging
 import os
 import re
 import stat
@@ -41,6 +44,8 @@ from specforge_kimi.transport.slots import SlotTable, create_private_file, open_
 
 #: the pool ids :class:`~specforge_kimi.transport.writer.IpcCaptureWriter` makes (``uuid4().hex[:16]``)
 POOL_ID = re.compile(r"^[0-9a-f]{16}$")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,15 @@ def shm_pool_path(pool_id: str) -> Path:
     return shm_dir() / f"sfk-ipc-{pool_id}.pool"
 
 
+def _not_ours(st: os.stat_result, directory: Path) -> str | None:
+    """Why ``directory`` (``st``: its ``lstat``) is not a plain directory of this user; None when it is."""
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"cuda_ipc pool directory {directory} is not a plain directory (a link?)"
+    if st.st_uid != os.geteuid():
+        return f"cuda_ipc pool directory {directory} belongs to uid {st.st_uid}, not us (uid {os.geteuid()})"
+    return None
+
+
 def private_dir(directory: str | os.PathLike) -> Path:
     """``directory`` as a directory of this user with mode 0700 (created so, or narrowed to it); a link there or
     a directory of another user is refused (``PermissionError``): the pool file in it carries the IPC handle."""
@@ -94,12 +108,9 @@ def private_dir(directory: str | os.PathLike) -> Path:
     except FileExistsError:
         pass
     st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(
-            errno.EPERM, f"cuda_ipc pool directory {directory} is not a plain directory (a link?); refusing it"
-        )
-    if st.st_uid != os.geteuid():
-        raise PermissionError(errno.EPERM, f"cuda_ipc pool directory {directory} belongs to uid {st.st_uid}, not us")
+    problem = _not_ours(st, directory)
+    if problem:
+        raise PermissionError(errno.EPERM, f"{problem}; refusing it")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(directory, 0o700)
     return directory
@@ -361,27 +372,75 @@ def remove_stale(directory: str | os.PathLike) -> list[str]:
     """Remove what pools of dead writers left under ``directory`` (and in ``/dev/shm``): a capture server
     killed without its cleanup leaves them. Returns the pool ids removed; live pools are kept.
 
+    Only in a private directory of this user -- what :func:`private_dir` makes: ours, not a link, no group or
+    other permission bits. Anything else (a directory of another user, one others may write to) is refused
+    with a one-line warning and nothing is removed: a pool file there may be anyone's, naming anyone's pool.
     Only this module's own names go: ``<id>.json`` in ``directory`` and ``sfk-ipc-<id>.{slots,pool}`` in the
-    shared-memory directory, for an ``<id>`` of the form writers make; the paths a pool file names are never
-    followed, so a pool file written by someone else cannot point the cleanup at other files."""
-    removed = []
+    shared-memory directory, for an ``<id>`` of the form writers make, each a regular file of this user; the
+    paths a pool file names are never followed, so a pool file cannot point the cleanup at other files."""
     directory = Path(directory)
-    if not directory.is_dir():
-        return removed
-    for path in sorted(directory.glob("*.json")):
-        pool_id = path.name[: -len(".json")]
-        if not POOL_ID.fullmatch(pool_id) or path.is_symlink():
-            continue
-        try:
-            with open_existing(path) as f:
-                raw = json.loads(f.read())
-            pid, start = raw["pid"], raw.get("pid_start")
-            if raw.get("pool_id") != pool_id or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-                continue
-            if alive(pid, start if isinstance(start, str) else None):
-                continue
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):
-            continue
-        _unlink([slots_path(pool_id), shm_pool_path(pool_id), path])
-        removed.append(pool_id)
-    return removed
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        logger.warning(
+            "cuda_ipc stale-pool cleanup: cannot open %s as a directory (%s); removing nothing", directory, exc.strerror
+        )
+        return []
+    try:
+        st = os.fstat(dir_fd)
+        problem = _not_ours(st, directory) or (
+            f"cuda_ipc pool directory {directory} is open to others (mode {stat.S_IMODE(st.st_mode):04o})"
+            if stat.S_IMODE(st.st_mode) & 0o077
+            else None
+        )
+        if problem:
+            logger.warning("stale-pool cleanup refused: %s; removing nothing", problem)
+            return []
+        return [pool_id for pool_id in sorted(_pool_ids(dir_fd)) if _remove_if_dead(dir_fd, pool_id)]
+    finally:
+        os.close(dir_fd)
+
+
+def _pool_ids(dir_fd: int) -> list[str]:
+    names = (n[: -len(".json")] for n in os.listdir(dir_fd) if n.endswith(".json"))
+    return [pool_id for pool_id in names if POOL_ID.fullmatch(pool_id)]
+
+
+def _remove_if_dead(dir_fd: int, pool_id: str) -> bool:
+    """Remove pool ``pool_id``'s files if its pool file (in the directory ``dir_fd``, a regular file of this user)
+    names a writer that is gone; whether it did."""
+    name = f"{pool_id}.json"
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                return False
+            raw = json.loads(f.read(1 << 20))
+        pid, start = raw["pid"], raw.get("pid_start")
+        if raw.get("pool_id") != pool_id or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return False
+        if alive(pid, start if isinstance(start, str) else None):
+            return False
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):
+        return False
+    for path in (slots_path(pool_id), shm_pool_path(pool_id)):
+        _unlink_own(path)
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def _unlink_own(path: Path) -> None:
+    """Unlink ``path`` if it is a regular file of this user (``/dev/shm`` is shared: another user's file of the same
+    name stays, even for root)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
