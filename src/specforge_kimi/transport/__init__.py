@@ -14,7 +14,8 @@ The pieces, each a module:
 - :mod:`.descriptor` what a capture result and a ``SampleRef`` carry instead of Mooncake keys;
 - :mod:`.pool` the pool's memory, exported once (CUDA IPC handle, or a shared-memory file for the CPU
   stand-in server), the pool file that names it, and the reader's mapping;
-- :mod:`.writer` the capture server's side (what SGLang patch 0005 and the CPU reference server call);
+- :mod:`.writer` the capture server's side (what SGLang patch spec-capture-cuda-ipc and the CPU reference server
+  call);
 - :mod:`.store` SpecForge's side: a ``FeatureStore`` for the producer and the trainer ranks
   (``register()`` installs it when ``SPECFORGE_KIMI_TRANSPORT=cuda_ipc``).
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 #: the transports a recipe may name (``server.transport``)
 TRANSPORTS = ("mooncake", "cuda_ipc")
 
-# -- the capture server's environment (SGLang patch 0005 and the CPU reference server read these) ------------
+# -- the capture server's environment (SGLang patch spec-capture-cuda-ipc and the CPU reference server read these) -
 #: ``mooncake`` (SpecForge's sink, the default) or ``cuda_ipc`` (this package's pool)
 SERVER_TRANSPORT_ENV = "SGLANG_SPEC_CAPTURE_TRANSPORT"
 #: the pool's size in bytes (recipe ``server.ipc_pool_gib``)

@@ -1,8 +1,8 @@
 """The capture server's side of the cuda_ipc transport: copy each captured sample into the pool, lend its slot.
 
 Scope: called on the capture sink's single writer thread (SGLang's ``spec-capture-batch-put`` executor, through
-SGLang patch 0005; or the CPU reference server's request thread), one instance per server process, created on
-the attention-TP rank 0 that writes captures. What it does per scheduler batch:
+SGLang patch spec-capture-cuda-ipc; or the CPU reference server's request thread), one instance per server process,
+created on the attention-TP rank 0 that writes captures. What it does per scheduler batch:
 
 1. reclaim: free every slot a reader released (``release == alloc`` in the slot table) and every slot older
    than the lease (logged with its sample id: a trainer that never acknowledged it, or a lost one);
