@@ -33,8 +33,8 @@ SPEC_CAPTURE_METHOD = "eagle3"
 #: NVLink multicast stays off on shared hosts (see the device notes); servers inherit these.
 NVLS_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FUSION_BACKEND_SM90 = "trtllm"
-#: our SpecForge patch 0002 sends capture passthrough compactly when this is "1" (recipe
-#: ``server.compact_passthrough``; SGLang patch 0004 rebuilds the values)
+#: our SpecForge patch compact-capture-passthrough sends capture passthrough compactly when this is "1" (recipe
+#: ``server.compact_passthrough``; SGLang patch spec-capture-compact-passthrough rebuilds the values)
 COMPACT_PASSTHROUGH_ENV = "SPECFORGE_SPEC_CAPTURE_COMPACT"
 
 
@@ -99,7 +99,7 @@ def capture_server_env(
 
     The patch's sink reads its Mooncake endpoints and segment sizes from these; the server owns
     the Mooncake segment the features live in, so its segment must hold every capture in flight.
-    ``put_clients`` > 1 sets ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS`` (our SGLang patch 0003: the sink
+    ``put_clients`` > 1 sets ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS`` (our SGLang patch spec-capture-parallel-put: the sink
     splits each batch's put over that many store clients, each mounting 1/N of the segment).
     """
     if put_clients < 1:

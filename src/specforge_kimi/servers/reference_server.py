@@ -20,8 +20,8 @@ greedy token SGLang's capture requests ask for (``max_new_tokens: 1``). Request 
 
 Mooncake settings come from the same ``MOONCAKE_*`` environment variables as the real sink. With
 ``SGLANG_SPEC_CAPTURE_TRANSPORT=cuda_ipc`` (and the pool variables of :mod:`specforge_kimi.transport`) the
-samples go into a cuda_ipc pool instead, through the very writer SGLang patch 0005 calls, on its shared-memory
-backend (this server runs on the CPU): everything of that transport but the CUDA handle, on a CPU machine.
+samples go into a cuda_ipc pool instead, through the very writer SGLang patch spec-capture-cuda-ipc calls, on its
+shared-memory backend (this server runs on the CPU): everything of that transport but the CUDA handle, on a CPU machine.
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ _DTYPES = ("float32", "bfloat16", "float16")
 MAX_REQUEST_BYTES = 64 << 20
 
 
-#: the keys that carry a passthrough item's values (SpecForge's ``data``, 0004's compact forms)
+#: the keys that carry a passthrough item's values (SpecForge's ``data``, the compact forms of SGLang patch
+#: spec-capture-compact-passthrough)
 PASSTHROUGH_FORMS = ("data", "source", "fill", "data_b64")
 
 
 def passthrough_tensor(item: dict, input_ids: list[int]):
     """A ``spec_capture`` passthrough item's tensor, as our patched SGLang sink builds it: ``data``
-    (SpecForge's JSON list), or the compact forms of patches/sglang/0.5.14/0004 (``source:
-    input_ids``, ``fill``, ``data_b64`` + ``data_dtype``) that SpecForge sends with
-    ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (patches/specforge/0.2.0/0002)."""
+    (SpecForge's JSON list), or the compact forms of SGLang patch spec-capture-compact-passthrough
+    (``source: input_ids``, ``fill``, ``data_b64`` + ``data_dtype``) that SpecForge sends with
+    ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (SpecForge patch compact-capture-passthrough)."""
     import base64
 
     import torch
