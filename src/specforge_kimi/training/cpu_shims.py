@@ -33,11 +33,10 @@ What is patched, and why
    ``LlamaRotaryEmbedding.forward`` and ``LlamaRMSNorm.forward``;
    ``specforge.algorithms.eagle3.model`` compiles ``_compute_target_p``,
    ``_compute_metric_acc`` and ``_compute_metric_counts``; ``specforge.core.loss`` compiles
-   its (unused) reference ``_compute_loss``. Inductor does compile them on this CPU machine
-   (gcc 12.2, torch 2.11) and the losses match eager to ~1e-3, but the tiny 30-step test run
-   takes ~47 s with a cold Inductor cache and ~34 s warm against ~24 s eager (the first
-   optimizer step alone ~9 s against ~0.05 s), new sequence lengths can recompile, and a host
-   without a C++ toolchain cannot compile at all. Each compiled object is swapped for the plain
+   its (unused) reference ``_compute_loss``. Inductor does compile them on a CPU and the losses
+   match eager closely, but on the tiny test runs compiling costs more than it saves (warm cache or cold;
+   the first optimizer step most of all), new sequence lengths can recompile, and a host without a C++
+   toolchain cannot compile at all. Each compiled object is swapped for the plain
    function torch keeps in its ``_torchdynamo_orig_callable`` attribute (module attribute or
    class attribute). ``torch._dynamo``'s global config and any other compiled code in the
    process are left alone.
@@ -45,8 +44,8 @@ What is patched, and why
 3. The frozen teacher head's GEMM runs in fp32.
    ``specforge.modeling.target.target_head.TargetHead.forward`` multiplies the final hidden
    state by the whole target LM head ([T, H] x [H, 163,840] for K2.5) in bf16 every step. CPUs
-   without native bf16 matrix units run that 3-4x slower than fp32 (measured here: 0.71 s vs
-   0.19 s for T=60, H=256), and it dominates a CPU training step. The replacement upcasts the
+   without native bf16 matrix units run that several times slower than fp32, and it dominates a CPU
+   training step. The replacement upcasts the
    input and weight to fp32 for the product and returns the logits in the input's dtype, so
    downstream code (``_compute_target_p`` upcasts to fp32 first anyway) sees the same dtype;
    values differ from the bf16 product only by bf16 rounding.
