@@ -47,9 +47,9 @@ vLLM (vllm-project/vllm, read at the commits named)
     transformers; we did not find ``kimi_k2`` registered in vLLM).
 
 Refused rather than exported: a Llama-style draft with YaRN rope (SpecForge trains cos/sin
-unscaled, the engines apply mscale; NOTES.md) or with a ``norm_output`` key (SpecForge's Llama
-draft reads it as "norm before lm_head", default true; SGLang's as "hand the normed state to
-the next step", default false -- only an absent key means the same to both).
+unscaled, the engines apply mscale; docs/decisions/009-drafts-and-export.md) or with a
+``norm_output`` key (SpecForge's Llama draft reads it as "norm before lm_head", default true;
+SGLang's as "hand the normed state to the next step", default false -- only an absent key means the same to both).
 
 Both MLA exports write the decoder layer as ``layers.0.*`` (both loaders accept it directly);
 the Llama exports keep SpecForge's ``midlayer.*``. Not verified on a real vLLM: the vLLM
@@ -154,8 +154,8 @@ def serving_config(draft_config: Mapping[str, Any], engine: str, aux: AuxLayers)
     cfg = json.loads(json.dumps(dict(draft_config)))  # deep copy, JSON types only
     arch = _arch(cfg)
     if arch == LLAMA_ARCH and _rope_type(cfg) == "yarn":
-        # NOTES.md: SpecForge trains a Llama draft's YaRN with cos/sin scale 1.0, SGLang serves it
-        # with mscale; vLLM's Llama rope applies YaRN's mscale as well. Plain rope_theta only.
+        # docs/decisions/009-drafts-and-export.md: SpecForge trains a Llama draft's YaRN with cos/sin scale 1.0,
+        # SGLang serves it with mscale; vLLM's Llama rope applies YaRN's mscale as well. Plain rope_theta only.
         raise KimiInputError(
             "the Llama-style draft carries YaRN rope scaling, which SpecForge trains and the "
             "engines serve differently; train it with plain rope_theta"

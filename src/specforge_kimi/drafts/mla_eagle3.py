@@ -26,7 +26,7 @@ interleaved (GPT-J) pairs unless ``rope_interleave`` is false; the softmax scale
 ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` (``compute_mla_mscale_scaling``). For K2.5
 (factor 64, mscale = mscale_all_dim = 1) cos/sin are unscaled and the softmax scale is
 ``192**-0.5 * 1.4159**2``. Training and serving therefore apply the same rope, unlike the
-Llama-style draft (see NOTES.md), so this draft keeps the target's YaRN settings.
+Llama-style draft (docs/decisions/009-drafts-and-export.md), so this draft keeps the target's YaRN settings.
 
 TTT: at step ``i`` SpecForge's sdpa path rotates q/k at ``position + i`` and lets each query
 attend to step 0's keys causally plus its own position's keys from steps 1..i (the cache in
