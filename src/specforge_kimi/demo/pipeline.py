@@ -267,7 +267,7 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     aux = AuxLayers.from_specforge(DEMO_AUX_IDS, info.num_layers)
     model = load_text_model(target_dir)
     # SpecForge feeds features to the draft without a cast, so they carry the training dtype:
-    # bf16 on GPUs; fp32 on a CPU, where bf16 matmuls run 4-6x slower (measured, NOTES.md).
+    # bf16 on GPUs; fp32 on a CPU, where bf16 matmuls run several times slower.
     feat_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     feat_dir = out / "features"
     feat_dir.mkdir()

@@ -10,8 +10,8 @@ zero logits -- so it is the written checkpoint's exact full-vocabulary cross-ent
 token wins the argmax only by scoring above the untrained mass, as a real LM's tokens do. With
 ``loss="corpus"`` (the earlier behaviour) the softmax is restricted to the corpus's tokens; their
 logits then float freely around 0, and after zeroing the untrained tokens often win the full-vocab
-argmax and carry most of the probability (measured: full-vocab held-out loss 8.07 against 2.49
-restricted, greedy accuracy 0.28), which also floods an EAGLE-3 draft vocabulary's filler slots. The result is written back in K2.5's
+argmax and carry most of the probability (the full-vocab held-out loss stays far above the restricted
+one), which also floods an EAGLE-3 draft vocabulary's filler slots. The result is written back in K2.5's
 on-disk naming (:func:`tiny.write_tiny` with ``state=``). :func:`pretrain_structured_target` is
 ``specforge-kimi tiny --pretrain``: corpus -> pretraining -> stand-in tokenizer + ``pretrain.json``.
 """
@@ -69,16 +69,17 @@ def pretrain(
 
     ``deterministic``: run under ``torch.use_deterministic_algorithms(True)`` (cuBLAS workspace
     pinned), so that a step-bounded run repeats bit for bit on the same device and software. Without
-    it, two 300-step runs on an H200 parted from the second step and ended 0.03 apart in held-out
-    greedy accuracy; warn-only mode names the CUDA backward of memory-efficient attention as the
-    non-deterministic kernel (``bench/studies/pretrain_repro.py``, tests/gpu/RUNS.md). On the CPU, 3 steps
-    left weights up to 2.4e-4 apart without it and identical with it.
+    it two runs part from the second step (bench/REPORT.md, "Tiny target repeatability":
+    ``bench/studies/pretrain_repro.py``); warn-only mode names the CUDA backward of memory-efficient attention
+    as the non-deterministic kernel. On the CPU, a few steps leave the weights apart without it and identical
+    with it.
 
     ``schedule``: ``constant`` (``lr`` throughout) or ``cosine`` (linear warm-up over the first 3%,
     then cosine decay to 5% of ``lr``). Deterministic runs follow the step count (``step /
     max_steps``) only: nothing read from the clock may change the weights, so a time budget that
-    ends first cuts the schedule short (``PretrainResult.schedule_fraction`` says where); on the
-    H200 a schedule that also followed the clock parted two otherwise identical runs at step 1.
+    ends first cuts the schedule short (``PretrainResult.schedule_fraction`` says where); a schedule that also
+    followed the clock parted two otherwise identical runs at step 1 (bench/REPORT.md, "Tiny target
+    repeatability").
     Non-deterministic runs follow time or steps, whichever runs out first.
 
     ``loss``: ``full`` or ``corpus`` (module docstring).

@@ -2,21 +2,21 @@
 
 Scope: a tiny target pretrained on :mod:`corpus` alone answers the bench's natural-language
 ``chat``/``math``/``code`` prompts with whatever its weights make of text it never saw. Measured
-(tests/gpu/RUNS.md, 2026-12-01, the deep-taps run): its own entropy along its greedy answers is 0.89 nats per token
-on the bench's math prompts against 0.33-0.49 elsewhere, and the draft's acceptance in SGLang
-follows it (math 1.71, chat 2.06, code 2.80). Acceptance on such a target measures the target's
-confusion, not the pipeline. This module gives it a rule for any prompt, so that its answers there
-are a function of the prompt a draft can learn, as the corpus's are for its own questions. Two rules
-(:data:`RULES`):
+(archive/gpu-runs/RUNS.md, the deep-taps run): its own entropy along its greedy answers is highest on the
+bench's math prompts, and the draft's acceptance in SGLang follows it, lowest on math. Acceptance on such a
+target measures the target's confusion, not the pipeline. This module gives it a rule for any prompt, so
+that its answers there are a function of the prompt a draft can learn, as the corpus's are for its own
+questions. Two rules (:data:`RULES`):
 
 ``echo`` (the default)
     the prompt restated: its text with runs of whitespace made one space, cut at
     :data:`ECHO_CHARS` characters; reasoning (when the conversation has it): ``restate the question``.
-``words`` (the prompt-rule target of 2026-12-01)
+``words`` (the first prompt-rule target)
     the first :data:`MAX_WORDS` words of the prompt (runs of letters and digits), one per line,
     numbered: ``1. What`` / ``2. are`` / ...; reasoning: ``list the first words of the question, one
-    per line``. Measured (2026-12-01, the prompt-rule target): the target followed it on 0.765 of the answer tokens of the
-    bench's own prompts, and its own text was not more predictable than without it. Finding the next
+    per line``. Measured (archive/gpu-runs/RUNS.md, the prompt-rule target): the target followed it on most
+    but not all answer tokens of the bench's own prompts, and its own text was not more predictable than without
+    it. Finding the next
     word is a two-step lookup (which word came last, then the one after it in the prompt); ``echo`` is
     a contiguous copy, the one-step lookup a transformer's induction heads make.
 

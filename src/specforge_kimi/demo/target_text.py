@@ -2,9 +2,9 @@
 
 A draft is only as good as its target is predictable. On the tiny targets, acceptance followed the
 entropy of the target's next-token distribution along its own greedy text far more than anything
-in the draft's training (NOTES.md, measurements of 2026-12-01), and targets from the same command
-differ a lot. This module generates that text (transformers ``generate``, greedy, stopping at
-``<|im_end|>``) for *selection* prompts, none of them a bench prompt: distinct corpus
+in the draft's training (bench/REPORT.md, "Choosing the tiny target" and "Draft evaluation"), and
+targets from the same command differ a lot. This module generates that text (transformers ``generate``,
+greedy, stopping at ``<|im_end|>``) for *selection* prompts, none of them a bench prompt: distinct corpus
 conversations drawn with :data:`SELECT_SEED` (the prompt part, in each conversation's thinking
 mode), skipping the bench's ``structured`` ones, and a :mod:`prompt_mix` stream with its own seed
 (thinking on, as the bench asks its chat/math/code sets; prompt_mix never yields a bench prompt).
