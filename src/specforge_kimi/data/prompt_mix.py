@@ -1,8 +1,8 @@
 """Training prompts in the style of the bench's chat, math and code sets, never one of the bench's prompts.
 
 Scope: a draft learns how the target continues the contexts it is trained on. Trained only on the
-structured corpus's prompts, the tiny target's draft accepted 3.18 on the bench's ``structured``
-set but 2.27-2.81 on ``chat``, ``math`` and ``code`` (tests/gpu/RUNS.md, 2026-12-01, the draft-logits-parity run): those
+structured corpus's prompts, the tiny target's draft accepted clearly less on the bench's ``chat``, ``math``
+and ``code`` sets than on its ``structured`` one (archive/gpu-runs/RUNS.md, the draft-logits-parity run): those
 prompts are outside what it saw. A user trains on prompts like their traffic; this module is that
 for the project's own prompt sets. It writes user prompts from templates and slot lists (written
 for this project, seeded, deterministic) and drops any prompt whose normalized text equals one in

@@ -40,13 +40,12 @@ was written but some failed exits 2 naming the first error.
 either: that is refused before anything is opened for writing.
 
 Reproducibility is the server's: with SGLang's default kernels, greedy generations depend on what
-else is in the batch, so two runs of the same rows differ in a few (on one H200, 31 of 3,100 rows
-at ``--concurrency 256``); a server started with ``--enable-deterministic-inference`` gave the
-same output bit for bit (0 of 3,100), regenerating about 25% slower (tiny K2.5, TP=1, ``triton``
-attention). SGLang 0.5.14 confines DeepSeek's MLA architectures to ``fa3`` or ``triton`` in that
-mode, but its list names ``DeepseekV3ForCausalLM``, not K2.5's wrapper, so it would also accept
-``flashinfer`` for K2.5: use ``triton`` (measured) or ``fa3``. At TP > 1 it turns custom
-all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosing it.
+else is in the batch, so two runs of the same rows differ in a few; a server started with
+``--enable-deterministic-inference`` gives the same output bit for bit, regenerating somewhat slower
+(archive/gpu-runs/RUNS.md, "is the data stage repeatable?"). SGLang 0.5.14 confines DeepSeek's MLA
+architectures to ``fa3`` or ``triton`` in that mode, but its list names ``DeepseekV3ForCausalLM``, not K2.5's
+wrapper, so it would also accept ``flashinfer`` for K2.5: use ``triton`` (the one that has run) or ``fa3``. At
+TP > 1 it turns custom all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosing it.
 """
 
 from __future__ import annotations
