@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from specforge_kimi.errors import KimiInputError
 
@@ -149,21 +150,14 @@ def _pretrain(
     import torch.nn.functional as F
 
     from specforge_kimi.console import Progress
-    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
-    from specforge_kimi.targets.tiny import TinySpec, write_tiny
+    from specforge_kimi.targets.tiny import write_tiny
 
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    if "specforge_kimi_tiny" not in cfg:
-        raise KimiInputError(f"{model_dir} is not a tiny checkpoint written by `specforge-kimi tiny`")
-    spec = TinySpec(**cfg["specforge_kimi_tiny"])
-    info = inspect_target(model_dir)
-    torch.manual_seed(seed)
-    model = load_text_model(model_dir).to(device).train()
+    spec, vocab_size, model = _load_tiny_for_training(model_dir, seed, device)
     used = sorted({t for s in sequences for t in s})
-    if max(used) >= info.vocab_size:
-        raise KimiInputError(f"token id {max(used)} is outside the target vocab {info.vocab_size}")
+    if max(used) >= vocab_size:
+        raise KimiInputError(f"token id {max(used)} is outside the target vocab {vocab_size}")
     used_t = torch.tensor(used, device=device)
-    remap = torch.full((info.vocab_size,), -100, dtype=torch.long, device=device)
+    remap = torch.full((vocab_size,), -100, dtype=torch.long, device=device)
     remap[used_t] = torch.arange(len(used), device=device)
     seqs = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences if len(s) >= 2]
     # Train embedding/head rows of the used tokens only: a dense update of two
@@ -176,7 +170,7 @@ def _pretrain(
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     # the V - n_used zero logits the written checkpoint will have, as one softmax term
-    sink = math.log(info.vocab_size - len(used)) if loss == "full" and info.vocab_size > len(used) else None
+    sink = math.log(vocab_size - len(used)) if loss == "full" and vocab_size > len(used) else None
     losses: list[float] = []
     start = time.monotonic()
     # sized to the steps the budget allows: max_steps, or fewer when the time budget ends first (re-estimated
@@ -194,13 +188,7 @@ def _pretrain(
             for group in opt.param_groups:
                 group["lr"] = lr * scale
         idx = torch.randint(len(seqs), (batch_size,), generator=gen)
-        batch = [remap[seqs[i]] for i in idx]
-        T = max(len(s) for s in batch)
-        ids = torch.zeros((len(batch), T), dtype=torch.long, device=device)
-        labels = torch.full((len(batch), T), -100, dtype=torch.long, device=device)
-        for b, s in enumerate(batch):
-            ids[b, : len(s)] = s
-            labels[b, : len(s) - 1] = s[1:]
+        ids, labels = _padded_batch([remap[seqs[i]] for i in idx], device)
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             hidden = model.model(inputs_embeds=embed[ids], use_cache=False).last_hidden_state
         logits = (hidden.float() @ head.T).reshape(-1, len(used))
@@ -231,6 +219,35 @@ def _pretrain(
         losses,
         schedule_fraction=min(1.0, schedule_fraction()),
     )
+
+
+def _load_tiny_for_training(model_dir, seed: int, device: str):
+    """The tiny checkpoint's spec, vocabulary size and its text model in training mode on ``device``."""
+    import torch
+
+    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.tiny import TinySpec
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if "specforge_kimi_tiny" not in cfg:
+        raise KimiInputError(f"{model_dir} is not a tiny checkpoint written by `specforge-kimi tiny`")
+    spec = TinySpec(**cfg["specforge_kimi_tiny"])
+    vocab_size = inspect_target(model_dir).vocab_size
+    torch.manual_seed(seed)
+    return spec, vocab_size, load_text_model(model_dir).to(device).train()
+
+
+def _padded_batch(batch, device):
+    """Sequences (remapped ids) -> right-padded ids and next-token labels (-100 past each end)."""
+    import torch
+
+    T = max(len(s) for s in batch)
+    ids = torch.zeros((len(batch), T), dtype=torch.long, device=device)
+    labels = torch.full((len(batch), T), -100, dtype=torch.long, device=device)
+    for b, s in enumerate(batch):
+        ids[b, : len(s)] = s
+        labels[b, : len(s) - 1] = s[1:]
+    return ids, labels
 
 
 def pretrain_structured_target(
@@ -269,50 +286,24 @@ def pretrain_structured_target(
     import sys
     from dataclasses import asdict
 
-    import torch
-
-    from specforge_kimi.data import corpus
-    from specforge_kimi.data.chat_template import encode_records as _rows
-    from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
-    from specforge_kimi.demo import prompt_rules as rules
-    from specforge_kimi.targets.checkpoint import load_text_model, resolve_device
+    from specforge_kimi.targets.checkpoint import resolve_device
     from specforge_kimi.targets.tiny import write_tiny
 
-    if seconds <= 0:
-        raise KimiInputError("--pretrain SECONDS must be positive")
-    if max_steps <= 0:
-        raise KimiInputError("--pretrain-steps must be positive")
-    if batch_size < 1:
-        raise KimiInputError("--pretrain-batch-size must be positive")
-    if prompt_rules < 0:
-        raise KimiInputError("--pretrain-prompt-rules must be >= 0")
-    prompt_rule = prompt_rule or rules.DEFAULT_RULE
-    if prompt_rule not in rules.RULES:
-        raise KimiInputError(f"--pretrain-prompt-rule {prompt_rule!r}: choose one of {sorted(rules.RULES)}")
-    if precision not in ("fp32", "bf16"):
-        raise KimiInputError(f"--pretrain-precision must be fp32 or bf16, not {precision!r}")
+    prompt_rule = _check_pretrain_args(seconds, max_steps, batch_size, prompt_rules, prompt_rule, precision)
     device = resolve_device(device)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise KimiInputError(f"{out} exists and is not empty")
     tok = build_standin_tokenizer()
-    train_rows = _rows(list(corpus.conversations(conversations, seed=TRAIN_SEED)), tok)
-    held_rows = _rows(list(corpus.conversations(heldout, seed=HELDOUT_SEED)), tok)
-    rule_rows, rule_held = [], []
-    if prompt_rules:
-        try:
-            rule_rows = _rows(list(rules.conversations(prompt_rules, rule=prompt_rule)), tok)
-        except ValueError as e:  # more than the prompt templates can make
-            raise KimiInputError(f"--pretrain-prompt-rules {prompt_rules}: {e}") from e
-        rule_held = _rows(rules.bench_conversations(prompt_rule), tok)
+    rows = _pretrain_rows(tok, conversations, heldout, prompt_rules, prompt_rule)
     raw = out.with_name(out.name + ".random")
     shutil.rmtree(raw, ignore_errors=True)
     try:
         write_tiny(raw, spec)
         res = pretrain(
             str(raw),
-            [ids for ids, _ in train_rows + rule_rows],
+            [ids for ids, _ in rows.train + rows.rules],
             str(out),
             seconds=seconds,
             batch_size=batch_size,
@@ -330,27 +321,12 @@ def pretrain_structured_target(
         shutil.rmtree(raw, ignore_errors=True)
     tok.save_pretrained(out)
 
-    # The target's own held-out numbers, full 163,840-way softmax (unused head rows are zero).
-    model = load_text_model(str(out)).to(device).eval()
-    used = torch.tensor(sorted({t for ids, _ in train_rows + rule_rows for t in ids}), device=device)
-    held = _heldout_numbers(model, held_rows, used, device)
-    rule_held_numbers = _heldout_numbers(model, rule_held, used, device) if rule_held else None
-    del model
+    held, rule_held_numbers = _score_heldout(out, rows, device)
     summary = {
         "command": list(command) if command is not None else sys.argv,
         "spec": asdict(spec),
         "device": device,
-        "corpus": {
-            "module": "specforge_kimi.data.corpus",
-            "tasks": [t.__name__.lstrip("_") for t in corpus.TASKS],
-            "conversations": conversations,
-            "seed": TRAIN_SEED,
-            "rows": len(train_rows),
-            "tokens": sum(len(i) for i, _ in train_rows),
-            "what": "synthetic user question -> rule-determined answer (counting, spelling, reversing, repeating, "
-            "multiplication tables, colour cycles); every 2nd conversation answers with reasoning; "
-            "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
-        },
+        "corpus": _corpus_summary(conversations, rows.train),
         "train": {
             "steps": res.steps,
             "max_steps": max_steps,
@@ -374,17 +350,7 @@ def pretrain_structured_target(
                 else "softmax restricted to the corpus's tokens"
             ),
         },
-        "heldout": {
-            "conversations": heldout,
-            "seed": HELDOUT_SEED,
-            **held,
-            "what": "on the answer (loss-mask) tokens of the held-out conversations, i.e. the bench's "
-            "`structured` prompt set: cross-entropy over the full vocab (unused head rows are 0, "
-            "so ~log(163840) until trained logits grow), the same restricted to the corpus's "
-            "tokens, full-vocab argmax accuracy (what SGLang's greedy decoding picks) and the "
-            "argmax accuracy among the corpus's tokens; the two differ when untrained tokens "
-            "outscore every trained one",
-        },
+        "heldout": _heldout_summary(heldout, held),
     }
     if spec.int4_experts:
         summary["quantization"] = (
@@ -393,25 +359,127 @@ def pretrain_structured_target(
             "the written, quantized checkpoint's"
         )
     if prompt_rules:
-        summary["prompt_rules"] = {
-            "module": "specforge_kimi.demo.prompt_rules",
-            "rule": prompt_rule,
-            "conversations": prompt_rules,
-            "seed": rules.PRETRAIN_SEED,
-            "rows": len(rule_rows),
-            "tokens": sum(len(i) for i, _ in rule_rows),
-            "what": f"prompt_mix chat/math/code prompts answered by the {prompt_rule!r} rule: "
-            f"{rules.RULES[prompt_rule][1]}; every 2nd with reasoning; trained on beside the corpus",
-            "heldout": {
-                "conversations": len(rule_held),
-                **rule_held_numbers,
-                "what": "the same numbers on the bench's own chat/math/code prompts answered by the rule "
-                "(never trained on)",
-            },
-        }
+        summary["prompt_rules"] = _rules_summary(prompt_rule, prompt_rules, rows, rule_held_numbers)
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2))
     _plot_pretrain(res.losses, summary, out / "pretrain_loss.png")
     return summary
+
+
+def _check_pretrain_args(
+    seconds: float, max_steps: int, batch_size: int, prompt_rules: int, prompt_rule: str | None, precision: str
+) -> str:
+    """One line for each bad ``--pretrain*`` value; returns the prompt rule to use."""
+    from specforge_kimi.demo import prompt_rules as rules
+
+    if seconds <= 0:
+        raise KimiInputError("--pretrain SECONDS must be positive")
+    if max_steps <= 0:
+        raise KimiInputError("--pretrain-steps must be positive")
+    if batch_size < 1:
+        raise KimiInputError("--pretrain-batch-size must be positive")
+    if prompt_rules < 0:
+        raise KimiInputError("--pretrain-prompt-rules must be >= 0")
+    prompt_rule = prompt_rule or rules.DEFAULT_RULE
+    if prompt_rule not in rules.RULES:
+        raise KimiInputError(f"--pretrain-prompt-rule {prompt_rule!r}: choose one of {sorted(rules.RULES)}")
+    if precision not in ("fp32", "bf16"):
+        raise KimiInputError(f"--pretrain-precision must be fp32 or bf16, not {precision!r}")
+    return prompt_rule
+
+
+class _Rows(NamedTuple):
+    """Encoded (ids, loss mask) rows: the corpus's training and held-out conversations, the prompt-rule
+    conversations trained on and the bench's prompts answered by the rule (held out)."""
+
+    train: list
+    heldout: list
+    rules: list
+    rules_heldout: list
+
+
+def _pretrain_rows(tok, conversations: int, heldout: int, prompt_rules: int, prompt_rule: str) -> _Rows:
+    from specforge_kimi.data import corpus
+    from specforge_kimi.data.chat_template import encode_records as _rows
+    from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
+    from specforge_kimi.demo import prompt_rules as rules
+
+    train_rows = _rows(list(corpus.conversations(conversations, seed=TRAIN_SEED)), tok)
+    held_rows = _rows(list(corpus.conversations(heldout, seed=HELDOUT_SEED)), tok)
+    rule_rows, rule_held = [], []
+    if prompt_rules:
+        try:
+            rule_rows = _rows(list(rules.conversations(prompt_rules, rule=prompt_rule)), tok)
+        except ValueError as e:  # more than the prompt templates can make
+            raise KimiInputError(f"--pretrain-prompt-rules {prompt_rules}: {e}") from e
+        rule_held = _rows(rules.bench_conversations(prompt_rule), tok)
+    return _Rows(train_rows, held_rows, rule_rows, rule_held)
+
+
+def _score_heldout(out: Path, rows: _Rows, device: str) -> tuple[dict, dict | None]:
+    """The written target's own held-out numbers, full 163,840-way softmax (unused head rows are zero)."""
+    import torch
+
+    from specforge_kimi.targets.checkpoint import load_text_model
+
+    model = load_text_model(str(out)).to(device).eval()
+    used = torch.tensor(sorted({t for ids, _ in rows.train + rows.rules for t in ids}), device=device)
+    held = _heldout_numbers(model, rows.heldout, used, device)
+    rule_held_numbers = _heldout_numbers(model, rows.rules_heldout, used, device) if rows.rules_heldout else None
+    return held, rule_held_numbers
+
+
+def _corpus_summary(conversations: int, train_rows: list) -> dict:
+    from specforge_kimi.data import corpus
+    from specforge_kimi.data.corpus import TRAIN_SEED
+
+    return {
+        "module": "specforge_kimi.data.corpus",
+        "tasks": [t.__name__.lstrip("_") for t in corpus.TASKS],
+        "conversations": conversations,
+        "seed": TRAIN_SEED,
+        "rows": len(train_rows),
+        "tokens": sum(len(i) for i, _ in train_rows),
+        "what": "synthetic user question -> rule-determined answer (counting, spelling, reversing, repeating, "
+        "multiplication tables, colour cycles); every 2nd conversation answers with reasoning; "
+        "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
+    }
+
+
+def _heldout_summary(heldout: int, held: dict) -> dict:
+    from specforge_kimi.data.corpus import HELDOUT_SEED
+
+    return {
+        "conversations": heldout,
+        "seed": HELDOUT_SEED,
+        **held,
+        "what": "on the answer (loss-mask) tokens of the held-out conversations, i.e. the bench's "
+        "`structured` prompt set: cross-entropy over the full vocab (unused head rows are 0, "
+        "so ~log(163840) until trained logits grow), the same restricted to the corpus's "
+        "tokens, full-vocab argmax accuracy (what SGLang's greedy decoding picks) and the "
+        "argmax accuracy among the corpus's tokens; the two differ when untrained tokens "
+        "outscore every trained one",
+    }
+
+
+def _rules_summary(prompt_rule: str, prompt_rules: int, rows: _Rows, rule_held_numbers: dict | None) -> dict:
+    from specforge_kimi.demo import prompt_rules as rules
+
+    return {
+        "module": "specforge_kimi.demo.prompt_rules",
+        "rule": prompt_rule,
+        "conversations": prompt_rules,
+        "seed": rules.PRETRAIN_SEED,
+        "rows": len(rows.rules),
+        "tokens": sum(len(i) for i, _ in rows.rules),
+        "what": f"prompt_mix chat/math/code prompts answered by the {prompt_rule!r} rule: "
+        f"{rules.RULES[prompt_rule][1]}; every 2nd with reasoning; trained on beside the corpus",
+        "heldout": {
+            "conversations": len(rows.rules_heldout),
+            **(rule_held_numbers or {}),
+            "what": "the same numbers on the bench's own chat/math/code prompts answered by the rule "
+            "(never trained on)",
+        },
+    }
 
 
 def _heldout_numbers(model, rows, used, device) -> dict:
