@@ -93,6 +93,53 @@ def test_dead_processes_leftovers_go_and_nothing_else(tmp_path):
     )
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user needs root to make")
+def test_another_users_leftovers_are_never_removed(tmp_path):
+    """A file of another user with a leftover's name, its creator gone, held by no one: kept -- root could
+    unlink it (the sticky bit of /dev/shm does not stop root), and it is not this user's run's to remove."""
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    proc.mkdir()
+    dead = _dead_pid()
+    theirs, ours = f"torch_{dead}_1_1", f"torch_{dead}_2_2"
+    for name in (theirs, ours):
+        (shm / name).write_bytes(b"x")
+    os.chown(shm / theirs, 65534, 65534)
+    assert remove_leftovers(time.time() - 60, shm, proc) == [ours]
+    assert sorted(os.listdir(shm)) == [theirs]
+    assert theirs not in matching(time.time() - 60, shm)
+
+
+@pytest.mark.parametrize("owner", ["ours", "theirs"])
+def test_a_leftover_replaced_after_the_listing_is_kept(tmp_path, monkeypatch, owner):
+    """The name is looked at again just before the unlink: a file put at it after the listing (a new one of a live
+    process of ours: another inode), or the file given to another user meanwhile, is not the garbage that was
+    found, and stays."""
+    from specforge_kimi.run import shm_leftovers
+
+    if owner == "theirs" and os.geteuid() != 0:
+        pytest.skip("a file of another user needs root to make")
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    proc.mkdir()
+    name = f"torch_{_dead_pid()}_1_1"
+    (shm / name).write_bytes(b"x")
+    real_held = shm_leftovers.held
+
+    def held_then_replace(proc_dir):  # runs after the listing, before the unlink
+        if owner == "theirs":  # the same file, given to another user
+            (shm / name).write_bytes(b"new")
+            os.chown(shm / name, 65534, 65534)
+        else:  # a new file of ours, made while the old one still exists: another inode
+            (shm / "new").write_bytes(b"new")
+            os.replace(shm / "new", shm / name)
+        return real_held(proc_dir)
+
+    monkeypatch.setattr(shm_leftovers, "held", held_then_replace)
+    assert remove_leftovers(time.time() - 60, shm, proc) == []
+    assert (shm / name).read_bytes() == b"new"
+
+
 def test_a_missing_shm_directory_is_nothing_to_do(tmp_path):
     assert remove_leftovers(0.0, tmp_path / "absent", tmp_path) == []
 

@@ -15,7 +15,9 @@ Removed: regular files of this user with one of those names, modified at or afte
 process (where the name carries its pid) is gone, and which no live process holds open or mapped
 (``/proc/<pid>/fd``, ``/proc/<pid>/maps``, compared by inode). The names carry no run, so another run of the same
 user on the node loses such files of its dead processes too (garbage to it as well). Any other name, other users'
-files, symlinks and files in use are never touched; a file that vanishes meanwhile is skipped.
+files (even for root, whom ``/dev/shm``'s sticky bit does not stop), symlinks and files in use are never touched:
+each file is looked at again just before it is unlinked, and one replaced meanwhile (another inode, owner or kind)
+stays; a file that vanishes meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def own_files(shm: Path | None = None) -> dict[str, os.stat_result]:
         entries = sorted(os.listdir(shm))
     except OSError:
         return {}
-    uid = os.getuid()
+    uid = os.geteuid()  # the owner of the files this user's processes create
     found = {}
     for name in entries:
         try:
@@ -130,11 +132,15 @@ def matching(since: float, shm: Path | None = None) -> dict[str, tuple[int, int]
 def leftovers(since: float, shm: Path | None = None, proc: Path = Path("/proc")) -> list[str]:
     """The names :func:`remove_leftovers` would remove from ``shm`` (default: ``/dev/shm``) now: :func:`matching`'s
     whose creator (where named) is gone and which no live process holds."""
+    return list(_leftovers(since, shm, proc))
+
+
+def _leftovers(since: float, shm: Path | None, proc: Path) -> dict[str, tuple[int, int]]:
     candidates = {n: key for n, key in matching(since, shm).items() if not _running_creator(n, proc)}
     if not candidates:
-        return []
+        return {}
     busy = held(proc)  # read after the listing: a file created since is not a candidate
-    return [name for name, key in candidates.items() if key not in busy]
+    return {name: key for name, key in candidates.items() if key not in busy}
 
 
 def _running_creator(name: str, proc: Path) -> bool:
@@ -146,8 +152,11 @@ def remove_leftovers(since: float, shm: Path | None = None, proc: Path = Path("/
     """Remove the leftovers described above from ``shm`` (default: ``/dev/shm``); returns the names removed."""
     shm = Path("/dev/shm") if shm is None else Path(shm)
     removed = []
-    for name in leftovers(since, shm, proc):
+    for name, key in _leftovers(since, shm, proc).items():
         try:
+            st = os.lstat(shm / name)
+            if (st.st_dev, st.st_ino) != key or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue  # replaced since it was listed: not the file found to be garbage
             os.unlink(shm / name)
         except OSError:  # gone meanwhile, or not ours to remove after all
             continue
