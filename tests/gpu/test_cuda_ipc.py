@@ -1,5 +1,5 @@
 """Issue 25 on one GPU: features read through the cuda_ipc transport equal those read through Mooncake, bit for
-bit, on the same prompts, with the real stack (SGLang + SpecForge's capture patch + our 0001-0005, SpecForge's
+bit, on the same prompts, with the real stack (SGLang + SpecForge's capture patch + our SGLang patches, SpecForge's
 producer adapter, our store mapping the server's pool by CUDA IPC in this second process).
 
 One capture server (a random-weight tiny K2.5: 8 layers, hidden 512; TP=1, triton attention,
@@ -48,7 +48,7 @@ def _compute_apps() -> list[str]:
 
 
 def _with_transport(adapter, transport: str):
-    """Requests of this adapter name ``transport`` (0005: one server answers both)."""
+    """Requests of this adapter name ``transport`` (spec-capture-cuda-ipc: one server answers both)."""
     payload = adapter._spec_capture_payload
     adapter._spec_capture_payload = lambda task: {**payload(task), "transport": transport}
     return adapter

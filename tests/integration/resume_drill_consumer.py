@@ -9,7 +9,7 @@ widens the window, the kill is the drill's. Phases, in the order a save goes:
 - ``rank-file``: the rank file is written to ``training_state_rank<r>.pt.tmp``, not yet renamed;
 - ``shared-file``: rank files in place, ``training_state.pt.tmp`` written, not yet renamed;
 - ``marker``: SpecForge's save is done (``training_state.pt`` in place, ``-latest`` re-pointed: SpecForge
-  itself would resume from it), registration seam 11's completion marker not yet written.
+  itself would resume from it), the checkpoint-save seam's completion marker not yet written.
 
 Without the variable it is plain ``specforge_kimi train``.
 """

@@ -1,7 +1,7 @@
 """The online loop on CPU with ``server.compact_passthrough`` on: SpecForge's producer, patched by
-``specforge-kimi setup`` (our SpecForge patch 0002, on a copy of the wheel), sends input_ids,
+``specforge-kimi setup`` (our SpecForge patch compact-capture-passthrough, on a copy of the wheel), sends input_ids,
 loss_mask and attention_mask compactly; the reference capture server rebuilds them as SGLang
-patch 0004 does; the torchrun consumer trains on what comes back out of Mooncake.
+patch spec-capture-compact-passthrough does; the torchrun consumer trains on what comes back out of Mooncake.
 
 Scope: the recipe field -> launch plan -> producer environment -> patched payload -> server ->
 Mooncake -> trainer path end to end. That the compact forms give the same bytes as SpecForge's

@@ -1,6 +1,6 @@
 """The whole online loop on CPU with ``server.transport: cuda_ipc``: the recipe's co-located plan (no Mooncake
 master), SpecForge's real producer and torchrun consumer with ``register()``'s store seam, and the CPU reference
-capture server writing into a cuda_ipc pool through the same writer SGLang patch 0005 calls (its shared-memory
+capture server writing into a cuda_ipc pool through the same writer SGLang patch spec-capture-cuda-ipc calls (its shared-memory
 backend: everything of the transport but the CUDA IPC handle, which ``tests/gpu/test_cuda_ipc.py`` covers).
 
 What this proves without a GPU: the rendered roles find the pool, refs carry descriptors through SpecForge's

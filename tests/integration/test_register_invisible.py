@@ -66,7 +66,7 @@ def _run_suite(root: Path, out: Path, *, register: bool) -> tuple[list[dict], st
         "SPECFORGE_KIMI_SUITE_OUT": str(out),
         "SPECFORGE_KIMI_SUITE_REGISTER": "1" if register else "0",
     }
-    env.pop("SPECFORGE_PLUGINS", None)  # the plain run must not register through our SpecForge patch 0001
+    env.pop("SPECFORGE_PLUGINS", None)  # the plain run must not register through our SpecForge patch load-plugins
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "specforge_suite_plugin", *SUITE],
         cwd=root,

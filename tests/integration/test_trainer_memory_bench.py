@@ -186,7 +186,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert set(comps) == set(variants)
     assert all(c["against"] == "specforge" and c["length"] == 32 for c in comps.values())
     assert comps["specforge"]["loss_max_abs_diff"] == 0.0 and comps["specforge"]["speed_ratio"] == 1.0
-    # patch 0005 changes where values are built and when they are read, not what they are
+    # eagle3-fewer-host-syncs changes where values are built and when they are read, not what they are
     assert rows[3]["losses"] == rows[1]["losses"]
     for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs"):
         r = rows[[x["variant"] for x in rows].index(name)]

@@ -1,10 +1,10 @@
-"""Our SpecForge patch 0002 (compact capture passthrough) against the pinned wheel.
+"""Our SpecForge patch compact-capture-passthrough against the pinned wheel.
 
 Scope: the producer side. With ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` the patched
 ``SGLangServerCaptureAdapter._spec_capture_payload`` sends input_ids as ``source: input_ids``, a
 one-valued list as ``fill`` and any other as base64 bytes of the smallest integer type; every form
 rebuilds the exact tensor SpecForge's JSON list gives (checked through the reference server's
-``passthrough_tensor``, the CPU stand-in of SGLang patch 0004, whose own sink is tested byte-exact
+``passthrough_tensor``, the CPU stand-in of SGLang patch spec-capture-compact-passthrough, whose own sink is tested byte-exact
 in ``test_sglang_patches.py``). Without the variable the payload is SpecForge's, unchanged.
 """
 
@@ -182,7 +182,8 @@ def test_launch_refuses_compact_without_its_patches(tmp_path, monkeypatch):
     import yaml
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe
+    from specforge_kimi.plan.run_plan import compile_plan
     from specforge_kimi.run.launch import build_colocated_plan, compact_preflight
 
     wheel = _unpatched_specforge(tmp_path / "wheel")
@@ -195,7 +196,7 @@ def test_launch_refuses_compact_without_its_patches(tmp_path, monkeypatch):
     for on in (True, False):
         raw["server"]["compact_passthrough"] = on
         recipe = Recipe.model_validate(raw)
-        plan = build_colocated_plan(recipe, render(recipe, tmp_path / f"r{on}"), python=sys.executable)
+        plan = build_colocated_plan(compile_plan(recipe, rendered_dir=tmp_path / f"r{on}"), python=sys.executable)
         if on:
             with pytest.raises(KimiInputError) as e:
                 compact_preflight(plan)

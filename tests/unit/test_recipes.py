@@ -64,7 +64,7 @@ def test_capture_put_clients_reach_the_server_env():
 
 def test_compact_passthrough_reaches_every_specforge_process(tmp_path):
     """``server.compact_passthrough``: the producer and the trainer ranks of the launch plan get
-    ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (our SpecForge patch 0002 reads it); off, they do not."""
+    ``SPECFORGE_SPEC_CAPTURE_COMPACT=1`` (our SpecForge patch compact-capture-passthrough reads it); off, they do not."""
     import sys
 
     from specforge_kimi.run.launch import build_colocated_plan

@@ -1,4 +1,4 @@
-"""Registration seam 7: a signalled trainer rank (or one whose collective lost its peer) of a
+"""The restartable-consumer seam: a signalled trainer rank (or one whose collective lost its peer) of a
 consumer the keeper will resume does not publish ``consumer_failed`` (which would stop the producer
 for good); anything else does."""
 

@@ -1,4 +1,4 @@
-"""Whole-run resume, CPU-only pieces: registration seams 9-11, the checkpoint completion check, how
+"""Whole-run resume, CPU-only pieces: the registration seams prompt-ids, fresh-channel and checkpoint-save, the checkpoint completion check, how
 ``--resume`` reconciles SpecForge's ledger with the checkpoints (and refuses when they disagree), the ledger
 cut-back, the attempt plan, the run's lock and marked processes, and the whole-run restart policy. The
 drills with real processes are ``tests/integration/test_resume_cpu.py``."""
@@ -26,7 +26,7 @@ def _registered():
     specforge_kimi.register()
 
 
-# -- seam 9: deterministic prompt ids, trained prompts left out -------------------------------------------
+# -- prompt-ids: deterministic prompt ids, trained prompts left out -------------------------------------
 
 
 def _plan(prompts, epoch=0, epochs=1, batch_size=4):
@@ -61,7 +61,7 @@ def test_resume_seam_prompt_ids_are_deterministic_and_skip_keeps_order(tmp_path,
     )
 
 
-# -- seam 10: RefDistributor on a fresh channel --------------------------------------------------------------
+# -- fresh-channel: RefDistributor on a fresh channel --------------------------------------------------------
 
 
 class _Source:
@@ -94,11 +94,11 @@ def test_resume_seam_fresh_channel_keeps_backpressure(tmp_path, monkeypatch, fre
     assert source.marked == (0 if fresh else 3)
 
 
-# -- seam 11: checkpoint completion marker -----------------------------------------------------------------
+# -- checkpoint-save: checkpoint completion marker -----------------------------------------------------------
 
 
 def _save(out: Path, step: int, *, run_id: str = RUN, rank_state=True) -> Path:
-    """A checkpoint as SpecForge's CheckpointManager writes it (one process), through seam 11."""
+    """A checkpoint as SpecForge's CheckpointManager writes it (one process), through the checkpoint-save seam."""
     from specforge.training.checkpoint import CheckpointManager
 
     state = {"global_step": step, "run_id": run_id, "world_size": 1, "draft_state_dict": {"w": step}}

@@ -50,27 +50,26 @@ def test_drift_in_our_patch_is_named(tmp_path, checkout):
     assert ours and ours[0].state == "drift" and "spec_capture_sink.py" in " ".join(ours[0].files)
 
 
-@pytest.fixture(params=["0001", "stack", "stack, 2 put clients"])
+@pytest.fixture(params=["staging-buffer", "stack", "stack, 2 put clients"])
 def sink_site(request, tmp_path, checkout):
-    """The sink as `setup` leaves it (capture patch, 0001, 0002, 0003) with one put client (0003's
-    default) or two (``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=2``), or with 0001 alone; -> (site, clients)."""
+    """The sink as `setup` leaves it (capture patch, spec-capture-staging-buffer, -zero-copy,
+    -parallel-put) with one put client (spec-capture-parallel-put's default) or two
+    (``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=2``), or with spec-capture-staging-buffer alone; -> (site, clients)."""
     from specforge_kimi.setup import setup_patches as sp
 
     if request.param.startswith("stack"):
         return request.getfixturevalue("patched_site"), 2 if "2 put" in request.param else 1
     capture = Path(checkout) / sp.CAPTURE_PATCH
-    site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site-0001")
+    site = sp._scratch_copy(sp.sglang_root(), sp._files(capture, 2), tmp_path / "site-staging-buffer")
     sp.apply(sp.classify(capture, site, 2))
-    status = sp.classify(
-        sp.patches_root() / "sglang" / sp.SGLANG_PIN / "0001-spec-capture-staging-buffer.patch", site, 2
-    )
+    status = sp.classify(sp.patch_file("sglang", "spec-capture-staging-buffer"), site, 2)
     assert status.state == "applicable", status.detail
     sp.apply(status)
     return site, 1
 
 
 def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
-    """Byte-exact objects across a staging-buffer regrowth; with 2 put clients (0003) every batch's
+    """Byte-exact objects across a staging-buffer regrowth; with 2 put clients (spec-capture-parallel-put) every batch's
     objects land in both writers' segments."""
     patched_site, clients = sink_site
     import torch
@@ -135,7 +134,7 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
                         )
                     )
                 results = sink.put_samples(samples)
-                if hasattr(sink, "_writers"):  # 0003
+                if hasattr(sink, "_writers"):  # spec-capture-parallel-put
                     assert len(sink._writers) == clients
                     ends = {
                         reader.get_replica_desc(f"t/{sp_['sample_id']}/g1/hidden_state")[0]
@@ -161,7 +160,7 @@ def test_staged_sink_writes_exact_bytes(sink_site, tmp_path):
 
 
 def test_compact_passthrough_matches_lists(patched_site, tmp_path, monkeypatch):
-    """0004: a request whose passthrough comes compactly (``source: input_ids``, ``fill``,
+    """spec-capture-compact-passthrough: a request whose passthrough comes compactly (``source: input_ids``, ``fill``,
     ``data_b64`` in uint8 / int32), resolved by the patched scheduler hook and written by the
     patched sink, stores the same bytes as the same request with SpecForge's JSON lists."""
     import base64
@@ -285,7 +284,7 @@ def test_compact_gaps_clear_on_the_patched_sglang(patched_site):
 
 
 def test_half_applied_stack_is_finished(tmp_path, checkout):
-    """The capture patch and our 0001 in, the rest not (an interrupted setup, or one from an older
+    """The capture patch and our spec-capture-staging-buffer in, the rest not (an interrupted setup, or one from an older
     specforge-kimi): setup reads the applied prefix and finishes the stack instead of calling it drift."""
     from specforge_kimi.setup import setup_patches as sp
 
@@ -359,7 +358,7 @@ def test_cuda_ipc_gaps_clear_on_the_patched_sglang(patched_site, tmp_path, check
 
 def test_cuda_ipc_sink_routes_samples_to_the_pool(patched_site, tmp_path, monkeypatch):
     """The patched sink with a cuda_ipc pool (the CPU backend of specforge_kimi's writer in the GPU pool's place):
-    samples go to the pool, read back bit for bit through SpecForge-side store, passthrough in every 0004 form;
+    samples go to the pool, read back bit for bit through SpecForge-side store, passthrough in every spec-capture-compact-passthrough form;
     a request naming ``transport: mooncake`` still goes to Mooncake; a server without a pool refuses cuda_ipc."""
     import base64
 
@@ -465,7 +464,7 @@ def test_cuda_ipc_sink_routes_samples_to_the_pool(patched_site, tmp_path, monkey
 
 @pytest.mark.parametrize("transport", ["mooncake", "cuda_ipc"])
 def test_cuda_ipc_keeps_captured_rows_where_they_are(patched_site, monkeypatch, transport):
-    """0005 in the scheduler: with cuda_ipc ``copy_to_cpu`` leaves the hidden states on the device, giving them
+    """spec-capture-cuda-ipc in the scheduler: with cuda_ipc ``copy_to_cpu`` leaves the hidden states on the device, giving them
     storage of their own on the forward's stream (a clone: the sink reads them beside the next forward), and
     ``_append_spec_capture_states`` hands the sink views of those rows (cloning first when no ``copy_to_cpu`` ran:
     the non-overlap scheduler); with mooncake both behave as before (async D2H; one host tensor per batch, cached on

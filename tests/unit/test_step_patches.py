@@ -1,10 +1,10 @@
-"""Our SpecForge patches 0003 (keep the allocator cache across eagle3 steps), 0004 (fused AdamW in
-``BF16Optimizer``) and 0005 (fewer host waits in the eagle3 step), their recipe fields and the launch preflight.
+"""Our SpecForge patches eagle3-keep-allocator-cache, bf16-optimizer-fused-adamw (fused AdamW in ``BF16Optimizer``)
+and eagle3-fewer-host-syncs (fewer host waits in the eagle3 step), their recipe fields and the launch preflight.
 
 The patched files are loaded from a scratch copy of the installed wheel's (``load_patched_specforge_module``);
-the install is not touched. Equal results: with patch 0003's switch off the step's loss and every gradient are
-bit-identical to SpecForge's and ``torch.cuda.empty_cache`` is never called; patch 0004's fused AdamW leaves the
-fp32 masters within 1e-6 of the foreach one after 20 steps, and a foreach checkpoint resumes under it; patch 0005's
+the install is not touched. Equal results: with eagle3-keep-allocator-cache's switch off the step's loss and every gradient are
+bit-identical to SpecForge's and ``torch.cuda.empty_cache`` is never called; bf16-optimizer-fused-adamw's fused AdamW leaves the
+fp32 masters within 1e-6 of the foreach one after 20 steps, and a foreach checkpoint resumes under it; eagle3-fewer-host-syncs's
 switch leaves the step's loss, gradients and logged metrics bit-identical while the draft vocabulary's ids are
 computed once and the metrics read back in one copy. That the patches apply to the wheel and the checkout is
 ``test_setup_patches.py``'s.
@@ -99,7 +99,7 @@ def test_0003_switch_off_skips_empty_cache_and_changes_nothing_else(patched_mode
         assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
 
 
-#: a draft vocabulary scattered over the target's 40 ids (SpecForge's mask index and patch 0005's index_select must
+#: a draft vocabulary scattered over the target's 40 ids (SpecForge's mask index and eagle3-fewer-host-syncs's index_select must
 #: pick the same columns in the same order)
 SCATTERED = [0, 3, 4, 9, 11, 17, 18, 25, 30, 33, 37, 39]
 
@@ -300,11 +300,11 @@ def test_step_env_spells_every_switch_and_names_the_patches():
 
 
 def test_recipe_fields_reach_the_specforge_processes():
-    from specforge_kimi.plan.recipes import load_recipe, process_env
+    from specforge_kimi.plan.run_plan import compile_plan, load_recipe
 
     r = load_recipe("recipes/kimi-k25-8xb200-lowered.yaml")
     assert r.trainer.step_empty_cache is False and r.trainer.fused_adamw is True and r.trainer.cuda_alloc_conf is None
-    env = process_env(r)
+    env = dict(compile_plan(r).process_env)
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "0" and env["SPECFORGE_ADAMW_FUSED"] == "1"
     assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "0"  # not measured on a GPU yet: off in the recipes
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
@@ -312,7 +312,7 @@ def test_recipe_fields_reach_the_specforge_processes():
     raw["trainer"].update(
         step_empty_cache=True, fused_adamw=False, cuda_alloc_conf="expandable_segments:True", step_fewer_host_syncs=True
     )
-    env = process_env(type(r).model_validate(raw))
+    env = dict(compile_plan(raw).process_env)
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "1" and env["SPECFORGE_ADAMW_FUSED"] == "0"
     assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "1"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
@@ -322,7 +322,7 @@ def test_recipe_fields_reach_the_specforge_processes():
 def test_a_malformed_allocator_setting_is_a_one_line_recipe_error(tmp_path, bad):
     import yaml
 
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered.yaml"))
     raw["trainer"]["cuda_alloc_conf"] = bad
