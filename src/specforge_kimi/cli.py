@@ -254,21 +254,17 @@ def _export_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
-    from specforge_kimi.plan.recipes import load_recipe, memory_plan, render
+    from specforge_kimi.plan import run_plan
 
-    recipe = load_recipe(args.recipe)
+    plan = run_plan.compile_plan(args.recipe, rendered_dir=args.out if args.action == "render" else None)
     if args.action == "validate":
         if args.check_files:  # the data files against the target and each other (plan.inputs), one line each
             from specforge_kimi.plan.inputs import require_inputs
 
-            require_inputs(recipe)
-        from specforge_kimi.plan.transport_plan import choice
-
-        report = {"name": recipe.name, "tp": recipe.tp, "transport": choice(recipe), "memory_plan": memory_plan(recipe)}
-        print(json.dumps(report, indent=2))
+            require_inputs(plan.recipe)
+        print(json.dumps(plan.report(), indent=2))
         return 0
-    out = render(recipe, args.out or f"{recipe.output_dir}/rendered")
-    print(json.dumps(out["commands"], indent=2))
+    print(json.dumps(plan.write()["commands"], indent=2))
     return 0
 
 

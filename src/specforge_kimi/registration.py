@@ -279,17 +279,17 @@ def _install_cuda_ipc_transport() -> None:
 
         @functools.wraps(original_store)
         def _mooncake_store(cfg, *, retain_on_release: bool = False):
-            from specforge_kimi.transport import TRANSPORT_ENV, TRANSPORTS
+            from specforge_kimi.transport import TRANSPORT_ENV, registry
+            from specforge_kimi.transport.cuda_ipc import feature_store_for
 
-            transport = os.environ.get(TRANSPORT_ENV) or "mooncake"
-            if transport not in TRANSPORTS:
-                raise ValueError(f"{TRANSPORT_ENV}={transport!r}: expected one of {', '.join(TRANSPORTS)}")
-            if transport == "cuda_ipc" and getattr(cfg, "mode", None) == "online":
-                from specforge_kimi.transport.store import CudaIpcFeatureStore
-
-                return CudaIpcFeatureStore.from_env(
-                    store_id=os.environ.get("DISAGG_STORE_ID", cfg.run_id), retain_on_release=retain_on_release
-                )
+            try:
+                registry.from_env(os.environ)
+            except ValueError as exc:
+                raise ValueError(f"{TRANSPORT_ENV}: {exc}") from None
+            if getattr(cfg, "mode", None) == "online":
+                store = feature_store_for(os.environ, cfg.run_id, retain_on_release=retain_on_release)
+                if store is not None:
+                    return store
             return original_store(cfg, retain_on_release=retain_on_release)
 
         setattr(_mooncake_store, _WRAPPED_FLAG, True)
@@ -301,10 +301,10 @@ def _install_cuda_ipc_transport() -> None:
         @functools.wraps(original_ref)
         def _ref_from_result(self, task, result, capture):
             ref = original_ref(self, task, result, capture)
-            if isinstance(result, dict) and "cuda_ipc" in result:
-                from specforge_kimi.transport.descriptor import with_descriptor
+            from specforge_kimi.transport.descriptor import RESULT_KEY, with_descriptor
 
-                ref = with_descriptor(ref, result["cuda_ipc"])
+            if isinstance(result, dict) and RESULT_KEY in result:
+                ref = with_descriptor(ref, result[RESULT_KEY])
             return ref
 
         setattr(_ref_from_result, _WRAPPED_FLAG, True)

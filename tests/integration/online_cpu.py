@@ -41,7 +41,7 @@ def cpu_plan(
     import SpecForge from there. ``transport``: the recipe's ``server.transport`` (``cuda_ipc``: the
     reference server writes into a cuda_ipc pool on its shared-memory backend, no Mooncake master).
     ``inputs``: ``(target, data dir)`` of :func:`cpu_inputs` to reuse (default: written under ``root``)."""
-    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.plan.run_plan import compile_plan
     from specforge_kimi.run.launch import build_colocated_plan
     from specforge_kimi.run.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
 
@@ -69,8 +69,8 @@ def cpu_plan(
     raw["server"]["compact_passthrough"] = compact_specforge is not None  # off: SpecForge's JSON lists
     raw["server"]["transport"] = transport
     raw["data"] = {"prompts_path": str(data / "prompts.jsonl"), "vocab_mapping_path": str(data / "vocab_mapping.pt")}
-    recipe = Recipe.model_validate(raw)
-    rendered = render(recipe, Path(recipe.output_dir) / "rendered")  # where `launch` renders it
+    compiled = compile_plan(raw)
+    recipe, rendered = compiled.recipe, compiled.write()  # where `launch` renders it
     # CPU trainer: fp32 features and weights, DDP on gloo instead of FSDP (cpu_shims.py says why)
     cfg_path = Path(recipe.output_dir) / "rendered" / "specforge_run.yaml"
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -79,7 +79,7 @@ def cpu_plan(
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     rendered["specforge_config"] = cfg
 
-    plan = build_colocated_plan(recipe, rendered, python=sys.executable)
+    plan = build_colocated_plan(compiled, python=sys.executable)
     *others, server = plan.services
     old = list(server.command.argv)
     server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1 :][:3]

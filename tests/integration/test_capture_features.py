@@ -36,7 +36,9 @@ def test_capture_features_round_trip(tmp_path, capsys):
         "--dtype",
         "float32",
     ]
-    summary = run_recipe(recipe, tmp_path / "features", limit=5, server_argv=argv, start_timeout_s=120)
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    summary = run_recipe(compile_plan(recipe), tmp_path / "features", limit=5, server_argv=argv, start_timeout_s=120)
     assert summary["written"] == 5
     files = sorted((tmp_path / "features").glob("sample-*.ckpt"))
     assert len(files) == 5 and not (tmp_path / "features.partial").exists()

@@ -152,7 +152,7 @@ def test_twin_in_two_calls_equals_one(tmp_path):
     res = twin("rest", "o")
     assert res.returncode == 0, res.stdout + res.stderr
     assert [c["cmd"] for c in _calls(tmp_path)][2:] == ["train-offline", "bench", "eval-draft"]
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     ev = _calls(tmp_path)[-1]["args"]  # eval-draft reads the features' layers from the recipe
     aux = load_recipe(ROOT / env["RECIPE"]).target.aux_layer_ids

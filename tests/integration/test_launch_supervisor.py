@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from specforge_kimi.plan.recipes import Recipe, render
+from specforge_kimi.plan.run_plan import compile_plan
 from specforge_kimi.run.launch import build_colocated_plan, run_plan
 
 STUB = r"""
@@ -39,8 +39,9 @@ def _plan(tmp_path, consumer_code: str):
     raw["output_dir"] = str(tmp_path / "run")
     raw["mooncake"] = {"rpc_port": rpc, "metadata_port": meta}
     raw["server"]["port"] = srv
-    recipe = Recipe.model_validate(raw)
-    plan = build_colocated_plan(recipe, render(recipe, tmp_path / "rendered"), python=sys.executable)
+    compiled = compile_plan(raw, rendered_dir=tmp_path / "rendered")
+    compiled.write()
+    plan = build_colocated_plan(compiled, python=sys.executable)
     stub = tmp_path / "stub.py"
     stub.write_text(STUB)
     mooncake, server = plan.services

@@ -51,7 +51,8 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
     assert doc["benchmark"] == "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
     rows = doc["rows"]
     assert [r["length"] for r in rows] == [32, 48], rows
-    from specforge_kimi.plan.recipes import load_recipe, trainer_terms
+    from specforge_kimi.plan.run_plan import load_recipe
+    from specforge_kimi.plan.trainer_terms import trainer_terms
 
     for r in rows:
         assert "error" not in r, r
@@ -72,7 +73,7 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
 
 def _check_flops_and_profile(r: dict, workdir: Path) -> None:
     """The row's FLOP figures are the FLOP model's; the profile summary is well-formed and adds up."""
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
     from specforge_kimi.training.step_flops import recipe_step_flops
 
     recipe = load_recipe(REPO / RECIPE)

@@ -486,7 +486,7 @@ def test_server_that_dies_at_start_fails_with_its_log(tmp_path, fake_server, mon
 def test_recipe_settings(tmp_path):
     import yaml
 
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     target, draft = _dirs(tmp_path)
     raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())

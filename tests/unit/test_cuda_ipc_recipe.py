@@ -16,7 +16,12 @@ import yaml
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.plan import transport_plan as tp
-from specforge_kimi.plan.recipes import GIB, Recipe, load_recipe, memory_plan, render
+from specforge_kimi.plan.memory import memory_plan
+from specforge_kimi.plan.recipes import Recipe
+from specforge_kimi.plan.run_plan import compile_plan, load_recipe, refusal
+from specforge_kimi.transport import registry
+from specforge_kimi.transport.cuda_ipc import CUDA_IPC, ipc_dir, peer_access_problem
+from specforge_kimi.transport.strategy import GIB
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -31,6 +36,20 @@ def _load(tmp_path, raw) -> Recipe:
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(raw))
     return load_recipe(path)
+
+
+def _plan(tmp_path, raw):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return compile_plan(path)
+
+
+def render(r, out):
+    return compile_plan(r, rendered_dir=out).write()
+
+
+def _cuda_ipc_refusal(r) -> str | None:
+    return refusal(r, CUDA_IPC, tp.sizing(r))[0]
 
 
 #: what each shipped recipe gets: the single-node co-located ones the GPU pool, the rest Mooncake
@@ -50,13 +69,13 @@ SHIPPED = {
 def test_shipped_transports_and_why():
     assert {p.name for p in RECIPES.glob("*.yaml")} == set(SHIPPED)
     for name, want in SHIPPED.items():
-        r = load_recipe(RECIPES / name)
-        got = tp.choice(r)
+        plan = compile_plan(RECIPES / name)
+        r, got = plan.recipe, plan.transport.as_dict()
         assert r.server.transport == memory_plan(r)["transport"] == got["transport"] == want, name
         assert got["chosen_by"] == "recipe" and "\n" not in got["why"]
         if want == "cuda_ipc":
             assert f"{tp.pool_bytes(r) / GIB:.2f} GiB pool" in got["why"]
-    assert "single-node" in tp.choice(load_recipe(RECIPES / "kimi-k25-2x8xb300.yaml"))["why"]
+    assert "single-node" in compile_plan(RECIPES / "kimi-k25-2x8xb300.yaml").transport.why
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -65,9 +84,9 @@ def test_auto_picks_cuda_ipc_where_every_check_passes(tmp_path, name):
     mooncake with cuda_ipc's refusal as the reason."""
     raw = yaml.safe_load((RECIPES / name).read_text())
     raw["server"].pop("transport")
-    r = _load(tmp_path, raw)
-    refused = tp.refusal_as_cuda_ipc(r)
-    got = tp.choice(r)
+    plan = _plan(tmp_path, raw)
+    r, got = plan.recipe, plan.transport.as_dict()
+    refused = _cuda_ipc_refusal(r)
     assert got["chosen_by"] == "auto"
     if refused is None:
         assert r.server.transport == "cuda_ipc"
@@ -81,9 +100,9 @@ def test_auto_falls_back_to_mooncake_when_the_pool_does_not_fit(tmp_path):
     raw = yaml.safe_load((RECIPES / "kimi-k25-8xb300.yaml").read_text())
     raw["server"].pop("transport")
     raw["server"]["mem_fraction_static"] = 0.45  # GPU 0 then has no room for the trainer's plan beside a pool
-    r = _load(tmp_path, raw)
-    assert r.server.transport == "mooncake"
-    assert "left on GPU 0 beside the server, its cuda_ipc pool" in tp.choice(r)["why"]
+    plan = _plan(tmp_path, raw)
+    assert plan.recipe.server.transport == "mooncake"
+    assert "left on GPU 0 beside the server, its cuda_ipc pool" in plan.transport.why
 
 
 def test_mooncake_recipes_carry_no_pool():
@@ -96,7 +115,8 @@ def test_mooncake_recipes_carry_no_pool():
             "server_rows": 0,
             "prefetch": 0,
         }
-        assert tp.server_env(r) == {} and tp.process_env(r) == {}
+        strategy = registry.get(r.server.transport)
+        assert strategy.server_env(r, tp.sizing(r)) == {} and strategy.process_env(r) == {}
         high, low = tp.watermarks(r)  # mooncake: the producer's byte watermarks come from the segment
         assert tp.runtime_config(r) == {"resident_high_watermark_bytes": high, "resident_low_watermark_bytes": low}
 
@@ -245,15 +265,15 @@ def test_launch_plan_has_no_mooncake_master(tmp_path):
     raw = _raw("tiny-k25-tp2-h200x2.yaml")
     raw["output_dir"] = str(tmp_path / "run")
     r = Recipe.model_validate(raw)
-    plan = build_colocated_plan(r, render(r, tmp_path / "rendered"), python=sys.executable)
+    plan = build_colocated_plan(compile_plan(r, rendered_dir=tmp_path / "rendered"), python=sys.executable)
     assert [s.command.label for s in plan.services] == ["capture-server"]
     assert plan.managed_ports == (r.server.port,)
     assert plan.services[0].command.env["SGLANG_SPEC_CAPTURE_TRANSPORT"] == "cuda_ipc"
     assert all(c.env["SPECFORGE_KIMI_TRANSPORT"] == "cuda_ipc" for c in plan.commands)
     mooncake = Recipe.model_validate({**raw, "server": {**raw["server"], "transport": "mooncake"}})
-    assert [s.command.label for s in build_colocated_plan(mooncake, render(mooncake, tmp_path / "r2")).services][0] == (
-        "mooncake"
-    )
+    assert [
+        s.command.label for s in build_colocated_plan(compile_plan(mooncake, rendered_dir=tmp_path / "r2")).services
+    ][0] == ("mooncake")
 
 
 def test_launch_preflight_wants_spec_capture_cuda_ipc(tmp_path, monkeypatch):
@@ -263,12 +283,12 @@ def test_launch_preflight_wants_spec_capture_cuda_ipc(tmp_path, monkeypatch):
     raw = _raw()
     raw["output_dir"] = str(tmp_path / "run")
     r = Recipe.model_validate(raw)
-    plan = launch.build_colocated_plan(r, render(r, tmp_path / "rendered"), python=sys.executable)
+    plan = launch.build_colocated_plan(compile_plan(r, rendered_dir=tmp_path / "rendered"), python=sys.executable)
     monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: ["SGLang patch spec-capture-cuda-ipc is not applied"])
     with pytest.raises(KimiInputError, match="server.transport is cuda_ipc, but SGLang patch spec-capture-cuda-ipc"):
-        launch.cuda_ipc_preflight(plan)
+        launch.transport_preflight(plan)
     monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
-    launch.cuda_ipc_preflight(plan)  # one GPU: no peer-access question
+    launch.transport_preflight(plan)  # one GPU: no peer-access question
 
 
 def _fake_python(tmp_path, output: str, rc: int = 0) -> str:
@@ -279,11 +299,11 @@ def _fake_python(tmp_path, output: str, rc: int = 0) -> str:
 
 
 def test_peer_access_answers(tmp_path):
-    assert tp.peer_access_problem("0") is None and tp.peer_access_problem("") is None
-    assert tp.peer_access_problem("0,1,2", _fake_python(tmp_path, "|3")) is None
-    assert "GPU(s) 2 of" in tp.peer_access_problem("0,1,2", _fake_python(tmp_path, "2|3"))
-    assert "2 of the 3 GPUs" in tp.peer_access_problem("0,1,2", _fake_python(tmp_path, "|2"))
-    assert "could not check" in tp.peer_access_problem("0,1", _fake_python(tmp_path, "", rc=1))
+    assert peer_access_problem("0") is None and peer_access_problem("") is None
+    assert peer_access_problem("0,1,2", _fake_python(tmp_path, "|3")) is None
+    assert "GPU(s) 2 of" in peer_access_problem("0,1,2", _fake_python(tmp_path, "2|3"))
+    assert "2 of the 3 GPUs" in peer_access_problem("0,1,2", _fake_python(tmp_path, "|2"))
+    assert "could not check" in peer_access_problem("0,1", _fake_python(tmp_path, "", rc=1))
 
 
 def test_stale_pools_are_removed_after_a_run(tmp_path):
@@ -298,11 +318,13 @@ def test_stale_pools_are_removed_after_a_run(tmp_path):
         "w = IpcCaptureWriter(pool_bytes=1 << 16, pool_dir=sys.argv[1], device='cpu'); "
         "print(w.info.slots_path, w.info.handle['path'], flush=True); os._exit(0)"  # no cleanup, as after SIGKILL
     )
-    out = subprocess.run([sys.executable, "-c", code, tp.ipc_dir(r)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, ipc_dir(r.output_dir)], capture_output=True, text=True, check=True
+    )
     left = out.stdout.split()
-    assert all(os.path.exists(p) for p in left) and len(list(Path(tp.ipc_dir(r)).glob("*.json"))) == 1
+    assert all(os.path.exists(p) for p in left) and len(list(Path(ipc_dir(r.output_dir)).glob("*.json"))) == 1
     assert len(tp.remove_stale_pools(r)) == 1
-    assert not any(os.path.exists(p) for p in left) and not list(Path(tp.ipc_dir(r)).glob("*.json"))
+    assert not any(os.path.exists(p) for p in left) and not list(Path(ipc_dir(r.output_dir)).glob("*.json"))
 
 
 def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
@@ -324,7 +346,7 @@ def test_doctor_checks_the_transport_instead_of_mooncake(tmp_path, monkeypatch):
         and "setup" in ipc.fix
     )
     monkeypatch.setattr(setup_patches, "cuda_ipc_gaps", lambda: [])
-    (ok,) = doctor.check_cuda_ipc(load_recipe(path))
+    (ok,) = doctor.check_transport(compile_plan(path))
     assert ok.status == "ok" and "pool 1.00 GiB on GPU 0" in ok.detail
 
 
@@ -408,8 +430,10 @@ def test_stale_pools_are_removed_around_each_attempt(tmp_path, monkeypatch):
     )
 
     def kill_a_server() -> list[str]:
-        out = subprocess.run([sys.executable, "-c", code, tp.ipc_dir(r)], capture_output=True, text=True, check=True)
-        return out.stdout.split() + [str(p) for p in Path(tp.ipc_dir(r)).glob("*.json")]
+        out = subprocess.run(
+            [sys.executable, "-c", code, ipc_dir(r.output_dir)], capture_output=True, text=True, check=True
+        )
+        return out.stdout.split() + [str(p) for p in Path(ipc_dir(r.output_dir)).glob("*.json")]
 
     seen = []
 

@@ -157,7 +157,7 @@ def test_mooncake_pins_are_pyprojects_extras():
 
 
 def test_tracking_package_checked(tmp_path, monkeypatch):
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     recipe = load_recipe(RECIPE)
     assert recipe.tracking.report_to == "tensorboard"
@@ -183,6 +183,6 @@ def test_mooncake_listeners_off_loopback_are_named(tiny_dir, tmp_path):
     c = by["mooncake listeners"]
     assert c.status == "warn" and c.fix
     assert "Transfer Engine RPC using new RPC mapping, listening on <address>:<port>" in c.detail
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     assert f"port {load_recipe(str(recipe)).mooncake.metadata_port}" in c.detail

@@ -52,11 +52,12 @@ def test_not_loopback_is_left_to_torch():
 def test_single_node_consumer_runs_through_loopback(tmp_path):
     import yaml
 
-    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe
+    from specforge_kimi.plan.run_plan import compile_plan
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
     raw["output_dir"] = str(tmp_path)
-    sheet = render(Recipe.model_validate(raw), tmp_path / "r", write=False)
+    sheet = compile_plan(Recipe.model_validate(raw), rendered_dir=tmp_path / "r").rendered()
     consumer = sheet["launch"]["consumer"]
     assert consumer[:7] == [
         "python",

@@ -33,7 +33,8 @@ def test_the_measurement_covers_both_backends_and_four_lengths():
 
 @pytest.mark.parametrize("i", range(6))
 def test_plan_is_an_upper_bound_of_the_measured_allocation(i):
-    from specforge_kimi.plan.recipes import load_recipe, trainer_terms
+    from specforge_kimi.plan.run_plan import load_recipe
+    from specforge_kimi.plan.trainer_terms import trainer_terms
 
     doc, rows = _rows()
     row = rows[i]
@@ -45,7 +46,9 @@ def test_plan_is_an_upper_bound_of_the_measured_allocation(i):
 
 
 def test_trainer_peak_is_the_terms_plus_the_reserve():
-    from specforge_kimi.plan.recipes import load_recipe, memory_plan, trainer_terms
+    from specforge_kimi.plan.memory import memory_plan
+    from specforge_kimi.plan.run_plan import load_recipe
+    from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.plan.transport_plan import memory_terms
 
     for path in sorted((REPO / "recipes").glob("*.yaml")):

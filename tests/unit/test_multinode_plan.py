@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.plan.recipes import load_recipe, render
+from specforge_kimi.plan.run_plan import compile_plan
 from specforge_kimi.run.launch import build_colocated_plan
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-2x8xb300.yaml"
@@ -14,8 +14,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "kimi-k25-2x8xb300.ya
 
 @pytest.fixture(scope="module")
 def recipe_and_rendered(tmp_path_factory):
-    recipe = load_recipe(RECIPE)
-    return recipe, render(recipe, tmp_path_factory.mktemp("rendered"))
+    compiled = compile_plan(RECIPE, rendered_dir=tmp_path_factory.mktemp("rendered"))
+    return compiled, compiled.write()
 
 
 def _by_name(plan):
@@ -23,8 +23,9 @@ def _by_name(plan):
 
 
 def test_node0_runs_the_shared_services_with_its_own_address(recipe_and_rendered):
-    recipe, rendered = recipe_and_rendered
-    plan = build_colocated_plan(recipe, rendered, node_rank=0)
+    compiled, _ = recipe_and_rendered
+    recipe = compiled.recipe
+    plan = build_colocated_plan(compiled, node_rank=0)
     services, commands = _by_name(plan)
     assert {"mooncake", "capture-server"} <= set(services) and {"producer", "consumer"} == set(commands)
     assert services["capture-server"].command.env["MOONCAKE_LOCAL_HOSTNAME"] == recipe.server.host
@@ -33,8 +34,8 @@ def test_node0_runs_the_shared_services_with_its_own_address(recipe_and_rendered
 
 
 def test_other_nodes_use_their_own_address_and_supervisor_dir(recipe_and_rendered):
-    recipe, rendered = recipe_and_rendered
-    plan = build_colocated_plan(recipe, rendered, node_rank=1, local_host="10.0.0.2")
+    compiled, _ = recipe_and_rendered
+    plan = build_colocated_plan(compiled, node_rank=1, local_host="10.0.0.2")
     services, commands = _by_name(plan)
     assert set(services) == {"capture-server"} and set(commands) == {"consumer"}  # no second master or producer
     server = services["capture-server"].command
@@ -43,19 +44,20 @@ def test_other_nodes_use_their_own_address_and_supervisor_dir(recipe_and_rendere
     assert server.argv[list(server.argv).index("--node-rank") + 1] == "1"
     assert commands["consumer"].env["MOONCAKE_LOCAL_HOSTNAME"] == "10.0.0.2"
     assert "--node_rank=1" in commands["consumer"].argv
-    node0 = build_colocated_plan(recipe, rendered, node_rank=0)
+    node0 = build_colocated_plan(compiled, node_rank=0)
     assert plan.managed_root != node0.managed_root and plan.managed_root.endswith("/supervisor-node1")
     assert plan.managed_ports == ()
 
 
 def test_other_nodes_must_name_their_address(recipe_and_rendered):
-    recipe, rendered = recipe_and_rendered
+    compiled, _ = recipe_and_rendered
     with pytest.raises(KimiInputError, match="needs --local-host"):
-        build_colocated_plan(recipe, rendered, node_rank=1)
+        build_colocated_plan(compiled, node_rank=1)
 
 
 def test_the_ledger_stays_on_node0s_own_disk(recipe_and_rendered):
-    recipe, rendered = recipe_and_rendered
+    compiled, rendered = recipe_and_rendered
+    recipe = compiled.recipe
     state = rendered["specforge_config"]["deployment"]["disaggregated"]["consumer_state_dir"]
     assert state == recipe.trainer.consumer_state_dir and not state.startswith(recipe.output_dir)
 

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.plan.recipes import Recipe, load_recipe, memory_plan, render
+from specforge_kimi.plan.recipes import Recipe
+from specforge_kimi.plan.run_plan import compile_plan, load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
@@ -26,9 +27,10 @@ def test_recipes_exist():
 def test_recipe_renders(path, tmp_path):
     text = path.read_text()
     assert text.startswith("# specforge-kimi recipe:") and "# launch:" in text and "memory budget" in text
-    r = load_recipe(path)
-    assert memory_plan(r)["fits"]
-    out = render(r, tmp_path)  # SpecForge's own Config validates inside
+    plan = compile_plan(path, rendered_dir=tmp_path)  # SpecForge's own Config validates inside
+    r = plan.recipe
+    assert plan.memory["fits"]
+    out = plan.write()
     cfg = out["specforge_config"]
     assert cfg["deployment"]["mode"] == "disaggregated"
     assert cfg["deployment"]["trainer"]["nproc_per_node"] == r.gpus.per_node
@@ -46,20 +48,20 @@ def test_recipe_renders(path, tmp_path):
 def test_num_epochs_reaches_specforge(tmp_path):
     raw = _raw()
     raw["trainer"]["num_epochs"] = 3
-    assert render(Recipe.model_validate(raw), tmp_path)["specforge_config"]["training"]["num_epochs"] == 3
+    assert (
+        compile_plan(Recipe.model_validate(raw), rendered_dir=tmp_path).specforge_config["training"]["num_epochs"] == 3
+    )
     raw["trainer"]["num_epochs"] = 0
     with pytest.raises(Exception, match="num_epochs"):
         Recipe.model_validate(raw)
 
 
 def test_capture_put_clients_reach_the_server_env():
-    from specforge_kimi.plan.recipes import server_env
-
     raw = _raw()
     raw["server"]["transport"] = "mooncake"  # put clients are a Mooncake knob
-    assert "SGLANG_SPEC_CAPTURE_PUT_CLIENTS" not in server_env(Recipe.model_validate(raw))
+    assert "SGLANG_SPEC_CAPTURE_PUT_CLIENTS" not in compile_plan(raw).server_env
     raw["server"]["capture_put_clients"] = 4
-    assert server_env(Recipe.model_validate(raw))["SGLANG_SPEC_CAPTURE_PUT_CLIENTS"] == "4"
+    assert compile_plan(raw).server_env["SGLANG_SPEC_CAPTURE_PUT_CLIENTS"] == "4"
 
 
 def test_compact_passthrough_reaches_every_specforge_process(tmp_path):
@@ -73,9 +75,9 @@ def test_compact_passthrough_reaches_every_specforge_process(tmp_path):
     raw["output_dir"] = str(tmp_path / "run")
     for on in (False, True):
         raw["server"]["compact_passthrough"] = on
-        recipe = Recipe.model_validate(raw)
-        rendered = render(recipe, tmp_path / f"r{on}")
-        plan = build_colocated_plan(recipe, rendered, python=sys.executable)
+        compiled = compile_plan(raw, rendered_dir=tmp_path / f"r{on}")
+        rendered = compiled.write()
+        plan = build_colocated_plan(compiled, python=sys.executable)
         envs = [c.env for c in plan.commands]
         assert [c.label for c in plan.commands] == ["producer", "consumer"]
         assert all(e.get("SPECFORGE_SPEC_CAPTURE_COMPACT") == ("1" if on else None) for e in envs), envs

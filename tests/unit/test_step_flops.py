@@ -125,7 +125,7 @@ def test_mla_hand_count_L6_T2_sdpa():
 def test_b200_recipe_numbers():
     from pathlib import Path
 
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
     from specforge_kimi.training.step_flops import recipe_step_flops
 
     r = load_recipe(Path(__file__).resolve().parents[2] / "recipes/kimi-k25-8xb200-lowered.yaml")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.plan.recipes import load_recipe, render
+from specforge_kimi.plan.run_plan import compile_plan, load_recipe
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-k25-tp2-h200x2.yaml"
 
@@ -24,7 +24,7 @@ def _recipe(tmp_path, tracking=None):
 
 
 def test_default_is_tensorboard_under_the_output_dir(tmp_path):
-    cfg = render(_recipe(tmp_path), tmp_path / "rendered", write=False)["specforge_config"]
+    cfg = compile_plan(_recipe(tmp_path), rendered_dir=tmp_path / "rendered").rendered()["specforge_config"]
     assert cfg["tracking"] == {"report_to": "tensorboard", "wandb_offline": False}
     from specforge.config import Config
 
@@ -36,13 +36,15 @@ def test_default_is_tensorboard_under_the_output_dir(tmp_path):
 def test_wandb_fields_pass_through(tmp_path):
     tracking = {"report_to": "wandb", "wandb_project": "k25-drafts", "wandb_name": "run-1", "wandb_offline": True}
     recipe = _recipe(tmp_path, tracking)
-    out = render(recipe, tmp_path / "rendered")
+    out = compile_plan(recipe, rendered_dir=tmp_path / "rendered").write()
     written = yaml.safe_load((tmp_path / "rendered" / "specforge_run.yaml").read_text())
     assert out["specforge_config"]["tracking"] == written["tracking"] == tracking
 
 
 def test_none_turns_tracking_off(tmp_path):
-    cfg = render(_recipe(tmp_path, {"report_to": "none"}), tmp_path / "rendered", write=False)["specforge_config"]
+    cfg = compile_plan(_recipe(tmp_path, {"report_to": "none"}), rendered_dir=tmp_path / "rendered").rendered()[
+        "specforge_config"
+    ]
     assert cfg["tracking"]["report_to"] == "none"
 
 

@@ -957,7 +957,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if args.recipe:
-        from specforge_kimi.plan.recipes import load_recipe
+        from specforge_kimi.plan.run_plan import load_recipe
 
         s = recipe_settings(load_recipe(args.recipe), args.draft, out_dir=args.out)
         if args.num_prompts is not None:

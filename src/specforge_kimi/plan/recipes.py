@@ -1,27 +1,26 @@
-"""Recipe schema: one YAML per (model, topology) -> SpecForge run config + server/Mooncake argv.
+"""Recipe schema: one YAML per (model, topology), typed and checked field by field and section against section.
 
 Scope: the online co-located topology (SGLang TP=N capture server, Mooncake master, SpecForge
 producer and N consumer ranks on the same N GPUs per node; ``nnodes > 1`` spreads server TP and
-trainer ranks over nodes). Unknown fields are rejected everywhere (``extra="forbid"``); the
-rendered SpecForge config is validated by SpecForge's own ``Config``. The memory split is
-computed and checked here, before anything is launched: server ``mem_fraction_static`` must
-hold its weights and KV cache, and the trainer's estimated peak must fit in the rest.
-Estimates are stated formulas (``memory_plan``), meant to be replaced by measured peaks.
+trainer ranks over nodes). Unknown fields are rejected everywhere (``extra="forbid"``). What depends on the
+transport -- its refusals, the memory split, the rendered SpecForge config -- is the plan's
+(:func:`specforge_kimi.plan.run_plan.compile_plan`), checked once per command.
 """
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specforge_kimi.errors import KimiInputError, validation_summary
-from specforge_kimi.plan.trainer_terms import draft_params as _draft_params
-from specforge_kimi.plan.trainer_terms import trainer_peak_bytes, trainer_room_bytes, trainer_terms
+from specforge_kimi.targets.layer_ids import AuxLayers
+from specforge_kimi.training.step_knobs import check_alloc_conf
+from specforge_kimi.transport import registry
 
-GIB = 1 << 30
+#: ``server.transport``'s default: the first transport (``transport.registry.AUTO_ORDER``) that accepts the recipe
+AUTO = "auto"
 
 
 class _Strict(BaseModel):
@@ -97,7 +96,7 @@ class ServerSection(_Strict):
         "spec-capture-compact-passthrough, both applied by `specforge-kimi setup`; the launch refuses to start when "
         "either is missing). What it saves per capture call: bench/REPORT.md, 'Where a capture call's time goes'",
     )
-    transport: Literal["auto", "mooncake", "cuda_ipc"] = Field(
+    transport: str = Field(
         default="auto",
         description="How captured features reach the trainer ranks: cuda_ipc (one GPU pool the capture server owns, "
         "mapped by CUDA IPC by every rank of the node, device-to-device copies; one node, needs SGLang patch "
@@ -118,6 +117,13 @@ class ServerSection(_Strict):
         description="cuda_ipc: seconds a lent sample may stay unacknowledged before the server logs and reclaims "
         "its slot (a resumed consumer replays unacknowledged samples from the pool, so keep it above a resume)",
     )
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, value: str) -> str:
+        if value != AUTO and value not in registry.names():
+            raise ValueError(f"server.transport {value!r}: expected {AUTO} or one of {', '.join(registry.names())}")
+        return value
 
 
 class MooncakeSection(_Strict):
@@ -224,8 +230,6 @@ class TrainerSection(_Strict):
     @field_validator("cuda_alloc_conf")
     @classmethod
     def _alloc_conf_form(cls, value: str | None) -> str | None:
-        from specforge_kimi.training.step_knobs import check_alloc_conf
-
         return value if value is None else check_alloc_conf(value)
 
 
@@ -276,13 +280,8 @@ class Recipe(_Strict):
     resilience: ResilienceSection = ResilienceSection()
     tracking: TrackingSection = TrackingSection()
 
-    _transport_chosen_by: str = PrivateAttr(default="recipe")
-    _transport_why: str = PrivateAttr(default="")
-
     @model_validator(mode="after")
     def _check(self) -> Recipe:
-        from specforge_kimi.targets.layer_ids import AuxLayers
-
         tp = self.tp
         if self.target.num_attention_heads % tp:
             raise ValueError(f"TP={tp} does not divide num_attention_heads={self.target.num_attention_heads}")
@@ -325,97 +324,17 @@ class Recipe(_Strict):
             raise ValueError(
                 "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
             )
-        from specforge_kimi.plan.transport_plan import refusal, store_refusal
-
-        try:
-            why = refusal(self) if self.server.transport == "cuda_ipc" else store_refusal(self)
-            plan = memory_plan(self)
-        except (OverflowError, ValueError) as exc:  # sizes too large for byte arithmetic (1e308 GiB)
-            raise ValueError(f"a size in the recipe is out of range: {exc}") from None
-        if why:
-            raise ValueError(why)
-        if not plan["fits"]:
-            raise ValueError(f"memory split does not fit: {plan['why']}")
         return self
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _resolve_transport(cls, data, handler):
-        """(Defined after ``_check`` so that it wraps it.) ``server.transport: auto`` (or unset): the recipe validated with cuda_ipc if it passes every check with
-        it, else with mooncake, remembering why (``transport_plan.choice``)."""
-        server = data.get("server") if isinstance(data, dict) else None
-        if not isinstance(server, dict) or server.get("transport", "auto") != "auto":
-            return handler(data)
-        try:
-            recipe = handler({**data, "server": {**server, "transport": "cuda_ipc"}})
-            why = ""
-        except ValidationError as exc:
-            recipe = handler({**data, "server": {**server, "transport": "mooncake"}})
-            why = "cuda_ipc would be refused: " + validation_summary(exc).removeprefix("Value error, ")
-        recipe._transport_chosen_by, recipe._transport_why = "auto", why
-        return recipe
 
     @property
     def tp(self) -> int:
         return self.gpus.per_node * self.gpus.nnodes
 
 
-def memory_plan(r: Recipe) -> dict:
-    """Per-GPU memory estimate (GiB) for server and trainer, and whether they fit.
-
-    server = mem_fraction_static x GPU memory, must hold weights/TP + kv_tokens x KV bytes;
-    trainer = the sum of :func:`trainer_terms` + ``trainer.reserve_gib``; with ``server.transport: cuda_ipc``
-    also each rank's prefetched samples, and on the capture writer's GPU the pool and the captured rows
-    waiting for the sink come out of the trainer's room (:func:`transport_plan.memory_terms`).
-    """
-    from specforge_kimi.plan.transport_plan import memory_terms
-
-    g, t, s, tr = r.gpus, r.target, r.server, r.trainer
-    weights = t.weights_gib / r.tp
-    kv = s.kv_tokens * t.kv_bytes_per_token / GIB
-    server_pool = s.mem_fraction_static * g.memory_gib
-    terms = trainer_terms(r)
-    ipc = memory_terms(r)
-    trainer = trainer_peak_bytes(r, prefetch=ipc["prefetch"]) / GIB
-    trainer_room = trainer_room_bytes(r) / GIB
-    writer_room = trainer_room - (ipc["pool"] + ipc["server_rows"]) / GIB
-    why = []
-    if weights + kv > server_pool:
-        why.append(
-            f"server needs {weights:.1f} GiB weights + {kv:.1f} GiB KV > {server_pool:.1f} GiB "
-            f"(mem_fraction_static {s.mem_fraction_static} x {g.memory_gib} GiB)"
-        )
-    if trainer > trainer_room:
-        why.append(f"trainer peak ~{trainer:.1f} GiB > {trainer_room:.1f} GiB left beside the server")
-    elif trainer > writer_room:
-        why.append(
-            f"trainer peak ~{trainer:.1f} GiB > {writer_room:.1f} GiB left on GPU 0 beside the server, its cuda_ipc "
-            f"pool ({ipc['pool'] / GIB:.1f} GiB) and captured rows ({ipc['server_rows'] / GIB:.1f} GiB)"
-        )
-    cuda_ipc = {
-        "ipc_pool_gib": round(ipc["pool"] / GIB, 2),
-        "server_capture_rows_gib": round(ipc["server_rows"] / GIB, 2),
-        "trainer_ipc_prefetch_gib": round(ipc["prefetch"] / GIB, 2),
-        "writer_gpu_trainer_room_gib": round(writer_room, 2),
-    }
-    return {
-        "transport": s.transport,
-        **(cuda_ipc if s.transport == "cuda_ipc" else {}),
-        "server_weights_gib": round(weights, 2),
-        "server_kv_gib": round(kv, 2),
-        "server_pool_gib": round(server_pool, 2),
-        "draft_params": _draft_params(tr.draft),
-        "trainer_peak_gib": round(trainer, 2),
-        "trainer_sdpa_attention_gib": round(terms["sdpa_attention"] / GIB, 2),
-        "trainer_room_gib": round(trainer_room, 2),
-        "fits": not why,
-        "why": "; ".join(why),
-    }
-
-
-def load_recipe(path: str | Path) -> Recipe:
+def read_recipe(path: str | Path) -> Recipe:
+    """The recipe at ``path``, its schema checked (one-line :class:`KimiInputError` otherwise); its transport and
+    memory split are the plan's to check (``plan.run_plan.compile_plan``)."""
     import yaml
-    from pydantic import ValidationError
 
     p = Path(path)
     if not p.is_file():
@@ -432,224 +351,3 @@ def load_recipe(path: str | Path) -> Recipe:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
         raise KimiInputError(f"recipe {p}: {validation_summary(exc)}") from None
-
-
-def server_argv(r: Recipe) -> list[str]:
-    """The capture server's command line (:func:`capture_server.capture_server_argv`, i.e. what
-    SpecForge's managed launcher builds, with our text-only module); ``python`` is a placeholder."""
-    from specforge_kimi.servers.capture_server import capture_server_argv
-    from specforge_kimi.targets.layer_ids import AuxLayers
-
-    AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)  # validates
-    extra: list[str] = []
-    if r.gpus.nnodes > 1:
-        extra += [
-            "--nnodes",
-            str(r.gpus.nnodes),
-            "--dist-init-addr",
-            f"{r.server.host}:50000",
-            "--node-rank",
-            "${NODE_RANK}",
-        ]
-    # The server gets the very ids of the SpecForge config: the sink echoes them and SpecForge's
-    # producer refuses a capture whose echoed ids differ from its contract (same layers or not).
-    # fusion: off when the recipe says so, else SGLang's own choice for the GPU (auto-enabled on
-    # SM90/SM100 for K2.5 at TP>1).
-    return capture_server_argv(
-        r.target.path,
-        tp=r.tp,
-        port=r.server.port,
-        aux_specforge_ids=list(r.target.aux_layer_ids),
-        fusion=None if r.server.allreduce_fusion else False,
-        attention_backend=r.server.attention_backend,
-        mem_fraction_static=r.server.mem_fraction_static,
-        context_length=r.trainer.max_length + 256,
-        host=r.server.host,
-        disable_cuda_graph=r.server.disable_cuda_graph,
-        python="python",
-        extra=[*extra, *r.server.extra_args],
-    )
-
-
-def _mooncake(r: Recipe):
-    """SpecForge's own ``ManagedLocalMooncakeConfig`` for the recipe's Mooncake section."""
-    from specforge_kimi.servers.capture_server import mooncake_config
-
-    mc = r.mooncake
-    extra = {"rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}
-    return mooncake_config(
-        rpc_port=mc.rpc_port,
-        metadata_port=mc.metadata_port,
-        metrics_port=mc.metrics_port,
-        global_segment_size_bytes=int(mc.global_segment_gib * GIB),
-        protocol=mc.protocol,
-        local_hostname=mc.host,
-        **extra,
-    )
-
-
-def server_env(r: Recipe) -> dict[str, str]:
-    """The capture server's environment: SpecForge's managed-local Mooncake settings + our plugin."""
-    from specforge_kimi.plan import transport_plan
-    from specforge_kimi.servers.capture_server import capture_server_env
-
-    env = capture_server_env(_mooncake(r), put_clients=r.server.capture_put_clients)
-    if r.mooncake.host != "127.0.0.1":
-        env["MOONCAKE_METADATA_SERVER"] = f"http://{r.mooncake.host}:{r.mooncake.metadata_port}/metadata"
-        env["MOONCAKE_MASTER_SERVER_ADDR"] = f"{r.mooncake.host}:{r.mooncake.rpc_port}"
-    return {**env, **transport_plan.server_env(r), "SPECFORGE_PLUGINS": "specforge_kimi"}
-
-
-def process_env(r: Recipe) -> dict[str, str]:
-    """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
-    from specforge_kimi.plan import transport_plan
-    from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
-    from specforge_kimi.training.step_knobs import trainer_env
-
-    env = {"SPECFORGE_PLUGINS": "specforge_kimi", **transport_plan.process_env(r)}
-    if r.gpus.nnodes == 1:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds the address the host name resolves to, not always loopback
-    if r.server.compact_passthrough:
-        env[COMPACT_PASSTHROUGH_ENV] = "1"
-    env.update(trainer_env(r.trainer))
-    return env
-
-
-def consumer_state_dir(r: Recipe) -> str:
-    """Where SpecForge's consumer ledger lives: the recipe's ``trainer.consumer_state_dir`` or
-    ``<output_dir>/consumer-state``."""
-    return r.trainer.consumer_state_dir or str(Path(r.output_dir) / "consumer-state")
-
-
-def specforge_config(r: Recipe, draft_config_path: str) -> dict:
-    """The SpecForge run config (external disaggregated mode); validated by SpecForge's ``Config``."""
-    mc = r.mooncake
-    out = Path(r.output_dir)
-    cfg = {
-        "run_id": r.name,
-        "output_dir": str(out),
-        "model": {
-            "target_model_path": r.target.path,
-            "draft_model_config": draft_config_path,
-            "vocab_mapping_path": r.data.vocab_mapping_path,
-            "embedding_key": r.target.embedding_key,
-            "lm_head_key": r.target.lm_head_key,
-            "aux_hidden_state_layer_ids": list(r.target.aux_layer_ids),
-            "torch_dtype": "bfloat16",
-        },
-        "data": {"prompts_path": r.data.prompts_path, "max_length": r.trainer.max_length},
-        "training": {
-            "strategy": "eagle3",
-            "max_steps": r.trainer.max_steps,
-            "num_epochs": r.trainer.num_epochs,
-            "batch_size": r.trainer.batch_size,
-            "learning_rate": r.trainer.learning_rate,
-            "ttt_length": r.trainer.ttt_length,
-            "save_interval": r.trainer.save_interval,
-            "seed": r.trainer.seed,
-            "attention_backend": r.trainer.attention_backend,
-            # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
-            "log_interval": 10,
-        },
-        "tracking": r.tracking.model_dump(exclude_none=True),
-        "deployment": {
-            "mode": "disaggregated",
-            "trainer": {
-                "nnodes": r.gpus.nnodes,
-                "nproc_per_node": r.gpus.per_node,
-                **({"master_addr": r.server.host, "master_port": 29500} if r.gpus.nnodes > 1 else {}),
-            },
-            "disaggregated": {
-                "control_dir": str(out / "control"),
-                "consumer_state_dir": consumer_state_dir(r),
-                "backend": "mooncake",
-                "server_urls": [f"http://{r.server.host}:{r.server.port}"],
-                "mooncake_metadata_server": f"http://{mc.host}:{mc.metadata_port}/metadata",
-                "mooncake_master_server_addr": f"{mc.host}:{mc.rpc_port}",
-                "mooncake_protocol": mc.protocol,
-                **({"mooncake_rdma_devices": mc.rdma_devices} if mc.rdma_devices else {}),
-            },
-        },
-    }
-    from specforge_kimi.plan.transport_plan import runtime_config
-
-    cfg["runtime"] = runtime_config(r)  # the producer pauses on bytes before the pool or the segment fills
-    from specforge.config import Config
-
-    Config.model_validate(cfg)  # SpecForge's own schema: unknown/invalid fields fail here
-    return cfg
-
-
-def _master_argv(r: Recipe) -> list[str]:
-    from specforge_kimi.servers.capture_server import mooncake_master_argv
-
-    return mooncake_master_argv(_mooncake(r), python="python", host=r.mooncake.host)
-
-
-def render(r: Recipe, out_dir: str | Path, *, write: bool = True) -> dict:
-    """Write draft config, SpecForge config and a launch sheet under ``out_dir``; return them.
-    ``write=False`` returns the same (paths under ``out_dir``) and writes nothing."""
-    import json
-
-    import yaml
-
-    from specforge_kimi.plan.transport_plan import choice as transport_choice
-
-    o = Path(out_dir)
-    if write:
-        o.mkdir(parents=True, exist_ok=True)
-    draft_path = o / "draft_config.json"
-    if write:
-        draft_path.write_text(json.dumps(r.trainer.draft, indent=2))
-    cfg = specforge_config(r, str(draft_path))
-    if write:
-        (o / "specforge_run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    sheet = {
-        "env": process_env(r),
-        "server_env": server_env(r),
-        "mooncake_master": _master_argv(r),
-        "capture_server": server_argv(r),
-        "producer": [
-            "python",
-            "-m",
-            "specforge_kimi",
-            "train",
-            "-c",
-            str(o / "specforge_run.yaml"),
-            "--role",
-            "producer",
-        ],
-        # one node: --standalone picks a free rendezvous port (as SpecForge's own plan does), and
-        # servers.loopback keeps torchrun's stores on 127.0.0.1 (torch binds them to every address otherwise)
-        "consumer": [
-            "python",
-            "-m",
-            *(
-                ["specforge_kimi.servers.loopback", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1"]
-                if r.gpus.nnodes == 1
-                else [
-                    "torch.distributed.run",
-                    f"--nnodes={r.gpus.nnodes}",
-                    f"--master_addr={r.server.host}",
-                    "--master_port=29500",
-                ]
-            ),
-            f"--nproc_per_node={r.gpus.per_node}",
-            "-m",
-            "specforge_kimi",
-            "train",
-            "-c",
-            str(o / "specforge_run.yaml"),
-            "--role",
-            "consumer",
-        ],
-        "memory_plan": memory_plan(r),
-        "transport": transport_choice(r),
-    }
-    if write:
-        (o / "launch.json").write_text(json.dumps(sheet, indent=2))
-    return {
-        "specforge_config": cfg,
-        "launch": sheet,
-        "commands": {k: shlex.join(v) for k, v in sheet.items() if isinstance(v, list)},
-    }

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.plan.devices import node_gpus
+from specforge_kimi.plan.run_plan import RunPlan
 
 SERVER_START_TIMEOUT_S = 900.0  # K2.5 at TP=8 loads ~550 GB; first starts JIT-compile kernels
 MOONCAKE_START_TIMEOUT_S = 60.0
@@ -42,135 +42,126 @@ def _py(argv: list[str], python: str) -> list[str]:
     return [python if i == 0 and a == "python" else a for i, a in enumerate(argv)]
 
 
-def build_colocated_plan(
-    recipe, rendered: dict, *, node_rank: int = 0, python: str = "python", local_host: str | None = None
-):
-    """A SpecForge ``LaunchPlan`` for one node of ``recipe`` (``rendered`` = :func:`recipes.render`).
+def _master_service(plan: RunPlan, python: str):
+    """Phase 0: the Mooncake master (readiness: metadata HTTP + RPC TCP)."""
+    from specforge.launch_plan import CommandSpec, ReadinessSpec, ServiceSpec
+
+    mc = plan.recipe.mooncake
+    return ServiceSpec(
+        command=CommandSpec("mooncake", tuple(_py(list(plan.master_argv), python)), {}),
+        readiness=ReadinessSpec(
+            "mooncake",
+            f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
+            MOONCAKE_START_TIMEOUT_S,
+            tcp_host=mc.host,
+            tcp_port=mc.rpc_port,
+        ),
+        log_path=str(plan.output_dir / "logs" / "mooncake.log"),
+        phase=0,
+    )
+
+
+def _keeper_service(plan: RunPlan, python: str):
+    """Phase 1 with ``segment_owner: keeper``: the process that mounts the Mooncake segment."""
+    from specforge.launch_plan import CommandSpec, ReadinessSpec, ServiceSpec
+
+    mc, port = plan.recipe.mooncake, plan.recipe.resilience.keeper_port
+    argv = (python, "-m", "specforge_kimi.run.segment_keeper", "--host", mc.host, "--port", str(port))
+    return ServiceSpec(
+        command=CommandSpec("segment-keeper", argv, {**plan.server_env, "CUDA_VISIBLE_DEVICES": ""}),
+        readiness=ReadinessSpec("http", f"http://{mc.host}:{port}/health", MOONCAKE_START_TIMEOUT_S),
+        log_path=str(plan.output_dir / "logs" / "segment-keeper.log"),
+        phase=1,
+    )
+
+
+def _server_service(plan: RunPlan, env: dict, *, node_rank: int, python: str, local_host: str | None, phase: int):
+    """The capture server on the node's GPUs (readiness: ``/health``), under the keeper with server restarts."""
+    from specforge.launch_plan import CommandSpec, ReadinessSpec, ServiceSpec
+
+    r = plan.recipe
+    argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(list(plan.server_argv), python)]
+    if r.gpus.nnodes > 1 and node_rank != 0 and "--host" in argv:  # SGLang's other nodes bind their stand-in here
+        argv[argv.index("--host") + 1] = local_host
+    if r.resilience.server_restarts:
+        argv = [python, "-m", "specforge_kimi.run.keeper", "--restarts", str(r.resilience.server_restarts), "--"] + argv
+    return ServiceSpec(
+        command=CommandSpec("capture-server", tuple(argv), env),
+        readiness=ReadinessSpec("http", f"http://{r.server.host}:{r.server.port}/health", SERVER_START_TIMEOUT_S),
+        log_path=str(plan.output_dir / "logs" / f"capture-server-node{node_rank}.log"),
+        phase=phase,
+    )
+
+
+def _trainer_commands(plan: RunPlan, env: dict, *, node_rank: int, python: str) -> list:
+    """The producer (node 0) and the node's torchrun consumer, each logging to its own file."""
+    from specforge.launch_plan import CommandSpec
+
+    r, logs = plan.recipe, plan.output_dir / "logs"
+    commands = []
+    if node_rank == 0:
+        commands.append(
+            CommandSpec("producer", _logged(_py(list(plan.producer_argv), python), logs / "producer.log"), env)
+        )
+    consumer = _py(list(plan.consumer_argv), python)
+    if r.gpus.nnodes > 1:
+        consumer.insert(3, f"--node_rank={node_rank}")
+    if r.resilience.consumer_restarts:
+        restarts = str(r.resilience.consumer_restarts)
+        keeper = [python, "-m", "specforge_kimi.run.keeper", "--restarts", restarts, "--resume-consumer"]
+        consumer = [*keeper, str(plan.output_dir), r.name, "--", *consumer]
+    commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
+    return commands
+
+
+def build_colocated_plan(plan: RunPlan, *, node_rank: int = 0, python: str = "python", local_host: str | None = None):
+    """A SpecForge ``LaunchPlan`` for one node of the run ``plan``.
 
     Multi-node: ``local_host`` is this node's address the other nodes reach (Mooncake's
     ``MOONCAKE_LOCAL_HOSTNAME`` for its server and trainer ranks, and the bind address of a
     non-zero node's SGLang ranks); node 0 defaults to ``server.host``, other nodes must give it.
     Each node keeps its own supervisor directory under the shared ``output_dir``."""
-    from specforge.launch_plan import CommandSpec, LaunchPlan, ReadinessSpec, ServiceSpec
+    from specforge.launch_plan import LaunchPlan
 
-    out = Path(recipe.output_dir)
-    logs = out / "logs"
-    launch: dict[str, Any] = rendered["launch"]
-    gpus = node_gpus(recipe.gpus.per_node)
-    mc = recipe.mooncake
-    services = []
-    mooncake = recipe.server.transport == "mooncake"
-    if node_rank == 0 and mooncake:
-        services.append(
-            ServiceSpec(
-                command=CommandSpec("mooncake", tuple(_py(launch["mooncake_master"], python)), {}),
-                readiness=ReadinessSpec(
-                    "mooncake",
-                    f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
-                    MOONCAKE_START_TIMEOUT_S,
-                    tcp_host=mc.host,
-                    tcp_port=mc.rpc_port,
-                ),
-                log_path=str(logs / "mooncake.log"),
-                phase=0,
-            )
+    r = plan.recipe
+    res, mc, multinode = r.resilience, r.mooncake, r.gpus.nnodes > 1
+    if multinode and local_host is None and node_rank != 0:
+        raise KimiInputError(
+            f"node {node_rank} of a {r.gpus.nnodes}-node recipe needs --local-host: this "
+            "node's address the other nodes reach (Mooncake transfers and SGLang bind to it)"
         )
-    res = recipe.resilience
-    server_env = {**launch["server_env"], "CUDA_VISIBLE_DEVICES": gpus}
-    server_phase = 1
-    if res.segment_owner == "keeper" and node_rank == 0:
-        services.append(
-            ServiceSpec(
-                command=CommandSpec(
-                    "segment-keeper",
-                    (
-                        python,
-                        "-m",
-                        "specforge_kimi.run.segment_keeper",
-                        "--host",
-                        mc.host,
-                        "--port",
-                        str(res.keeper_port),
-                    ),
-                    {**launch["server_env"], "CUDA_VISIBLE_DEVICES": ""},
-                ),
-                readiness=ReadinessSpec("http", f"http://{mc.host}:{res.keeper_port}/health", MOONCAKE_START_TIMEOUT_S),
-                log_path=str(logs / "segment-keeper.log"),
-                phase=1,
-            )
-        )
+    local_host = (local_host or r.server.host) if multinode else None
+    gpus = node_gpus(r.gpus.per_node)
+    master = node_rank == 0 and plan.strategy.runs_mooncake_master
+    keeper = node_rank == 0 and res.segment_owner == "keeper"
+    services = ([_master_service(plan, python)] if master else []) + ([_keeper_service(plan, python)] if keeper else [])
+    server_env = {**plan.server_env, "CUDA_VISIBLE_DEVICES": gpus}
+    if keeper:
         server_env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "0"  # the server puts into the keeper's segment
-        server_phase = 2
-    server_argv = [a.replace("${NODE_RANK}", str(node_rank)) for a in _py(launch["capture_server"], python)]
-    if recipe.gpus.nnodes > 1:
-        if local_host is None and node_rank != 0:
-            raise KimiInputError(
-                f"node {node_rank} of a {recipe.gpus.nnodes}-node recipe needs --local-host: this "
-                "node's address the other nodes reach (Mooncake transfers and SGLang bind to it)"
-            )
-        local_host = local_host or recipe.server.host
+    if multinode:
         server_env["MOONCAKE_LOCAL_HOSTNAME"] = local_host
-        if node_rank != 0 and "--host" in server_argv:  # SGLang's other nodes bind their health stand-in here
-            server_argv[server_argv.index("--host") + 1] = local_host
-    if res.server_restarts:
-        server_argv = [
-            python,
-            "-m",
-            "specforge_kimi.run.keeper",
-            "--restarts",
-            str(res.server_restarts),
-            "--",
-            *server_argv,
-        ]
+    phase = 2 if keeper else 1
     services.append(
-        ServiceSpec(
-            command=CommandSpec("capture-server", tuple(server_argv), server_env),
-            readiness=ReadinessSpec(
-                "http", f"http://{recipe.server.host}:{recipe.server.port}/health", SERVER_START_TIMEOUT_S
-            ),
-            log_path=str(logs / f"capture-server-node{node_rank}.log"),
-            phase=server_phase,
-        )
+        _server_service(plan, server_env, node_rank=node_rank, python=python, local_host=local_host, phase=phase)
     )
     env = {
-        **launch["env"],
+        **plan.process_env,
         "CUDA_VISIBLE_DEVICES": gpus,
         "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s),
-        **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if recipe.gpus.nnodes > 1 else {}),
+        **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if multinode else {}),
     }
-    commands = []
-    if node_rank == 0:
-        commands.append(CommandSpec("producer", _logged(_py(launch["producer"], python), logs / "producer.log"), env))
-    consumer = _py(launch["consumer"], python)
-    if recipe.gpus.nnodes > 1:
-        consumer.insert(3, f"--node_rank={node_rank}")
-    if res.consumer_restarts:
-        consumer = [
-            python,
-            "-m",
-            "specforge_kimi.run.keeper",
-            "--restarts",
-            str(res.consumer_restarts),
-            "--resume-consumer",
-            str(out),
-            recipe.name,
-            "--",
-            *consumer,
-        ]
-    commands.append(CommandSpec("consumer", _logged(consumer, logs / f"consumer-node{node_rank}.log"), env))
+    ports = (
+        *((mc.rpc_port, mc.metadata_port) if master else ()),
+        r.server.port,
+        *([res.keeper_port] if keeper else []),
+    )
     return LaunchPlan(
         kind="managed_supervisor",
         role="both",
-        commands=tuple(commands),
+        commands=tuple(_trainer_commands(plan, env, node_rank=node_rank, python=python)),
         services=tuple(services),
-        managed_root=str(out / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
-        managed_ports=(
-            *((mc.rpc_port, mc.metadata_port) if mooncake else ()),
-            recipe.server.port,
-            *([res.keeper_port] if res.segment_owner == "keeper" else []),
-        )
-        if node_rank == 0
-        else (),
+        managed_root=str(plan.output_dir / ("supervisor" if node_rank == 0 else f"supervisor-node{node_rank}")),
+        managed_ports=ports if node_rank == 0 else (),
         shutdown_grace_s=30.0,
     )
 
@@ -204,32 +195,24 @@ def preflight(plan) -> None:
             f"--specforge-checkout DIR with a SpecForge checkout: {GET_CHECKOUT}"
         )
     compact_preflight(plan)
-    cuda_ipc_preflight(plan)
+    transport_preflight(plan)
     trainer_step_preflight(plan)
 
 
-def cuda_ipc_preflight(plan) -> None:
-    """With ``server.transport: cuda_ipc`` (the capture server carries the variable), refuse to start unless
-    SGLang patch spec-capture-cuda-ipc is applied and, with more than one GPU, every GPU reaches GPU 0 (the pool)
-    by peer access."""
-    from specforge_kimi.transport import SERVER_TRANSPORT_ENV
-
-    server = [s for s in plan.services if s.command.env.get(SERVER_TRANSPORT_ENV) == "cuda_ipc"]
-    if not server:
-        return
-    from specforge_kimi.plan.transport_plan import peer_access_problem
+def transport_preflight(plan) -> None:
+    """Refuse to start when the host lacks what the capture server's transport needs (its strategy's
+    ``preflight``: the SGLang patch it names, and for cuda_ipc peer access from every GPU to GPU 0)."""
     from specforge_kimi.setup.setup_patches import cuda_ipc_gaps
+    from specforge_kimi.transport import registry
 
-    gaps = cuda_ipc_gaps()
-    if gaps:
-        raise KimiInputError(
-            "server.transport is cuda_ipc, but " + "; ".join(gaps) + ". Run specforge-kimi setup "
-            "--specforge-checkout /path/to/SpecForge, or set server.transport: mooncake in the recipe"
-        )
-    gpus = server[0].command.env.get("CUDA_VISIBLE_DEVICES", "")
-    problem = peer_access_problem(gpus)
-    if problem:
-        raise KimiInputError(problem)
+    for service in plan.services:
+        if service.command.label != "capture-server":
+            continue
+        strategy = registry.from_env(service.command.env, server=True)
+        gaps = cuda_ipc_gaps() if strategy.sglang_patch else []
+        problems = strategy.preflight(service.command.env.get("CUDA_VISIBLE_DEVICES", ""), gaps)
+        if problems:
+            raise KimiInputError("; ".join(problems))
 
 
 def compact_preflight(plan) -> None:
@@ -280,7 +263,7 @@ def run_plan(plan, **kwargs) -> int:
     return run_commands(plan, **kwargs)
 
 
-def export_latest(recipe, rendered: dict) -> Path:
+def export_latest(plan: RunPlan) -> Path:
     """Export the run's newest checkpoint (``<output_dir>/<run_id>-latest``) for SGLang into
     ``<output_dir>/export-sglang`` (:func:`specforge_kimi.drafts.export.export_run_draft`: Llama-style or
     MLA draft, captured positions as aux ids, provenance); returns that directory.
@@ -290,17 +273,17 @@ def export_latest(recipe, rendered: dict) -> Path:
     from specforge_kimi.drafts.export import export_run_draft
     from specforge_kimi.targets.layer_ids import AuxLayers
 
-    out = Path(recipe.output_dir)
+    recipe, out = plan.recipe, plan.output_dir
     latest = out / f"{recipe.name}-latest"
     if not (latest / "training_state.pt").is_file():
         raise KimiInputError(f"{latest} has no training_state.pt: the run wrote no checkpoint")
-    cfg = rendered["specforge_config"]
+    model = plan.specforge_config["model"]
     aux = AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers)
     return export_run_draft(
         latest,
-        cfg["model"]["draft_model_config"],
+        model["draft_model_config"],
         out / "export-sglang",
-        vocab_mapping_path=cfg["model"]["vocab_mapping_path"],
+        vocab_mapping_path=model["vocab_mapping_path"],
         target_dir=recipe.target.path,
         aux=aux,
         command=sys.argv,
@@ -348,23 +331,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def plan_document(recipe, rendered: dict, plan) -> dict:
+def plan_document(plan: RunPlan, launch_plan) -> dict:
     """What ``launch --plan`` prints: the supervisor's plan, the SpecForge and draft configs and the
     memory split, with the directory ``launch`` would render them into (nothing is written)."""
     import json
 
-    from specforge_kimi.plan.transport_plan import choice
-
-    rendered_dir = Path(recipe.output_dir) / "rendered"
     return {
-        "recipe": recipe.name,
-        "transport": choice(recipe),
-        "rendered_dir": str(rendered_dir),
+        "recipe": plan.name,
+        "transport": plan.transport.as_dict(),
+        "rendered_dir": str(plan.rendered_dir),
         "written": False,
-        "plan": json.loads(plan.render()),
-        "specforge_config": rendered["specforge_config"],
-        "draft_config": recipe.trainer.draft,
-        "memory_plan": rendered["launch"]["memory_plan"],
+        "plan": json.loads(launch_plan.render()),
+        "specforge_config": plan.rendered()["specforge_config"],
+        "draft_config": plan.draft_config,
+        "memory_plan": dict(plan.memory),
     }
 
 
@@ -372,21 +352,20 @@ def run(args) -> int:
     import json
     import sys
 
-    from specforge_kimi.plan.recipes import load_recipe, render
+    from specforge_kimi.plan import run_plan
 
-    recipe = load_recipe(args.recipe)
+    compiled = run_plan.compile_plan(args.recipe)
+    recipe = compiled.recipe
     if args.stop_stale and not args.resume:
         raise KimiInputError("--stop-stale goes with --resume")
     if not args.plan:
         from specforge_kimi.plan.inputs import require_inputs
 
         require_inputs(recipe)  # target, tokenizer, prompts, vocab mapping, lengths: one line each, nothing started
-    rendered = render(recipe, Path(recipe.output_dir) / "rendered", write=not args.plan)
-    plan = build_colocated_plan(
-        recipe, rendered, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host
-    )
+        compiled.write()
+    plan = build_colocated_plan(compiled, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host)
     if args.plan:
-        print(json.dumps(plan_document(recipe, rendered, plan), indent=2))
+        print(json.dumps(plan_document(compiled, plan), indent=2))
         return 0
     out = Path(recipe.output_dir)
     from contextlib import nullcontext
@@ -425,7 +404,7 @@ def run(args) -> int:
     if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared
         print(f"node {args.node_rank}: training done; node 0 exports the draft and runs the bench", flush=True)
         return 0
-    export_dir = export_latest(recipe, rendered)
+    export_dir = export_latest(compiled)
     print(f"exported draft: {export_dir}", flush=True)
     if args.no_bench:
         return 0

@@ -183,17 +183,16 @@ def capture_to_disk(
 
 
 def run_recipe(
-    recipe,
+    plan,
     out_dir: str | Path,
     *,
     limit: int | None = None,
     server_argv: list[str] | None = None,
     start_timeout_s: float = 900.0,
 ) -> dict:
-    """Start the recipe's Mooncake + capture server on this node, capture its prompts, stop both."""
+    """Start the plan's Mooncake + capture server on this node, capture its recipe's prompts, stop both."""
+    recipe = plan.recipe
     from specforge_kimi.plan.devices import node_gpus
-    from specforge_kimi.plan.recipes import server_argv as recipe_server_argv
-    from specforge_kimi.plan.recipes import server_env
     from specforge_kimi.run import services
     from specforge_kimi.servers.capture_server import capture_server_env
 
@@ -210,10 +209,10 @@ def run_recipe(
     with services.mooncake_master(
         work / "mooncake.log", segment_bytes=int(recipe.mooncake.global_segment_gib * 2**30), ports=mc_ports
     ) as mc:
-        argv = server_argv or [sys.executable if a == "python" else a for a in recipe_server_argv(recipe)]
+        argv = server_argv or [sys.executable if a == "python" else a for a in plan.server_argv]
         argv[argv.index("--port") + 1] = str(port)
-        # the recipe's server environment, with this master's Mooncake endpoints and segment
-        env = {**server_env(recipe), **capture_server_env(mc)}
+        # the plan's server environment, with this master's Mooncake endpoints and segment
+        env = {**plan.server_env, **capture_server_env(mc)}
         env["CUDA_VISIBLE_DEVICES"] = node_gpus(recipe.gpus.per_node)
         with services.server(argv, env, work / "capture-server.log", port, timeout_s=start_timeout_s):
             stats = capture_to_disk(
@@ -247,9 +246,9 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_capture(args) -> int:
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan import run_plan
 
-    summary = run_recipe(load_recipe(args.recipe), args.out, limit=args.limit)
+    summary = run_recipe(run_plan.compile_plan(args.recipe), args.out, limit=args.limit)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -287,13 +286,13 @@ def run_train(args) -> int:
     import json
 
     from specforge_kimi import console
-    from specforge_kimi.plan.recipes import load_recipe, render
+    from specforge_kimi.plan import run_plan
     from specforge_kimi.run.progress import StepLines
 
-    recipe = load_recipe(args.recipe)
+    plan = run_plan.compile_plan(args.recipe, rendered_dir=os.path.join(args.out, "rendered"))
+    recipe = plan.recipe
     _check_inputs(recipe, args.features)
-    rendered = render(recipe, os.path.join(args.out, "rendered"))
-    model = rendered["specforge_config"]["model"]
+    model = plan.write()["specforge_config"]["model"]
     max_steps = args.steps or recipe.trainer.max_steps
     log = os.path.join(args.out, "specforge.log")
     print(f"training offline, {max_steps} steps; SpecForge's own output: {log}", flush=True)

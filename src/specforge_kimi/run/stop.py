@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: Any) -> int:
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     stop_run(load_recipe(args.recipe))
     return 0

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from specforge_kimi.transport.cuda_ipc import wants_pool
+
 logger = logging.getLogger("specforge_kimi.servers.reference_server")
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -149,7 +151,7 @@ class ReferenceCapture:
             )
             self.samples += 1
             return result, next_token
-        if spec.get("transport") == "cuda_ipc":
+        if wants_pool(spec):
             raise ValueError("spec_capture asked for transport cuda_ipc, but this server has no cuda_ipc pool")
         store_id, sample_id = str(spec["store_id"]), str(spec["sample_id"])
         gen = int(spec.get("gen", 1))

@@ -329,76 +329,17 @@ def check_inputs(recipe) -> list[Check]:
     return [Check("recipe inputs", "fail", line, "fix the file or the recipe field it names") for line in problems]
 
 
-def check_mooncake(recipe) -> list[Check]:
-    import urllib.error
-    import urllib.request
-
-    mc = recipe.mooncake
-    url = f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-kimi-doctor"
-    try:
-        urllib.request.urlopen(url, timeout=3)
-        ok = True
-    except urllib.error.HTTPError as exc:
-        ok = 400 <= exc.code < 500  # a missing-key answer means the metadata server is up
-    except OSError:
-        ok = False
-    return [
-        Check(
-            "mooncake master",
-            "ok" if ok else "warn",
-            f"{url} {'answers' if ok else 'is not reachable'}",
-            ""
-            if ok
-            else "started by `specforge-kimi launch`; to start by hand: mooncake_master "
-            f"--enable_http_metadata_server=true --rpc_port={mc.rpc_port} "
-            f"--http_metadata_server_port={mc.metadata_port}",
-        )
-    ]
-
-
-#: What Mooncake's transfer engine logs for the listener it binds to every address (docs/online.md, loopback)
-MOONCAKE_ANY_ADDRESS_LOG = "Transfer Engine RPC using new RPC mapping, listening on <address>:<port>"
-
-
-def check_mooncake_binds(recipe) -> Check:
-    """The listeners no setting of Mooncake 0.3.x keeps on the recipe's address (always a warning)."""
-    mc = recipe.mooncake
-    return Check(
-        "mooncake listeners",
-        "warn",
-        f"Mooncake binds these to every address, not {mc.host}: the master's HTTP metadata server (port "
-        f"{mc.metadata_port}; its --http_metadata_server_host only reaches the log line) and, in the capture "
-        "server, the producer and each trainer rank, the transfer engine's handshake RPC and TCP transport "
-        f"(random ports, logged as '{MOONCAKE_ANY_ADDRESS_LOG}' and 'TcpTransport: listen on port <port>')",
-        f"on a host others can reach, firewall port {mc.metadata_port} and the transfer engine's range "
-        "(MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 by default) from outside; every other listener of the run "
-        "is on loopback (docs/online.md, 'Ports and GPUs')",
-    )
-
-
-def check_cuda_ipc(recipe) -> list[Check]:
-    """``server.transport: cuda_ipc``: SGLang patch spec-capture-cuda-ipc applied, and every GPU of the node reaching
-    GPU 0."""
+def check_transport(plan) -> list[Check]:
+    """What the plan's transport needs of this host (its strategy's ``doctor_findings``): for Mooncake whether its
+    master answers and the listeners it binds to every address, for cuda_ipc its SGLang patch and peer access."""
+    from specforge_kimi.plan import transport_plan
     from specforge_kimi.plan.devices import node_gpus
-    from specforge_kimi.plan.transport_plan import peer_access_problem, pool_bytes
     from specforge_kimi.setup.setup_patches import cuda_ipc_gaps
 
-    problems = cuda_ipc_gaps()
-    if not problems:
-        peer = peer_access_problem(node_gpus(recipe.gpus.per_node))
-        problems = [peer] if peer else []
-    return [
-        Check(
-            "cuda_ipc transport",
-            "fail" if problems else "ok",
-            "; ".join(problems)
-            or f"SGLang patch spec-capture-cuda-ipc applied; pool {pool_bytes(recipe) / 2**30:.2f} GiB on GPU 0"
-            + (", every GPU reaches it by peer access" if recipe.gpus.per_node > 1 else ""),
-            "specforge-kimi setup --specforge-checkout /path/to/SpecForge, or server.transport: mooncake"
-            if problems
-            else "",
-        )
-    ]
+    recipe, strategy = plan.recipe, plan.strategy
+    gaps = cuda_ipc_gaps() if strategy.sglang_patch else []
+    found = strategy.doctor_findings(recipe, transport_plan.sizing(recipe), node_gpus(recipe.gpus.per_node), gaps)
+    return [Check(f.name, f.status, f.detail, f.fix) for f in found]
 
 
 def check_gpu_budget(recipe) -> list[Check]:
@@ -432,21 +373,21 @@ def run_checks(recipe_path: str | None) -> list[Check]:
     checks = check_versions() + check_patches() + check_cuda()
     if recipe_path:
         from specforge_kimi.errors import KimiInputError
-        from specforge_kimi.plan.recipes import load_recipe
+        from specforge_kimi.plan import run_plan
 
         try:
-            recipe = load_recipe(recipe_path)
+            plan = run_plan.compile_plan(recipe_path)
         except KimiInputError as exc:
             return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
+        recipe, c = plan.recipe, plan.transport
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
-        from specforge_kimi.plan.transport_plan import choice
-
-        c = choice(recipe)
-        checks.append(Check("transport", "ok", f"{c['transport']} ({c['chosen_by']}): {c['why']}"))
-        mooncake = recipe.server.transport == "mooncake"
-        transport = check_mooncake(recipe) + [check_mooncake_binds(recipe)] if mooncake else check_cuda_ipc(recipe)
+        checks.append(Check("transport", "ok", f"{c.name} ({c.chosen_by}): {c.why}"))
         checks += (
-            check_target(recipe) + check_inputs(recipe) + transport + check_gpu_budget(recipe) + check_tracking(recipe)
+            check_target(recipe)
+            + check_inputs(recipe)
+            + check_transport(plan)
+            + check_gpu_budget(recipe)
+            + check_tracking(recipe)
         )
     return checks
 

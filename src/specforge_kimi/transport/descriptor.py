@@ -20,6 +20,9 @@ _POOL_ID = re.compile(r"[0-9a-f]{8,32}")
 #: bound of every integer a descriptor carries (the slot table's int64 columns; pools are far smaller)
 _MAX_INT = 2**62
 
+#: the key of a capture result and of a ref's metadata that holds the descriptor
+RESULT_KEY = "cuda_ipc"
+
 
 def _count(x: Any, least: int) -> bool:
     """``x`` is a plain int (not a bool) in ``[least, 2**62)``."""
