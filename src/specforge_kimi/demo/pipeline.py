@@ -205,6 +205,60 @@ def capture_samples(
     bar.close()
 
 
+def _pretrained_target(s: DemoSettings, out: Path, train_rows, tokenizer, say):
+    """Step 2: a tiny K2.5 target pretrained briefly on the corpus rows, with the stand-in tokenizer beside it;
+    returns its spec, the pretraining result and its directory."""
+    from specforge_kimi.demo.pretrain import pretrain
+    from specforge_kimi.targets.tiny import TinySpec, write_tiny
+
+    spec = TinySpec(seed=s.seed, **DEMO_TARGET)
+    random_dir = write_tiny(out / "target-random", spec)
+    say(
+        f"[2/6] pretraining the tiny K2.5 target for up to {s.pretrain_seconds:.0f}s on the synthetic corpus "
+        "(a random-weight target's predictions carry little signal)"
+    )
+    pre = pretrain(
+        str(random_dir),
+        [i for i, _ in train_rows],
+        str(out / "target"),
+        seconds=s.pretrain_seconds,
+        seed=s.seed,
+        progress=s.progress,
+        desc="[2/6] pretrain",
+        **({"max_steps": s.pretrain_steps} if s.pretrain_steps > 0 else {}),
+    )
+    shutil.rmtree(random_dir)
+    target_dir = out / "target"
+    tokenizer.save_pretrained(target_dir)
+    say(f"      target loss {pre.first_loss:.3f} -> {pre.last_loss:.3f} in {pre.steps} steps")
+    return spec, pre, target_dir
+
+
+def _capture_features(s: DemoSettings, target_dir: Path, aux, train_rows, held_rows, feat_dir: Path):
+    """Step 3: the training rows' features written to ``feat_dir`` as SpecForge offline samples, the held-out
+    rows' kept in memory; returns the feature dtype, the held-out samples and the trained-token counts."""
+    import torch
+
+    from specforge_kimi.targets.checkpoint import load_text_model
+
+    model = load_text_model(target_dir)
+    # SpecForge feeds features to the draft without a cast, so they carry the training dtype:
+    # bf16 on GPUs; fp32 on a CPU, where bf16 matmuls run several times slower.
+    feat_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    feat_dir.mkdir()
+    held = []
+    counts: Counter = Counter()
+    rows = train_rows + held_rows
+    for n, sample in capture_samples(model, rows, aux, feat_dtype, progress=s.progress):
+        if n < len(train_rows):
+            torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
+            ids, mask = rows[n]
+            counts.update(t_ for t_, m in zip(ids, mask, strict=False) if m)
+        else:
+            held.append(sample)
+    return feat_dtype, held, counts
+
+
 def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     """The demo's steps 1-4 up to the first draft: data, pretrained tiny target, captured
     features, vocab mapping, Llama-style draft config, held-out samples with the target's greedy
@@ -215,11 +269,9 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     import specforge_kimi
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
     from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
-    from specforge_kimi.demo.pretrain import pretrain
     from specforge_kimi.evaluate.simulate import add_target_greedy
-    from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
+    from specforge_kimi.targets.checkpoint import inspect_target
     from specforge_kimi.targets.layer_ids import AuxLayers
-    from specforge_kimi.targets.tiny import TinySpec, write_tiny
 
     say = say or (lambda *a, **k: None)
     lap = lap or (lambda name, since: time.monotonic())
@@ -240,48 +292,14 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
     t = lap("data", t)
 
     # 2. tiny target, pretrained briefly on the corpus
-    spec = TinySpec(seed=s.seed, **DEMO_TARGET)
-    random_dir = write_tiny(out / "target-random", spec)
-    say(
-        f"[2/6] pretraining the tiny K2.5 target for up to {s.pretrain_seconds:.0f}s on the synthetic corpus "
-        "(a random-weight target's predictions carry little signal)"
-    )
-    pre = pretrain(
-        str(random_dir),
-        [i for i, _ in train_rows],
-        str(out / "target"),
-        seconds=s.pretrain_seconds,
-        seed=s.seed,
-        progress=s.progress,
-        desc="[2/6] pretrain",
-        **({"max_steps": s.pretrain_steps} if s.pretrain_steps > 0 else {}),
-    )
-    shutil.rmtree(random_dir)
-    target_dir = out / "target"
-    tokenizer.save_pretrained(target_dir)
+    spec, pre, target_dir = _pretrained_target(s, out, train_rows, tokenizer, say)
     info = inspect_target(target_dir)
-    say(f"      target loss {pre.first_loss:.3f} -> {pre.last_loss:.3f} in {pre.steps} steps")
     t = lap("pretrain", t)
 
     # 3. capture aux + last hidden states with the reference hooks -> SpecForge offline features
     aux = AuxLayers.from_specforge(DEMO_AUX_IDS, info.num_layers)
-    model = load_text_model(target_dir)
-    # SpecForge feeds features to the draft without a cast, so they carry the training dtype:
-    # bf16 on GPUs; fp32 on a CPU, where bf16 matmuls run several times slower.
-    feat_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     feat_dir = out / "features"
-    feat_dir.mkdir()
-    held = []
-    counts: Counter = Counter()
-    rows = train_rows + held_rows
-    for n, sample in capture_samples(model, rows, aux, feat_dtype, progress=s.progress):
-        if n < len(train_rows):
-            torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
-            ids, mask = rows[n]
-            counts.update(t_ for t_, m in zip(ids, mask, strict=False) if m)
-        else:
-            held.append(sample)
-    del model
+    feat_dtype, held, counts = _capture_features(s, target_dir, aux, train_rows, held_rows, feat_dir)
     since = lap("capture", t)
 
     # 4. vocab mapping + draft config
@@ -351,42 +369,18 @@ def run_demo(s: DemoSettings) -> dict:
         return _train_evaluate_export(s, inp, say, lap, timings, t0, log, steps)
 
 
-def _train_evaluate_export(
-    s: DemoSettings, inp: DemoInputs, say, lap, timings: dict, t0: float, log: Path, steps
-) -> dict:
-    """The demo's steps 4-6: the untrained draft, SpecForge's training, evaluation, export and the summary."""
-    import torch
-
+def _specforge_train(s: DemoSettings, inp: DemoInputs, say, log: Path, steps) -> dict:
+    """Step 5: SpecForge's own EAGLE-3 training on the captured features (:func:`training.offline.train_offline`),
+    its steps shown on ``steps.bar``."""
     from specforge_kimi.console import Progress
-    from specforge_kimi.drafts.export import export_run_draft
-    from specforge_kimi.evaluate.simulate import simulated_acceptance
-    from specforge_kimi.provenance import versions
     from specforge_kimi.training.offline import train_offline
 
-    out, spec, pre, target_dir, info, aux = inp.out, inp.spec, inp.pretrain, inp.target_dir, inp.info, inp.aux
-    feat_dir, feat_dtype, held, vm_path, draft_cfg_path, head_w = (
-        inp.feat_dir,
-        inp.feat_dtype,
-        inp.held,
-        inp.vm_path,
-        inp.draft_cfg_path,
-        inp.head_w,
-    )
-    t = inp.since
-    torch.manual_seed(s.seed)
-    untrained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path))
-    before = simulated_acceptance(untrained, head_w, held, s.eval_steps)
-    say(
-        f"[4/6] untrained draft: simulated acceptance length {before.mean_acceptance_length:.3f} "
-        f"({s.eval_steps} steps, topk 1, {before.chains} held-out chains)"
-    )
-    t = lap("eval_before", t)
-
-    # 5. SpecForge's own EAGLE-3 training
+    out, target_dir, info, feat_dir, feat_dtype = inp.out, inp.target_dir, inp.info, inp.feat_dir, inp.feat_dtype
+    draft_cfg_path, vm_path = inp.draft_cfg_path, inp.vm_path
     say(f"[5/6] SpecForge EAGLE-3 training, {s.steps} steps (TTT length {s.ttt_length}); its log: {log}")
     steps.bar = Progress("[5/6] train", s.steps, unit="step", enabled=s.progress)
     try:
-        result = train_offline(
+        return train_offline(
             target_dir=str(target_dir),
             draft_config_path=str(draft_cfg_path),
             hidden_states_path=str(feat_dir),
@@ -405,34 +399,18 @@ def _train_evaluate_export(
     finally:
         steps.bar.close()
         steps.bar = None
+
+
+def _demo_summary(s: DemoSettings, inp: DemoInputs, result: dict, before, after, losses_gain, export_dir) -> dict:
+    """``demo_result.json``: settings, target, training, simulated acceptance and held-out loss before and after."""
+    import torch
+
+    from specforge_kimi.provenance import versions
+
+    out, spec, pre, target_dir, aux = inp.out, inp.spec, inp.pretrain, inp.target_dir, inp.aux
     losses = result["losses"]
-    t = lap("train", t)
-    from specforge.export.checkpoint_io import resolve_training_state
-
-    state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
-    trained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path), state=state)
-    after = simulated_acceptance(trained, head_w, held, s.eval_steps)
-    t = lap("eval_after", t)
-
-    # 6. export for SGLang, K2.5 eagle_config + provenance, checks
-    export_dir = out / "export-sglang"
-    export_run_draft(
-        result["checkpoint_dir"],
-        draft_cfg_path,
-        export_dir,
-        vocab_mapping_path=str(vm_path),
-        target_dir=target_dir,
-        aux=aux,
-        command=sys.argv,
-        extra={"demo": {"steps": s.steps, "seed": s.seed}},
-    )
-    t = lap("export", t)
-
-    k = max(1, min(50, len(losses) // 5))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    gain = after.mean_acceptance_length - before.mean_acceptance_length
-    _plot(losses, result.get("acc_per_position") or [], out / "loss_curve.png")
-    summary = {
+    first, last, gain = losses_gain
+    return {
         "ok": bool(after.heldout_loss < before.heldout_loss and gain > 0),
         "command": sys.argv,
         "environment": {
@@ -488,8 +466,61 @@ def _train_evaluate_export(
         },
         "export_dir": str(export_dir),
         "loss_curve_png": str(out / "loss_curve.png"),
-        "timings_s": {**timings, "total": round(time.monotonic() - t0, 2)},
     }
+
+
+def _train_evaluate_export(
+    s: DemoSettings, inp: DemoInputs, say, lap, timings: dict, t0: float, log: Path, steps
+) -> dict:
+    """The demo's steps 4-6: the untrained draft, SpecForge's training, evaluation, export and the summary."""
+    import torch
+
+    from specforge_kimi.drafts.export import export_run_draft
+    from specforge_kimi.evaluate.simulate import simulated_acceptance
+
+    out, target_dir, info, aux, held, head_w = inp.out, inp.target_dir, inp.info, inp.aux, inp.held, inp.head_w
+    vm_path, draft_cfg_path = inp.vm_path, inp.draft_cfg_path
+    t = inp.since
+    torch.manual_seed(s.seed)
+    untrained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path))
+    before = simulated_acceptance(untrained, head_w, held, s.eval_steps)
+    say(
+        f"[4/6] untrained draft: simulated acceptance length {before.mean_acceptance_length:.3f} "
+        f"({s.eval_steps} steps, topk 1, {before.chains} held-out chains)"
+    )
+    t = lap("eval_before", t)
+
+    # 5. SpecForge's own EAGLE-3 training
+    result = _specforge_train(s, inp, say, log, steps)
+    losses = result["losses"]
+    t = lap("train", t)
+    from specforge.export.checkpoint_io import resolve_training_state
+
+    state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
+    trained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path), state=state)
+    after = simulated_acceptance(trained, head_w, held, s.eval_steps)
+    t = lap("eval_after", t)
+
+    # 6. export for SGLang, K2.5 eagle_config + provenance, checks
+    export_dir = out / "export-sglang"
+    export_run_draft(
+        result["checkpoint_dir"],
+        draft_cfg_path,
+        export_dir,
+        vocab_mapping_path=str(vm_path),
+        target_dir=target_dir,
+        aux=aux,
+        command=sys.argv,
+        extra={"demo": {"steps": s.steps, "seed": s.seed}},
+    )
+    t = lap("export", t)
+
+    k = max(1, min(50, len(losses) // 5))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    gain = after.mean_acceptance_length - before.mean_acceptance_length
+    _plot(losses, result.get("acc_per_position") or [], out / "loss_curve.png")
+    summary = _demo_summary(s, inp, result, before, after, (first, last, gain), export_dir)
+    summary["timings_s"] = {**timings, "total": round(time.monotonic() - t0, 2)}
     (out / "demo_result.json").write_text(json.dumps(summary, indent=2))
     say(f"[6/6] exported SGLang draft: {export_dir}")
     say(
