@@ -329,6 +329,69 @@ def _run_specforge_cli_path(cfg, config_path: str) -> int:
     return _train(bind_run(_config_for_role(resolved.config, plan.role), resolved.algorithm))
 
 
+def _ready_this_process() -> bool:
+    """Refuse a live process group (SpecForge's trainer makes its own), register the adapter in this process and,
+    without CUDA, install the CPU shims; returns whether they were installed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group is already initialized; SpecForge's trainer creates and destroys its own"
+        )
+    import specforge_kimi
+
+    specforge_kimi.register()  # the trainer runs in this process: K2.5 config, keys, drafts
+    if _cuda_available():
+        return False
+    from specforge_kimi.training.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()
+    return True
+
+
+def _write_run_config(cfg) -> tuple[dict, str]:
+    """``<output_dir>/run_config.yaml``, the config SpecForge runs; returns its dict and path."""
+    import yaml
+
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    config_dict = cfg.model_dump(mode="json")
+    config_path = os.path.join(cfg.output_dir, "run_config.yaml")
+    with open(config_path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(config_dict, handle, sort_keys=False)
+    return config_dict, config_path
+
+
+def _train_as_one_rank(cfg, config_path: str) -> int:
+    """SpecForge's training in this process as its only rank (the distributed environment hidden meanwhile, then
+    restored); returns the final step."""
+    saved_env = {key: os.environ.get(key) for key in _DIST_ENV}
+    for key in _DIST_ENV[:5]:
+        # A partial set would make specforge.cli refuse to bootstrap its own rendezvous.
+        os.environ.pop(key, None)
+    try:
+        return int(_run_specforge_cli_path(cfg, config_path))
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _series(scalars: dict, tag: str, steps: list[int]) -> list[float]:
+    values = scalars.get(tag, {})
+    return [values.get(step, math.nan) for step in steps]
+
+
+def _final_checkpoint(cfg, final_step: int) -> str:
+    from specforge.training.checkpoint import CheckpointManager
+
+    checkpoint_dir = CheckpointManager(cfg.output_dir, cfg.run_id).checkpoint_dir(final_step)
+    if not os.path.isfile(os.path.join(checkpoint_dir, "training_state.pt")):
+        raise RuntimeError(f"SpecForge finished at step {final_step} but {checkpoint_dir} is missing")
+    return checkpoint_dir
+
+
 def train_offline(
     *,
     target_dir: str,
@@ -372,23 +435,7 @@ def train_offline(
     - ``output_dir``, ``config_path`` (the YAML written), ``config`` (its dict),
       ``event_files``, ``wall_time_s``, ``cpu_shims`` (whether they were installed).
     """
-    import torch.distributed as dist
-    import yaml
-
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError(
-            "a torch.distributed process group is already initialized; SpecForge's trainer creates and destroys its own"
-        )
-    import specforge_kimi
-
-    specforge_kimi.register()  # the trainer runs in this process: K2.5 config, keys, drafts
-    shimmed = False
-    if not _cuda_available():
-        from specforge_kimi.training.cpu_shims import install_cpu_shims
-
-        install_cpu_shims()
-        shimmed = True
-
+    shimmed = _ready_this_process()
     cfg = build_offline_config(
         target_dir=target_dir,
         draft_config_path=draft_config_path,
@@ -408,27 +455,12 @@ def train_offline(
         accumulation_steps=accumulation_steps,
     )
     output_dir = cfg.output_dir
-    os.makedirs(output_dir, exist_ok=True)
-    config_dict = cfg.model_dump(mode="json")
-    config_path = os.path.join(output_dir, "run_config.yaml")
-    with open(config_path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(config_dict, handle, sort_keys=False)
+    config_dict, config_path = _write_run_config(cfg)
 
     runs_dir = os.path.join(output_dir, "runs")
     events_before = _event_files(runs_dir)
-    saved_env = {key: os.environ.get(key) for key in _DIST_ENV}
-    for key in _DIST_ENV[:5]:
-        # A partial set would make specforge.cli refuse to bootstrap its own rendezvous.
-        os.environ.pop(key, None)
     started = time.perf_counter()
-    try:
-        final_step = int(_run_specforge_cli_path(cfg, config_path))
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    final_step = _train_as_one_rank(cfg, config_path)
     wall_time_s = time.perf_counter() - started
 
     event_files = sorted(_event_files(runs_dir) - events_before)
@@ -437,25 +469,17 @@ def train_offline(
     scalars = read_tensorboard_scalars(event_files)
     loss_series = scalars.get("train/loss", {})
     steps = sorted(loss_series)
-    from specforge.training.checkpoint import CheckpointManager
-
-    checkpoint_dir = CheckpointManager(output_dir, cfg.run_id).checkpoint_dir(final_step)
-    if not os.path.isfile(os.path.join(checkpoint_dir, "training_state.pt")):
-        raise RuntimeError(f"SpecForge finished at step {final_step} but {checkpoint_dir} is missing")
-
-    def series(tag: str) -> list[float]:
-        values = scalars.get(tag, {})
-        return [values.get(step, math.nan) for step in steps]
+    checkpoint_dir = _final_checkpoint(cfg, final_step)
 
     return {
         "losses": [loss_series[step] for step in steps],
         "steps": steps,
-        "acc": series("train/acc"),
+        "acc": _series(scalars, "train/acc", steps),
         "acc_per_position": _per_position(scalars, "acc", steps),
         "ploss_per_position": _per_position(scalars, "ploss", steps),
         "acceptance_rate_per_position": _per_position(scalars, "acceptance_rate", steps),
-        "lr": series("train/lr"),
-        "grad_norm": series("train/grad_norm"),
+        "lr": _series(scalars, "train/lr", steps),
+        "grad_norm": _series(scalars, "train/grad_norm", steps),
         "final_step": final_step,
         "checkpoint_dir": checkpoint_dir,
         "output_dir": output_dir,
