@@ -156,12 +156,13 @@ def _check_prepare_outcome(tmp: Path, out: Path, ran) -> None:
 
 
 @given(data=st.data())
-@settings(max_examples=300, **_SETTINGS)
+@settings(max_examples=1000, **_SETTINGS)
 def test_prepare_survives_generated_input_lines(tok, data):
     lines = [data.draw(mutated_json(data.draw(st.sampled_from(ROWS)))) for _ in range(data.draw(st.integers(1, 3)))]
     if data.draw(st.booleans()):
         lines.append(json.dumps(ROWS[0]).encode())  # a good line beside the bad ones
     on_error = data.draw(st.sampled_from(["skip", "fail"]))
+    max_line_bytes = data.draw(st.sampled_from([None, None, 64, 200]))  # small caps cut through the lines
     record("prepare input lines")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -169,7 +170,12 @@ def test_prepare_survives_generated_input_lines(tok, data):
         source.write_bytes(b"\n".join(lines) + b"\n")
         out = tmp / "out"
         options = PrepareOptions(
-            input_path=source, out_dir=out, on_error=on_error, draft_vocab_size=64, max_length=4096
+            input_path=source,
+            out_dir=out,
+            on_error=on_error,
+            draft_vocab_size=64,
+            max_length=4096,
+            max_line_bytes=max_line_bytes,
         )
         with contextlib.redirect_stderr(io.StringIO()):  # the per-line warnings
             _check_prepare_outcome(tmp, out, lambda: prepare(options, tok))

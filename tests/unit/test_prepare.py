@@ -274,6 +274,7 @@ def test_overwrite_killed_between_renames_keeps_the_old_output(tmp_path, tok, mo
     """Issue 32: a kill between the swap's two renames leaves the old output whole at ``.out.previous``,
     and the next run puts it back before it looks at ``out``; each rename is followed by a directory fsync."""
     import os
+    import subprocess
 
     import specforge_kimi.durable as durable
 
@@ -294,10 +295,15 @@ def test_overwrite_killed_between_renames_keeps_the_old_output(tmp_path, tok, mo
 
     monkeypatch.setattr(durable.os, "rename", rename)
     monkeypatch.setattr(durable, "fsync_path", fsync_path)
-    monkeypatch.setattr(prepare_module.shutil, "rmtree", lambda *a, **k: None)  # a killed run cleans nothing
+    monkeypatch.setattr(durable.shutil, "rmtree", lambda *a, **k: None)  # a killed run cleans nothing
     with pytest.raises(_Killed):
         run(tmp_path, tok, GOOD, overwrite=True)
     monkeypatch.undo()
+    # the killed run was another process, now gone: its staging carries a dead pid
+    (staging,) = tmp_path.glob(".out.partial-*")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.rename(staging, tmp_path / f".out.partial-{dead.pid}-dead")
     renames = [i for i, c in enumerate(calls) if c[0] == "rename"]
     assert ("fsync", PROMPTS) in calls[: renames[0]]  # the new files are durable before they are published
     assert calls[renames[0] + 1] == ("fsync", tmp_path.name)  # the rename itself is durable
@@ -399,3 +405,72 @@ def test_data_path_modules_import_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_out_that_is_a_link_is_refused_with_one_line_and_the_link_kept(tmp_path, tok, capsys):
+    """Issue 43: ``--out LINK --overwrite`` died with a traceback and a later run replaced the link with a
+    local directory. A link as ``--out`` is refused; the link and what it points at are left alone."""
+    _, real = run(tmp_path, tok, GOOD[:1], out_name="real")
+    before = (real / "prompts.jsonl").read_bytes()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    source = tmp_path / "in.jsonl"
+    for extra in (["--overwrite"], []):
+        code = main([str(source), "--out", str(link), "--standin-tokenizer", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        assert (
+            err
+            == f"error: --out {link} is a symbolic link to {real}; refusing to write through or replace a link (pass {real} itself)\n"
+        )
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert main([str(source), "--out", str(dangling), "--standin-tokenizer"]) == 2
+    assert "symbolic link" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
+    assert link.is_symlink() and (real / "prompts.jsonl").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "in.jsonl", "link", "real"]
+
+
+def test_a_huge_line_is_skipped_unread_fast_and_counted(tmp_path, tok, monkeypatch):
+    """Issue 43: one 50 MiB line was tokenized whole before truncation. It is skipped unparsed, in bounded
+    memory, as a counted line error; the other rows are kept and the input hash still covers it."""
+    import hashlib
+    import time
+
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (50 << 20) + b'"}]}'
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + huge + b"\n" + json.dumps(GOOD[1]).encode() + b"\n")
+    real_loads, parsed = json.loads, []
+    monkeypatch.setattr(prepare_module.json, "loads", lambda raw, **k: parsed.append(len(raw)) or real_loads(raw, **k))
+    started = time.monotonic()
+    summary = prepare(PrepareOptions(input_path=source, out_dir=tmp_path / "out", shuffle=False), tok)
+    assert time.monotonic() - started < 2.0
+    monkeypatch.undo()
+    assert max(parsed) < 1 << 20  # never parsed
+    assert summary["rows"] == 2 and summary["dropped"] == {"line_too_large": 1}
+    assert summary["input"]["lines"] == 3
+    cap = max(prepare_module.MIN_LINE_BYTES, prepare_module.LINE_BYTES_PER_TOKEN * 8192)
+    assert summary["errors"]["first"] == [
+        {"line": 2, "error": f"line of {len(huge) + 1} bytes is over the {cap}-byte line cap "
+         "(--max-line-bytes; default from --max-length); skipped unread"}
+    ]  # fmt: skip
+    assert summary["input"]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    with pytest.raises(KimiInputError, match=f"^{source}:2: line of .* bytes is over"):
+        prepare(PrepareOptions(input_path=source, out_dir=tmp_path / "o2", on_error="fail"), tok)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_line_cap_boundary_and_flag(tmp_path, tok, capsys):
+    line = json.dumps(GOOD[2]).encode()
+    source = tmp_path / "in.jsonl"
+    cap = len(line) + 1  # a line's bytes without its newline
+    source.write_bytes(line + b" \n" + line + b"  \n" + line + b"  " + b"\n" + line + b" ")  # cap, cap+1, cap+1, cap
+    options = PrepareOptions(input_path=source, out_dir=tmp_path / "out", shuffle=False, max_line_bytes=cap)
+    summary = prepare(options, tok)
+    assert summary["rows"] == 2 and summary["dropped"] == {"line_too_large": 2}
+    assert [e["line"] for e in summary["errors"]["first"]] == [2, 3]
+    assert PrepareOptions(input_path=source, out_dir=tmp_path, max_length=100).line_byte_cap == 1 << 20
+    assert PrepareOptions(input_path=source, out_dir=tmp_path, max_length=1 << 16).line_byte_cap == 64 << 16
+    capsys.readouterr()
+    code = main([str(source), "--out", str(tmp_path / "o2"), "--standin-tokenizer", "--max-line-bytes", "1"])
+    assert code == 2 and capsys.readouterr().err == "error: --max-line-bytes must be at least 2, got 1\n"

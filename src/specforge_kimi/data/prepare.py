@@ -21,15 +21,25 @@ Deterministic: the same input, options and ``--seed`` give byte-identical ``prom
 ``vocab_mapping.pt`` (``--seed`` orders the shuffle; ``--no-shuffle`` keeps input order).
 
 Atomic and crash-safe: everything is written into a hidden sibling staging directory
-(``.DIR.partial-PID``), fsynced, and renamed to ``DIR`` only after the last file is complete, so
-a failed run leaves no ``DIR``. ``--overwrite`` moves the old ``DIR`` to ``.DIR.previous`` for
+(``.DIR.partial-PID-RANDOM``), fsynced, and renamed to ``DIR`` only after the last file is complete,
+so a failed run leaves no ``DIR``. ``--overwrite`` moves the old ``DIR`` to ``.DIR.previous`` for
 the instant between the two renames (:mod:`specforge_kimi.durable`); the next run moves it back
-if a kill came in between, and deletes staging directories of processes that are gone.
+if a kill came in between, and deletes staging directories of processes that are gone. An ``--out``
+that is a symbolic link is refused with one line naming where it points (pass that path itself): the
+link is never replaced by a directory of ours, nor is its target emptied.
+
+Line size cap: a line longer than ``--max-line-bytes`` (default: the larger of 1 MiB and 64 bytes per
+token of ``--max-length``) is neither parsed nor tokenized: it is read in bounded chunks, hashed, and
+skipped as a line error naming its size (fatal with ``--on-error fail``), counted under
+``dropped.line_too_large``. 64 bytes is more than JSON text takes for one token, ``\\u`` escapes and
+markup included, so a line under the cap still fills a ``--max-length`` row, and one over it holds more
+than a row keeps after truncation; memory stays bounded by the cap.
 
 Dropped rows are counted by reason: ``media`` (image/video parts: text-only training drops the
 conversation, see docs/data.md), ``no_assistant_turn``, ``too_long`` (``--overflow drop``),
 ``truncated_before_answer`` (``--overflow truncate`` cut every trained token),
-``no_trained_tokens`` (e.g. instant-mode turns that all carry reasoning). Malformed lines are errors
+``no_trained_tokens`` (e.g. instant-mode turns that all carry reasoning), ``line_too_large`` (over
+the line size cap). Malformed lines are errors
 with their line number: skipped and counted (``--on-error skip``) or fatal (``fail``).
 """
 
@@ -43,7 +53,6 @@ import math
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from collections import Counter
@@ -53,7 +62,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specforge_kimi.data.tokenizer import TextTokenizer
-from specforge_kimi.durable import recover_dir, replace_dir
+from specforge_kimi.durable import recover_dir, refuse_link, staged_dir
 from specforge_kimi.errors import KimiInputError
 
 __all__ = [
@@ -73,6 +82,10 @@ _UNSHUFFLED_FILE = "prompts.unshuffled.jsonl"
 _SHUFFLE_BUCKET_BYTES = 32 * 1024 * 1024
 _MAX_SHUFFLE_BUCKETS = 256
 _MAX_REPORTED_ERRORS = 100
+#: the default line size cap: bytes per token of --max-length, and a floor for short --max-length
+LINE_BYTES_PER_TOKEN = 64
+MIN_LINE_BYTES = 1 << 20
+_SKIP_CHUNK_BYTES = 1 << 20  # the rest of an over-long line is read (and hashed) this much at a time
 #: maybe a lone surrogate, checked on the record: a ``\uD8xx`` escape, or its UTF-8-like bytes (json.loads
 #: decodes bytes with ``surrogatepass``)
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
@@ -98,6 +111,14 @@ class PrepareOptions:
     seed: int = 42
     overwrite: bool = False
     progress: bool = False
+    max_line_bytes: int | None = None  # None: max(MIN_LINE_BYTES, LINE_BYTES_PER_TOKEN * max_length)
+
+    @property
+    def line_byte_cap(self) -> int:
+        """Lines longer than this many bytes are skipped unread (see the module docstring)."""
+        if self.max_line_bytes is not None:
+            return self.max_line_bytes
+        return max(MIN_LINE_BYTES, LINE_BYTES_PER_TOKEN * self.max_length)
 
 
 @dataclass
@@ -124,55 +145,56 @@ def prepare(options: PrepareOptions, tokenizer: TextTokenizer, *, tokenizer_sour
     started = time.monotonic()
     _check_options(options)
     out_dir = options.out_dir
+    refuse_link(out_dir, "--out")
     _recover_out_dir(out_dir)
     _check_out_dir(out_dir, overwrite=options.overwrite)
     _check_input_outside(options.input_path, out_dir)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
-        stats = _Stats()
-        counts: Counter = Counter()
-        unshuffled = staging / _UNSHUFFLED_FILE
-        input_sha256 = _tokenize_file(options, tokenizer, unshuffled, stats, counts)
-        if stats.input_lines - stats.blank_lines <= 0:
-            raise KimiInputError(f"{options.input_path} is empty (no JSONL lines)")
-        if stats.rows == 0:
-            raise KimiInputError(
-                f"{options.input_path}: no training rows survived "
-                f"(errors: {stats.error_count}, dropped: {dict(stats.dropped) or 'none'})"
-            )
-        prompts = staging / PROMPTS_FILE
-        if options.shuffle:
-            _shuffle_lines(unshuffled, prompts, seed=options.seed, work_dir=staging)
-            unshuffled.unlink()
-        else:
-            os.replace(unshuffled, prompts)
-        # Peak of the streaming part alone; importing torch for the mapping file adds a constant.
-        streaming_peak_rss = _peak_rss_mib()
+    with staged_dir(out_dir) as staging:
+        summary = _prepare_into(staging, options, tokenizer, tokenizer_source, started)
+    return summary
 
-        from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
 
-        mapping = build_vocab_mapping(
-            counts,
-            draft_vocab_size=options.draft_vocab_size,
-            source={"prompts": PROMPTS_FILE, "input_sha256": input_sha256},
+def _prepare_into(
+    staging: Path, options: PrepareOptions, tokenizer: TextTokenizer, tokenizer_source: str, started: float
+) -> dict[str, Any]:
+    """Write every output file into ``staging``; returns the summary."""
+    stats = _Stats()
+    counts: Counter = Counter()
+    unshuffled = staging / _UNSHUFFLED_FILE
+    input_sha256 = _tokenize_file(options, tokenizer, unshuffled, stats, counts)
+    if stats.input_lines - stats.blank_lines <= 0:
+        raise KimiInputError(f"{options.input_path} is empty (no JSONL lines)")
+    if stats.rows == 0:
+        raise KimiInputError(
+            f"{options.input_path}: no training rows survived "
+            f"(errors: {stats.error_count}, dropped: {dict(stats.dropped) or 'none'})"
         )
-        save_vocab_mapping(mapping, staging / VOCAB_MAPPING_FILE)
+    prompts = staging / PROMPTS_FILE
+    if options.shuffle:
+        _shuffle_lines(unshuffled, prompts, seed=options.seed, work_dir=staging)
+        unshuffled.unlink()
+    else:
+        os.replace(unshuffled, prompts)
+    # Peak of the streaming part alone; importing torch for the mapping file adds a constant.
+    streaming_peak_rss = _peak_rss_mib()
 
-        summary = _summary(options, stats, mapping.meta, input_sha256, tokenizer_source)
-        summary["run"] = {
-            "elapsed_s": round(time.monotonic() - started, 3),
-            "peak_rss_mib": round(_peak_rss_mib(), 1),
-            "peak_rss_mib_before_vocab_mapping": round(streaming_peak_rss, 1),
-            "command": " ".join(sys.argv),
-        }
-        (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
+
+    mapping = build_vocab_mapping(
+        counts,
+        draft_vocab_size=options.draft_vocab_size,
+        source={"prompts": PROMPTS_FILE, "input_sha256": input_sha256},
+    )
+    save_vocab_mapping(mapping, staging / VOCAB_MAPPING_FILE)
+
+    summary = _summary(options, stats, mapping.meta, input_sha256, tokenizer_source)
+    summary["run"] = {
+        "elapsed_s": round(time.monotonic() - started, 3),
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "peak_rss_mib_before_vocab_mapping": round(streaming_peak_rss, 1),
+        "command": " ".join(sys.argv),
+    }
+    (staging / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 
 
@@ -198,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         shuffle=not args.no_shuffle,
         seed=args.seed,
         overwrite=args.overwrite,
+        max_line_bytes=args.max_line_bytes,
         progress=args.progress if args.progress is not None else sys.stderr.isatty(),
     )
     summary = prepare(options, tokenizer, tokenizer_source=source)
@@ -227,6 +250,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="byte-level stand-in with K2.5's special ids (tests, demo; not for real training)",
     )
     parser.add_argument("--max-length", type=int, default=8192, help="max tokens per row (default 8192)")
+    parser.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=None,
+        help=f"input lines longer than this are skipped unread, as line errors (default: the larger of "
+        f"{MIN_LINE_BYTES} and {LINE_BYTES_PER_TOKEN} x --max-length)",
+    )
     parser.add_argument(
         "--overflow",
         choices=["truncate", "drop"],
@@ -265,6 +295,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_options(options: PrepareOptions) -> None:
     if options.max_length < 2:
         raise KimiInputError(f"--max-length must be at least 2, got {options.max_length}")
+    if options.max_line_bytes is not None and options.max_line_bytes < 2:
+        raise KimiInputError(f"--max-line-bytes must be at least 2, got {options.max_line_bytes}")
     if not options.input_path.is_file():
         raise KimiInputError(f"input file {options.input_path} does not exist")
     from specforge_kimi.data.tokenizer import K25_EMITTED_SPECIAL_TOKENS, K25_VOCAB_SIZE
@@ -290,27 +322,11 @@ def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
 
 
 def _recover_out_dir(out_dir: Path) -> None:
-    """Undo what a killed run left beside ``out_dir``: an interrupted swap, staging directories of
-    processes that no longer run."""
+    """Undo an interrupted swap a killed run left beside ``out_dir`` (:func:`durable.staged_dir` then
+    deletes the staging directories of processes that no longer run)."""
     done = recover_dir(out_dir)
     if done:
         print(f"note: {done}", file=sys.stderr)
-    if not out_dir.parent.is_dir():
-        return
-    for path in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_input_outside(input_path: Path, out_dir: Path) -> None:
@@ -323,18 +339,35 @@ def _check_input_outside(input_path: Path, out_dir: Path) -> None:
         )
 
 
-def _iter_lines(options: PrepareOptions, hasher: Any) -> Iterator[tuple[int, bytes]]:
+def _iter_lines(options: PrepareOptions, hasher: Any) -> Iterator[tuple[int, bytes | None, int]]:
+    """``(number, line, size)`` per input line; ``line`` is None for a line over the size cap, which is
+    read (and hashed) in bounded chunks and never held whole."""
     size = options.input_path.stat().st_size
+    cap = options.line_byte_cap
     from tqdm import tqdm
 
     with (
         open(options.input_path, "rb") as stream,
         tqdm(total=size, unit="B", unit_scale=True, desc="prepare", disable=not options.progress) as bar,
     ):
-        for number, raw in enumerate(stream, start=1):
+        for number in itertools.count(1):
+            raw = stream.readline(cap + 1)
+            if not raw:
+                return
             hasher.update(raw)
             bar.update(len(raw))
-            yield number, raw
+            if len(raw) <= cap or raw.endswith(b"\n"):
+                yield number, raw, len(raw)
+                continue
+            length = len(raw)
+            while not raw.endswith(b"\n"):
+                raw = stream.readline(_SKIP_CHUNK_BYTES)
+                if not raw:
+                    break
+                hasher.update(raw)
+                bar.update(len(raw))
+                length += len(raw)
+            yield number, None, length
 
 
 def _tokenize_file(
@@ -351,8 +384,16 @@ def _tokenize_file(
     answers = options.one_row_per_answer
     hasher = hashlib.sha256()
     with open(out_path, "w", encoding="utf-8") as out:
-        for number, raw in _iter_lines(options, hasher):
+        for number, raw, size in _iter_lines(options, hasher):
             stats.input_lines += 1
+            if raw is None:
+                message = (
+                    f"line of {size} bytes is over the {options.line_byte_cap}-byte line cap "
+                    "(--max-line-bytes; default from --max-length); skipped unread"
+                )
+                _line_error(options, stats, number, message)
+                stats.dropped["line_too_large"] += 1
+                continue
             if not raw.strip():
                 stats.blank_lines += 1
                 continue
