@@ -248,7 +248,8 @@ def _variant_body(adapter, prompts, tag: str, variant: str) -> tuple[dict, list]
     payloads = body["spec_capture"]
     if variant == "compact" and any("data" in i for pl in payloads for i in pl["passthrough"]):
         raise RuntimeError(
-            "the installed SpecForge lacks patches/specforge/0.2.0/0002 (its compact body still carries JSON lists)"
+            "the installed SpecForge lacks SpecForge patch compact-capture-passthrough (its compact body still carries "
+            "JSON lists)"
         )
     for pl in payloads:
         if variant in ("bookkeeping", "features"):
