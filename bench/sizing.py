@@ -312,9 +312,7 @@ def _memory(r, slice_overheads: dict) -> dict:
     """``memory_plan`` per GPU, and the sum with the server's memory outside its pool as the slice measured it
     (CUDA context, activations: real use). The trainer's peak scaled like the slice's nvidia-smi peak (the
     allocator's cache included, so an upper bound) is kept beside it."""
-    from specforge_kimi.plan.recipes import memory_plan
-
-    p = memory_plan(r)
+    p = _recipes().memory_plan(r)
     server_peak = p["server_pool_gib"] + slice_overheads["server_outside_pool_gib"]
     total = server_peak + p["trainer_peak_gib"]
     return {
@@ -331,14 +329,17 @@ def _memory(r, slice_overheads: dict) -> dict:
 
 
 def _recipes():
-    """``specforge_kimi.plan.recipes``, with this checkout's ``src/`` put on ``sys.path`` once (the script runs
-    from a checkout without an install)."""
+    """``specforge_kimi.plan.run_plan`` (``load_recipe``: a recipe as its compiled plan resolves it) and
+    ``plan.memory.memory_plan`` (the split with a transport the recipe may not name), with this checkout's ``src/``
+    put on ``sys.path`` once (the script runs from a checkout without an install)."""
+    import types
+
     src = str(REPO / "src")
     if src not in sys.path:
         sys.path.insert(0, src)
-    from specforge_kimi.plan import recipes
+    from specforge_kimi.plan import memory, run_plan
 
-    return recipes
+    return types.SimpleNamespace(load_recipe=run_plan.load_recipe, memory_plan=memory.memory_plan)
 
 
 def _with_transport(r, transport: str):

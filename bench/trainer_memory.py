@@ -324,7 +324,8 @@ def child(args) -> int:
     import torch
 
     from specforge_kimi import register
-    from specforge_kimi.plan.recipes import load_recipe, render, trainer_terms
+    from specforge_kimi.plan.run_plan import compile_plan, load_recipe
+    from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.training.step_flops import recipe_step_flops
 
     cuda = torch.cuda.is_available()
@@ -367,7 +368,7 @@ def child(args) -> int:
             length=max(args.lengths),
             backend=args.backend,
         )
-        cfg_dict = render(r, workdir / f"render-{args.backend}")["specforge_config"]
+        cfg_dict = compile_plan(r, rendered_dir=workdir / f"render-{args.backend}").write()["specforge_config"]
         cfg_dict["training"]["role"] = "consumer"
         # SpecForge's FSDP needs an accelerator; on the CPU its DDP path (NO_SHARD) runs instead
         sharding = cfg_dict["training"].get("fsdp_sharding", "SHARD_GRAD_OP") if cuda else "NO_SHARD"
@@ -592,7 +593,7 @@ def main(argv=None) -> int:
     import torch
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     recipe = load_recipe(args.recipe)
     for flag, value in (("--lengths", args.lengths), ("--sdpa-lengths", args.sdpa_lengths)):

@@ -114,7 +114,7 @@ def transport(run: Path) -> str | None:
     (mooncake when unset); None without a sheet."""
     import json
 
-    from specforge_kimi.transport import TRANSPORT_ENV
+    from specforge_kimi.transport import registry
 
     sheet_path = run / "rendered" / "launch.json"
     if not sheet_path.is_file():
@@ -122,7 +122,7 @@ def transport(run: Path) -> str | None:
     sheet = json.loads(sheet_path.read_text())
     if isinstance(sheet.get("transport"), dict):
         return sheet["transport"].get("transport")
-    return (sheet.get("env") or {}).get(TRANSPORT_ENV, "mooncake")
+    return registry.from_env(sheet.get("env") or {}).name
 
 
 def trainer_step(run: Path) -> dict[str, str] | None:

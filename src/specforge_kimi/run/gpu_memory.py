@@ -18,6 +18,10 @@ from pathlib import Path
 SAMPLES_CSV = "gpu_mem_samples.csv"
 
 
+#: the Mooncake master's role (its command line names it)
+MASTER_ROLE = "mooncake"
+
+
 def role_of(cmdline: str) -> str:
     """The launch role a process's command line belongs to (SGLang's workers name themselves ``sglang::...``)."""
     if "capture_server" in cmdline or "sglang" in cmdline:
@@ -26,8 +30,8 @@ def role_of(cmdline: str) -> str:
         return "trainer"
     if "--role producer" in cmdline:
         return "producer"
-    if "mooncake" in cmdline:
-        return "mooncake"
+    if MASTER_ROLE in cmdline:  # the Mooncake master (a process name, not a transport)
+        return MASTER_ROLE
     return "other"
 
 

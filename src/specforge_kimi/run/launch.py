@@ -30,6 +30,8 @@ from specforge_kimi.plan.run_plan import RunPlan
 
 SERVER_START_TIMEOUT_S = 900.0  # K2.5 at TP=8 loads ~550 GB; first starts JIT-compile kernels
 MOONCAKE_START_TIMEOUT_S = 60.0
+#: the Mooncake master's service label (a role, not a transport)
+MASTER_LABEL = "mooncake"
 
 
 def _logged(argv: list[str], log: Path) -> tuple[str, ...]:
@@ -48,7 +50,7 @@ def _master_service(plan: RunPlan, python: str):
 
     mc = plan.recipe.mooncake
     return ServiceSpec(
-        command=CommandSpec("mooncake", tuple(_py(list(plan.master_argv), python)), {}),
+        command=CommandSpec(MASTER_LABEL, tuple(_py(list(plan.master_argv), python)), {}),
         readiness=ReadinessSpec(
             "mooncake",
             f"http://{mc.host}:{mc.metadata_port}/metadata?key=specforge-health-check",
@@ -185,7 +187,8 @@ def preflight(plan) -> None:
             raise KimiInputError(
                 f"port 127.0.0.1:{port} is already in use; stop what holds it or change the recipe's ports"
             )
-    if any(s.command.label == "mooncake" for s in plan.services) and importlib.util.find_spec("mooncake") is None:
+    masters = [s for s in plan.services if s.command.label == MASTER_LABEL]
+    if masters and importlib.util.find_spec("mooncake") is None:
         raise KimiInputError("the mooncake package is missing; pip install mooncake-transfer-engine-cuda13")
     if importlib.util.find_spec("sglang.srt.spec_capture_sink") is None:
         from specforge_kimi.setup.setup_patches import GET_CHECKOUT
