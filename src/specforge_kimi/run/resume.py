@@ -438,55 +438,10 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
     record = read_record(out)
     base_cfg = yaml.safe_load(_base_config_path(plan).read_text())
     quantum = consumer_quantum(base_cfg)
-    first = attempt_paths(out, 1)
     if not resume:
-        if record is not None or first["supervisor"].exists():
-            raise KimiInputError(
-                f"{out} holds an earlier launch of run {recipe.name} ({first['supervisor']} exists); continue it "
-                "from its last complete checkpoint with `specforge-kimi launch RECIPE --resume`, or move it away "
-                "(or choose another output_dir) to start a new run"
-            )
-        if check is not None:
-            check(plan)
-        record = RunRecord(run_id=recipe.name, consumer_quantum=quantum)
-        record.attempts.append(
-            Attempt(
-                attempt=1,
-                started_utc=_utc(),
-                config=str(first["config"]),
-                control_dir=str(first["control"]),
-                supervisor_dir=str(first["supervisor"]),
-                logs_dir=str(first["logs"]),
-            )
-        )
-        write_record(out, record)
-        return marked(plan, out)
-    if record is None:
-        if not first["supervisor"].exists():
-            raise KimiInputError(f"{out} holds no launch of this run to resume; launch it without --resume")
-        raise KimiInputError(
-            f"{out} has no {RECORD_FILE}: it was launched before whole-run resume existed, with random "
-            "sample ids, so which prompts were trained cannot be told; start it again in a new output_dir"
-        )
-    if record.run_id != recipe.name:
-        raise KimiInputError(f"{out} holds run {record.run_id!r}, not the recipe's {recipe.name!r}")
-    if quantum != record.consumer_quantum:
-        raise KimiInputError(
-            f"the recipe trains {quantum} samples per optimizer step, the run was started with "
-            f"{record.consumer_quantum}: resume with the same GPUs, batch and accumulation"
-        )
-    stale = run_guard.run_processes(out)
-    stopped: list[int] = []
-    if stale:
-        if not stop_stale:
-            shown = "; ".join(f"{pid} {cmd[:80]}" for pid, cmd in stale[:5])
-            raise KimiInputError(
-                f"{len(stale)} processes of the previous attempt still run ({shown}{'; ...' if len(stale) > 5 else ''}); "
-                "stop them, or add --stop-stale (SIGTERM, then SIGKILL after "
-                f"{run_guard.STOP_GRACE_S:.0f} s)"
-            )
-        say(f"stopping {len(stale)} processes of the previous attempt: {[pid for pid, _ in stale]}")
-        stopped = run_guard.stop(stale)
+        return _first_attempt(recipe, plan, out, record, quantum, check)
+    _check_resumable(recipe, out, record, quantum)
+    stopped = _stop_previous_attempt(out, stop_stale, say)
     from specforge_kimi.run.ledger import ledger_db
 
     ledger = ledger_db(out)
@@ -500,16 +455,7 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
     new_plan = attempt_plan(plan, out, k, point=point, skip_file=skip)
     if check is not None:
         check(new_plan)
-    # from here on the run directory changes; each step is safe to repeat if --resume is interrupted
-    for path in point.abandoned:
-        path.rename(path.with_name(f"{path.name}.abandoned-attempt{k}"))
-    _point_latest(out, recipe.name, point.step)
-    backup = None
-    if ledger.is_file():
-        backup = ledger_backup_path(ledger, k)
-        cut_ledger(ledger, point, backup)
-    skip.parent.mkdir(exist_ok=True)
-    write_atomic(skip, "".join(s.split(":", 1)[1] + "\n" for s in point.kept))
+    backup = _cut_back(out, recipe.name, point, k, ledger, skip)
     attempt = Attempt(
         attempt=k,
         started_utc=_utc(),
@@ -540,6 +486,82 @@ def begin_attempt(recipe, plan, *, resume: bool, stop_stale: bool = False, check
         + f"; logs in {paths['logs']}"
     )
     return marked(new_plan, out)
+
+
+def _first_attempt(recipe, plan, out: Path, record, quantum: int, check):
+    """Attempt 1 recorded (a run directory that already holds an attempt refused); the plan, marked."""
+    first = attempt_paths(out, 1)
+    if record is not None or first["supervisor"].exists():
+        raise KimiInputError(
+            f"{out} holds an earlier launch of run {recipe.name} ({first['supervisor']} exists); continue it "
+            "from its last complete checkpoint with `specforge-kimi launch RECIPE --resume`, or move it away "
+            "(or choose another output_dir) to start a new run"
+        )
+    if check is not None:
+        check(plan)
+    record = RunRecord(run_id=recipe.name, consumer_quantum=quantum)
+    record.attempts.append(
+        Attempt(
+            attempt=1,
+            started_utc=_utc(),
+            config=str(first["config"]),
+            control_dir=str(first["control"]),
+            supervisor_dir=str(first["supervisor"]),
+            logs_dir=str(first["logs"]),
+        )
+    )
+    write_record(out, record)
+    return marked(plan, out)
+
+
+def _check_resumable(recipe, out: Path, record, quantum: int) -> None:
+    """One line when the run directory holds no run of this recipe that can be resumed as it is."""
+    if record is None:
+        if not attempt_paths(out, 1)["supervisor"].exists():
+            raise KimiInputError(f"{out} holds no launch of this run to resume; launch it without --resume")
+        raise KimiInputError(
+            f"{out} has no {RECORD_FILE}: it was launched before whole-run resume existed, with random "
+            "sample ids, so which prompts were trained cannot be told; start it again in a new output_dir"
+        )
+    if record.run_id != recipe.name:
+        raise KimiInputError(f"{out} holds run {record.run_id!r}, not the recipe's {recipe.name!r}")
+    if quantum != record.consumer_quantum:
+        raise KimiInputError(
+            f"the recipe trains {quantum} samples per optimizer step, the run was started with "
+            f"{record.consumer_quantum}: resume with the same GPUs, batch and accumulation"
+        )
+
+
+def _stop_previous_attempt(out: Path, stop_stale: bool, say) -> list[int]:
+    """The previous attempt's processes still running: refused, or with ``stop_stale`` stopped (their pids)."""
+    stale = run_guard.run_processes(out)
+    if not stale:
+        return []
+    if not stop_stale:
+        shown = "; ".join(f"{pid} {cmd[:80]}" for pid, cmd in stale[:5])
+        raise KimiInputError(
+            f"{len(stale)} processes of the previous attempt still run ({shown}{'; ...' if len(stale) > 5 else ''}); "
+            "stop them, or add --stop-stale (SIGTERM, then SIGKILL after "
+            f"{run_guard.STOP_GRACE_S:.0f} s)"
+        )
+    say(f"stopping {len(stale)} processes of the previous attempt: {[pid for pid, _ in stale]}")
+    return run_guard.stop(stale)
+
+
+def _cut_back(out: Path, run_id: str, point, k: int, ledger: Path, skip: Path) -> Path | None:
+    """The run directory cut back to ``point`` for attempt ``k``: abandoned checkpoints set aside, ``latest``
+    pointed at the checkpoint, the ledger cut (its backup returned) and the trained ids written to ``skip``.
+    Each step is safe to repeat if --resume is interrupted."""
+    for path in point.abandoned:
+        path.rename(path.with_name(f"{path.name}.abandoned-attempt{k}"))
+    _point_latest(out, run_id, point.step)
+    backup = None
+    if ledger.is_file():
+        backup = ledger_backup_path(ledger, k)
+        cut_ledger(ledger, point, backup)
+    skip.parent.mkdir(exist_ok=True)
+    write_atomic(skip, "".join(s.split(":", 1)[1] + "\n" for s in point.kept))
+    return backup
 
 
 #: how long an attempt's cleanup waits for the attempt's last processes to exit before it removes their files
