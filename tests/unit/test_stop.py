@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -75,7 +76,7 @@ def test_stop_stops_the_launcher_and_what_a_kill_left_and_cleans_shm(tmp_path):
         said = []
         done = stop_run(_recipe(out), grace_s=5.0, say=said.append)
         assert done["launcher"] == launcher.pid
-        assert launcher.wait(timeout=10) is not None and rank.wait(timeout=10) is not None
+        assert launcher.wait(timeout=10) == -signal.SIGTERM and rank.wait(timeout=10) == -signal.SIGTERM
         assert rank.pid in done["stopped"] and leftover.name in done["shm_removed"] and not leftover.exists()
         assert not run_guard.run_processes(out)
         assert (out / "r-step20").is_dir() and (out / RECORD_FILE).is_file()  # still resumable
@@ -134,7 +135,7 @@ def test_stop_signals_the_lock_holder_the_kernel_names_not_the_pid_in_the_file(t
         assert int(launcher.stdout.readline()) == launcher.pid
         assert run_guard.lock_holder(out) == launcher.pid
         done = stop_run(_recipe(out), grace_s=5.0, say=lambda _m: None)
-        assert done["launcher"] == launcher.pid and launcher.wait(timeout=10) is not None
+        assert done["launcher"] == launcher.pid and launcher.wait(timeout=10) == -signal.SIGTERM
         assert bystander.poll() is None  # never signalled
         assert run_guard.lock_holder(out) is None
     finally:
@@ -142,3 +143,94 @@ def test_stop_signals_the_lock_holder_the_kernel_names_not_the_pid_in_the_file(t
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+LAUNCHER = (
+    "import os, sys, time\n"
+    "from pathlib import Path\n"
+    "from specforge_kimi.run import run_guard\n"
+    "run_guard.acquire_lock(Path(sys.argv[1]), role=sys.argv[2])\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(600)\n"
+)
+FLOCK_ONLY = (  # a program that holds launch.lock without being a launcher (flock(1), an editor's lock, ...)
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1] + '/launch.lock', os.O_RDWR | os.O_CREAT, 0o600)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _edit_record(out: Path, **changes) -> None:
+    path = out / run_guard.HOLDER_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("case", ["pid_reused", "other_command_line", "another_stop", "other_program"])
+def test_stop_signals_nothing_but_the_launcher_that_took_the_lock(tmp_path, case):
+    """The lock's holder is signalled only where the holder record names it -- same pid, same start time, same
+    command line -- as a launcher. A process that got the launcher's pid later (the record's start time is
+    another), one whose command line differs, a ``stop`` holding the run, or a program that flocked launch.lock
+    without a launch: one line, nothing signalled, the holder runs on."""
+    out = tmp_path / "run"
+    out.mkdir()
+    if case == "other_program":  # a launcher took the lock once and is gone; its record stays
+        subprocess.run([sys.executable, "-c", LAUNCHER.replace("time.sleep(600)", "pass"), str(out), "launch"])
+        holder = subprocess.Popen(
+            [sys.executable, "-c", FLOCK_ONLY, str(out)], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+    else:
+        role = "stop" if case == "another_stop" else "launch"
+        holder = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, str(out), role], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+    try:
+        assert int(holder.stdout.readline()) == holder.pid == run_guard.lock_holder(out)
+        if case == "pid_reused":
+            start = json.loads((out / run_guard.HOLDER_FILE).read_text())["start"]
+            _edit_record(out, start=str(int(start) - 1))  # the launcher that took the lock started earlier
+        elif case == "other_command_line":
+            _edit_record(out, cmdline=["python", "-m", "specforge_kimi", "launch", "other.yaml"])
+        said = []
+        with pytest.raises(KimiInputError, match="signalled nothing") as err:
+            stop_run(_recipe(out), grace_s=2.0, say=said.append)
+        assert "\n" not in str(err.value) and str(holder.pid) in str(err.value)
+        with pytest.raises(subprocess.TimeoutExpired):
+            holder.wait(timeout=1.0)  # not signalled: still running
+        assert run_guard.lock_holder(out) == holder.pid and not any("stopping" in line for line in said)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stop_never_signals_a_launcher_it_runs_under(tmp_path):
+    """A ``stop`` started from inside the launch (its own ancestor holds the lock, as the launcher that took it)
+    refuses with one line instead of signalling the process it runs under."""
+    out = tmp_path / "run"
+    out.mkdir()
+    code = (
+        "import json, subprocess, sys, time\n"
+        "from pathlib import Path\n"
+        "from specforge_kimi.run import run_guard\n"
+        "run_guard.acquire_lock(Path(sys.argv[1]))\n"
+        "stop = ('import sys, types\\n'\n"
+        "        'from specforge_kimi.run.stop import stop_run\\n'\n"
+        "        'r = types.SimpleNamespace(output_dir=sys.argv[1], server=types.SimpleNamespace(transport=\"mooncake\"))\\n'\n"
+        "        'stop_run(r, grace_s=2.0)\\n')\n"
+        "r = subprocess.run([sys.executable, '-c', stop, sys.argv[1]], capture_output=True, text=True)\n"
+        "print(json.dumps({'rc': r.returncode, 'err': r.stderr.strip().splitlines()[-1:]}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        line = launcher.stdout.readline()
+        assert line, f"the launcher died (status {launcher.wait(timeout=10)}): its own stop signalled it"
+        child = json.loads(line)
+        assert child["rc"] != 0 and "must not stop" in child["err"][0], child
+        assert launcher.poll() is None and run_guard.lock_holder(out) == launcher.pid
+    finally:
+        launcher.kill()
+        launcher.wait()

@@ -5,7 +5,9 @@ Scope: one node, Linux ``/proc``. Every process ``launch`` starts carries ``SPEC
 trainer ranks -- which run in sessions of their own, so a ``kill -9`` of the launch's process groups leaves
 them behind, blocked on a Mooncake that is gone. The launcher itself holds ``<output_dir>/launch.lock``
 (``flock``; the kernel drops it when the process dies, however it dies; opened ``O_NOFOLLOW``, mode ``0600``:
-a ``launch.lock`` that is a link or not a regular file is refused with one line). ``launch --resume`` refuses while
+a ``launch.lock`` that is a link or not a regular file is refused with one line) and records who took it
+(``launch.holder.json``: pid, start time, command line, role), so that ``stop`` signals that launcher and no
+process that got its pid since nor another program holding the lock. ``launch --resume`` refuses while
 the lock is held or marked processes live, and stops the marked processes when asked (``--stop-stale``:
 SIGTERM, then SIGKILL after a grace period). Only the mark counts: a ``tail -f`` of a run log is not the
 run's. Processes of other users cannot be read and are not seen.
@@ -13,6 +15,7 @@ run's. Processes of other users cannot be read and are not seen.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -24,13 +27,16 @@ from specforge_kimi.procfs import stat_fields
 
 RUN_DIR_ENV = "SPECFORGE_KIMI_RUN_DIR"
 LOCK_FILE = "launch.lock"
+HOLDER_FILE = "launch.holder.json"
 STOP_GRACE_S = 10.0
 
 _HELD: dict[str, int] = {}  # output dir -> the lock's fd, kept open for this process's life
 
 
-def acquire_lock(out: Path) -> None:
-    """Hold ``out/launch.lock`` for the rest of this process (idempotent); refuse if another process holds it."""
+def acquire_lock(out: Path, *, role: str = "launch") -> None:
+    """Hold ``out/launch.lock`` for the rest of this process (idempotent); refuse if another process holds it.
+    Who took it is recorded in ``out/launch.holder.json`` (:func:`holder_problem` reads it): ``role`` is
+    ``"launch"`` for a launcher, ``"stop"`` for ``specforge-kimi stop`` holding the run meanwhile."""
     import fcntl
 
     key = str(Path(out).resolve())
@@ -49,7 +55,53 @@ def acquire_lock(out: Path) -> None:
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        _record_holder(Path(key), role)
+    except BaseException:
+        os.close(fd)
+        raise
     _HELD[key] = fd
+
+
+def _cmdline(pid: int | str) -> list[str]:
+    raw = _read(Path("/proc") / str(pid) / "cmdline")
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]] if raw else []
+
+
+def _record_holder(out: Path, role: str) -> None:
+    """Who holds the lock now: pid, start time (``/proc/<pid>/stat`` field 22), command line and role, so that
+    ``stop`` can tell the launcher that took the lock from a process that later got its pid."""
+    from specforge_kimi.durable import write_atomic
+
+    fields = stat_fields(os.getpid())
+    record = {
+        "pid": os.getpid(),
+        "start": fields[19] if len(fields) > 19 else None,
+        "cmdline": _cmdline("self"),
+        "role": role,
+    }
+    write_atomic(out / HOLDER_FILE, json.dumps(record) + "\n", mode=0o600)
+
+
+def holder_problem(out: Path, pid: int) -> str | None:
+    """Why process ``pid``, which holds ``out``'s lock, is not to be taken for the run's launcher (None: it is):
+    the holder record must name it, as a launcher, with the start time and command line it has now -- a pid
+    reused since, or a program that took the lock some other way, does not match."""
+    try:
+        record = json.loads((Path(out) / HOLDER_FILE).read_text())
+        want = (int(record["pid"]), record["start"], list(record["cmdline"]), record["role"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return f"no readable record of who took it ({HOLDER_FILE})"
+    fields = stat_fields(pid)
+    if want[0] != pid:
+        return f"the record names pid {want[0]} as its holder, not pid {pid}"
+    if want[3] != "launch":
+        return f"pid {pid} took it as `{want[3]}`, not as a launcher"
+    if want[1] is None or len(fields) <= 19 or fields[19] != want[1]:
+        return f"pid {pid} is not the process that took it (another start time: a pid reused)"
+    if _cmdline(pid) != want[2]:
+        return f"pid {pid} runs another command line than the launcher that took it"
+    return None
 
 
 def lock_holder(out: Path, *, locks: Path = Path("/proc/locks")) -> int | None:

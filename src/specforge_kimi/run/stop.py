@@ -6,8 +6,11 @@ on training from the samples already delivered and writing checkpoints, holding 
 stops them (as in the resume drills: archive/gpu-runs/RUNS.md, the cuda_ipc kill-twice drill). ``launch --resume
 --stop-stale`` stops them and resumes; this stops them and resumes nothing:
 
-1. a live launcher of the run (the holder of ``<output_dir>/launch.lock`` as ``/proc/locks`` names it) gets SIGTERM -- SpecForge's supervisor
-   stops its services and roles as on Ctrl-C -- and SIGKILL if it has not let go of the lock after the grace;
+1. a live launcher of the run (the holder of ``<output_dir>/launch.lock`` as ``/proc/locks`` names it, when the
+   record of who took the lock names that process -- same pid, start time and command line -- as a launcher)
+   gets SIGTERM -- SpecForge's supervisor stops its services and roles as on Ctrl-C -- and SIGKILL if it has not
+   let go of the lock after the grace; a holder that is not that launcher (a pid reused, another program holding
+   the lock) is refused with one line and nothing is signalled;
 2. every process left that carries the run's mark (:mod:`run_guard`) gets SIGTERM, then SIGKILL;
 3. the cuda_ipc pools of dead capture servers and what the run's processes left in ``/dev/shm``
    (:mod:`shm_leftovers`) are removed, as ``launch`` does around each attempt.
@@ -32,22 +35,30 @@ from specforge_kimi.run import run_guard
 
 def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> int | None:
     """Hold the run's lock, stopping its launcher first if one holds it; the launcher's pid, if there was one.
-    The launcher is the lock's holder as the kernel reports it (``run_guard.lock_holder``), checked again before
-    each signal."""
+    The launcher is the lock's holder as the kernel reports it (``run_guard.lock_holder``) and only where the
+    holder record says a launcher took it and the process at that pid is that one (its start time and command
+    line: ``run_guard.holder_problem``); both checked again before each signal. Anything else is refused with
+    one line and nothing is signalled."""
     try:
-        run_guard.acquire_lock(out)
+        run_guard.acquire_lock(out, role="stop")
         return None
     except KimiInputError:
         pass
     pid = run_guard.lock_holder(out)
+    lock = out / run_guard.LOCK_FILE
     if pid is None or pid <= 1 or pid in run_guard.ancestors():
         raise KimiInputError(
-            f"{out / run_guard.LOCK_FILE} is held by a process this one cannot see or must not stop "
+            f"{lock} is held by a process this one cannot see or must not stop "
             f"(pid {pid}; another pid namespace?): stop the run's launcher where it runs"
         )
+    problem = run_guard.holder_problem(out, pid)
+    if problem:
+        raise KimiInputError(
+            f"{lock} is held by pid {pid}, not known to be the run's launcher ({problem}); signalled nothing"
+        )
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        if run_guard.lock_holder(out) != pid:  # it let go meanwhile (or someone else holds it now)
-            break
+        if run_guard.lock_holder(out) != pid or run_guard.holder_problem(out, pid):
+            break  # it let go meanwhile (or another process holds it, or has its pid, now)
         say(f"stopping the launcher (pid {pid}, {sig.name})")
         try:
             os.kill(pid, sig)
@@ -56,17 +67,17 @@ def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> in
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             try:
-                run_guard.acquire_lock(out)
+                run_guard.acquire_lock(out, role="stop")
                 return pid
             except KimiInputError:
                 time.sleep(0.2)
     try:
-        run_guard.acquire_lock(out)
+        run_guard.acquire_lock(out, role="stop")
         return pid
     except KimiInputError:
         raise KimiInputError(
-            f"{out / run_guard.LOCK_FILE} is still held (pid {run_guard.lock_holder(out)}) after the launcher (pid "
-            f"{pid}) was signalled; stop it first"
+            f"{lock} is still held (pid {run_guard.lock_holder(out)}) after the launcher (pid {pid}) was signalled; "
+            "stop it first"
         ) from None
 
 
