@@ -399,3 +399,56 @@ def test_unknown_engine_and_architecture():
         ex.serving_config(
             {**LLAMA, "architectures": ["Foo"]}, "sglang", AuxLayers.from_specforge([1, 29, 57], NUM_LAYERS)
         )
+
+
+# ---- the export directory is replaced whole ------------------------------------------------------
+def _snapshot(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_crash_mid_export_leaves_the_old_export_whole(tmp_path, monkeypatch):
+    """Issue 43: the export wrote weights, config.json and provenance in place, so a crash left new weights
+    beside an old config. A crash part-way through the weights leaves the old export as it was; a finished
+    export replaces it whole (a file only the old one had is gone)."""
+    import safetensors.torch
+
+    paths, _ = _checkpoint(tmp_path, _mla_config())
+    out = tmp_path / "export"
+    ex.export_draft(**paths, output_dir=out, engine="sglang", num_layers=NUM_LAYERS)
+    (out / "old-only.txt").write_text("from the previous export")
+    old = _snapshot(out)
+    real_save = safetensors.torch.save_file
+
+    def half_then_crash(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        ex.export_draft(**paths, output_dir=out, engine="vllm", num_layers=NUM_LAYERS)
+    monkeypatch.undo()
+    assert _snapshot(out) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.json", "export", "run", "vm.pt"]
+    prov = ex.export_draft(**paths, output_dir=out, engine="vllm", num_layers=NUM_LAYERS)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "provenance.json"]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    from specforge_kimi.provenance import file_hash
+
+    assert prov["weights_sha256"]["model.safetensors"] == file_hash(out / "model.safetensors")
+
+
+def test_export_refuses_a_link_and_a_directory_that_is_not_an_export(tmp_path):
+    paths, _ = _checkpoint(tmp_path, _mla_config())
+    real = tmp_path / "models"
+    real.mkdir()
+    (real / "notes.txt").write_text("keep me")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(KimiInputError, match=f"export directory {link} is a symbolic link to {real}"):
+        ex.export_draft(**paths, output_dir=link, engine="sglang", num_layers=NUM_LAYERS)
+    with pytest.raises(KimiInputError, match="is not a previous export \\(no provenance.json\\)"):
+        ex.export_draft(**paths, output_dir=real, engine="sglang", num_layers=NUM_LAYERS)
+    assert link.is_symlink() and _snapshot(real) == {"notes.txt": b"keep me"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.json", "link", "models", "run", "vm.pt"]

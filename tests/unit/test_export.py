@@ -1,6 +1,7 @@
 """Exported drafts: the keys SGLang's LlamaForCausalLMEagle3 loader reads, K2.5 eagle_config, provenance."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,64 @@ def test_bad_exports(tiny_dir, tmp_path, case, msg):
     d = _export(tmp_path, state, edit, hidden)
     with pytest.raises(KimiInputError, match=msg):
         check_sglang_export(d, target_dir=tiny_dir)
+
+
+def _fake_specforge_export(state, *, crash=False):
+    """Stands in for SpecForge's ``export --to sglang`` (the weights and config it writes); with ``crash``
+    it dies half-way through the weights."""
+
+    def export_sglang(checkpoint, draft_config_path, output_dir, vocab_mapping_path):
+        d = Path(output_dir)
+        save_file(state, str(d / "model.safetensors"))
+        if crash:
+            with open(d / "model.safetensors", "r+b") as f:
+                f.truncate(f.seek(0, 2) // 2)
+            raise OSError("disk full")
+        cfg = json.loads(Path(draft_config_path).read_text())
+        (d / "config.json").write_text(json.dumps(cfg))
+        return output_dir
+
+    return export_sglang
+
+
+def test_export_run_draft_replaces_the_export_whole(tiny_dir, tmp_path, monkeypatch):
+    """Issue 43: a crash in the middle of a Llama-style export leaves the old export whole; a finished one
+    replaces it whole (never new weights beside an old config.json)."""
+    from specforge_kimi.drafts import export as export_module
+
+    draft_cfg = tmp_path / "draft.json"
+    draft_cfg.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "model_type": "llama",
+                "hidden_size": H,
+                "vocab_size": VOCAB,
+                "draft_vocab_size": DRAFT_VOCAB,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},
+            }
+        )
+    )
+    aux = AuxLayers.from_specforge([1, 2, 3], 6)
+    out = tmp_path / "export-sglang"
+
+    def export(state, **kw):
+        monkeypatch.setattr(export_module, "export_sglang", _fake_specforge_export(state, **kw))
+        return export_module.export_run_draft(
+            "ckpt", draft_cfg, out, vocab_mapping_path="vm.pt", target_dir=tiny_dir, aux=aux
+        )
+
+    export(_state())
+    (out / "old-only.txt").write_text("from the previous export")
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(OSError, match="disk full"):
+        export(_state(), crash=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.json", "export-sglang"]
+    new_state = _state()
+    export(new_state)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "provenance.json"]
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], new_state["fc.weight"])
+    assert check_sglang_export(out, target_dir=tiny_dir)["captured_positions"] == [2, 3, 4]

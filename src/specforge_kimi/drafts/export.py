@@ -5,7 +5,9 @@ Scope: Llama-style EAGLE-3 drafts exported by SpecForge's ``export --to sglang``
 bool ``t2d``). SpecForge writes the weights; we write ``eagle_config`` with the aux layer ids in
 SGLang's convention (see :mod:`layer_ids`), a ``provenance.json`` beside it, and refuse an
 export whose keys, shapes or ids would make SGLang serve a silently useless draft (SGLang skips
-unexpected keys and falls back to default aux layers without an error).
+unexpected keys and falls back to default aux layers without an error). :func:`export_run_draft`
+builds the whole directory in a staging sibling and swaps it in by one rename
+(:func:`specforge_kimi.drafts.export_engines.staged_export`): an existing export is replaced whole.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.provenance import canonical_hash, file_hash, provenance
 from specforge_kimi.targets.layer_ids import AuxLayers
@@ -74,9 +77,7 @@ def finalize_sglang_export(
     if aux.num_layers != info.num_layers:
         raise KimiInputError(f"aux ids were validated for {aux.num_layers} layers, target has {info.num_layers}")
     cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux.sglang_ids(), "use_aux_hidden_state": True}
-    tmp = cfg_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    os.replace(tmp, cfg_path)
+    write_atomic(cfg_path, json.dumps(cfg, indent=2, sort_keys=True))
     check_sglang_export(d, target_dir=target_dir)
     prov = provenance(
         command=command,
@@ -99,7 +100,7 @@ def finalize_sglang_export(
             **(extra or {}),
         },
     )
-    (d / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True))
+    write_atomic(d / "provenance.json", json.dumps(prov, indent=2, sort_keys=True))
     return prov
 
 
@@ -122,8 +123,9 @@ def export_run_draft(
     ``midlayer.*``. Both write captured positions as aux ids and provenance. ``aux`` must be the
     run's aux layers (checked against the draft config's ids). ``target_dir`` checks the draft
     against the target; the Llama path needs it (its ``eagle_config`` is written from it)."""
-    from specforge_kimi.drafts.export_engines import MLA_ARCH
+    from specforge_kimi.drafts.export_engines import MLA_ARCH, check_export_dir, staged_export
 
+    check_export_dir(export_dir)
     cfg = json.loads(Path(draft_config_path).read_text())
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and AuxLayers.from_specforge(ids, aux.num_layers).positions != aux.positions:
@@ -146,8 +148,9 @@ def export_run_draft(
         return Path(export_dir)
     if target_dir is None:
         raise KimiInputError("exporting a Llama-style draft needs the target directory")
-    export_sglang(str(checkpoint), str(draft_config_path), str(export_dir), vocab_mapping_path)
-    finalize_sglang_export(export_dir, target_dir=target_dir, aux=aux, command=command, extra=extra)
+    with staged_export(export_dir) as staging:
+        export_sglang(str(checkpoint), str(draft_config_path), str(staging), vocab_mapping_path)
+        finalize_sglang_export(staging, target_dir=target_dir, aux=aux, command=command, extra=extra)
     return Path(export_dir)
 
 

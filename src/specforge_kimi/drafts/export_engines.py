@@ -61,9 +61,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.durable import recover_dir, refuse_link, staged_dir
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.targets.layer_ids import AuxLayers
 
@@ -74,6 +76,7 @@ ARCHS = (LLAMA_ARCH, MLA_ARCH)
 #: model_type each engine resolves the MLA draft config with.
 MLA_MODEL_TYPE = {"sglang": "kimi_k2", "vllm": "deepseek_v3"}
 WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_FILE = "provenance.json"
 
 
 def _engine(engine: str) -> str:
@@ -290,6 +293,29 @@ def check_export(export_dir: str | os.PathLike, engine: str) -> dict[str, Any]:
 
 
 # ---- the export -------------------------------------------------------------------------------
+def staged_export(output_dir: str | os.PathLike) -> AbstractContextManager[Path]:
+    """The export directory written whole: yields a staging sibling, swapped in by one rename when the
+    block ends (:func:`specforge_kimi.durable.staged_dir`), so a crash at any point leaves the old export
+    whole or the new one whole, never new weights beside an old ``config.json``. An existing
+    ``output_dir`` is replaced only when empty or a previous export (it holds ``provenance.json``);
+    anything else, and a link, is refused with one line before anything is written."""
+    check_export_dir(output_dir)
+    return staged_dir(output_dir)
+
+
+def check_export_dir(output_dir: str | os.PathLike) -> None:
+    """Refuse (one line) an export directory :func:`staged_export` would not replace; call it before the
+    slow part. An export a crash left half-swapped is put back first."""
+    out = Path(output_dir)
+    refuse_link(out, "export directory")
+    recover_dir(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / PROVENANCE_FILE).is_file():
+        raise KimiInputError(
+            f"export directory {out} exists and is not a previous export (no {PROVENANCE_FILE}); "
+            "refusing to replace it: remove it or pick another directory"
+        )
+
+
 def export_draft(
     checkpoint: str | os.PathLike,
     draft_config_path: str | os.PathLike,
@@ -315,6 +341,7 @@ def export_draft(
     from specforge_kimi.provenance import canonical_hash, file_hash, patch_hashes, provenance
 
     _engine(engine)
+    check_export_dir(output_dir)
     draft_config = json.loads(Path(draft_config_path).read_text())
     arch = _arch(draft_config)
     specforge_ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -351,33 +378,32 @@ def export_draft(
     weights = serving_state(model.state_dict(), arch, engine)
     cfg = serving_config(draft_config, engine, aux)
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    summary = check_export(out, engine)
-    prov = provenance(
-        command=command,
-        config=cfg,
-        extra={
-            "engine": engine,
-            "architecture": arch,
-            "checkpoint": str(Path(checkpoint).resolve()),
-            "training_draft_config_sha256": canonical_hash(draft_config),
-            "vocab_mapping_sha256": file_hash(vocab_mapping_path) if vocab_mapping_path else None,
-            "aux_layers": {
-                "specforge_ids": list(specforge_ids),
-                "captured_positions": list(aux.positions),
-                "engine_ids": aux.to_engine(engine),
-                "num_layers": num_layers,
+    with staged_export(output_dir) as out:
+        save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        summary = check_export(out, engine)
+        prov = provenance(
+            command=command,
+            config=cfg,
+            extra={
+                "engine": engine,
+                "architecture": arch,
+                "checkpoint": str(Path(checkpoint).resolve()),
+                "training_draft_config_sha256": canonical_hash(draft_config),
+                "vocab_mapping_sha256": file_hash(vocab_mapping_path) if vocab_mapping_path else None,
+                "aux_layers": {
+                    "specforge_ids": list(specforge_ids),
+                    "captured_positions": list(aux.positions),
+                    "engine_ids": aux.to_engine(engine),
+                    "num_layers": num_layers,
+                },
+                "target": target_info,
+                "patches_sha256": patch_hashes(),
+                "weights_sha256": {WEIGHTS_FILE: file_hash(out / WEIGHTS_FILE)},
+                "check": summary,
             },
-            "target": target_info,
-            "patches_sha256": patch_hashes(),
-            "weights_sha256": {WEIGHTS_FILE: file_hash(out / WEIGHTS_FILE)},
-            "check": summary,
-        },
-    )
-    (out / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+        )
+        (out / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     return prov
 
 
