@@ -41,7 +41,7 @@ def test_capture_features_round_trip(tmp_path, capsys):
     summary = run_recipe(compile_plan(recipe), tmp_path / "features", limit=5, server_argv=argv, start_timeout_s=120)
     assert summary["written"] == 5
     files = sorted((tmp_path / "features").glob("sample-*.ckpt"))
-    assert len(files) == 5 and not (tmp_path / "features.partial").exists()
+    assert len(files) == 5 and not list(tmp_path.glob(".features.partial-*"))
 
     rows = [json.loads(line) for line in open(recipe.data.prompts_path)][:5]
     model = load_text_model(target)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specforge_kimi.data.corpus import HELDOUT_SEED  # held-out corpus conversations (the bench's `structured` set)
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 
 
@@ -213,7 +214,7 @@ def run(args) -> int:
     )
     text = json.dumps(res, indent=2)
     if args.out:
-        Path(args.out).write_text(text)
+        write_atomic(args.out, text)
     for r in res["results"]:
         serving = r["serving_acceptance_length"]
         print(

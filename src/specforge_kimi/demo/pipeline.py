@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.scratch import reset_owned_dir
 
 #: The demo's target: K2.5's structure at CPU size (4 heads: the demo never runs tensor-parallel).
@@ -521,7 +522,7 @@ def _train_evaluate_export(
     _plot(losses, result.get("acc_per_position") or [], out / "loss_curve.png")
     summary = _demo_summary(s, inp, result, before, after, (first, last, gain), export_dir)
     summary["timings_s"] = {**timings, "total": round(time.monotonic() - t0, 2)}
-    (out / "demo_result.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "demo_result.json", json.dumps(summary, indent=2))
     say(f"[6/6] exported SGLang draft: {export_dir}")
     say(
         f"result: held-out loss {before.heldout_loss:.3f} -> {after.heldout_loss:.3f}, training loss {first:.3f} -> "

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 
 #: Corpus seed of the selection prompts (training uses ``pretrain.TRAIN_SEED``, the bench's
@@ -251,5 +252,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"chosen: {best['target']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=2))
+        write_atomic(args.out, json.dumps(summary, indent=2))
     return 0

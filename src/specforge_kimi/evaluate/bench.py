@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 
 SCHEMA_VERSION = 1
@@ -766,7 +767,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
     }
     result["threshold"] = check_threshold(result, settings.min_acceptance_length)
     result["png"] = str(out / "acceptance.png")
-    (out / "bench_result.json").write_text(json.dumps(result, indent=2))
+    write_atomic(out / "bench_result.json", json.dumps(result, indent=2))
     plot_result(result, out / "acceptance.png")
     return result
 

@@ -22,6 +22,7 @@ import json
 import re
 from pathlib import Path
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.run.ledger import ledger
 from specforge_kimi.run.progress import consumer_steps
@@ -243,7 +244,7 @@ def run(args) -> int:
             title=res["run_id"],
             gpu_samples=res.get("gpu_samples"),
         )
-    out.write_text(json.dumps(res, indent=2))
+    write_atomic(out, json.dumps(res, indent=2))
     brief = {k: v for k, v in res.items() if k not in ("losses", "disk")}
     brief["disk_metadata_bytes"] = res["disk"]["metadata"]
     brief["report_json"] = str(out)

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError, validation_summary
 from specforge_kimi.plan import roles, transport_plan
 from specforge_kimi.plan.memory import memory_plan
@@ -113,10 +114,10 @@ class RunPlan:
 
         out = self.rendered()
         self.rendered_dir.mkdir(parents=True, exist_ok=True)
-        (self.rendered_dir / "draft_config.json").write_text(json.dumps(self.recipe.trainer.draft, indent=2))
-        config = yaml.safe_dump(out["specforge_config"], sort_keys=False)
-        (self.rendered_dir / "specforge_run.yaml").write_text(config)
-        (self.rendered_dir / "launch.json").write_text(json.dumps(out["launch"], indent=2))
+        # each file replaced whole (durable.write_atomic: no half-written file after a crash, links refused)
+        write_atomic(self.rendered_dir / "draft_config.json", json.dumps(self.recipe.trainer.draft, indent=2))
+        write_atomic(self.rendered_dir / "specforge_run.yaml", yaml.safe_dump(out["specforge_config"], sort_keys=False))
+        write_atomic(self.rendered_dir / "launch.json", json.dumps(out["launch"], indent=2))
         return out
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from specforge_kimi.durable import make_staging, refuse_link, remove_stale_staging, replace_dir, write_atomic
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
 
@@ -148,7 +148,7 @@ def capture_to_disk(
     adapter, cfg, store, layout = capture_tools(
         url, mooncake, aux_ids=aux_ids, hidden=hidden, vocab=vocab, run_id=run_id
     )
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     written, tokens = 0, 0
     for batch in _batches(rows, max_length):
         tasks = [
@@ -197,10 +197,12 @@ def run_recipe(
     from specforge_kimi.servers.capture_server import capture_server_env
 
     out = Path(out_dir)
+    refuse_link(out, "--out")
     if out.exists():
         raise KimiInputError(f"{out} exists; choose a new --out")
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out)
+    partial = make_staging(out)  # .OUT.partial-PID-RANDOM; swapped in whole once every sample is written
     rows = _rows(Path(recipe.data.prompts_path), limit)
     work = out.with_name(out.name + ".logs")
     work.mkdir(parents=True, exist_ok=True)
@@ -225,7 +227,7 @@ def run_recipe(
                 vocab=recipe.target.vocab_size,
                 max_length=recipe.trainer.max_length,
             )
-    partial.rename(out)
+    replace_dir(partial, out)
     summary = {
         "command": sys.argv,
         "recipe": recipe.name,
@@ -234,7 +236,7 @@ def run_recipe(
         "seconds": round(time.monotonic() - t0, 1),
         **stats,
     }
-    (out.with_name(out.name + ".json")).write_text(json.dumps(summary, indent=2))
+    write_atomic(out.with_name(out.name + ".json"), json.dumps(summary, indent=2))
     return summary
 
 

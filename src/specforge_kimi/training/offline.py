@@ -106,12 +106,15 @@ Checkpoint layout (``training/checkpoint.CheckpointManager``)
 from __future__ import annotations
 
 import copy
+import io
 import math
 import os
 import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
+
+from specforge_kimi.durable import write_atomic
 
 __all__ = [
     "DEFAULT_RUN_ID",
@@ -266,7 +269,9 @@ def build_specforge_vocab_mapping(
     )
     d2t, t2d = process_token_dict_to_mappings(counts, draft_vocab_size, target_vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    torch.save({"d2t": d2t, "t2d": t2d}, output_path)
+    buffer = io.BytesIO()
+    torch.save({"d2t": d2t, "t2d": t2d}, buffer)
+    write_atomic(output_path, buffer.getvalue())
     return output_path
 
 
@@ -356,8 +361,7 @@ def _write_run_config(cfg) -> tuple[dict, str]:
     os.makedirs(cfg.output_dir, exist_ok=True)
     config_dict = cfg.model_dump(mode="json")
     config_path = os.path.join(cfg.output_dir, "run_config.yaml")
-    with open(config_path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(config_dict, handle, sort_keys=False)
+    write_atomic(config_path, yaml.safe_dump(config_dict, sort_keys=False))
     return config_dict, config_path
 
 
