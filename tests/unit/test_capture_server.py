@@ -1,6 +1,7 @@
 """The text-only capture server: argv = SpecForge managed_local's, K2.5 forced text-only, lazy imports."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -239,3 +240,92 @@ def test_deterministic_inference_is_accepted_for_the_tiny_target(tiny_dir):
     )
     assert args.enable_deterministic_inference is True
     assert args.attention_backend == "triton" and args.sampling_backend == "pytorch"
+
+
+# -- the server's distributed init listens on loopback only (issue 43) ----------------------------------------------
+SERVER_DIST_INIT = r"""
+import json, os, socket, sys, types
+import sglang.launch_server
+from specforge_kimi.servers import capture_server as cs
+
+cs.prepare_text_only_server_args = lambda argv: types.SimpleNamespace(nnodes=1, dist_init_addr=None)
+
+
+def listeners():
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    found = []
+    for family, path in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
+        for line in open(path).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in mine:
+                raw = bytes.fromhex(f[1].split(":")[0])
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append(socket.inet_ntop(family, raw))
+    return found
+
+
+def run_server(args):  # what SGLang's ModelRunner.init_torch_distributed does, with gloo on the CPU
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import init_distributed_environment
+    from sglang.srt.environ import envs
+
+    method = envs.SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE.get() or f"tcp://127.0.0.1:{sys.argv[1]}"
+    init_distributed_environment(
+        backend="gloo", world_size=1, rank=0, local_rank=0, distributed_init_method=method, timeout=60
+    )
+    dist.new_group([0], backend="gloo")  # SGLang's CPU groups
+    store = method[len("file://"):].rsplit("/", 1)[0] if method.startswith("file://") else None
+    mode = oct(os.stat(store).st_mode & 0o777) if store else None
+    print(json.dumps({"method": method, "store_mode": mode, "listeners": listeners(),
+                      "ifnames": [os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")]}))
+    dist.destroy_process_group()
+
+
+sglang.launch_server.run_server = run_server
+cs.main([])
+"""
+
+
+def test_the_servers_distributed_init_listens_on_loopback_only(tmp_path):
+    """The capture server's entry point (``main``) sets SGLang's distributed-init override for a single node, so
+    the rendezvous SGLang's model runner makes (here through SGLang's own ``init_distributed_environment``, on gloo
+    as on the CPU) opens no TCPStore -- torch's would listen on every address -- and gloo's listeners are on
+    loopback; the store's directory is private and gone after the server."""
+    import ipaddress
+
+    from specforge_kimi.run.services import free_ports
+
+    pytest.importorskip("sglang")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env.pop(cs.DIST_INIT_OVERRIDE_ENV, None)
+    env["TMPDIR"] = str(tmp_path)
+    (port,) = free_ports(1)
+    res = subprocess.run(
+        [sys.executable, "-c", SERVER_DIST_INIT, str(port)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen["method"].startswith("file://") and seen["store_mode"] == "0o700", seen
+    assert seen["listeners"] and all(ipaddress.ip_address(a).is_loopback for a in seen["listeners"]), seen
+    assert seen["ifnames"] == ["lo", "lo"]
+    assert not list(tmp_path.glob("sfk-dist-*"))  # removed when the server ends
+
+
+def test_loopback_env_only_for_a_single_node(tmp_path):
+    import types
+
+    one = cs.loopback_env(types.SimpleNamespace(nnodes=1, dist_init_addr=None), tmp_path)
+    assert one == {
+        cs.DIST_INIT_OVERRIDE_ENV: f"file://{tmp_path.resolve()}/dist-store",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
+    assert cs.loopback_env(types.SimpleNamespace(nnodes=2, dist_init_addr="10.0.0.1:5000"), tmp_path) == {}
+    assert cs.loopback_env(types.SimpleNamespace(nnodes=1, dist_init_addr="10.0.0.1:5000"), tmp_path) == {}

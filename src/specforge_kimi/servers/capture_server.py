@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from specforge_kimi.targets.checkpoint import is_kimi_k25_checkpoint
@@ -33,6 +34,10 @@ SPEC_CAPTURE_METHOD = "eagle3"
 #: NVLink multicast stays off on shared hosts (see the device notes); servers inherit these.
 NVLS_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FUSION_BACKEND_SM90 = "trtllm"
+#: SGLang's switch for its distributed init method (``sglang.srt.environ``; read in ``init_torch_distributed``)
+DIST_INIT_OVERRIDE_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+#: gloo's and NCCL's socket listeners on the loopback interface (a single node's ranks need no other)
+LOOPBACK_IFNAME_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 #: our SpecForge patch compact-capture-passthrough sends capture passthrough compactly when this is "1" (recipe
 #: ``server.compact_passthrough``; SGLang patch spec-capture-compact-passthrough rebuilds the values)
 COMPACT_PASSTHROUGH_ENV = "SPECFORGE_SPEC_CAPTURE_COMPACT"
@@ -277,18 +282,41 @@ def prepare_text_only_server_args(argv: Sequence[str]):
     return ServerArgs.from_cli_args(parse_text_only_args(argv))
 
 
+def loopback_env(server_args, store_dir: str | os.PathLike) -> dict[str, str]:
+    """What a single-node server's distributed init needs to listen on loopback only; nothing for a multi-node one
+    (``--nnodes`` > 1 or ``--dist-init-addr``), whose ranks must reach each other.
+
+    SGLang's model runner rendezvous at ``tcp://127.0.0.1:<port>``, and torch's TCPStore server then listens on
+    every address whatever host it is given (``TCPStoreLibUvBackend.cpp``, ``UvTcpServer::makeWithPort``; see
+    :mod:`specforge_kimi.servers.loopback`). SGLang's own switch for that rendezvous,
+    ``SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE`` (``ModelRunner.init_torch_distributed``), names a ``file://``
+    store in ``store_dir`` instead: no TCP listener at all. Gloo's (SGLang's CPU groups) and NCCL's bootstrap
+    listeners bind the address the host name resolves to unless told an interface: ``lo``."""
+    if getattr(server_args, "nnodes", 1) > 1 or getattr(server_args, "dist_init_addr", None):
+        return {}
+    return {DIST_INIT_OVERRIDE_ENV: f"file://{Path(store_dir).resolve()}/dist-store", **LOOPBACK_IFNAME_ENV}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m sglang.launch_server`` with :func:`prepare_text_only_server_args`."""
+    """``python -m sglang.launch_server`` with :func:`prepare_text_only_server_args`, its distributed init on
+    loopback for a single node (:func:`loopback_env`; a value already in the environment is kept)."""
+    import shutil
+    import tempfile
+
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
     server_args = prepare_text_only_server_args(sys.argv[1:] if argv is None else argv)
+    store_dir = tempfile.mkdtemp(prefix="sfk-dist-")  # 0700: the store's file is this server's alone
+    for name, value in loopback_env(server_args, store_dir).items():
+        os.environ.setdefault(name, value)  # the scheduler processes SGLang starts inherit it
     try:
         run_server(server_args)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def spec_capture_supported() -> bool:
@@ -301,6 +329,7 @@ def spec_capture_supported() -> bool:
 __all__ = [
     "capture_server_argv",
     "capture_server_env",
+    "loopback_env",
     "mooncake_config",
     "mooncake_master_argv",
     "mooncake_client_env",
