@@ -143,7 +143,7 @@ def test_fuzz_cuda_ipc_descriptors(tmp_path):
         descs = [r["cuda_ipc"] for r in lends]
         before = [w.table._a.copy() for w in writers]
 
-        @settings(max_examples=300, **SETTINGS)
+        @settings(max_examples=600, **SETTINGS)
         @given(desc=_mutations(descs, list(by_pool)))
         def check(desc):
             record("cuda_ipc descriptors")
@@ -183,7 +183,7 @@ def test_fuzz_descriptor_parsing_alone():
     """``Descriptor.from_json`` and ``with_descriptor`` on random JSON: a descriptor or one ValueError line."""
     from specforge_kimi.transport.descriptor import Descriptor
 
-    @settings(max_examples=300, **SETTINGS)
+    @settings(max_examples=600, **SETTINGS)
     @given(raw=json_values | st.dictionaries(st.sampled_from(["v", "pool", "slot", "alloc", "features"]), json_values))
     def check(raw):
         record("cuda_ipc descriptors")
@@ -312,7 +312,7 @@ def test_fuzz_recipe_validate(tmp_path, monkeypatch):
     """Mutated recipe trees (wrong types, unknown and missing keys, huge values) through ``recipe validate``."""
     monkeypatch.chdir(tmp_path)  # a recipe's relative output_dir would land here
 
-    @settings(max_examples=80, **SETTINGS)
+    @settings(max_examples=800, **SETTINGS)
     @given(data=mutated_recipes(("tree",)))
     def check(data):
         record("recipe validate")
@@ -326,7 +326,7 @@ def test_fuzz_recipe_validate_broken_text(tmp_path, monkeypatch):
     control characters, with the draft's config edited, or with infinite / ~1e308 floats."""
     monkeypatch.chdir(tmp_path)
 
-    @settings(max_examples=30, **SETTINGS)
+    @settings(max_examples=250, **SETTINGS)
     @example(data=b"\xff" + RECIPE_TEXTS["tiny-k25-tp1-h200.yaml"].encode())
     @example(data=b":")
     @given(data=mutated_recipes(("text", "bytes", "control", "draft", "huge")))
