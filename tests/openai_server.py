@@ -4,13 +4,15 @@ It answers deterministically from the last message, like a K2.5 SGLang server wi
 reasoning and tool-call parsers: ``reasoning_content`` + ``content``, or ``tool_calls`` for
 "weather:CITY" when tools are given. It can fail requests (HTTP 503) to exercise retries, records
 every request, and ``chat_reply`` replaces its chat answer with raw bytes (any status, a body that
-is not JSON or not OpenAI's shape, a Content-Length larger than the body, a delay) for the tests of
-bad replies.
+is not JSON or not OpenAI's shape, a Content-Length larger than the body, a delay, a stall after
+the headers, the whole reply trickled a byte at a time) for the tests of bad and slow replies. A
+pause ends early when the client hangs up, so an abandoned request does not hold a server thread.
 """
 
 from __future__ import annotations
 
 import json
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -21,12 +23,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 @dataclass(frozen=True)
 class RawReply:
     """One chat answer as sent: ``status``, ``body`` bytes; ``declared_length`` (default ``len(body)``)
-    larger than the body truncates it (the connection closes early); ``delay_s`` before answering."""
+    larger than the body truncates it (the connection closes early); ``delay_s`` before answering;
+    ``stall_s`` between the headers and the body; ``trickle_s``: the whole reply (status line,
+    headers, body) sent one byte at a time, spread over that many seconds."""
 
     status: int
     body: bytes
     declared_length: int | None = None
     delay_s: float = 0.0
+    stall_s: float = 0.0
+    trickle_s: float = 0.0
+
+    def head(self) -> bytes:
+        length = self.declared_length or len(self.body)
+        return (
+            f"HTTP/1.0 {self.status} X\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
 
 
 class FakeServer:
@@ -48,6 +61,19 @@ class FakeServer:
             def log_message(self, *args):
                 pass
 
+            def handle(self):
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on this request (its deadline, an abort): expected
+
+            def _pause(self, seconds: float) -> bool:
+                """Wait ``seconds``; False at once if the client hangs up (its side of the socket reads EOF)."""
+                if seconds <= 0:
+                    return True
+                readable, _, _ = select.select([self.connection], [], [], seconds)
+                return not readable
+
             def _reply(self, code: int, body: dict) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
@@ -63,14 +89,22 @@ class FakeServer:
                     self._reply(404, {"error": "not found"})
 
             def _raw(self, reply: RawReply) -> None:
-                time.sleep(reply.delay_s)
-                self.send_response(reply.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(reply.declared_length or len(reply.body)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(reply.body)
                 self.close_connection = True
+                if not self._pause(reply.delay_s):
+                    return
+                data = reply.head() + reply.body
+                if reply.trickle_s:
+                    step = reply.trickle_s / len(data)
+                    for i in range(len(data)):
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                        if not self._pause(step):
+                            return
+                    return
+                self.wfile.write(reply.head())
+                self.wfile.flush()
+                if self._pause(reply.stall_s):
+                    self.wfile.write(reply.body)
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))

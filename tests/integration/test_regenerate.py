@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,298 @@ def test_prompt_mix_records_regenerate_with_thinking_on(tmp_path, server):
     for row, (_, text) in zip(rows, prompt_mix.prompts(6, seed=0), strict=False):
         assert row["messages"] == [user(text), assistant(f"echo {text}", reasoning_content=f"think {text}")]
     assert all(r["chat_template_kwargs"] == {"thinking": True} for r in server.requests)
+
+
+# -- slow and silent servers, Ctrl-C, two runs on one output, odd --out (issue 43) ------------------------------
+
+
+def _reply_ok() -> bytes:
+    return json.dumps(
+        {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    "slow",
+    [
+        RawReply(200, _reply_ok(), trickle_s=4.0),  # every byte comes well within the timeout; the whole does not
+        RawReply(200, _reply_ok(), stall_s=4.0),  # headers, then nothing
+        RawReply(200, _reply_ok(), delay_s=4.0),  # nothing at all
+    ],
+    ids=["trickle", "stall after headers", "silent"],
+)
+def test_timeout_bounds_the_whole_request(tmp_path, server, capsys, slow):
+    """Issue 43: ``--timeout`` bounded each socket read, so a reply that trickled a byte at a time never
+    timed out. Now each attempt ends at the deadline, whole, and the row fails after its retries."""
+    import time
+
+    server.chat_reply = lambda payload: slow
+    source = _one_row_input(tmp_path / "in.jsonl", rows=2)
+    out = tmp_path / "out.jsonl"
+    started = time.monotonic()
+    code = main([str(source), "--server", server.url, "--out", str(out), "--timeout", "0.3", "--max-retries", "1",
+                 "--retry-delay", "0.01", "--concurrency", "2", "--no-progress"])  # fmt: skip
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "no row was regenerated: 2 failed" in err
+    assert elapsed < 2.5  # two attempts of 0.3 s per row, rows in parallel; the reply itself takes 4 s
+    errors = read(tmp_path / "out.jsonl.errors.jsonl")
+    assert [e["line"] for e in errors] == [1, 2]
+    assert all("no whole reply from" in e["error"] and "within --timeout 0.3 s (after 1 retries)" in e["error"]
+               for e in errors)  # fmt: skip
+    assert len(server.requests) == 4  # each row tried twice
+
+
+def test_a_slow_reply_within_the_timeout_is_kept(tmp_path, server):
+    """The deadline is the request's, not shorter: a reply that trickles in under it is a written row."""
+    server.chat_reply = lambda payload: RawReply(200, _reply_ok(), trickle_s=0.4)
+    source = _one_row_input(tmp_path / "in.jsonl", rows=1)
+    counts = regenerate(options(source, tmp_path / "out.jsonl", server, timeout_s=5.0, max_retries=0))
+    assert counts["written"] == 1 and read(tmp_path / "out.jsonl")[0]["messages"][1]["content"] == "ok"
+
+
+def _holding_run(tmp_path: Path, server: FakeServer, rows: int, answered: int):
+    """A ``regenerate`` subprocess whose first ``answered`` rows are answered and the rest stall; returns
+    (process, source, out) once ``answered`` lines are in OUT."""
+    import subprocess
+    import sys
+    import time
+
+    def reply(payload):
+        text = payload["messages"][-1]["content"]
+        if int(text[1:]) < answered:
+            return RawReply(200, json.dumps({"choices": [{"finish_reason": "stop", "message": {
+                "role": "assistant", "content": f"echo {text}"}}]}).encode())  # fmt: skip
+        return RawReply(200, b"{}", delay_s=60)
+
+    server.chat_reply = reply
+    source = _one_row_input(tmp_path / "in.jsonl", rows=rows)
+    source.write_text("{broken\n" + source.read_text())  # line 1: one line for the errors file
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "specforge_kimi", "regenerate", str(source), "--server", server.url,
+            "--out", str(out), "--concurrency", "4", "--no-progress", "--max-retries", "3"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    errors = tmp_path / "out.jsonl.errors.jsonl"
+    while not (out.exists() and out.read_text().count("\n") >= answered and errors.exists() and errors.read_text()):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run wrote nothing"
+        time.sleep(0.05)
+    time.sleep(0.3)  # the stalled requests are in flight
+    return process, source, out
+
+
+def test_ctrl_c_abandons_requests_in_flight_and_resume_completes(tmp_path, server):
+    """Issue 43: Ctrl-C waited for the requests in flight (up to the timeout times the retries). Now they are
+    abandoned at once, OUT keeps whole lines only, the exit is one line and 130, and ``--resume`` finishes
+    the file with every row once. A second run on the same OUT meanwhile refuses, naming the holder, and
+    leaves the errors file alone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    process, source, out = _holding_run(tmp_path, server, rows=12, answered=3)
+    errors_path = tmp_path / "out.jsonl.errors.jsonl"
+    second = subprocess.run(
+        [sys.executable, "-m", "specforge_kimi", "regenerate", str(source), "--server", server.url,
+         "--out", str(out), "--resume"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 2 and second.stderr.count("\n") == 1
+    assert f"being written by another regenerate (pid {process.pid}," in second.stderr
+    errors_before = errors_path.read_text()
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=30)
+    assert time.monotonic() - started < 2.0
+    assert process.returncode == 130
+    assert stderr.count("\n") == 1 and stderr.startswith("interrupted: 3 rows written this run")
+    assert "Traceback" not in stderr
+    text = out.read_text()
+    assert text.endswith("\n") and [r["regenerate"]["source_line"] for r in read(out)] == [2, 3, 4]
+    assert errors_path.read_text() == errors_before and [e["line"] for e in read(errors_path)] == [1]
+    assert not (tmp_path / "out.jsonl.lock").exists()
+
+    server.chat_reply = None  # the server answers everything now
+    asked_before = len(server.requests)
+    assert main([str(source), "--server", server.url, "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert [r["regenerate"]["source_line"] for r in read(out)] == list(range(2, 14))  # each row once, in order
+    assert len(server.requests) - asked_before == 9  # only the rows not yet written were asked
+    assert [e["line"] for e in read(errors_path)] == [1]
+
+
+def test_second_run_on_a_held_output_refuses_at_once(tmp_path, server, capsys):
+    from specforge_kimi.data.output_file import OutputLock
+
+    source = _one_row_input(tmp_path / "in.jsonl", rows=2)
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    errors = tmp_path / "out.jsonl.errors.jsonl"
+    errors.write_text('{"line": 7, "error": "from the first run"}\n')
+    with OutputLock(tmp_path / "out.jsonl.lock", out):
+        for flags in ([], ["--resume"], ["--overwrite"]):
+            code = main([str(source), "--server", server.url, "--out", str(out), *flags])
+            err = capsys.readouterr().err.strip()
+            assert code == 2 and len(err.splitlines()) == 1
+            assert f"being written by another regenerate (pid {os.getpid()}," in err
+    assert errors.read_text() == '{"line": 7, "error": "from the first run"}\n' and out.read_text() == ""
+    assert server.requests == []
+    assert not (tmp_path / "out.jsonl.lock").exists()  # released and removed
+    assert main([str(source), "--server", server.url, "--out", str(out), "--resume"]) == 0
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link"])
+def test_a_planted_lock_file_is_never_written_through(tmp_path, server, capsys, kind):
+    source = _one_row_input(tmp_path / "in.jsonl", rows=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    lock = tmp_path / "out.jsonl.lock"
+    lock.symlink_to(victim) if kind == "symlink" else lock.hardlink_to(victim)
+    code = main([str(source), "--server", server.url, "--out", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "lock file" in err
+    assert victim.read_text() == "precious\n" and not (tmp_path / "out.jsonl").exists()
+
+
+def _odd_out(tmp_path: Path, kind: str) -> Path:
+    if kind == "directory":
+        (tmp_path / "d").mkdir()
+        return tmp_path / "d"
+    if kind == "dangling symlink":
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere.jsonl")
+        return tmp_path / "link"
+    if kind == "symlink to a directory":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "link").symlink_to(tmp_path / "d")
+        return tmp_path / "link"
+    if kind == "symlink to a file":
+        (tmp_path / "real.jsonl").write_text("")
+        (tmp_path / "link").symlink_to(tmp_path / "real.jsonl")
+        return tmp_path / "link"
+    if kind == "missing parent":
+        return tmp_path / "no" / "such" / "out.jsonl"
+    if kind == "parent is a file":
+        (tmp_path / "f").write_text("x")
+        return tmp_path / "f" / "out.jsonl"
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        return tmp_path / "fifo"
+    if kind == "errors file is a directory":
+        (tmp_path / "out.jsonl.errors.jsonl").mkdir()
+        return tmp_path / "out.jsonl"
+    if kind == "errors file is a symlink":
+        (tmp_path / "victim.txt").write_text("precious\n")
+        (tmp_path / "out.jsonl.errors.jsonl").symlink_to(tmp_path / "victim.txt")
+        return tmp_path / "out.jsonl"
+    assert kind == "unwritable parent"
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    return tmp_path / "ro" / "out.jsonl"
+
+
+ODD_OUTS = {
+    "directory": "is a directory",
+    "dangling symlink": "is a symbolic link (to ",
+    "symlink to a directory": "is a symbolic link (to ",
+    "symlink to a file": "is a symbolic link (to ",
+    "missing parent": "does not exist; create it first",
+    "parent is a file": "Not a directory",
+    "fifo": "is not a regular file",
+    "errors file is a directory": "the errors file",
+    "errors file is a symlink": "the errors file",
+    "unwritable parent": "permission denied",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ODD_OUTS))
+def test_odd_out_is_one_line_and_writes_nothing(tmp_path, server, capsys, kind):
+    """Issue 43: ``--out`` naming a directory or a dangling symlink ended in a traceback or an unclear
+    message. Every odd --out is one line (exit 2), before anything is written or asked."""
+    if kind == "unwritable parent" and os.geteuid() == 0:
+        pytest.skip("root writes in any directory")
+    source = _one_row_input(tmp_path / "in.jsonl", rows=1)
+    out = _odd_out(tmp_path, kind)
+    before = sorted((p.name, p.is_symlink()) for p in tmp_path.rglob("*"))
+    code = main([str(source), "--server", server.url, "--out", str(out), "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert ODD_OUTS[kind] in err
+    assert sorted((p.name, p.is_symlink()) for p in tmp_path.rglob("*")) == before
+    assert server.requests == []
+    if kind == "errors file is a symlink":
+        assert (tmp_path / "victim.txt").read_text() == "precious\n"
+
+
+def test_an_interrupted_write_is_cut_back_to_whole_lines(tmp_path, monkeypatch):
+    """A Ctrl-C that lands inside a line's write: the line is cut off when the writer closes."""
+    from specforge_kimi.data import output_file
+
+    path = tmp_path / "out.jsonl"
+    writer = output_file.LineWriter(path, "--out")
+    writer.write_line('{"a": 1}')
+    real_write = os.write
+
+    def half_then_interrupt(fd, data):
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(output_file.os, "write", half_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write_line('{"b": 2, "long": "' + "x" * 100 + '"}')
+    monkeypatch.setattr(output_file.os, "write", real_write)
+    assert path.read_text().startswith('{"a": 1}\n{"b"')  # half a line, as a Ctrl-C leaves it
+    writer.close(whole=False)
+    assert path.read_text() == '{"a": 1}\n'
+
+
+def test_abort_ends_requests_in_flight_at_once(server):
+    """``ChatClient.abort`` (Ctrl-C) shuts down the sockets of the requests in flight: a request the server
+    stalls on ends now, not at its deadline, and is not retried."""
+    import threading
+    import time
+
+    from specforge_kimi.data.chat_client import ChatClient, RequestFailed
+
+    server.chat_reply = lambda payload: RawReply(200, _reply_ok(), delay_s=30)
+    client = ChatClient(server.url, timeout_s=60, max_retries=5, retry_delay_s=0.01)
+    outcome = []
+
+    def ask():
+        try:
+            client.post("/chat/completions", {"messages": []})
+        except RequestFailed as exc:
+            outcome.append(str(exc))
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    while len(server.requests) < 3:
+        time.sleep(0.01)
+    started = time.monotonic()
+    client.abort()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert time.monotonic() - started < 1.0
+    assert len(outcome) == 3 and all("abandoned (interrupted)" in o for o in outcome)
+    assert len(server.requests) == 3  # none retried
+    with pytest.raises(RequestFailed, match="abandoned"):  # and nothing later is sent
+        client.get("/models")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "fifo"])
+def test_output_lock_never_writes_through_what_is_planted(tmp_path, kind):
+    """``OutputLock`` by itself (a link planted after ``regenerate``'s checks): ``O_NOFOLLOW``, one link only,
+    a regular file only; the planted file is left as it was."""
+    from specforge_kimi.data.output_file import OutputLock
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    lock = tmp_path / "out.jsonl.lock"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to(victim) if kind == "symlink" else lock.hardlink_to(victim)
+    with pytest.raises(KimiInputError, match="lock file") as caught:
+        OutputLock(lock, tmp_path / "out.jsonl").__enter__()
+    assert "\n" not in str(caught.value)
+    assert victim.read_text() == "precious\n" and os.path.lexists(lock)

@@ -26,48 +26,52 @@ retries) or cannot be regenerated (media, no assistant turn, malformed) go to
 ``source_line`` is already in ``OUT`` are not requested again, a torn last line is cut off, and
 failed rows are retried.
 
-Requests: at most ``--concurrency`` in flight (rows in parallel, turns of one row in order);
-connection errors, timeouts, HTTP 408, 429 and 5xx, and bodies that are cut short or not JSON
-are retried ``--max-retries`` times with exponential backoff (``--retry-delay`` x 2^attempt,
-capped at 60 s, plus jitter). Other HTTP errors (400, 401, 404, ...) and replies that are JSON
-but not a chat completion (no ``choices[0].message`` object, fields of the wrong type) fail the
-row at once. Every failed row is one line in the errors file and counts as failed: after
-``--max-consecutive-failures`` rows fail in a row the run stops (exit 2), so a dead or
-misconfigured server does not turn the whole dataset into error lines, and a run in which no row
-was written but some failed exits 2 naming the first error.
+Requests (``data.chat_client``): at most ``--concurrency`` in flight (rows in parallel, turns of
+one row in order); ``--timeout`` bounds each request whole (connecting, sending, the entire reply),
+so a reply that trickles ends at the deadline. Connection errors, the deadline, HTTP 408, 429 and
+5xx, and bodies that are cut short or not JSON are retried ``--max-retries`` times with exponential
+backoff (``--retry-delay`` x 2^attempt, capped at 60 s, plus jitter). Other HTTP errors (400, 401,
+404, ...) and replies that are JSON but not a chat completion (no ``choices[0].message`` object,
+fields of the wrong type) fail the row at once. Every failed row is one line in the errors file and
+counts as failed: after ``--max-consecutive-failures`` rows fail in a row the run stops (exit 2), so
+a dead or misconfigured server does not turn the whole dataset into error lines, and a run in which
+no row was written but some failed exits 2 naming the first error.
 
-``--out`` (and its errors file) must not be the input file, through a symlink or a hard link
-either: that is refused before anything is opened for writing.
+Output (``data.output_file``): ``--out``, its errors file and ``OUT.lock`` are checked before
+anything is opened for writing: the input file (through a symlink or a hard link too), a symbolic
+link, a directory, anything but a regular file, or a directory that is missing or not writable is
+refused in one line. ``OUT.lock`` is held for the whole run: a second run on the same ``--out``
+(with ``--resume`` or not) refuses at once, naming the holder's pid. Ctrl-C abandons the requests
+in flight at once, keeps only whole lines in ``OUT`` and the errors file, and exits 130 with one
+line; ``--resume`` then finishes the file, each row once.
 
 Reproducibility is the server's: with SGLang's default kernels, greedy generations depend on what
-else is in the batch, so two runs of the same rows differ in a few; a server started with
-``--enable-deterministic-inference`` gives the same output bit for bit, regenerating somewhat slower
-(archive/gpu-runs/RUNS.md, "is the data stage repeatable?"). SGLang 0.5.14 confines DeepSeek's MLA
-architectures to ``fa3`` or ``triton`` in that mode, but its list names ``DeepseekV3ForCausalLM``, not K2.5's
-wrapper, so it would also accept ``flashinfer`` for K2.5: use ``triton`` (the one that has run) or ``fa3``. At
-TP > 1 it turns custom all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosing it.
+else is in the batch, so two runs of the same rows differ in a few (on one H200, 31 of 3,100 rows
+at ``--concurrency 256``); a server started with ``--enable-deterministic-inference`` gave the
+same output bit for bit (0 of 3,100), regenerating about 25% slower (tiny K2.5, TP=1, ``triton``
+attention). SGLang 0.5.14 confines DeepSeek's MLA architectures to ``fa3`` or ``triton`` in that
+mode, but its list names ``DeepseekV3ForCausalLM``, not K2.5's wrapper, so it would also accept
+``flashinfer`` for K2.5: use ``triton`` (measured) or ``fa3``. At TP > 1 it turns custom
+all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosing it.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import random
+import queue
 import reprlib
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections import deque
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.data.chat_client import ChatClient, RequestFailed
 from specforge_kimi.data.conversation import (
     Conversation,
     Message,
@@ -75,12 +79,11 @@ from specforge_kimi.data.conversation import (
     conversation_from_record,
     conversation_to_openai,
 )
+from specforge_kimi.data.output_file import LineWriter, OutputLock, check_output, open_no_follow
 from specforge_kimi.errors import KimiInputError
 
-__all__ = ["RegenerateOptions", "add_arguments", "regenerate", "run"]
+__all__ = ["Interrupted", "RegenerateOptions", "add_arguments", "regenerate", "run"]
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_MAX_BACKOFF_S = 60.0
 _DESCRIPTION = (
     "Replace a dataset's assistant turns with Kimi-K2.5's own generations (thinking on) "
     "through an OpenAI-compatible server."
@@ -128,137 +131,159 @@ class _Result:
     server_fault: bool = False
 
 
-class _Client:
-    """Minimal OpenAI-compatible chat client (stdlib HTTP) with retries and backoff."""
-
-    def __init__(self, options: RegenerateOptions) -> None:
-        self.base = options.server.rstrip("/")
-        if not self.base.endswith("/v1"):
-            self.base += "/v1"
-        self.options = options
-        self._jitter = random.Random(0)
-        self._lock = threading.Lock()
-
-    def model_name(self) -> str:
-        reply = self._request("GET", "/models", None)
-        models = (reply.get("data") if isinstance(reply, dict) else None) or []
-        if not isinstance(models, list):
-            models = []
-        if not models or not isinstance(models[0], dict) or "id" not in models[0]:
-            raise KimiInputError(f"{self.base}/models lists no model; pass --model")
-        return str(models[0]["id"])
-
-    def chat(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        return self._request("POST", "/chat/completions", payload)
-
-    def _request(self, method: str, path: str, payload: Mapping[str, Any] | None) -> Any:
-        url = self.base + path
-        data = None if payload is None else json.dumps(payload).encode("utf-8")
-        last_error = ""
-        for attempt in range(self.options.max_retries + 1):
-            if attempt:
-                time.sleep(self._backoff(attempt))
-            request = urllib.request.Request(
-                url, data=data, method=method, headers={"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.options.timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as exc:
-                try:
-                    body = exc.read()[:300].decode("utf-8", "replace")
-                except (OSError, http.client.HTTPException):
-                    body = "(body unreadable)"
-                last_error = _one_line(f"HTTP {exc.code} from {url}: {body}")
-                if exc.code not in _RETRY_STATUS:  # the same request would fail again: a failed row
-                    raise _RowFailed(last_error, server_fault=True) from exc
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                last_error = _one_line(f"cannot reach {url}: {exc}")
-            except http.client.HTTPException as exc:  # IncompleteRead: a body cut short
-                last_error = _one_line(f"{url} broke off its reply: {type(exc).__name__}: {exc}")
-            except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
-                last_error = _one_line(f"{url} returned invalid JSON: {type(exc).__name__}: {str(exc)[:200]}")
-        raise _RowFailed(f"{last_error} (after {self.options.max_retries} retries)", server_fault=True)
-
-    def _backoff(self, attempt: int) -> float:
-        base = self.options.retry_delay_s
-        with self._lock:
-            jitter = self._jitter.uniform(0, base)
-        return min(_MAX_BACKOFF_S, base * 2 ** (attempt - 1)) + jitter
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: requests in flight abandoned, OUT cut back to its last whole line; one line."""
 
 
 def regenerate(options: RegenerateOptions) -> dict[str, Any]:
-    """Run the regeneration; returns counts (rows written, skipped, failed, truncated)."""
+    """Run the regeneration; returns counts (rows written, skipped, failed, truncated).
+
+    Raises :class:`Interrupted` on Ctrl-C (``--resume`` finishes the file) and ``KimiInputError``
+    (one line) for bad input, a server that cannot be used, or an output another run holds."""
     _check_options(options)
-    client = _Client(options)
-    try:  # before OUT is created: an unreachable server leaves nothing a retry would have to --resume
-        model = options.model or client.model_name()
-    except _RowFailed as exc:
-        raise KimiInputError(f"cannot list the server's models ({exc}); check --server") from exc
-    done = _resume_state(options)
-    errors_path = _errors_path(options.out_path)
-    counts = {"written": 0, "already_done": len(done), "failed": 0, "skipped": 0, "truncated": 0}
-    consecutive_server_failures = 0
-    first_failure = ""
+    out = options.out_path
+    with OutputLock(_lock_path(out), out):  # before anything is read or written: one run per output
+        if out.exists() and not (options.resume or options.overwrite):
+            raise KimiInputError(f"{out} exists; pass --resume to continue it or --overwrite")
+        client = ChatClient(
+            options.server,
+            timeout_s=options.timeout_s,
+            max_retries=options.max_retries,
+            retry_delay_s=options.retry_delay_s,
+        )
+        try:  # before OUT is created: an unreachable server leaves nothing a retry would have to --resume
+            model = options.model or _model_name(client)
+        except RequestFailed as exc:
+            raise KimiInputError(f"cannot list the server's models ({exc}); check --server") from None
+        done, keep = _resume_state(options)
+        return _Run(options, client, model, done).rows(keep)
 
-    from tqdm import tqdm
 
-    with (
-        open(options.out_path, "a", encoding="utf-8") as out,
-        open(errors_path, "w", encoding="utf-8") as errors,
-        ThreadPoolExecutor(max_workers=options.concurrency) as pool,
-        tqdm(
-            desc="regenerate",
-            unit="row",
-            total=_count_lines(options.input_path) - len(done),
-            disable=not options.progress,
-        ) as bar,
-    ):
+class _Run:
+    """One run's rows: requested by ``concurrency`` workers, written in input order by the caller's thread."""
+
+    def __init__(self, options: RegenerateOptions, client: ChatClient, model: str, done: set[int]) -> None:
+        self.options = options
+        self.client = client
+        self.model = model
+        self.done = done
+        self.counts = {"written": 0, "already_done": len(done), "failed": 0, "skipped": 0, "truncated": 0}
+        self.consecutive_server_failures = 0
+        self.first_failure = ""
+
+    def rows(self, keep: int) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        options = self.options
+        errors_path = _errors_path(options.out_path)
+        out = LineWriter(options.out_path, "--out", keep=keep)
+        errors = LineWriter(errors_path, "the errors file")
+        workers = _Workers(options.concurrency)
         window: deque[Future[_Result]] = deque()
-
-        def drain(block_until: int) -> None:
-            nonlocal consecutive_server_failures, first_failure
-            while window and (len(window) > block_until or window[0].done()):
-                result = window.popleft().result()
-                bar.update(1)
-                if result.text is not None:
-                    out.write(result.text + "\n")
-                    out.flush()
-                    counts["written"] += 1
-                    counts["truncated"] += int(result.truncated)
-                    consecutive_server_failures = 0
-                    continue
-                errors.write(json.dumps({"line": result.line, "error": result.error}) + "\n")
-                errors.flush()
-                if result.server_fault:
-                    counts["failed"] += 1
-                    consecutive_server_failures += 1
-                    first_failure = first_failure or f"line {result.line}: {result.error}"
-                else:
-                    counts["skipped"] += 1
-                if options.on_error == "fail" and result.server_fault:
-                    raise KimiInputError(f"{options.input_path}:{result.line}: {result.error}")
-                if consecutive_server_failures >= options.max_consecutive_failures:
-                    raise KimiInputError(
-                        f"{consecutive_server_failures} rows in a row failed against "
-                        f"{options.server} (last: {result.error}); stopping. Fix the server and "
-                        "rerun with --resume"
-                    )
-
+        total = _count_lines(options.input_path) - len(self.done)
+        whole = False
         try:
-            for line, record in _pending_rows(options.input_path, done):
-                window.append(pool.submit(_regenerate_row, client, model, options, line, record))
-                drain(block_until=options.concurrency * 4)
-            drain(block_until=0)
-        except BaseException:
+            with tqdm(desc="regenerate", unit="row", total=total, disable=not options.progress) as bar:
+                for line, record in _pending_rows(options.input_path, self.done):
+                    window.append(workers.submit(_regenerate_row, self.client, self.model, options, line, record))
+                    self._drain(window, options.concurrency * 4, out, errors, bar.update)
+                self._drain(window, 0, out, errors, bar.update)
+            whole = True
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted: {self.counts['written']} rows written this run, {options.out_path} holds whole "
+                "lines only; rerun with --resume to finish it"
+            ) from None
+        finally:
+            self.client.abort()  # a run that stops early waits for no request in flight
             for future in window:
                 future.cancel()
-            raise
-    if counts["failed"] and not counts["written"]:
-        raise KimiInputError(
-            f"no row was regenerated: {counts['failed']} failed (first, {first_failure}); see {errors_path}"
-        )
-    return counts
+            workers.close()
+            out.close(whole=whole)
+            errors.close(whole=whole)
+        if self.counts["failed"] and not self.counts["written"]:
+            raise KimiInputError(
+                f"no row was regenerated: {self.counts['failed']} failed (first, {self.first_failure}); "
+                f"see {errors_path}"
+            )
+        return self.counts
+
+    def _drain(
+        self,
+        window: deque[Future[_Result]],
+        block_until: int,
+        out: LineWriter,
+        errors: LineWriter,
+        advance: Callable[[int], Any],
+    ) -> None:
+        options = self.options
+        while window and (len(window) > block_until or window[0].done()):
+            result = window[0].result()
+            if result.text is not None:
+                out.write_line(result.text)
+                self.counts["written"] += 1
+                self.counts["truncated"] += int(result.truncated)
+                self.consecutive_server_failures = 0
+            else:
+                errors.write_line(json.dumps({"line": result.line, "error": result.error}))
+                if result.server_fault:
+                    self.counts["failed"] += 1
+                    self.consecutive_server_failures += 1
+                    self.first_failure = self.first_failure or f"line {result.line}: {result.error}"
+                else:
+                    self.counts["skipped"] += 1
+            window.popleft()
+            advance(1)
+            if result.text is not None:
+                continue
+            if options.on_error == "fail" and result.server_fault:
+                raise KimiInputError(f"{options.input_path}:{result.line}: {result.error}")
+            if self.consecutive_server_failures >= options.max_consecutive_failures:
+                raise KimiInputError(
+                    f"{self.consecutive_server_failures} rows in a row failed against "
+                    f"{options.server} (last: {result.error}); stopping. Fix the server and "
+                    "rerun with --resume"
+                )
+
+
+class _Workers:
+    """``n`` daemon threads that run submitted calls: an interrupted run leaves without waiting for them
+    (the client's abort ends their requests; a thread still inside one is not joined at exit)."""
+
+    def __init__(self, n: int) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., _Result], *args: Any) -> Future[_Result]:
+        future: Future[_Result] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller through the future
+                future.set_exception(exc)
+
+
+def _model_name(client: ChatClient) -> str:
+    reply = client.get("/models")
+    models = (reply.get("data") if isinstance(reply, dict) else None) or []
+    if not isinstance(models, list):
+        models = []
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise KimiInputError(f"{client.base}/models lists no model; pass --model")
+    return str(models[0]["id"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -283,7 +308,11 @@ def run(args: argparse.Namespace) -> int:
         progress=args.progress if args.progress is not None else sys.stderr.isatty(),
         thinking=args.thinking,
     )
-    counts = regenerate(options)
+    try:
+        counts = regenerate(options)
+    except Interrupted as exc:
+        print(exc, file=sys.stderr)
+        return 130
     print(
         f"regenerated {counts['written']} rows -> {options.out_path} "
         f"({counts['already_done']} already done, {counts['truncated']} truncated at a tool call, "
@@ -331,7 +360,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sampling temperature (K2.5 thinking default 1.0)",
     )
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (K2.5 thinking default 0.95)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request (default 1800)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds per request, whole: connecting, sending and the entire reply; a reply still arriving "
+        "then is a failed attempt, retried (default 1800)",
+    )
     parser.add_argument("--max-retries", type=int, default=5, help="retries per request (default 5)")
     parser.add_argument("--retry-delay", type=float, default=1.0, help="first backoff in seconds, doubled per retry")
     parser.add_argument(
@@ -360,36 +395,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_options(options: RegenerateOptions) -> None:
     if not options.input_path.is_file():
         raise KimiInputError(f"input file {options.input_path} does not exist")
-    for path, what in ((options.out_path, "--out"), (_errors_path(options.out_path), "the errors file")):
-        if path.exists() and os.path.samefile(path, options.input_path):
-            raise KimiInputError(
-                f"{what} {path} is the input file {options.input_path}; writing it would destroy the input: "
-                "choose another --out"
-            )
+    for path, what in (
+        (options.out_path, "--out"),
+        (_errors_path(options.out_path), "the errors file"),
+        (_lock_path(options.out_path), "the lock file"),
+    ):
+        check_output(path, what, options.input_path)
     if options.concurrency < 1:
         raise KimiInputError(f"--concurrency must be at least 1, got {options.concurrency}")
     if options.max_retries < 0 or options.max_tokens < 1:
         raise KimiInputError("--max-retries must be >= 0 and --max-tokens >= 1")
+    if not options.timeout_s > 0:
+        raise KimiInputError(f"--timeout must be a positive number of seconds, got {options.timeout_s}")
     if not options.server.startswith(("http://", "https://")):
         raise KimiInputError(f"--server must be an http(s) URL, got {options.server!r}")
-    if options.out_path.exists() and not (options.resume or options.overwrite):
-        raise KimiInputError(f"{options.out_path} exists; pass --resume to continue it or --overwrite")
 
 
 def _errors_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".errors.jsonl")
 
 
-def _resume_state(options: RegenerateOptions) -> set[int]:
-    """Source lines already in OUT; cuts a torn last line; empties OUT for --overwrite."""
+def _lock_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".lock")
+
+
+def _resume_state(options: RegenerateOptions) -> tuple[set[int], int]:
+    """Source lines already in OUT and where its last whole line ends (a torn last line is cut off
+    there); nothing for --overwrite or a new OUT."""
     out = options.out_path
-    out.parent.mkdir(parents=True, exist_ok=True)
     if options.overwrite or not out.exists():
-        out.write_bytes(b"")
-        return set()
+        return set(), 0
     done: set[int] = set()
     good_end = 0
-    with open(out, "rb") as stream:
+    with os.fdopen(open_no_follow(out, os.O_RDONLY, "--out"), "rb") as stream:
         lines = stream.readlines()
     for number, raw in enumerate(lines, start=1):
         try:
@@ -398,13 +436,10 @@ def _resume_state(options: RegenerateOptions) -> set[int]:
             done.add(int(json.loads(raw)["regenerate"]["source_line"]))
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             if number == len(lines):
-                break  # an interrupted write: cut it off below
-            raise KimiInputError(f"{out}:{number} is not a regenerate output line ({exc}); cannot resume") from exc
+                break  # an interrupted write: LineWriter cuts it off
+            raise KimiInputError(f"{out}:{number} is not a regenerate output line ({exc}); cannot resume") from None
         good_end += len(raw)
-    if good_end != out.stat().st_size:
-        with open(out, "r+b") as stream:
-            stream.truncate(good_end)
-    return done
+    return done, good_end
 
 
 def _count_lines(path: Path) -> int:
@@ -420,7 +455,7 @@ def _pending_rows(path: Path, done: set[int]) -> Iterator[tuple[int, bytes]]:
             yield line, raw
 
 
-def _regenerate_row(client: _Client, model: str, options: RegenerateOptions, line: int, raw: bytes) -> _Result:
+def _regenerate_row(client: ChatClient, model: str, options: RegenerateOptions, line: int, raw: bytes) -> _Result:
     try:
         conversation = conversation_from_record(json.loads(raw))
         if conversation.has_media:
@@ -443,6 +478,8 @@ def _regenerate_row(client: _Client, model: str, options: RegenerateOptions, lin
         return _Result(line, error=_one_line(str(exc)))
     except _RowFailed as exc:
         return _Result(line, error=_one_line(str(exc)), server_fault=exc.server_fault)
+    except RequestFailed as exc:
+        return _Result(line, error=_one_line(str(exc)), server_fault=True)
     return _Result(line, text=text, truncated=truncated)
 
 
@@ -451,7 +488,7 @@ def _one_line(message: str) -> str:
 
 
 def _regenerate_turns(
-    client: _Client, model: str, options: RegenerateOptions, conversation: Conversation
+    client: ChatClient, model: str, options: RegenerateOptions, conversation: Conversation
 ) -> tuple[Conversation, int, bool]:
     output: list[Message] = []
     id_map: dict[str, str] = {}
@@ -513,7 +550,7 @@ def turn_thinking(mode: str, source: Message) -> bool:
 
 
 def _generate(
-    client: _Client, model: str, options: RegenerateOptions, prefix: Conversation, *, thinking: bool = True
+    client: ChatClient, model: str, options: RegenerateOptions, prefix: Conversation, *, thinking: bool = True
 ) -> Message:
     request = conversation_to_openai(prefix)
     payload: dict[str, Any] = {
@@ -527,7 +564,7 @@ def _generate(
     }
     if prefix.tools:
         payload["tools"] = request["tools"]
-    choice, message = _reply_message(client.chat(payload))
+    choice, message = _reply_message(client.post("/chat/completions", payload))
     if choice.get("finish_reason") == "length" and not options.keep_unfinished:
         raise _RowFailed(f"generation hit max_tokens={options.max_tokens} (finish_reason=length)")
     content = message.get("content") or ""
