@@ -35,7 +35,7 @@ def _event(settings: dict, **kw) -> None:
 def _gpu_plan(s: dict):
     import yaml
 
-    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.plan.run_plan import compile_plan
     from specforge_kimi.run.launch import build_colocated_plan
     from specforge_kimi.run.services import free_ports
 
@@ -54,13 +54,14 @@ def _gpu_plan(s: dict):
         "vocab_mapping_path": str(Path(s["data"]) / "vocab_mapping.pt"),
     }
     raw["resilience"] = s.get("resilience") or {}
-    recipe = Recipe.model_validate(raw)
-    rendered = render(recipe, out / "rendered")
+    compiled = compile_plan(raw, rendered_dir=out / "rendered")
+    recipe = compiled.recipe
+    compiled.write()
     cfg_path = out / "rendered" / "specforge_run.yaml"
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["training"]["log_interval"] = 1  # the drills key on "step N:" lines
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return build_colocated_plan(recipe, rendered, python=sys.executable), recipe
+    return build_colocated_plan(compiled, python=sys.executable), recipe
 
 
 def _cpu_plan(s: dict):

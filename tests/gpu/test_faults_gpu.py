@@ -59,7 +59,7 @@ def inputs(tmp_path_factory):
 
 def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None, transport: str = "mooncake"):
     def build():
-        from specforge_kimi.plan.recipes import Recipe, render
+        from specforge_kimi.plan.run_plan import compile_plan
         from specforge_kimi.run.launch import build_colocated_plan
         from specforge_kimi.run.resume import marked
         from specforge_kimi.run.services import free_ports
@@ -80,14 +80,15 @@ def _build(run_dir: Path, inputs, *, save_interval: int, resilience: dict | None
         }
         if resilience:
             raw["resilience"] = {"keeper_port": keeper, **resilience}
-        recipe = Recipe.model_validate(raw)
-        rendered = render(recipe, run_dir / "rendered")
+        compiled = compile_plan(raw, rendered_dir=run_dir / "rendered")
+        recipe = compiled.recipe
+        compiled.write()
         cfg_path = run_dir / "rendered" / "specforge_run.yaml"
         cfg = yaml.safe_load(cfg_path.read_text())
         cfg["training"]["log_interval"] = 1  # the drills key on "step N:" lines
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         # every process of the run carries its mark, as under launch: _check_after finds what outlived the drill by it
-        plan = marked(build_colocated_plan(recipe, rendered, python=sys.executable), run_dir)
+        plan = marked(build_colocated_plan(compiled, python=sys.executable), run_dir)
         return plan, recipe, root / "data" / "prompts.jsonl"
 
     return build

@@ -83,7 +83,7 @@ def test_online_run(tmp_path, transport):
 
 
 def _check_cuda_ipc(out: Path) -> None:
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     recipe = load_recipe(out / "recipe-cuda_ipc.yaml")
     assert recipe.server.transport == "cuda_ipc"

@@ -65,7 +65,7 @@ def _run(tmp_path, inputs, resilience=None) -> Run:
 
 
 def _transport() -> str:
-    from specforge_kimi.plan.recipes import load_recipe
+    from specforge_kimi.plan.run_plan import load_recipe
 
     return (
         TRANSPORT

@@ -27,7 +27,7 @@ from conftest import prepare_corpus
 from resume_drills import Run, final_ledger
 from soak import WARMUP_FRACTION, Sampler, plot, verdicts
 
-from specforge_kimi.plan.recipes import load_recipe
+from specforge_kimi.plan.run_plan import load_recipe
 
 pytestmark = pytest.mark.gpu
 

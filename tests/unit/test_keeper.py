@@ -146,14 +146,16 @@ def test_stop_during_the_back_off_spawns_no_new_child(monkeypatch):
 
 
 def test_resilience_shapes_the_plan(tmp_path):
-    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.plan.recipes import Recipe
+    from specforge_kimi.plan.run_plan import compile_plan
     from specforge_kimi.run.launch import build_colocated_plan
 
     raw = copy.deepcopy(yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text()))
     raw["output_dir"] = str(tmp_path / "run")
     raw["resilience"] = {"segment_owner": "keeper", "server_restarts": 2, "consumer_restarts": 1, "keeper_port": 35999}
-    recipe = Recipe.model_validate(raw)
-    plan = build_colocated_plan(recipe, render(recipe, tmp_path / "r"), python=sys.executable)
+    compiled = compile_plan(raw, rendered_dir=tmp_path / "r")
+    compiled.write()
+    plan = build_colocated_plan(compiled, python=sys.executable)
     labels = [(s.command.label, s.phase) for s in plan.services]
     assert labels == [("mooncake", 0), ("segment-keeper", 1), ("capture-server", 2)]
     server = plan.services[2].command

@@ -351,16 +351,16 @@ def test_resume_cut_ledger_keeps_what_the_checkpoint_holds(tmp_path):
 def _recipe_and_plan(tmp_path: Path):
     import yaml
 
-    from specforge_kimi.plan.recipes import Recipe, render
+    from specforge_kimi.plan.run_plan import compile_plan
     from specforge_kimi.run.launch import build_colocated_plan
 
     root = Path(__file__).resolve().parents[2]
     raw = yaml.safe_load((root / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
     raw["output_dir"] = str(tmp_path / "run")
     raw["resilience"] = {"consumer_restarts": 1}
-    recipe = Recipe.model_validate(raw)
-    rendered = render(recipe, tmp_path / "run" / "rendered")
-    return recipe, build_colocated_plan(recipe, rendered, python=sys.executable)
+    compiled = compile_plan(raw, rendered_dir=tmp_path / "run" / "rendered")
+    compiled.write()
+    return compiled.recipe, build_colocated_plan(compiled, python=sys.executable)
 
 
 def _argv(plan, label):
