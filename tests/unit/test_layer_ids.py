@@ -3,7 +3,12 @@
 import pytest
 
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.targets.layer_ids import K25_DEFAULT_SPECFORGE_IDS, AuxLayers, default_specforge_ids
+from specforge_kimi.targets.layer_ids import (
+    K25_DEFAULT_SPECFORGE_IDS,
+    AuxLayers,
+    default_dflash_ids,
+    default_specforge_ids,
+)
 
 # (engine, ids, num_layers) -> captured positions (== HF hidden_states indices)
 TABLE = [
@@ -72,3 +77,67 @@ def test_position_one_first_is_unreachable_in_sglang():
     aux = AuxLayers.from_vllm([1, 3, 5], 8)
     with pytest.raises(KimiInputError, match="shifted to 2"):
         aux.sglang_ids()
+
+
+# ---- DFlash/DSpark target layer ids: always +1 (capture after layer id) ------------------------------------------
+DFLASH_TABLE = [
+    ([1, 15, 30, 44, 58], 61, [2, 16, 31, 45, 59]),  # K2.5, SpecForge's/SGLang's default for 5 draft layers
+    ([0, 1, 2, 3], 5, [1, 2, 3, 4]),  # the slice: at most 4 ids on 5 layers
+    ([1, 2, 3, 4, 5], 8, [2, 3, 4, 5, 6]),  # the tiny target
+]
+
+
+@pytest.mark.parametrize("ids,n,positions", DFLASH_TABLE)
+def test_dflash_table(ids, n, positions):
+    aux = AuxLayers.from_engine("dflash", ids, n)
+    assert list(aux.positions) == positions
+    assert aux.dflash_ids() == ids
+    assert aux.to_engine("dflash") == ids
+
+
+def test_same_numbers_same_layers_only_when_eagle3_shifts():
+    assert AuxLayers.from_specforge([1, 29, 57], 61) == AuxLayers.from_dflash([1, 29, 57], 61)
+    assert AuxLayers.from_specforge([2, 30, 58], 61) != AuxLayers.from_dflash([2, 30, 58], 61)
+
+
+def test_dflash_last_layer_refused():
+    # SGLang accepts L-1 (< L) but capture point L never fires; we refuse it
+    with pytest.raises(KimiInputError, match=r"takes 0\.\.59"):
+        AuxLayers.from_dflash([1, 30, 60], 61)
+    assert AuxLayers.from_dflash([1, 30, 59], 61).positions == (2, 31, 60)
+
+
+@pytest.mark.parametrize("ids,msg", [([1, 1, 3], "duplicated"), ([3, 1], "not ascending"), ([-1, 2], "embedding")])
+def test_dflash_invalid(ids, msg):
+    with pytest.raises(KimiInputError, match=msg):
+        AuxLayers.from_dflash(ids, 8)
+
+
+def test_default_dflash_ids_k25():
+    assert default_dflash_ids(61, 5) == (1, 15, 30, 44, 58)
+    assert default_dflash_ids(61, 3) == (1, 30, 58)  # positions [2, 31, 59], not EAGLE-3's [2, 30, 58]
+    assert default_dflash_ids(61, 6) == (1, 12, 24, 35, 47, 58)
+    assert default_dflash_ids(61, 1) == (30,)
+
+
+def test_default_dflash_ids_refuses_duplicates():
+    with pytest.raises(KimiInputError, match=r"\[1, 1, 2, 2\].*explicitly"):
+        default_dflash_ids(5, 4)
+
+
+def test_default_dflash_ids_equal_sglang_and_specforge():
+    from sglang.srt.speculative.dflash_utils import build_target_layer_ids as sglang_ids
+    from specforge.modeling.draft.dflash import build_target_layer_ids as specforge_ids
+
+    compared = 0
+    for layers in range(4, 94):
+        for n in range(1, 9):
+            want = sglang_ids(layers, n)
+            assert specforge_ids(layers, n) == want
+            if len(set(want)) != len(want):
+                with pytest.raises(KimiInputError, match="repeated"):
+                    default_dflash_ids(layers, n)
+                continue
+            assert list(default_dflash_ids(layers, n)) == want, (layers, n)
+            compared += 1
+    assert compared > 600

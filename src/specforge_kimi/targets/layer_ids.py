@@ -1,6 +1,7 @@
 """The aux-layer-id convention: the one place where layer ids are converted between engines.
 
-Scope: EAGLE-3 aux hidden states of a DeepSeek-V3-style target (Kimi-K2.5's text model).
+Scope: EAGLE-3 aux hidden states and DFlash/DSpark target layers of a DeepSeek-V3-style target (Kimi-K2.5's text
+model).
 
 Every id list here is reduced to *captured positions*: position ``p`` is the residual stream
 entering decoder layer ``p`` (after layer ``p-1``'s all-reduce and residual add), which is
@@ -16,7 +17,15 @@ exactly transformers' ``output_hidden_states[p]`` (index 0 is the embedding outp
   ids equal positions.
 - HF indices equal positions.
 
-Exports write positions for both engines (SGLang then uses them unshifted), so no reader has to
+- DFlash ids (a block draft's ``dflash_config.target_layer_ids``, ``--spec-capture-aux-layer-ids`` with
+  ``--spec-capture-method dflash|dspark``) always mean "after layer ``id``": SGLang 0.5.14's
+  ``set_dflash_layers_to_capture`` captures at ``id + 1`` and SpecForge's HF path reads
+  ``output_hidden_states[id + 1]``. So DFlash ``[1, 15, 30, 44, 58]`` captures positions
+  ``[2, 16, 31, 45, 59]``; EAGLE-3 ``[1, 29, 57]`` and DFlash ``[1, 29, 57]`` capture the same
+  positions, EAGLE-3 ``[2, 30, 58]`` and DFlash ``[2, 30, 58]`` do not. Valid DFlash ids are
+  ``0..L-2`` (capture point ``L`` never fires).
+
+EAGLE-3 exports write positions for both engines (SGLang then uses them unshifted), so no reader has to
 know the shift. Position 1 cannot be the first captured position in SGLang 0.5.14 (id 1 is
 shifted to 2) and position 0 is the embedding output, which EAGLE-3 never uses.
 """
@@ -30,7 +39,7 @@ from specforge_kimi.errors import KimiInputError
 
 #: SpecForge's default for a 61-layer DeepSeek-V3/Kimi-K2.5 target (configs/deepseek-v3-671b-eagle3.json).
 K25_DEFAULT_SPECFORGE_IDS = (1, 29, 57)
-ENGINES = ("specforge", "sglang", "vllm", "hf")
+ENGINES = ("specforge", "sglang", "vllm", "hf", "dflash")
 
 
 def default_specforge_ids(num_layers: int) -> tuple[int, ...]:
@@ -47,6 +56,25 @@ def default_specforge_ids(num_layers: int) -> tuple[int, ...]:
             "target (not 3 distinct layers); pass explicit aux layer ids"
         )
     return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def default_dflash_ids(num_layers: int, n: int) -> tuple[int, ...]:
+    """The DFlash ids SpecForge and SGLang pick when a draft names none (``build_target_layer_ids``, identical in
+    both): ``[L//2]`` for one layer, else ``round(1 + i * (L - 4) / (n - 1))`` for ``i`` in ``0..n-1``.
+
+    Refused when the formula repeats a layer (``[1, 2, 2, 3]`` for 5 layers and 4 ids) or names none."""
+    if num_layers < 4 or n < 1:
+        raise KimiInputError(f"no default DFlash layer ids for {n} layers of a {num_layers}-layer target")
+    if n == 1:
+        ids = (num_layers // 2,)
+    else:
+        ids = tuple(int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n))
+    if len(set(ids)) != len(ids):
+        raise KimiInputError(
+            f"the default DFlash layer ids for {n} layers of a {num_layers}-layer target are {list(ids)} "
+            "(a layer repeated); name dflash_config.target_layer_ids explicitly"
+        )
+    return ids
 
 
 def _as_ints(ids: Iterable[int], what: str) -> tuple[int, ...]:
@@ -111,6 +139,20 @@ class AuxLayers:
     from_sglang = from_specforge
 
     @classmethod
+    def from_dflash(cls, ids: Sequence[int], num_layers: int) -> AuxLayers:
+        """From DFlash/DSpark target layer ids (always +1: capture after layer ``id``); ids ``0..L-2``."""
+        ids = _as_ints(ids, "DFlash")
+        if ids and max(ids) > num_layers - 2:
+            raise KimiInputError(
+                f"DFlash target layer ids {list(ids)} include {max(ids)}, but a {num_layers}-layer target takes "
+                f"0..{num_layers - 2} (the output of layer {num_layers - 1} is never captured)"
+            )
+        try:
+            return cls(tuple(i + 1 for i in ids), num_layers)
+        except KimiInputError as exc:
+            raise KimiInputError(f"DFlash target layer ids {list(ids)}: {exc}") from None
+
+    @classmethod
     def from_vllm(cls, ids: Sequence[int], num_layers: int) -> AuxLayers:
         """From vLLM ids (no shift)."""
         return cls(_as_ints(ids, "vLLM"), num_layers)
@@ -129,6 +171,7 @@ class AuxLayers:
                 "sglang": cls.from_sglang,
                 "vllm": cls.from_vllm,
                 "hf": cls.from_hf,
+                "dflash": cls.from_dflash,
             }[engine]
         except KeyError:
             raise KimiInputError(f"unknown engine {engine!r}; expected one of {ENGINES}") from None
@@ -151,6 +194,10 @@ class AuxLayers:
     def hf_indices(self) -> list[int]:
         return list(self.positions)
 
+    def dflash_ids(self) -> list[int]:
+        """DFlash target layer ids capturing these positions (``positions - 1``)."""
+        return [p - 1 for p in self.positions]
+
     def to_engine(self, engine: str) -> list[int]:
         try:
             view = {
@@ -158,6 +205,7 @@ class AuxLayers:
                 "sglang": self.sglang_ids,
                 "vllm": self.vllm_ids,
                 "hf": self.hf_indices,
+                "dflash": self.dflash_ids,
             }[engine]
         except KeyError:
             raise KimiInputError(f"unknown engine {engine!r}; expected one of {ENGINES}") from None
