@@ -75,6 +75,8 @@ def require_inputs(recipe) -> None:
 def _vocab_mapping(recipe, target_vocab: int) -> list[str]:
     from specforge_kimi.data.vocab_mapping import load_vocab_mapping, validate_vocab_mapping
 
+    if recipe.data.vocab_mapping_path is None:  # a block draft: the target's vocabulary, no mapping
+        return []
     path = Path(recipe.data.vocab_mapping_path)
     if not path.is_file():
         return [f"data.vocab_mapping_path {path} does not exist (specforge-kimi prepare writes it)"]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specforge_kimi.data.tokenizer import K25_SPECIAL_TOKENS
 from specforge_kimi.errors import KimiInputError, validation_summary
 from specforge_kimi.targets.layer_ids import AuxLayers
 from specforge_kimi.training.step_knobs import check_alloc_conf
@@ -27,14 +28,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-#: the draft config keys the memory plan reads (Llama; the MLA draft also needs :data:`_MLA_DRAFT_KEYS`)
-_DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "draft_vocab_size", "vocab_size")
+#: the draft families a recipe trains: EAGLE-3 (SpecForge strategy eagle3) and the block drafts (dflash, dspark)
+FAMILIES = ("eagle3", "dflash", "dspark")
+BLOCK_FAMILIES = ("dflash", "dspark")
+#: the draft config keys the memory plan reads, per family (EAGLE-3 Llama; the MLA draft also needs
+#: :data:`_MLA_DRAFT_KEYS`; a block draft is SpecForge's Qwen3-style ``DFlashDraftModel``/``DSparkDraftModel``)
+_DRAFT_KEYS = {
+    "eagle3": ("hidden_size", "intermediate_size", "num_attention_heads", "draft_vocab_size", "vocab_size"),
+    "dflash": (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_hidden_layers",
+        "block_size",
+        "num_target_layers",
+    ),
+}
+_DRAFT_KEYS["dspark"] = _DRAFT_KEYS["dflash"]
 _MLA_DRAFT_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+#: EAGLE-3 draft keys a block draft must not carry (it has no vocabulary of its own and no TTT)
+_EAGLE3_ONLY_DRAFT_KEYS = ("draft_vocab_size", "eagle_config", "ttt_length")
+#: trainer fields only the eagle3 step reads (patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs; TTT)
+EAGLE3_ONLY_TRAINER_FIELDS = ("ttt_length", "step_empty_cache", "step_fewer_host_syncs")
+#: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
+K25_MASK_TOKEN_ID = 163824
 
 
-def _check_draft_keys(d: dict) -> None:
+def _check_draft_keys(d: dict, family: str = "eagle3") -> None:
     """Each size the memory plan reads from ``trainer.draft`` is there and a positive integer."""
-    keys = _DRAFT_KEYS + (_MLA_DRAFT_KEYS if "kv_lora_rank" in d else ())
+    keys = _DRAFT_KEYS[family] + (_MLA_DRAFT_KEYS if "kv_lora_rank" in d else ())
     for key in keys + tuple(k for k in ("num_key_value_heads", "head_dim") if k in d):
         v = d.get(key)
         if type(v) is not int or v <= 0:
@@ -51,7 +75,12 @@ class TargetSection(_Strict):
     kv_bytes_per_token: int = Field(
         gt=0, description="MLA KV per token per GPU: (kv_lora 512 + rope 64) x layers x 2 B"
     )
-    aux_layer_ids: list[int] = Field(description="SpecForge ids; SGLang shifts all by +1 when the first is 1")
+    aux_layer_ids: list[int] | None = Field(
+        default=None,
+        description="EAGLE-3 aux layers, SpecForge ids (SGLang shifts all by +1 when the first is 1); required for "
+        "trainer.family eagle3, refused for block drafts (they name theirs in trainer.draft.dflash_config."
+        "target_layer_ids, DFlash ids: position = id + 1)",
+    )
     embedding_key: str = Field(default="language_model.model.embed_tokens.weight", description="Embedding tensor")
     lm_head_key: str = Field(default="language_model.lm_head.weight", description="LM head tensor")
 
@@ -165,10 +194,52 @@ class ResilienceSection(_Strict):
     )
 
 
+class BlockSection(_Strict):
+    """A block draft's knobs (``trainer.family`` dflash or dspark): SpecForge's ``training`` DFlash-family fields."""
+
+    block_size: int = Field(
+        default=8, ge=2, description="Tokens per draft block (the draft config's block_size must be the same)"
+    )
+    num_anchors: int = Field(default=512, gt=0, description="SpecForge's training.num_anchors: blocks per sample")
+    loss_decay_gamma: float | None = Field(
+        default=None, gt=0, description="SpecForge's training.loss_decay_gamma (None: no decay over block positions)"
+    )
+    objective_chunk_blocks: int = Field(
+        default=128, ge=0, description="SpecForge's training.objective_chunk_blocks (0: all objective logits at once)"
+    )
+    loss_type: Literal["dflash", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"] = Field(
+        default="dflash", description="SpecForge's training.loss_type"
+    )
+    mask_token_id: int = Field(
+        default=K25_MASK_TOKEN_ID,
+        ge=0,
+        description="The block's mask token (SpecForge's model.mask_token_id and the draft's dflash_config."
+        "mask_token_id); 163824 is <|reserved_token_163824|>, unused by K2.5",
+    )
+
+
+class DSparkSection(_Strict):
+    """DSpark's loss weights (SpecForge's training.dspark_*_alpha)."""
+
+    ce: float = Field(default=0.1, ge=0, description="training.dspark_ce_loss_alpha")
+    l1: float = Field(default=0.9, ge=0, description="training.dspark_l1_loss_alpha")
+    confidence: float = Field(default=1.0, ge=0, description="training.dspark_confidence_head_alpha")
+
+
 class TrainerSection(_Strict):
+    family: Literal["eagle3", "dflash", "dspark"] = Field(
+        default="eagle3",
+        description="The draft family: eagle3 (SpecForge strategy eagle3), or a block draft, dflash (served by SGLang's "
+        "DFLASH) or dspark (trains; SGLang 0.5.14 cannot serve its heads). Compiled into SpecForge's "
+        "training.strategy, the capture server's --spec-capture-method, the feature sizing and the trainer terms",
+    )
+    block: BlockSection | None = Field(
+        default=None, description="Block size, anchors, losses and mask token; block families only"
+    )
+    dspark: DSparkSection | None = Field(default=None, description="DSpark loss weights; family dspark only")
     draft: dict[str, Any] = Field(
-        description="Draft config JSON (LlamaForCausalLMEagle3, or the MLA "
-        "Eagle3DeepseekV2ForCausalLM), written beside the run"
+        description="Draft config JSON (LlamaForCausalLMEagle3, the MLA Eagle3DeepseekV2ForCausalLM, or a block "
+        "draft's DFlashDraftModel/DSparkDraftModel), written beside the run"
     )
     max_steps: int = Field(gt=0, description="Optimizer steps")
     num_epochs: int = Field(
@@ -235,14 +306,27 @@ class TrainerSection(_Strict):
 
 class DataSection(_Strict):
     prompts_path: str = Field(description="specforge-kimi prepare output prompts.jsonl")
-    vocab_mapping_path: str = Field(description="specforge-kimi prepare output vocab_mapping.pt")
+    vocab_mapping_path: str | None = Field(
+        default=None,
+        description="specforge-kimi prepare output vocab_mapping.pt; EAGLE-3 only (a block draft uses the target's "
+        "vocabulary)",
+    )
 
 
 class BenchSection(_Strict):
     min_acceptance_length: float = Field(gt=1, description="Fail the recipe below this mean acceptance length")
-    steps: int = Field(default=3, description="--speculative-num-steps")
-    topk: int = Field(default=1, description="--speculative-eagle-topk")
-    draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens")
+    algorithm: Literal["EAGLE3", "DFLASH"] = Field(
+        default="EAGLE3",
+        description="--speculative-algorithm: EAGLE3 for trainer.family eagle3, DFLASH for a block draft",
+    )
+    steps: int = Field(default=3, description="--speculative-num-steps (EAGLE3)")
+    topk: int = Field(default=1, description="--speculative-eagle-topk (EAGLE3)")
+    draft_tokens: int = Field(default=4, description="--speculative-num-draft-tokens (EAGLE3)")
+    block_size: int | None = Field(
+        default=None,
+        ge=2,
+        description="--speculative-dflash-block-size (DFLASH); unset: trainer.block.block_size",
+    )
 
 
 class TrackingSection(_Strict):
@@ -285,22 +369,16 @@ class Recipe(_Strict):
         tp = self.tp
         if self.target.num_attention_heads % tp:
             raise ValueError(f"TP={tp} does not divide num_attention_heads={self.target.num_attention_heads}")
-        AuxLayers.from_specforge(self.target.aux_layer_ids, self.target.num_layers)
         d = self.trainer.draft
-        _check_draft_keys(d)
+        _check_draft_keys(d, self.trainer.family)
         if d.get("hidden_size") != self.target.hidden_size:
             raise ValueError(
                 f"draft hidden_size {d.get('hidden_size')} != target hidden_size {self.target.hidden_size}"
             )
-        if d.get("vocab_size") != self.target.vocab_size:
-            raise ValueError(f"draft vocab_size {d.get('vocab_size')} != target vocab_size {self.target.vocab_size}")
-        named = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if named is not None and list(named) != list(self.target.aux_layer_ids):
-            raise ValueError(
-                f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
-                f"target.aux_layer_ids {list(self.target.aux_layer_ids)}: the draft would be "
-                "trained on other layers than it names"
-            )
+        if self.is_block:
+            _check_block(self)
+        else:
+            _check_eagle3(self)
         if self.server.capture_put_clients > 1 and self.resilience.segment_owner != "server":
             raise ValueError(
                 "server.capture_put_clients > 1 splits the server's own segment; with segment_owner: "
@@ -329,6 +407,108 @@ class Recipe(_Strict):
     @property
     def tp(self) -> int:
         return self.gpus.per_node * self.gpus.nnodes
+
+    @property
+    def is_block(self) -> bool:
+        """Whether the recipe trains a block draft (``trainer.family`` dflash or dspark)."""
+        return self.trainer.family in BLOCK_FAMILIES
+
+    @property
+    def capture_ids(self) -> list[int]:
+        """The ids the capture server and SpecForge get, in the family's convention: EAGLE-3's
+        ``target.aux_layer_ids`` (SpecForge ids), or a block draft's ``dflash_config.target_layer_ids`` (DFlash ids)."""
+        if self.is_block:
+            return list(self.trainer.draft["dflash_config"]["target_layer_ids"])
+        return list(self.target.aux_layer_ids or ())
+
+    @property
+    def capture_layers(self) -> AuxLayers:
+        """The captured positions of :attr:`capture_ids` (``targets.layer_ids``)."""
+        engine = "dflash" if self.is_block else "specforge"
+        return AuxLayers.from_engine(engine, self.capture_ids, self.target.num_layers)
+
+    @property
+    def bench_block_size(self) -> int | None:
+        """DFLASH's block size for ``bench``: ``bench.block_size``, else the training block; None for EAGLE-3."""
+        if not self.is_block:
+            return None
+        return self.bench.block_size or self.trainer.block.block_size
+
+
+def _check_eagle3(r: Recipe) -> None:
+    """An EAGLE-3 recipe: aux ids, vocabulary mapping, no block sections."""
+    t, tr, d = r.target, r.trainer, r.trainer.draft
+    for name in ("block", "dspark"):
+        if getattr(tr, name) is not None:
+            raise ValueError(f"trainer.{name} is for block drafts (trainer.family dflash/dspark), not eagle3")
+    if t.aux_layer_ids is None:
+        raise ValueError("target.aux_layer_ids is required for trainer.family eagle3 (SpecForge ids, e.g. [1, 29, 57])")
+    if r.data.vocab_mapping_path is None:
+        raise ValueError("data.vocab_mapping_path is required for trainer.family eagle3 (specforge-kimi prepare)")
+    if r.bench.algorithm != "EAGLE3" or r.bench.block_size is not None:
+        raise ValueError("bench.algorithm DFLASH and bench.block_size are for block drafts; eagle3 benches EAGLE3")
+    AuxLayers.from_specforge(t.aux_layer_ids, t.num_layers)
+    if d.get("vocab_size") != t.vocab_size:
+        raise ValueError(f"draft vocab_size {d.get('vocab_size')} != target vocab_size {t.vocab_size}")
+    named = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if named is not None and list(named) != list(t.aux_layer_ids):
+        raise ValueError(
+            f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
+            f"target.aux_layer_ids {list(t.aux_layer_ids)}: the draft would be "
+            "trained on other layers than it names"
+        )
+
+
+def _check_block_fields(r: Recipe) -> None:
+    """What a block recipe must not carry: EAGLE-3's ids, vocabulary mapping, step knobs, bench flags."""
+    tr, fam = r.trainer, r.trainer.family
+    if tr.block is None:
+        raise ValueError(f"trainer.family {fam} needs trainer.block (block_size, num_anchors, ..., mask_token_id)")
+    if tr.dspark is not None and fam != "dspark":
+        raise ValueError(f"trainer.dspark is for trainer.family dspark, not {fam}")
+    if r.target.aux_layer_ids is not None:
+        raise ValueError(
+            f"target.aux_layer_ids is EAGLE-3's; a {fam} draft names its layers in "
+            "trainer.draft.dflash_config.target_layer_ids (DFlash ids)"
+        )
+    if r.data.vocab_mapping_path is not None:
+        raise ValueError(f"data.vocab_mapping_path is EAGLE-3's; a {fam} draft uses the target's vocabulary")
+    eagle3_only = [f"trainer.{k}" for k in EAGLE3_ONLY_TRAINER_FIELDS if k in tr.model_fields_set]
+    eagle3_only += [f"trainer.draft.{k}" for k in _EAGLE3_ONLY_DRAFT_KEYS if k in tr.draft]
+    eagle3_only += [f"bench.{k}" for k in ("steps", "topk", "draft_tokens") if k in r.bench.model_fields_set]
+    if eagle3_only:
+        raise ValueError(f"{', '.join(eagle3_only)}: EAGLE-3 only, not for trainer.family {fam}")
+    if r.bench.algorithm != "DFLASH":
+        raise ValueError(f"bench.algorithm must be DFLASH for trainer.family {fam}")
+    if "kv_lora_rank" in tr.draft:
+        raise ValueError(f"a {fam} draft is Qwen3-style (DFlashDraftModel); kv_lora_rank is the MLA EAGLE-3 draft's")
+
+
+def _check_block(r: Recipe) -> None:
+    """A block recipe: its draft's ids, block size, target layers and mask token agree with the recipe."""
+    _check_block_fields(r)
+    t, d, b = r.target, r.trainer.draft, r.trainer.block
+    dc = d.get("dflash_config")
+    if not isinstance(dc, dict) or not dc.get("target_layer_ids"):
+        raise ValueError("trainer.draft.dflash_config.target_layer_ids is required (DFlash ids: position = id + 1)")
+    AuxLayers.from_dflash(dc["target_layer_ids"], t.num_layers)
+    if d["num_target_layers"] != t.num_layers:
+        raise ValueError(f"draft num_target_layers {d['num_target_layers']} != target.num_layers {t.num_layers}")
+    if d["block_size"] != b.block_size:
+        raise ValueError(f"draft block_size {d['block_size']} != trainer.block.block_size {b.block_size}")
+    if dc.get("mask_token_id") != b.mask_token_id:
+        raise ValueError(
+            f"draft dflash_config.mask_token_id {dc.get('mask_token_id')!r} != trainer.block.mask_token_id "
+            f"{b.mask_token_id} (SGLang needs the id in the draft; it cannot look up a mask token without a tokenizer)"
+        )
+    if b.mask_token_id >= t.vocab_size:
+        raise ValueError(f"trainer.block.mask_token_id {b.mask_token_id} is outside the vocabulary (< {t.vocab_size})")
+    special = {v: k for k, v in K25_SPECIAL_TOKENS.items()}.get(b.mask_token_id)
+    if special is not None:
+        raise ValueError(f"trainer.block.mask_token_id {b.mask_token_id} is K2.5's {special}, a token in use")
+    types = d.get("layer_types")
+    if types is not None and len(types) != d["num_hidden_layers"]:
+        raise ValueError(f"draft layer_types has {len(types)} entries for {d['num_hidden_layers']} layers")
 
 
 def read_recipe(path: str | Path) -> Recipe:
