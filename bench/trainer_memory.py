@@ -318,15 +318,171 @@ def _profile(
     return summary
 
 
-def child(args) -> int:
-    """One backend, lengths ascending, in this process; prints one JSON line per length."""
+def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
+    """What SpecForge's online consumer builds for the recipe at this backend: the model bundle, the FSDP backend
+    with SpecForge's optimizer factory, the eagle3 step strategy and ``TrainerCore``; with what the variant's
+    step environment turned on, the build time and the memory allocated after it."""
+    import step_profile
+    import torch
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config import Config
+    from specforge.training.assembly import _optimizer_factory, build_model_bundle
+    from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
+    from specforge.training.controller import TrainerCore
+
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    # one model per backend, as one run sees samples of many lengths: max_length shapes no tensor of
+    # the model, only the samples; the peak counters are reset per length
+    r = row_recipe(
+        base,
+        target=Path(args.target),
+        vocab=Path(args.vocab),
+        workdir=workdir,
+        length=max(args.lengths),
+        backend=args.backend,
+    )
+    cfg_dict = compile_plan(r, rendered_dir=workdir / f"render-{args.backend}").write()["specforge_config"]
+    cfg_dict["training"]["role"] = "consumer"
+    # SpecForge's FSDP needs an accelerator; on the CPU its DDP path (NO_SHARD) runs instead
+    sharding = cfg_dict["training"].get("fsdp_sharding", "SHARD_GRAD_OP") if cuda else "NO_SHARD"
+    os.environ["FSDP_SHARDING"] = sharding
+    cfg = Config.model_validate(cfg_dict)
+    algorithm = builtin_algorithm_registry().resolve("eagle3")
+    torch.manual_seed(args.seed)  # the same draft init in every variant
+    t0 = time.perf_counter()
+    bundle = build_model_bundle(cfg, algorithm=algorithm)
+    backend = FSDPTrainingBackend(ParallelConfig.from_distributed(), optimizer_factory=_optimizer_factory(cfg))
+    wrapped = backend.prepare_model(bundle.model, optimizer_target=bundle.model.draft_model)
+    strategy = algorithm.providers.step.build(wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs))
+    core = TrainerCore(strategy, backend)
+    # what the variant's SPECFORGE_ADAMW_FUSED did (patch 0004 applied or not)
+    adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
+    # what the variant's SPECFORGE_EAGLE3_FEWER_SYNCS did (patch 0005 applied or not)
+    import specforge.algorithms.eagle3.model as eagle3_model
+
+    fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
+    if args.profile_steps:
+        step_profile.annotate(target_head=bundle.target_head, backend=backend)
+    build_s = time.perf_counter() - t0
+    built = None
+    if cuda:
+        torch.cuda.synchronize()
+        built = torch.cuda.memory_allocated() / GIB
+    hidden, vocab = r.target.hidden_size, r.target.vocab_size
+    return {
+        "core": core,
+        "sharding": sharding,
+        "adamw_fused": adamw_fused,
+        "fewer_syncs": fewer_syncs,
+        "build_s": build_s,
+        "built": built,
+        "hidden": hidden,
+        "vocab": vocab,
+    }
+
+
+def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdir: Path, cuda: bool) -> dict:
+    """One length's row on this rank: the plan's terms and FLOPs, then ``--steps`` timed steps (peaks, allocator
+    counters, losses) and the optional profile; an error ends the row, never the process."""
     import step_profile
     import torch
 
-    from specforge_kimi import register
-    from specforge_kimi.plan.run_plan import compile_plan, load_recipe
     from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.training.step_flops import recipe_step_flops
+
+    core, sharding, hidden, vocab = trainer["core"], trainer["sharding"], trainer["hidden"], trainer["vocab"]
+    adamw_fused, fewer_syncs, build_s, built = (
+        trainer["adamw_fused"],
+        trainer["fewer_syncs"],
+        trainer["build_s"],
+        trainer["built"],
+    )
+    terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
+    flops = recipe_step_flops(base, length=length)
+    executed = recipe_step_flops(base, length=length, attention=EXECUTED[args.backend])
+    row = {
+        "variant": args.variant,
+        "step_env": {k: os.environ.get(k) for k in STEP_ENV_KEYS},
+        "feed": _feed(args, cuda) or "host",
+        "adamw_fused": adamw_fused,
+        "fewer_host_syncs": fewer_syncs,
+        "backend": args.backend,
+        "length": length,
+        "fsdp_sharding": sharding,
+        "build_s": build_s,
+        "built_allocated_gib": built,
+        "plan_bytes": terms,
+        "plan_gib": sum(terms.values()) / GIB,
+        "flops_per_token": flops.per_token,
+        "flops_per_token_executed": executed.per_token,
+        "flops_executed_attention": executed.attention,
+        "flops_per_token_by_term": {k: v / length for k, v in flops.by_term.items()},
+        "peak_tflops": args.peak_tflops,
+        "measured_gemm_tflops": args.gemm_tflops,
+    }
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            row["start_allocated_gib"] = torch.cuda.memory_allocated() / GIB
+        times, losses, counters = [], [], {k: [] for k in step_profile.ALLOC_COUNTERS}
+        reserved_after: list[float] = []
+        for step in range(args.steps):
+            # each rank its own sample, the same in every variant
+            batch = _batch(length, hidden, vocab, seed=1000 * step + rank, device=_feed(args, cuda))
+            before = torch.cuda.memory_stats() if cuda else {}
+            t0 = time.perf_counter()
+            out = core.train_step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(out.loss))
+            if cuda:
+                reserved_after.append(torch.cuda.memory_reserved() / GIB)
+                for k, v in step_profile.alloc_deltas(before, torch.cuda.memory_stats()).items():
+                    counters[k].append(int(v))
+        row["step_s"] = times
+        row["losses"] = losses
+        if len(times) > 1:
+            med = sorted(times[1:])[len(times[1:]) // 2]
+            row["median_step_s_after_first"] = med
+            row["tokens_per_s"] = length / med
+        if cuda:
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            row["measured_over_plan"] = row["peak_allocated_gib"] / row["plan_gib"]
+            row["allocator_counters_per_step"] = counters
+            row["reserved_after_step_gib"] = reserved_after
+        if args.profile_steps:  # a failed profile costs its summary, never the row's timings
+            try:
+                row["profile"] = _profile(
+                    args,
+                    core,
+                    rank=rank,
+                    length=length,
+                    hidden=hidden,
+                    vocab=vocab,
+                    draft_vocab=base.trainer.draft["draft_vocab_size"],
+                    workdir=workdir,
+                    cuda=cuda,
+                    flops=flops,
+                )
+            except Exception as exc:
+                row["profile_error"] = f"{type(exc).__name__}: {exc}"
+    except torch.OutOfMemoryError as exc:
+        row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # record and stop this backend's list
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def child(args) -> int:
+    """One backend, lengths ascending, in this process; prints one JSON line per length."""
+    import torch
+
+    from specforge_kimi import register
+    from specforge_kimi.plan.run_plan import load_recipe
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -334,12 +490,7 @@ def child(args) -> int:
 
         install_cpu_shims()
     register()
-    from specforge.algorithms.builtin import builtin_algorithm_registry
-    from specforge.config import Config
     from specforge.distributed import destroy_distributed, init_distributed
-    from specforge.training.assembly import _optimizer_factory, build_model_bundle
-    from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
-    from specforge.training.controller import TrainerCore
 
     workdir = Path(args.workdir)
     base = load_recipe(args.recipe)
@@ -358,46 +509,7 @@ def child(args) -> int:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        # one model per backend, as one run sees samples of many lengths: max_length shapes no tensor of
-        # the model, only the samples; the peak counters are reset per length
-        r = row_recipe(
-            base,
-            target=Path(args.target),
-            vocab=Path(args.vocab),
-            workdir=workdir,
-            length=max(args.lengths),
-            backend=args.backend,
-        )
-        cfg_dict = compile_plan(r, rendered_dir=workdir / f"render-{args.backend}").write()["specforge_config"]
-        cfg_dict["training"]["role"] = "consumer"
-        # SpecForge's FSDP needs an accelerator; on the CPU its DDP path (NO_SHARD) runs instead
-        sharding = cfg_dict["training"].get("fsdp_sharding", "SHARD_GRAD_OP") if cuda else "NO_SHARD"
-        os.environ["FSDP_SHARDING"] = sharding
-        cfg = Config.model_validate(cfg_dict)
-        algorithm = builtin_algorithm_registry().resolve("eagle3")
-        torch.manual_seed(args.seed)  # the same draft init in every variant
-        t0 = time.perf_counter()
-        bundle = build_model_bundle(cfg, algorithm=algorithm)
-        backend = FSDPTrainingBackend(ParallelConfig.from_distributed(), optimizer_factory=_optimizer_factory(cfg))
-        wrapped = backend.prepare_model(bundle.model, optimizer_target=bundle.model.draft_model)
-        strategy = algorithm.providers.step.build(
-            wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs)
-        )
-        core = TrainerCore(strategy, backend)
-        # what the variant's SPECFORGE_ADAMW_FUSED did (patch 0004 applied or not)
-        adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
-        # what the variant's SPECFORGE_EAGLE3_FEWER_SYNCS did (patch 0005 applied or not)
-        import specforge.algorithms.eagle3.model as eagle3_model
-
-        fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
-        if args.profile_steps:
-            step_profile.annotate(target_head=bundle.target_head, backend=backend)
-        build_s = time.perf_counter() - t0
-        built = None
-        if cuda:
-            torch.cuda.synchronize()
-            built = torch.cuda.memory_allocated() / GIB
-        hidden, vocab = r.target.hidden_size, r.target.vocab_size
+        trainer = _build_trainer(args, base, workdir, cuda)
     except Exception as exc:
         print(
             json.dumps({"backend": args.backend, "rank": rank, "error": f"build: {type(exc).__name__}: {exc}"}),
@@ -407,82 +519,7 @@ def child(args) -> int:
         return 0
     try:
         for length in args.lengths:
-            terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
-            flops = recipe_step_flops(base, length=length)
-            executed = recipe_step_flops(base, length=length, attention=EXECUTED[args.backend])
-            row = {
-                "variant": args.variant,
-                "step_env": {k: os.environ.get(k) for k in STEP_ENV_KEYS},
-                "feed": _feed(args, cuda) or "host",
-                "adamw_fused": adamw_fused,
-                "fewer_host_syncs": fewer_syncs,
-                "backend": args.backend,
-                "length": length,
-                "fsdp_sharding": sharding,
-                "build_s": build_s,
-                "built_allocated_gib": built,
-                "plan_bytes": terms,
-                "plan_gib": sum(terms.values()) / GIB,
-                "flops_per_token": flops.per_token,
-                "flops_per_token_executed": executed.per_token,
-                "flops_executed_attention": executed.attention,
-                "flops_per_token_by_term": {k: v / length for k, v in flops.by_term.items()},
-                "peak_tflops": args.peak_tflops,
-                "measured_gemm_tflops": args.gemm_tflops,
-            }
-            try:
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                    row["start_allocated_gib"] = torch.cuda.memory_allocated() / GIB
-                times, losses, counters = [], [], {k: [] for k in step_profile.ALLOC_COUNTERS}
-                reserved_after: list[float] = []
-                for step in range(args.steps):
-                    # each rank its own sample, the same in every variant
-                    batch = _batch(length, hidden, vocab, seed=1000 * step + rank, device=_feed(args, cuda))
-                    before = torch.cuda.memory_stats() if cuda else {}
-                    t0 = time.perf_counter()
-                    out = core.train_step(batch)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    losses.append(float(out.loss))
-                    if cuda:
-                        reserved_after.append(torch.cuda.memory_reserved() / GIB)
-                        for k, v in step_profile.alloc_deltas(before, torch.cuda.memory_stats()).items():
-                            counters[k].append(int(v))
-                row["step_s"] = times
-                row["losses"] = losses
-                if len(times) > 1:
-                    med = sorted(times[1:])[len(times[1:]) // 2]
-                    row["median_step_s_after_first"] = med
-                    row["tokens_per_s"] = length / med
-                if cuda:
-                    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-                    row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-                    row["measured_over_plan"] = row["peak_allocated_gib"] / row["plan_gib"]
-                    row["allocator_counters_per_step"] = counters
-                    row["reserved_after_step_gib"] = reserved_after
-                if args.profile_steps:  # a failed profile costs its summary, never the row's timings
-                    try:
-                        row["profile"] = _profile(
-                            args,
-                            core,
-                            rank=rank,
-                            length=length,
-                            hidden=hidden,
-                            vocab=vocab,
-                            draft_vocab=base.trainer.draft["draft_vocab_size"],
-                            workdir=workdir,
-                            cuda=cuda,
-                            flops=flops,
-                        )
-                    except Exception as exc:
-                        row["profile_error"] = f"{type(exc).__name__}: {exc}"
-            except torch.OutOfMemoryError as exc:
-                row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
-            except Exception as exc:  # record and stop this backend's list
-                row["error"] = f"{type(exc).__name__}: {exc}"
+            row = _measure_length(args, trainer, base, length, rank=rank, workdir=workdir, cuda=cuda)
             row = _throughput(_merge_ranks(row, dist, world))
             if rank == 0:
                 print(json.dumps(row), flush=True)
