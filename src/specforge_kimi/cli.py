@@ -241,9 +241,9 @@ def _layer_ids_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_export_check(args: argparse.Namespace) -> int:
-    from specforge_kimi.drafts.export import check_sglang_export
+    from specforge_kimi.drafts.export import check_any_export
 
-    print(json.dumps(check_sglang_export(args.draft, target_dir=args.target), indent=2))
+    print(json.dumps(check_any_export(args.draft, args.target), indent=2))
     return 0
 
 
@@ -363,7 +363,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 COMMAND_GROUPS = {
     "data": ("prepare", "regenerate"),
     "train": ("setup", "doctor", "recipe", "launch", "watch", "stop", "train"),
-    "evaluate": ("bench", "run-report", "export-check"),
+    "evaluate": ("export", "export-check", "bench", "run-report"),
     "tools": ("inspect", "layer-ids", "capture-features", "train-offline"),
     "tiny / dev (tiny targets, the CPU demo)": ("demo", "tiny", "eval-draft", "target-text"),
 }
@@ -471,6 +471,12 @@ COMMANDS: tuple[Command, ...] = (
         _K + "cli:_cmd_layer_ids",
         "convert aux layer ids between SpecForge/SGLang, vLLM and HF",
         _K + "cli:_layer_ids_arguments",
+    ),
+    Command(
+        "export",
+        _K + "drafts.export:run",
+        "export a checkpoint for SGLang by its draft architecture (EAGLE-3, or DFlash for DFLASH), checked",
+        _K + "drafts.export:add_arguments",
     ),
     Command(
         "export-check",

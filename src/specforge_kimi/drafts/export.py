@@ -1,5 +1,8 @@
 """Exported drafts: K2.5 eagle_config, provenance, and the checks SGLang's loader needs.
 
+:func:`export_run_draft` and :func:`check_any_export` dispatch by the draft's architecture: EAGLE-3 here and in
+:mod:`.export_engines`, block drafts (DFlash) in :mod:`.block_export`.
+
 Scope: Llama-style EAGLE-3 drafts exported by SpecForge's ``export --to sglang``
 (``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, int64 ``d2t`` offsets,
 bool ``t2d``). SpecForge writes the weights; we write ``eagle_config`` with the aux layer ids in
@@ -111,11 +114,16 @@ def export_run_draft(
     *,
     vocab_mapping_path: str,
     target_dir: str | os.PathLike | None,
-    aux: AuxLayers,
+    aux: AuxLayers | None,
     command: Sequence[str] | None = None,
     extra: dict | None = None,
+    mask_token_id: int | None = None,
 ) -> Path:
     """Export a run's SpecForge checkpoint for SGLang, by the draft's architecture.
+
+    Block drafts (``DFlashDraftModel``; ``DSparkDraftModel`` refused): :func:`specforge_kimi.drafts.block_export.
+    export_block_draft`, their target layers from the draft config (``aux``, EAGLE-3's, is not read), with
+    ``mask_token_id`` the recipe's (checked against the checkpoint's).
 
     Llama-style: SpecForge's own ``export --to sglang`` then :func:`finalize_sglang_export`. MLA
     (``Eagle3DeepseekV2ForCausalLM``): :func:`specforge_kimi.drafts.export_engines.export_draft`,
@@ -125,8 +133,24 @@ def export_run_draft(
     against the target; the Llama path needs it (its ``eagle_config`` is written from it)."""
     from specforge_kimi.drafts.export_engines import MLA_ARCH, check_export_dir, staged_export
 
-    check_export_dir(export_dir)
     cfg = json.loads(Path(draft_config_path).read_text())
+    from specforge_kimi.drafts.block_export import block_arch, export_block_draft
+
+    if block_arch(cfg) is not None:
+        if target_dir is None:
+            raise KimiInputError("exporting a block draft needs the target directory")
+        return export_block_draft(
+            checkpoint,
+            draft_config_path,
+            export_dir,
+            target_dir=target_dir,
+            mask_token_id=mask_token_id,
+            command=command,
+            extra=extra,
+        )
+    check_export_dir(export_dir)
+    if aux is None:
+        raise KimiInputError("exporting an EAGLE-3 draft needs the run's aux layers")
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and AuxLayers.from_specforge(ids, aux.num_layers).positions != aux.positions:
         raise KimiInputError(
@@ -152,6 +176,27 @@ def export_run_draft(
         export_sglang(str(checkpoint), str(draft_config_path), str(staging), vocab_mapping_path)
         finalize_sglang_export(staging, target_dir=target_dir, aux=aux, command=command, extra=extra)
     return Path(export_dir)
+
+
+def check_any_export(export_dir: str | os.PathLike, target_dir: str | os.PathLike | None = None) -> dict:
+    """The SGLang export check of the draft's architecture (``config.json``'s ``architectures``): Llama-style
+    EAGLE-3 (:func:`check_sglang_export`), MLA EAGLE-3 (``export_engines.check_export``) or a block draft
+    (``block_export.check_dflash_export``); a summary naming the architecture, or one line on the first problem."""
+    from specforge_kimi.drafts.block_export import block_arch, check_dflash_export
+    from specforge_kimi.drafts.export_engines import MLA_ARCH, check_export
+
+    cfg_path = Path(export_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise KimiInputError(f"{cfg_path} not found")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KimiInputError(f"{cfg_path}: not valid JSON ({exc.msg})") from None
+    if block_arch(cfg) is not None:
+        return check_dflash_export(export_dir, target_dir)
+    if cfg.get("architectures") == [MLA_ARCH]:
+        return check_export(export_dir, "sglang")
+    return {"architecture": ARCH, **check_sglang_export(export_dir, target_dir=target_dir)}
 
 
 def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.PathLike | None = None) -> dict:
@@ -228,3 +273,59 @@ def check_sglang_export(export_dir: str | os.PathLike, *, target_dir: str | os.P
         aux = AuxLayers.from_sglang(ids, info.num_layers)
         summary["captured_positions"] = list(aux.positions)
     return summary
+
+
+# ---- the export command -----------------------------------------------------------------------
+def add_arguments(p) -> None:
+    """``specforge-kimi export``: a recipe's newest checkpoint (as ``launch`` exports at the end), or one named."""
+    p.description = (
+        "Export a SpecForge checkpoint for SGLang, by the draft's architecture: EAGLE-3 (Llama-style or MLA) with "
+        "K2.5 aux ids, or a DFlash block draft for SGLang's DFLASH; provenance.json beside it, checked."
+    )
+    p.add_argument(
+        "--recipe", help="export the recipe's newest checkpoint into OUTPUT_DIR/export-sglang, as launch does"
+    )
+    p.add_argument("--checkpoint", help="training_state.pt, a {run_id}-step{N} directory or a run output_dir")
+    p.add_argument("--draft-config", help="the draft config the run trained (its rendered draft_config.json)")
+    p.add_argument("--target", help="target checkpoint directory (its layers, width and vocab are checked)")
+    p.add_argument("--out", help="export directory (replaced whole when it holds a previous export)")
+    p.add_argument("--vocab-mapping", default=None, help="EAGLE-3: the draft vocab mapping (d2t/t2d) the run used")
+    p.add_argument(
+        "--mask-token-id", type=int, default=None, help="block drafts: the mask id trained with (checked, not needed)"
+    )
+
+
+def run(args) -> int:
+    import sys
+
+    if args.recipe:
+        from specforge_kimi.plan.run_plan import compile_plan
+        from specforge_kimi.run.launch import export_latest
+
+        print(f"exported draft: {export_latest(compile_plan(args.recipe))}")
+        return 0
+    given = {"--checkpoint": args.checkpoint, "--draft-config": args.draft_config, "--target": args.target}
+    missing = [flag for flag, v in {**given, "--out": args.out}.items() if not v]
+    if missing:
+        raise KimiInputError(f"pass --recipe, or {', '.join(missing)}")
+    from specforge_kimi.targets.checkpoint import inspect_target
+
+    cfg = json.loads(Path(args.draft_config).read_text())
+    layers = inspect_target(args.target).num_layers
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    from specforge_kimi.drafts.block_export import block_arch
+
+    aux = None if block_arch(cfg) else AuxLayers.from_specforge(ids or [], layers)
+    out = export_run_draft(
+        args.checkpoint,
+        args.draft_config,
+        args.out,
+        vocab_mapping_path=args.vocab_mapping,
+        target_dir=args.target,
+        aux=aux,
+        command=sys.argv,
+        mask_token_id=args.mask_token_id,
+    )
+    print(f"exported draft: {out}")
+    print(json.dumps(check_any_export(out, args.target), indent=2))
+    return 0

@@ -3,7 +3,8 @@
 Scope: SpecForge 0.2.0 ``eagle3`` checkpoints of two drafts -- the Llama-style
 ``LlamaForCausalLMEagle3`` and our MLA draft (:mod:`.mla_eagle3`, ``Eagle3DeepseekV2ForCausalLM``)
 -- written as one ``model.safetensors`` + ``config.json`` + ``provenance.json`` in the layout
-each engine's loader reads. The frozen embedding is never exported: both engines share the
+each engine's loader reads. A block draft (``DFlashDraftModel``) is handed to :mod:`.block_export`, for
+SGLang only (:data:`ARCH_ENGINES`). The frozen embedding is never exported: both engines share the
 target's. Aux layer ids are converted once, through :class:`specforge_kimi.targets.layer_ids.AuxLayers`:
 the draft config carries SpecForge ids (SGLang's convention: +1 shift when the first id is 1);
 every export writes the captured *positions*, which SGLang then uses unshifted and vLLM uses as
@@ -65,6 +66,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.drafts.block_export import DFLASH_ARCH, block_arch
 from specforge_kimi.durable import recover_dir, refuse_link, staged_dir
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.targets.layer_ids import AuxLayers
@@ -72,7 +74,11 @@ from specforge_kimi.targets.layer_ids import AuxLayers
 ENGINES = ("sglang", "vllm")
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
-ARCHS = (LLAMA_ARCH, MLA_ARCH)
+#: the EAGLE-3 drafts this module exports itself
+EAGLE3_ARCHS = (LLAMA_ARCH, MLA_ARCH)
+ARCHS = (*EAGLE3_ARCHS, DFLASH_ARCH)
+#: the engines each architecture exports for: the block draft (:mod:`.block_export`) for SGLang's DFLASH only
+ARCH_ENGINES = {LLAMA_ARCH: ENGINES, MLA_ARCH: ENGINES, DFLASH_ARCH: ("sglang",)}
 #: model_type each engine resolves the MLA draft config with.
 MLA_MODEL_TYPE = {"sglang": "kimi_k2", "vllm": "deepseek_v3"}
 WEIGHTS_FILE = "model.safetensors"
@@ -87,8 +93,8 @@ def _engine(engine: str) -> str:
 
 def _arch(config: Mapping[str, Any]) -> str:
     archs = config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHS:
-        raise KimiInputError(f"draft architectures {archs} is not one of {list(ARCHS)}")
+    if len(archs) != 1 or archs[0] not in EAGLE3_ARCHS:
+        raise KimiInputError(f"draft architectures {archs} is not one of {list(EAGLE3_ARCHS)}")
     return archs[0]
 
 
@@ -341,8 +347,10 @@ def export_draft(
     from specforge_kimi.provenance import canonical_hash, file_hash, patch_hashes, provenance
 
     _engine(engine)
-    check_export_dir(output_dir)
     draft_config = json.loads(Path(draft_config_path).read_text())
+    if block_arch(draft_config) is not None:
+        return _export_block(checkpoint, draft_config_path, output_dir, engine, target_dir, command)
+    check_export_dir(output_dir)
     arch = _arch(draft_config)
     specforge_ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not specforge_ids:
@@ -407,6 +415,18 @@ def export_draft(
     return prov
 
 
+def _export_block(checkpoint, draft_config_path, output_dir, engine: str, target_dir, command) -> dict[str, Any]:
+    """A block draft through :func:`specforge_kimi.drafts.block_export.export_block_draft`; its provenance."""
+    from specforge_kimi.drafts.block_export import export_block_draft
+
+    if engine not in ARCH_ENGINES[DFLASH_ARCH]:
+        raise KimiInputError(f"block drafts export for {list(ARCH_ENGINES[DFLASH_ARCH])} only, not {engine!r}")
+    if target_dir is None:
+        raise KimiInputError("exporting a block draft needs the target directory")
+    out = export_block_draft(checkpoint, draft_config_path, output_dir, target_dir=target_dir, command=command)
+    return json.loads((out / PROVENANCE_FILE).read_text())
+
+
 def load_exported_draft(export_dir: str | os.PathLike, *, dtype: Any = None, embedding: Any = None):
     """Rebuild the training-side draft module from an export (our class / SpecForge's Llama
     draft), strict on keys except the embedding, which comes from ``embedding`` if given
@@ -442,6 +462,8 @@ def load_exported_draft(export_dir: str | os.PathLike, *, dtype: Any = None, emb
 
 __all__ = [
     "ARCHS",
+    "ARCH_ENGINES",
+    "EAGLE3_ARCHS",
     "ENGINES",
     "LLAMA_ARCH",
     "MLA_ARCH",
