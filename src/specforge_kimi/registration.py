@@ -74,6 +74,8 @@ from __future__ import annotations
 import functools
 import os
 
+import specforge_kimi.environment as _env
+
 _DONE = False
 _WRAPPED_FLAG = "__specforge_kimi_wrapped__"
 
@@ -187,6 +189,10 @@ def _server_healthy(base_url: str) -> bool:
         return False
 
 
+#: seconds the outage-wait seam waits for a lost capture server (set by ``launch``)
+OUTAGE_ENV = _env.SERVER_OUTAGE_S.name
+
+
 def _install_outage_wait() -> None:
     """The ``outage-wait`` seam (module docstring)."""
     from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter
@@ -207,7 +213,7 @@ def _install_outage_wait() -> None:
 
             if not isinstance(exc, requests.RequestException) or _server_healthy(self.base_url):
                 raise
-            limit = float(os.environ.get("SPECFORGE_KIMI_SERVER_OUTAGE_S", "900"))
+            limit = float(os.environ.get(OUTAGE_ENV, "900"))
             log = logging.getLogger("specforge_kimi")
             log.warning(
                 "capture server %s unreachable (%s); waiting up to %.0f s for it",
@@ -229,7 +235,7 @@ def _install_outage_wait() -> None:
     SGLangServerCaptureAdapter.produce_refs = produce_refs
 
 
-RESTARTABLE_ENV = "SPECFORGE_KIMI_CONSUMER_RESTARTABLE"
+RESTARTABLE_ENV = _env.CONSUMER_RESTARTABLE.name
 # a surviving rank's collective failing because a sibling died (the sibling's own failure, if it could
 # publish one, is not suppressed); torch's gloo and NCCL wordings
 PEER_LOST = (
@@ -311,8 +317,8 @@ def _install_cuda_ipc_transport() -> None:
         SGLangServerCaptureAdapter._ref_from_result = _ref_from_result
 
 
-RESUME_SKIP_ENV = "SPECFORGE_KIMI_RESUME_SKIP"
-FRESH_CHANNEL_ENV = "SPECFORGE_KIMI_RESUME_FRESH_CHANNEL"
+RESUME_SKIP_ENV = _env.RESUME_SKIP.name
+FRESH_CHANNEL_ENV = _env.RESUME_FRESH_CHANNEL.name
 CHECKPOINT_COMPLETE = "specforge_kimi_complete.json"
 CHECKPOINT_COMPLETE_FORMAT = "specforge-kimi/checkpoint-complete/v1"
 

@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[2] / "src" / "specforge_kimi"
 
 #: Bottom first. A top-level module is its own unit; a subpackage is one unit.
 LAYERS = [
-    {"errors", "provenance", "scratch", "console", "durable", "procfs"},
+    {"errors", "provenance", "scratch", "console", "durable", "procfs", "environment"},
     {"data"},
     {"targets"},
     {"drafts"},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specforge_kimi.environment import SPECFORGE_PLUGINS
 from specforge_kimi.plan.inputs import SERVER_CONTEXT_MARGIN
 from specforge_kimi.servers.capture_server import (
     COMPACT_PASSTHROUGH_ENV,
@@ -24,7 +25,7 @@ from specforge_kimi.training.step_knobs import trainer_env
 from specforge_kimi.transport.strategy import GIB, FeatureSizing, Transport
 
 #: the module SpecForge's processes load our plugin from
-PLUGINS = {"SPECFORGE_PLUGINS": "specforge_kimi"}
+PLUGINS = {SPECFORGE_PLUGINS.name: "specforge_kimi"}
 #: the trainer's rendezvous port across nodes (node 0's ``server.host``)
 TRAINER_MASTER_PORT = 29500
 #: SGLang's ``--dist-init-addr`` port across nodes

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specforge_kimi.environment import SERVER_OUTAGE_S
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.plan.devices import node_gpus
 from specforge_kimi.plan.run_plan import RunPlan
@@ -149,7 +150,7 @@ def build_colocated_plan(plan: RunPlan, *, node_rank: int = 0, python: str = "py
     env = {
         **plan.process_env,
         "CUDA_VISIBLE_DEVICES": gpus,
-        "SPECFORGE_KIMI_SERVER_OUTAGE_S": str(res.server_outage_s),
+        SERVER_OUTAGE_S.name: str(res.server_outage_s),
         **({"MOONCAKE_LOCAL_HOSTNAME": local_host} if multinode else {}),
     }
     ports = (

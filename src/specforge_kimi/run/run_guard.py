@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 from specforge_kimi.durable import open_lock
+from specforge_kimi.environment import RUN_DIR
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.procfs import stat_fields
 
-RUN_DIR_ENV = "SPECFORGE_KIMI_RUN_DIR"
+RUN_DIR_ENV = RUN_DIR.name
 LOCK_FILE = "launch.lock"
 HOLDER_FILE = "launch.holder.json"
 STOP_GRACE_S = 10.0

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import specforge_kimi.environment as _env
 from specforge_kimi.targets.checkpoint import is_kimi_k25_checkpoint
 
 #: What the spec-capture patch's sink and SpecForge's managed_local launcher use.
@@ -35,12 +36,12 @@ SPEC_CAPTURE_METHOD = "eagle3"
 NVLS_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FUSION_BACKEND_SM90 = "trtllm"
 #: SGLang's switch for its distributed init method (``sglang.srt.environ``; read in ``init_torch_distributed``)
-DIST_INIT_OVERRIDE_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+DIST_INIT_OVERRIDE_ENV = _env.DIST_INIT_OVERRIDE.name
 #: gloo's and NCCL's socket listeners on the loopback interface (a single node's ranks need no other)
 LOOPBACK_IFNAME_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 #: our SpecForge patch compact-capture-passthrough sends capture passthrough compactly when this is "1" (recipe
 #: ``server.compact_passthrough``; SGLang patch spec-capture-compact-passthrough rebuilds the values)
-COMPACT_PASSTHROUGH_ENV = "SPECFORGE_SPEC_CAPTURE_COMPACT"
+COMPACT_PASSTHROUGH_ENV = _env.SPEC_CAPTURE_COMPACT.name
 
 
 def mooncake_config(

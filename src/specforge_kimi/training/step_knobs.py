@@ -13,21 +13,23 @@ from __future__ import annotations
 
 import re
 
+import specforge_kimi.environment as _env
+
 #: SpecForge patch eagle3-keep-allocator-cache: "0" keeps the caching allocator's blocks across steps (SpecForge's
 #: eagle3 forward calls ``torch.cuda.empty_cache()`` every step, so every step cudaMallocs its activations again)
-EMPTY_CACHE_ENV = "SPECFORGE_EAGLE3_EMPTY_CACHE"
+EMPTY_CACHE_ENV = _env.EAGLE3_EMPTY_CACHE.name
 EMPTY_CACHE_PATCH = "eagle3-keep-allocator-cache"
 #: SpecForge patch bf16-optimizer-fused-adamw: "1" builds ``BF16Optimizer``'s AdamW with ``fused=True`` (one kernel
 #: over the fp32 masters)
-FUSED_ADAMW_ENV = "SPECFORGE_ADAMW_FUSED"
+FUSED_ADAMW_ENV = _env.ADAMW_FUSED.name
 FUSED_ADAMW_PATCH = "bf16-optimizer-fused-adamw"
 #: SpecForge patch eagle3-fewer-host-syncs: "1" builds the eagle3 step's loss denominators and draft-vocabulary
 #: columns on the device and reads the step's metrics back in one copy (SpecForge: 7 + 1 + 7 host waits per step at
 #: TTT length 7; same values)
-FEWER_SYNCS_ENV = "SPECFORGE_EAGLE3_FEWER_SYNCS"
+FEWER_SYNCS_ENV = _env.EAGLE3_FEWER_SYNCS.name
 FEWER_SYNCS_PATCH = "eagle3-fewer-host-syncs"
 #: PyTorch's own; read once, when the process first touches CUDA
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
 _ALLOC_CONF = re.compile(r"[a-z0-9_]+:[A-Za-z0-9_.]+(,[a-z0-9_]+:[A-Za-z0-9_.]+)*")
 

@@ -24,28 +24,30 @@ Importing this package imports nothing heavy; torch and SpecForge are imported b
 
 from __future__ import annotations
 
+import specforge_kimi.environment as _env
+
 #: the transports a recipe may name (``server.transport``)
 TRANSPORTS = ("mooncake", "cuda_ipc")
 
 # -- the capture server's environment (SGLang patch spec-capture-cuda-ipc and the CPU reference server read these) -
 #: ``mooncake`` (SpecForge's sink, the default) or ``cuda_ipc`` (this package's pool)
-SERVER_TRANSPORT_ENV = "SGLANG_SPEC_CAPTURE_TRANSPORT"
+SERVER_TRANSPORT_ENV = _env.SERVER_TRANSPORT.name
 #: the pool's size in bytes (recipe ``server.ipc_pool_gib``)
-POOL_BYTES_ENV = "SGLANG_SPEC_CAPTURE_IPC_POOL_BYTES"
+POOL_BYTES_ENV = _env.IPC_POOL_BYTES.name
 #: the directory the pool file goes to (the readers' :data:`READER_DIR_ENV` names the same one)
-POOL_DIR_ENV = "SGLANG_SPEC_CAPTURE_IPC_DIR"
+POOL_DIR_ENV = _env.IPC_POOL_DIR.name
 #: seconds a lent slot may stay unreleased before the server logs and reclaims it (recipe ``server.ipc_lease_s``)
-LEASE_ENV = "SGLANG_SPEC_CAPTURE_IPC_LEASE_S"
+LEASE_ENV = _env.IPC_LEASE_S.name
 #: rows of the slot table (samples lent at once), default :data:`DEFAULT_MAX_SLOTS`
-MAX_SLOTS_ENV = "SGLANG_SPEC_CAPTURE_IPC_MAX_SLOTS"
+MAX_SLOTS_ENV = _env.IPC_MAX_SLOTS.name
 #: seconds a batch waits for pool space before its captures fail (default: the lease + 60 s)
-WAIT_ENV = "SGLANG_SPEC_CAPTURE_IPC_WAIT_S"
+WAIT_ENV = _env.IPC_WAIT_S.name
 
 # -- SpecForge's processes (producer, trainer ranks) ---------------------------------------------------------
 #: ``cuda_ipc`` makes ``register()``'s store seam answer SpecForge's online feature store with ours
-TRANSPORT_ENV = "SPECFORGE_KIMI_TRANSPORT"
+TRANSPORT_ENV = _env.TRANSPORT.name
 #: where readers find pool files (the server's :data:`POOL_DIR_ENV`)
-READER_DIR_ENV = "SPECFORGE_KIMI_IPC_DIR"
+READER_DIR_ENV = _env.IPC_DIR.name
 
 DEFAULT_LEASE_S = 1800.0
 DEFAULT_MAX_SLOTS = 16384

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specforge_kimi.environment import CLONE_ON_FETCH
 from specforge_kimi.transport import (
     LEASE_ENV,
     POOL_BYTES_ENV,
@@ -30,7 +31,7 @@ from specforge_kimi.transport.strategy import GIB, FeatureSizing, Finding, store
 #: SGLang's flags that turn DP attention on (one capture writer per DP group)
 DP_FLAGS = ("--enable-dp-attention", "--dp-size", "--dp", "--data-parallel-size")
 #: SpecForge's loader clones every fetched tensor unless told not to; our store's ``get`` returns fresh ones
-CLONE_ON_FETCH_ENV = "CLONE_ON_FETCH"
+CLONE_ON_FETCH_ENV = CLONE_ON_FETCH.name
 
 
 def ipc_dir(output_dir: str) -> str:

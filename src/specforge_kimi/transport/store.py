@@ -33,7 +33,7 @@ import torch
 from specforge.runtime.contracts import FeatureHandle, SampleRef
 from specforge.runtime.data_plane.feature_store import FeatureStore
 
-from specforge_kimi.transport import READER_DIR_ENV
+from specforge_kimi.transport import READER_DIR_ENV, TRANSPORT_ENV
 from specforge_kimi.transport.descriptor import Descriptor
 from specforge_kimi.transport.pool import PoolReader, read_pool_file
 from specforge_kimi.transport.slots import SlotTable, sample_key
@@ -97,9 +97,7 @@ class CudaIpcFeatureStore(FeatureStore):
     def from_env(cls, *, store_id: str, retain_on_release: bool = False) -> CudaIpcFeatureStore:
         pool_dir = os.environ.get(READER_DIR_ENV)
         if not pool_dir:
-            raise ValueError(
-                f"SPECFORGE_KIMI_TRANSPORT=cuda_ipc needs {READER_DIR_ENV} (the capture server's pool dir)"
-            )
+            raise ValueError(f"{TRANSPORT_ENV}=cuda_ipc needs {READER_DIR_ENV} (the capture server's pool dir)")
         return cls(store_id=store_id, pool_dir=pool_dir, retain_on_release=retain_on_release)
 
     # -- pools -------------------------------------------------------------------------------------------------
