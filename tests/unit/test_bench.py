@@ -327,7 +327,11 @@ FAKE_SERVER = textwrap.dedent('''
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int); p.add_argument("--speculative-algorithm")
     p.add_argument("--speculative-num-steps", type=int); p.add_argument("--speculative-num-draft-tokens", type=int)
+    p.add_argument("--speculative-dflash-block-size", type=int)
     args, _ = p.parse_known_args()
+    if args.speculative_algorithm == "DFLASH":  # SGLang's _handle_dflash: B draft tokens, B-1 drafted positions
+        args.speculative_num_draft_tokens = args.speculative_dflash_block_size
+        args.speculative_num_steps = args.speculative_dflash_block_size - 1
     if os.environ.get("FAKE_EXIT"):
         print("fake server: failing at start", flush=True); sys.exit(int(os.environ["FAKE_EXIT"]))
     open(os.environ["FAKE_PIDS"], "a").write(f"{os.getpid()}\\n")
@@ -1155,3 +1159,147 @@ def test_threshold_pools_the_named_sets_of_the_first_config():
     result["settings"]["threshold_sets"] = None  # every set of the first config
     assert bench.check_threshold(result, 1.0)["acceptance_length"] == 150 / 50
     assert bench.check_threshold(result, None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# DFLASH (block drafts)
+# ---------------------------------------------------------------------------------------------
+def _dflash_draft(tmp_path: Path, block: int = 8) -> Path:
+    draft = tmp_path / "dflash"
+    draft.mkdir()
+    (draft / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DFlashDraftModel"],
+                "max_position_embeddings": 4096,
+                "block_size": block,
+                "dflash_config": {"target_layer_ids": [1, 2, 3], "mask_token_id": 5},
+            }
+        )
+    )
+    return draft
+
+
+def test_dflash_config_parses_and_builds_sglangs_flags(tmp_path):
+    assert bench.parse_spec_config("DFLASH,8") == bench.DFlashConfig(8)
+    assert bench.parse_spec_config("dflash/4").argv() == [
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-dflash-block-size",
+        "4",
+    ]
+    for bad in ("DFLASH,1", "DFLASH,8,2", "DFLASH,x"):
+        with pytest.raises(KimiInputError):
+            bench.parse_spec_config(bad)
+    target, _ = _dirs(tmp_path)
+    draft = _dflash_draft(tmp_path)
+    s = BenchSettings(target=str(target), draft=str(draft), configs=[bench.parse_spec_config("DFLASH")])
+    s.validate()  # DFLASH alone takes the draft's block size
+    assert s.configs == [bench.DFlashConfig(8)]
+    argv = bench.server_argv(s, s.configs[0], port=1, context=4096, python="python")
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(draft)
+    assert argv[argv.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert argv[argv.index("--speculative-dflash-block-size") + 1] == "8"
+    # steps/topk/draft tokens are SGLang's to force for DFLASH: never passed
+    assert not {"--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"} & set(argv)
+    assert bench.DFlashConfig(8).config_dict() == {"steps": 1, "topk": 1, "draft_tokens": 8}
+    # an algorithm that does not serve the draft is refused
+    with pytest.raises(KimiInputError, match="serves with DFLASH"):
+        BenchSettings(target=str(target), draft=str(draft), configs=[SpecConfig(3, 1, 4)]).validate()
+    (tmp_path / "e").mkdir()
+    _, eagle = _dirs(tmp_path / "e")
+    with pytest.raises(KimiInputError, match="serves with EAGLE3"):
+        BenchSettings(target=str(target), draft=str(eagle), configs=[bench.DFlashConfig(8)]).validate()
+
+
+@pytest.mark.slow
+def test_dflash_argv_parses_with_sglangs_own_parser(tmp_path):
+    from specforge_kimi.servers.capture_server import parse_text_only_args
+
+    target, _ = _dirs(tmp_path)
+    s = BenchSettings(target=str(target), draft=str(_dflash_draft(tmp_path)), configs=[bench.DFlashConfig(8)])
+    ns = parse_text_only_args(bench.server_argv(s, s.configs[0], port=30001, context=4096)[3:])
+    assert (ns.speculative_algorithm, ns.speculative_dflash_block_size) == ("DFLASH", 8)
+
+
+def test_dflash_per_position_is_over_the_block_minus_one():
+    m = bench.summarize(
+        [{"meta_info": _meta([1, 0, 2, 0, 0, 0, 0, 1], draft_tokens=8)}], wall_s=1, spec=bench.DFlashConfig(8)
+    )
+    assert len(m["per_position"]["at_least"]) == 7 and m["per_position"]["at_least"][6] == pytest.approx(1 / 4)
+    assert m["acceptance_length"] == pytest.approx((1 + 11 + 4) / 4)
+
+
+def test_dflash_bench_against_a_stand_in_server_has_eagle3s_shape(tmp_path, fake_server):
+    target, eagle = _dirs(tmp_path)
+    common = dict(
+        target=str(target),
+        sets=["structured"],
+        num_prompts=3,
+        max_new_tokens=64,
+        warmup=1,
+        standin_tokenizer=True,
+        check_draft=False,
+        start_timeout_s=60,
+    )
+    e = bench.run_bench(
+        BenchSettings(draft=str(eagle), configs=[SpecConfig(3, 1, 4)], out_dir=str(tmp_path / "e"), **common),
+        launcher=fake_server,
+    )
+    d = bench.run_bench(
+        BenchSettings(
+            draft=str(_dflash_draft(tmp_path)), configs=[bench.DFlashConfig(8)], out_dir=str(tmp_path / "d"), **common
+        ),
+        launcher=fake_server,
+    )
+    assert set(d) == set(e)
+    (er,), (dr,) = e["speculative"], d["speculative"]
+    assert set(dr) == set(er) and {"algorithm", "block_size"} <= set(dr)
+    assert (er["algorithm"], er["block_size"], dr["algorithm"], dr["block_size"]) == ("EAGLE3", None, "DFLASH", 8)
+    assert dr["config"] == {"steps": 1, "topk": 1, "draft_tokens": 8} and set(dr["config"]) == set(er["config"])
+    for key in ("sets", "overall", "speedup"):
+        assert set(dr[key]) == set(er[key])
+    assert set(dr["overall"]) == set(er["overall"])
+    ov = dr["overall"]
+    assert ov["histogram_consistent"] and len(ov["per_position"]["at_least"]) == 7
+    assert ov["acceptance_length"] == pytest.approx(ov["completion_tokens"] / ov["spec_verify_ct"])
+    assert dr["speedup"]["overall"] is not None and dr["output_match"]["structured"]["different"] == 0
+    assert d["settings"]["configs"] == [
+        {"steps": 1, "topk": 1, "draft_tokens": 8, "algorithm": "DFLASH", "block_size": 8}
+    ]
+    assert {p.name for p in (tmp_path / "d" / "logs").iterdir()} == {"baseline.log", "dflash-8.log"}
+
+
+def test_recipe_bench_section_picks_dflash(tmp_path):
+    from types import SimpleNamespace
+
+    target, _ = _dirs(tmp_path)
+    draft = _dflash_draft(tmp_path, block=16)
+    srv = SimpleNamespace(
+        attention_backend="triton", mem_fraction_static=None, disable_cuda_graph=False, allreduce_fusion=True,
+        extra_args=[], port=None,
+    )  # fmt: skip
+    recipe = SimpleNamespace(
+        target=SimpleNamespace(path=str(target)),
+        bench=SimpleNamespace(min_acceptance_length=2.0, algorithm="DFLASH", block_size=None, steps=3, topk=1,
+                              draft_tokens=4),
+        server=srv, gpus=SimpleNamespace(per_node=1), output_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    s = bench.recipe_settings(recipe, draft)
+    s.validate()
+    assert s.configs == [bench.DFlashConfig(16)]
+    recipe.bench.block_size = 8
+    assert bench.recipe_settings(recipe, draft).configs == [bench.DFlashConfig(8)]
+
+
+def test_cli_defaults_to_dflash_for_a_block_draft(tmp_path):
+    import argparse
+
+    target, _ = _dirs(tmp_path)
+    draft = _dflash_draft(tmp_path)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    s = bench.settings_from_args(p.parse_args(["--target", str(target), "--draft", str(draft)]))
+    assert s.configs == [bench.DFlashConfig(None)]
+    s = bench.settings_from_args(p.parse_args(["--target", str(target), "--draft", str(draft), "--config", "DFLASH,4"]))
+    assert s.configs == [bench.DFlashConfig(4)]

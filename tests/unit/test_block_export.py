@@ -205,3 +205,10 @@ def test_engine_export_hands_block_drafts_to_sglang_only(exported, tiny_dir, tmp
         ck["checkpoint"], ck["draft_config_path"], tmp_path / "s", engine="sglang", num_layers=6, target_dir=tiny_dir
     )
     assert prov["architecture"] == "DFlashDraftModel" and (tmp_path / "s" / "model.safetensors").is_file()
+
+
+def test_id_l_minus_1_is_refused_from_num_target_layers_alone(exported, tmp_path):
+    """Without the target at hand, the draft's own num_target_layers bounds the ids (SGLang accepts L-1)."""
+    d = _broken(exported[0], tmp_path / "d", cfg_edit=lambda c: c["dflash_config"].update(target_layer_ids=[1, 2, 5]))
+    with pytest.raises(KimiInputError, match="include 5"):
+        bx.check_dflash_export(d)

@@ -1,11 +1,13 @@
-"""``specforge-kimi bench``: acceptance length and speedup of a draft through SGLang's own EAGLE-3.
+"""``specforge-kimi bench``: acceptance length and speedup of a draft through SGLang's own EAGLE-3 or DFLASH.
 
 Scope: a local target checkpoint (K2.5 or a tiny one) and an exported SGLang draft, served by
 SGLang 0.5.14 on this node through our text-only launcher (``python -m
 specforge_kimi.capture_server``, no spec-capture flags; ``--skip-tokenizer-init``, prompts go
 to ``POST /generate`` as ``input_ids`` rendered with K2.5's chat template and tokenized here).
 For each speculative config (``--speculative-algorithm EAGLE3`` with steps / topk / draft
-tokens; default 3/1/4 and 7/1/8) one server is started, the prompt sets are run greedily
+tokens; default 3/1/4 and 7/1/8; or ``--speculative-algorithm DFLASH --speculative-dflash-block-size B`` for a
+block draft, which SGLang serves with steps and topk forced to 1 and B draft tokens, recorded as
+``1/1/B`` in the same ``config`` shape) one server is started, the prompt sets are run greedily
 (temperature 0), and the server is stopped; the same is done once without speculation for the
 speedup. Readiness, timeouts and teardown are SpecForge's own supervisor pieces
 (``specforge.launch_plan``: ``/health`` readiness, process-group SIGTERM then SIGKILL).
@@ -25,7 +27,9 @@ counters incremented per verify step in ``scheduler_components/batch_result_proc
   ``benchmarks/sglang.py`` statistic).
 - per draft position, from ``spec_correct_drafts_histogram`` (bin k = verify steps that
   accepted exactly k drafted tokens, bonus excluded): ``at_least[j]`` = share of verify steps
-  that accepted the j-th drafted token, ``conditional[j]`` = at_least[j] / at_least[j-1].
+  that accepted the j-th drafted token, ``conditional[j]`` = at_least[j] / at_least[j-1]; over
+  the ``steps`` chain positions for EAGLE-3, the B-1 drafted block positions for DFLASH (the
+  same counters: ``batch_result_processor.py`` counts both).
 
 Limits: one node (``--tp``), no multi-node servers; throughput is output tokens over the wall
 time of a set at ``--concurrency`` (default 1, where speculation helps most); both servers use
@@ -44,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
@@ -63,11 +67,26 @@ STRUCTURED_PROMPTS = 48
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SpecConfig:
-    """``--speculative-num-steps`` / ``--speculative-eagle-topk`` / ``--speculative-num-draft-tokens``."""
+    """EAGLE-3: ``--speculative-num-steps`` / ``--speculative-eagle-topk`` / ``--speculative-num-draft-tokens``."""
 
+    algorithm: ClassVar[str] = "EAGLE3"
+    block_size: ClassVar[int | None] = None
     steps: int
     topk: int
     draft_tokens: int
+
+    @property
+    def drafted_positions(self) -> int:
+        """Positions a verify step can accept (the chain's depth)."""
+        return self.steps
+
+    @property
+    def run_label(self) -> str:
+        return f"eagle3-{self.steps}-{self.topk}-{self.draft_tokens}"
+
+    def config_dict(self) -> dict:
+        """The result's ``config``: steps / topk / draft tokens as SGLang runs them."""
+        return {"steps": self.steps, "topk": self.topk, "draft_tokens": self.draft_tokens}
 
     def validate(self) -> SpecConfig:
         if self.steps < 1 or self.topk < 1 or self.draft_tokens < 2:
@@ -98,9 +117,68 @@ class SpecConfig:
         ]
 
 
-def parse_spec_config(text: str) -> SpecConfig:
-    """``"3,1,4"`` or ``"3/1/4"`` (steps, topk, draft tokens)."""
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFLASH: ``--speculative-dflash-block-size B``; SGLang 0.5.14 forces steps and topk to 1 and draft tokens
+    to B (``arg_groups/speculative_hook.py`` ``_handle_dflash``). ``block_size`` None: the draft's own."""
+
+    algorithm: ClassVar[str] = "DFLASH"
+    block_size: int | None = None
+
+    def validate(self) -> DFlashConfig:
+        if self.block_size is not None and self.block_size < 2:
+            raise KimiInputError(f"speculative config {self.label}: a DFLASH block needs at least 2 tokens")
+        return self
+
+    @property
+    def label(self) -> str:
+        return f"DFLASH/{self.block_size or 'draft'}"
+
+    @property
+    def steps(self) -> int:
+        return 1
+
+    @property
+    def topk(self) -> int:
+        return 1
+
+    @property
+    def draft_tokens(self) -> int:
+        return self._block()
+
+    @property
+    def drafted_positions(self) -> int:
+        """Block position 0 is the verified token; positions 1..B-1 are drafted."""
+        return self._block() - 1
+
+    @property
+    def run_label(self) -> str:
+        return f"dflash-{self._block()}"
+
+    def _block(self) -> int:
+        if self.block_size is None:
+            raise KimiInputError("DFLASH block size not resolved from the draft's config.json")
+        return self.block_size
+
+    def config_dict(self) -> dict:
+        return {"steps": 1, "topk": 1, "draft_tokens": self._block()}
+
+    def argv(self) -> list[str]:
+        return ["--speculative-algorithm", "DFLASH", "--speculative-dflash-block-size", str(self._block())]
+
+
+def parse_spec_config(text: str) -> SpecConfig | DFlashConfig:
+    """``"3,1,4"`` or ``"3/1/4"`` (EAGLE-3 steps, topk, draft tokens); ``"DFLASH,8"`` (block size 8) or
+    ``"DFLASH"`` (the draft's block size)."""
     parts = text.replace("/", ",").split(",")
+    if parts[0].strip().upper() == "DFLASH":
+        try:
+            block = [int(p) for p in parts[1:]]
+        except ValueError:
+            block = [0, 0]
+        if len(block) > 1:
+            raise KimiInputError(f"--config {text!r}: expected DFLASH or DFLASH,BLOCK_SIZE, e.g. DFLASH,8")
+        return DFlashConfig(block[0] if block else None).validate()
     try:
         steps, topk, tokens = (int(p) for p in parts)
     except ValueError:
@@ -247,7 +325,7 @@ def per_position_acceptance(histogram: Sequence[int], steps: int) -> dict:
     return {"at_least": at_least, "conditional": conditional}
 
 
-def summarize(responses: Sequence[dict], *, wall_s: float, spec: SpecConfig | None) -> dict:
+def summarize(responses: Sequence[dict], *, wall_s: float, spec: SpecConfig | DFlashConfig | None) -> dict:
     """Set-level metrics from finished ``/generate`` responses (``{"output_ids", "meta_info"}``)."""
     metas = [r.get("meta_info") or {} for r in responses]
     completion = sum(int(m.get("completion_tokens", 0)) for m in metas)
@@ -289,7 +367,7 @@ def summarize(responses: Sequence[dict], *, wall_s: float, spec: SpecConfig | No
             "correct_drafts_histogram": hist,
             # the histogram must account for every verify step and every accepted draft token
             "histogram_consistent": sum(hist) == verify and sum(k * c for k, c in enumerate(hist)) == correct,
-            "per_position": per_position_acceptance(hist, spec.steps),
+            "per_position": per_position_acceptance(hist, spec.drafted_positions),
         }
     )
     return out
@@ -302,7 +380,9 @@ def summarize(responses: Sequence[dict], *, wall_s: float, spec: SpecConfig | No
 class BenchSettings:
     target: str
     draft: str
-    configs: list[SpecConfig] = field(default_factory=lambda: [parse_spec_config(c) for c in DEFAULT_CONFIGS])
+    configs: list[SpecConfig | DFlashConfig] = field(
+        default_factory=lambda: [parse_spec_config(c) for c in DEFAULT_CONFIGS]
+    )
     sets: list[str] = field(default_factory=lambda: list(BUILTIN_SETS))
     prompt_files: list[str] = field(default_factory=list)
     num_prompts: int | None = None
@@ -336,6 +416,7 @@ class BenchSettings:
             raise KimiInputError("no speculative config given")
         for c in self.configs:
             c.validate()
+        self._check_algorithm()
         for name, v in (
             ("--max-new-tokens", self.max_new_tokens),
             ("--concurrency", self.concurrency),
@@ -351,6 +432,24 @@ class BenchSettings:
             raise KimiInputError("--min-acceptance-length below 1 can never fail; drop it or raise it")
         if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise KimiInputError("timeouts must be positive")
+
+    def _check_algorithm(self) -> None:
+        """Each config's algorithm serves this draft; a DFLASH block size left open becomes the draft's."""
+        from specforge_kimi.drafts.block_export import block_arch
+
+        cfg = _read_json(Path(self.draft) / "config.json")
+        block = block_arch(cfg) is not None
+        for i, c in enumerate(self.configs):
+            if (c.algorithm == "DFLASH") != block:
+                raise KimiInputError(
+                    f"speculative config {c.label}: the draft {self.draft} is {cfg.get('architectures')}, which "
+                    f"SGLang serves with {'DFLASH' if block else 'EAGLE3'}"
+                )
+            if isinstance(c, DFlashConfig) and c.block_size is None:
+                size = cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size")
+                if not isinstance(size, int) or size < 2:
+                    raise KimiInputError(f"{self.draft}/config.json names no block_size; pass --config DFLASH,B")
+                self.configs[i] = DFlashConfig(size)
 
 
 def _read_json(path: Path) -> dict:
@@ -384,7 +483,12 @@ def context_length(settings: BenchSettings, longest_prompt: int) -> int:
 
 
 def server_argv(
-    settings: BenchSettings, spec: SpecConfig | None, *, port: int, context: int, python: str = sys.executable
+    settings: BenchSettings,
+    spec: SpecConfig | DFlashConfig | None,
+    *,
+    port: int,
+    context: int,
+    python: str = sys.executable,
 ) -> list[str]:
     """The text-only SGLang server (``python -m specforge_kimi.capture_server``) without spec capture.
 
@@ -535,6 +639,8 @@ def _tokenizer(settings: BenchSettings):
 
 
 def _draft_info(settings: BenchSettings) -> dict:
+    from specforge_kimi.drafts.block_export import block_arch, check_dflash_export
+
     cfg = _read_json(Path(settings.draft) / "config.json")
     info = {
         "path": str(Path(settings.draft).resolve()),
@@ -542,6 +648,11 @@ def _draft_info(settings: BenchSettings) -> dict:
         "draft_vocab_size": cfg.get("draft_vocab_size"),
         "eagle_aux_hidden_state_layer_ids": (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
     }
+    if block_arch(cfg) is not None:
+        info["block_size"] = cfg.get("block_size")
+        info["dflash_config"] = cfg.get("dflash_config")
+        if settings.check_draft:
+            info["export_check"] = check_dflash_export(settings.draft, settings.target)
     if settings.check_draft and cfg.get("architectures") == ["LlamaForCausalLMEagle3"]:
         from specforge_kimi.drafts.export import check_sglang_export
 
@@ -601,7 +712,7 @@ def _output_match(base: dict[str, list[dict]], spec: dict[str, list[dict]]) -> d
 def _serve_and_measure(
     label: str,
     settings: BenchSettings,
-    spec: SpecConfig | None,
+    spec: SpecConfig | DFlashConfig | None,
     encoded: dict,
     warm: list,
     *,
@@ -649,7 +760,9 @@ def _serve_and_measure(
     overall = summarize(all_rows, wall_s=sum(s["wall_s"] for s in sets.values()), spec=spec)
     run = {"label": label, "server_argv": argv, "startup_s": round(startup, 2), "sets": sets, "overall": overall}
     if spec is not None:
-        run["config"] = asdict(spec)
+        run["config"] = spec.config_dict()
+        run["algorithm"] = spec.algorithm
+        run["block_size"] = spec.block_size
         run["server_info_avg_spec_accept_length"] = server_al
     return run, rows
 
@@ -714,7 +827,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
             )
         runs = []
         for spec in settings.configs:
-            label = f"eagle3-{spec.steps}-{spec.topk}-{spec.draft_tokens}"
+            label = spec.run_label
             run, rows = _serve_and_measure(
                 label, settings, spec, encoded, warm, context=context, out=out, launcher=launcher
             )
@@ -735,7 +848,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     s = asdict(settings)
-    s["configs"] = [asdict(c) for c in settings.configs]
+    s["configs"] = [{**c.config_dict(), "algorithm": c.algorithm, "block_size": c.block_size} for c in settings.configs]
     result = {
         "benchmark": "acceptance",
         "schema_version": SCHEMA_VERSION,
@@ -803,7 +916,7 @@ def plot_result(result: dict, path: Path) -> None:
     width = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
         vals = [run["sets"][n].get("acceptance_length") or 0 for n in names]
-        ax[0].bar([x + i * width for x in range(len(names))], vals, width, label=f"EAGLE3 {_label(run)}")
+        ax[0].bar([x + i * width for x in range(len(names))], vals, width, label=_label(run))
         pos = run["overall"].get("per_position", {}).get("at_least") or []
         ax[1].plot(range(1, len(pos) + 1), pos, marker="o", color=f"C{i}", label=f"{_label(run)}: j accepted")
         cond = run["overall"].get("per_position", {}).get("conditional") or []
@@ -840,7 +953,9 @@ def plot_result(result: dict, path: Path) -> None:
 
 def _label(run: dict) -> str:
     c = run["config"]
-    return f"{c['steps']}/{c['topk']}/{c['draft_tokens']}"
+    if run.get("algorithm") == "DFLASH":
+        return f"DFLASH block {c['draft_tokens']}"
+    return f"EAGLE3 {c['steps']}/{c['topk']}/{c['draft_tokens']}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -855,10 +970,14 @@ def recipe_settings(recipe, draft_dir: str | os.PathLike, *, out_dir: str | None
     cfg = _read_json(Path(recipe.target.path) / "config.json")
     tiny = "specforge_kimi_tiny" in cfg
     b, srv = recipe.bench, recipe.server
+    if getattr(b, "algorithm", "EAGLE3") == "DFLASH":
+        spec: SpecConfig | DFlashConfig = DFlashConfig(getattr(b, "block_size", None)).validate()
+    else:
+        spec = SpecConfig(b.steps, b.topk, b.draft_tokens).validate()
     return BenchSettings(
         target=recipe.target.path,
         draft=str(draft_dir),
-        configs=[SpecConfig(b.steps, b.topk, b.draft_tokens).validate()],
+        configs=[spec],
         sets=["structured"] if tiny else ["chat", "math", "code"],
         tp=recipe.gpus.per_node,
         attention_backend=srv.attention_backend,
@@ -898,8 +1017,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         action="append",
-        metavar="STEPS,TOPK,DRAFT_TOKENS",
-        help=f"speculative config, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})",
+        metavar="STEPS,TOPK,DRAFT_TOKENS|DFLASH[,B]",
+        help="speculative config, repeatable: EAGLE-3 steps,topk,draft tokens, or DFLASH,B for a block draft "
+        f"(block size B; DFLASH alone: the draft's) (default: {' and '.join(DEFAULT_CONFIGS)}; a DFlash draft: DFLASH)",
     )
     p.add_argument(
         "--sets",
@@ -940,7 +1060,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     p.add_argument("--standin-tokenizer", action="store_true", help="stand-in tokenizer (tiny targets)")
-    p.add_argument("--skip-draft-check", action="store_true", help="do not run export-check on a Llama draft")
+    p.add_argument(
+        "--skip-draft-check", action="store_true", help="do not run export-check on a Llama-style or DFlash draft"
+    )
     p.add_argument(
         "--min-acceptance-length",
         type=float,
@@ -956,6 +1078,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _default_configs(draft: str) -> tuple[str, ...]:
+    """EAGLE-3's 3/1/4 and 7/1/8, or DFLASH at the draft's own block size for a block draft."""
+    from specforge_kimi.drafts.block_export import block_arch
+
+    cfg_path = Path(draft) / "config.json"
+    block = cfg_path.is_file() and block_arch(_read_json(cfg_path)) is not None
+    return ("DFLASH",) if block else DEFAULT_CONFIGS
+
+
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if args.recipe:
         from specforge_kimi.plan.run_plan import load_recipe
@@ -969,7 +1100,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return BenchSettings(
         target=args.target,
         draft=args.draft,
-        configs=[parse_spec_config(c) for c in (args.config or DEFAULT_CONFIGS)],
+        configs=[parse_spec_config(c) for c in (args.config or _default_configs(args.draft))],
         sets=[x.strip() for x in args.sets.split(",") if x.strip()],
         prompt_files=list(args.prompts_file),
         num_prompts=args.num_prompts,
@@ -1003,7 +1134,7 @@ def run(args: argparse.Namespace) -> int:
         o = r["overall"]
         speed = (r.get("speedup") or {}).get("overall")
         print(
-            f"EAGLE3 {_label(r)}: acceptance length {o['acceptance_length'] or 0:.3f} "
+            f"{_label(r)}: acceptance length {o['acceptance_length'] or 0:.3f} "
             f"(decode {o['acceptance_length_decode'] or 0:.3f}), {o['output_tok_per_s']:.1f} tok/s"
             + (f", speedup {speed:.2f}x" if speed else "")
         )
@@ -1022,6 +1153,7 @@ def run(args: argparse.Namespace) -> int:
 __all__ = [
     "BenchSettings",
     "SpecConfig",
+    "DFlashConfig",
     "PromptSet",
     "Prompt",
     "parse_spec_config",
