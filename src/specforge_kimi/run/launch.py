@@ -269,8 +269,9 @@ def run_plan(plan, **kwargs) -> int:
 
 def export_latest(plan: RunPlan) -> Path:
     """Export the run's newest checkpoint (``<output_dir>/<run_id>-latest``) for SGLang into
-    ``<output_dir>/export-sglang`` (:func:`specforge_kimi.drafts.export.export_run_draft`: Llama-style or
-    MLA draft, captured positions as aux ids, provenance); returns that directory.
+    ``<output_dir>/export-sglang`` (:func:`specforge_kimi.drafts.export.export_run_draft`, by the draft's
+    architecture: Llama-style or MLA EAGLE-3 with captured positions as aux ids, or a DFlash block draft;
+    provenance); returns that directory.
     """
     import sys
 
@@ -287,11 +288,12 @@ def export_latest(plan: RunPlan) -> Path:
         latest,
         model["draft_model_config"],
         out / "export-sglang",
-        vocab_mapping_path=model["vocab_mapping_path"],
+        vocab_mapping_path=model.get("vocab_mapping_path"),
         target_dir=recipe.target.path,
         aux=aux,
         command=sys.argv,
         extra={"checkpoint": str(latest.resolve()), "recipe": recipe.name},
+        mask_token_id=model.get("mask_token_id"),  # block drafts: checked against the checkpoint's
     )
 
 
