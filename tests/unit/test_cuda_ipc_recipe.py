@@ -59,6 +59,9 @@ SHIPPED = {
     "kimi-k25-slice-h200.yaml": "cuda_ipc",
     "tiny-k25-tp1-h200.yaml": "cuda_ipc",
     "tiny-k25-tp1-h200-mla.yaml": "cuda_ipc",
+    "tiny-k25-tp1-h200-dflash.yaml": "cuda_ipc",
+    "kimi-k25-slice-h200-dflash.yaml": "cuda_ipc",
+    "kimi-k25-8xb200-lowered-dflash.yaml": "cuda_ipc",
     "kimi-k25-2x8xb300.yaml": "mooncake",
     "tiny-k25-tp2-h200x2.yaml": "mooncake",
     "tiny-k25-tp2-h200x2-mla.yaml": "mooncake",
@@ -449,3 +452,32 @@ def test_stale_pools_are_removed_around_each_attempt(tmp_path, monkeypatch):
     monkeypatch.setattr(ledger, "durable_step", lambda _out: 5)  # past the start: the failed attempt is restarted
     assert resume.run_attempts(r, "plan", run, resume=False, restarts=1) == 1
     assert seen == [[], []] and len(left) == 3 and not any(os.path.exists(p) for p in left)
+
+
+@pytest.mark.parametrize(
+    "family,layers,passthrough,prefetch",
+    [("eagle3", 4, 3, 4), ("dflash", 5, 2, 8), ("dspark", 6, 2, 8)],  # dspark: N + its last hidden state
+)
+def test_feature_sizing_follows_the_draft_family(tmp_path, family, layers, passthrough, prefetch):
+    if family == "eagle3":
+        raw = _raw()
+    else:
+        raw = _raw("tiny-k25-tp1-h200-dflash.yaml")
+        raw["trainer"]["family"] = family
+    r = _load(tmp_path, raw)
+    layout = tp.feature_layout(r)
+    assert (layout.captured_layers + layout.captures_last_hidden, layout.passthrough_count) == (layers, passthrough)
+    per_token = layers * 512 * 2 + passthrough * 8
+    assert tp.feature_bytes_per_token(r) == per_token
+    s = tp.sample_bytes(r)
+    assert s == 1024 * per_token
+    # both transports' sizing reads the same layout: the server's captured rows, every rank's prefetch, the pool
+    assert tp.server_rows_bytes(r) == 2 * 16384 * layers * 512 * 2
+    assert tp.prefetch_bytes(r) == prefetch * s
+    assert tp.wanted_pool_bytes(r) == int((2 + prefetch + 8) * s / 0.8) + 1
+    sizing = tp.sizing(r)
+    assert (sizing.sample_bytes, sizing.prefetch_bytes) == (s, prefetch * s)
+    high, _ = tp.watermarks(r)
+    assert high == int(0.8 * tp.store_bytes(r)) - 8 * s
+    mooncake = _load(tmp_path, {**raw, "server": {**raw["server"], "transport": "mooncake"}})
+    assert tp.sizing(mooncake).sample_bytes == s

@@ -149,3 +149,113 @@ def test_schema_forbids_extra_everywhere():
         ann = model.annotation
         if hasattr(ann, "model_config"):
             assert ann.model_config.get("extra") == "forbid"
+
+
+# ---- block drafts (trainer.family dflash / dspark) ---------------------------------------------------------------
+BLOCK_RECIPES = (
+    "tiny-k25-tp1-h200-dflash.yaml",
+    "kimi-k25-slice-h200-dflash.yaml",
+    "kimi-k25-8xb200-lowered-dflash.yaml",
+)
+
+
+def _raw_block(name: str = "tiny-k25-tp1-h200-dflash.yaml") -> dict:
+    return yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / name).read_text())
+
+
+def test_block_recipes_exist_and_name_their_ids_as_positions():
+    names = {p.name for p in RECIPES}
+    assert set(BLOCK_RECIPES) <= names
+    for name in BLOCK_RECIPES:
+        r = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / name)
+        assert r.trainer.family == "dflash" and r.bench.algorithm == "DFLASH" and r.bench_block_size == 8
+        ids = r.trainer.draft["dflash_config"]["target_layer_ids"]
+        assert list(r.capture_layers.positions) == [i + 1 for i in ids]
+        assert (
+            f"positions {[i + 1 for i in ids]}" in (Path(__file__).resolve().parents[2] / "recipes" / name).read_text()
+        )
+
+
+def _dc(r):
+    return r["trainer"]["draft"]["dflash_config"]
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda r: r["trainer"]["draft"].update(num_target_layers=61), "num_target_layers 61 != target.num_layers 8"),
+        (lambda r: _dc(r).update(target_layer_ids=[1, 2, 3, 4, 7]), r"takes 0\.\.6"),
+        (lambda r: _dc(r).update(target_layer_ids=[1, 2, 2, 4]), "duplicated"),
+        (lambda r: _dc(r).pop("target_layer_ids"), "dflash_config.target_layer_ids is required"),
+        (lambda r: _dc(r).update(mask_token_id=163839), r"mask_token_id 163839 != trainer.block.mask_token_id 163824"),
+        (lambda r: _dc(r).pop("mask_token_id"), r"mask_token_id None != trainer.block.mask_token_id"),
+        (
+            lambda r: (_dc(r).update(mask_token_id=163839), r["trainer"]["block"].update(mask_token_id=163839)),
+            r"K2.5's \[PAD\], a token in use",
+        ),
+        (
+            lambda r: (_dc(r).update(mask_token_id=200000), r["trainer"]["block"].update(mask_token_id=200000)),
+            "outside the vocabulary",
+        ),
+        (lambda r: r["trainer"]["draft"].update(block_size=16), "draft block_size 16 != trainer.block.block_size 8"),
+        (lambda r: r["trainer"]["draft"].update(layer_types=[]), "layer_types has 0 entries for 1 layers"),
+        (lambda r: r["trainer"]["draft"].pop("head_dim"), "trainer.draft.head_dim must be a positive integer"),
+        (lambda r: r["trainer"]["draft"].update(hidden_size=256), "draft hidden_size 256 != target"),
+        (lambda r: r["trainer"].update(step_empty_cache=True), "trainer.step_empty_cache: EAGLE-3 only"),
+        (lambda r: r["trainer"].update(step_fewer_host_syncs=False), "trainer.step_fewer_host_syncs: EAGLE-3 only"),
+        (lambda r: r["trainer"].update(ttt_length=7), "trainer.ttt_length: EAGLE-3 only"),
+        (lambda r: r["trainer"]["draft"].update(draft_vocab_size=256), "trainer.draft.draft_vocab_size: EAGLE-3 only"),
+        (lambda r: r["bench"].update(steps=3), "bench.steps: EAGLE-3 only"),
+        (lambda r: r["bench"].update(algorithm="EAGLE3"), "bench.algorithm must be DFLASH"),
+        (lambda r: r["bench"].update(block_size=1), "block_size"),
+        (lambda r: r["target"].update(aux_layer_ids=[1, 3, 6]), "target.aux_layer_ids is EAGLE-3's"),
+        (lambda r: r["data"].update(vocab_mapping_path="v.pt"), "data.vocab_mapping_path is EAGLE-3's"),
+        (lambda r: r["trainer"].pop("block"), "trainer.family dflash needs trainer.block"),
+        (lambda r: r["trainer"].update(dspark={"ce": 0.5}), "trainer.dspark is for trainer.family dspark"),
+        (lambda r: r["trainer"]["block"].update(gamma=4), "block.gamma: Extra inputs are not permitted"),
+        (lambda r: r["trainer"]["block"].update(block_size=1), "block_size"),
+        (lambda r: r["trainer"].update(family="medusa"), "family"),
+        (lambda r: r["trainer"].update(family="eagle3"), "trainer.block is for block drafts"),
+    ],
+)
+def test_bad_block_recipes(tmp_path, mutate, msg):
+    raw = _raw_block()
+    mutate(raw)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(KimiInputError, match=msg) as err:
+        load_recipe(p)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda r: r["bench"].update(algorithm="DFLASH"), "bench.algorithm DFLASH and bench.block_size are for block"),
+        (lambda r: r["bench"].update(block_size=8), "bench.algorithm DFLASH and bench.block_size are for block"),
+        (lambda r: r["trainer"].update(block={"block_size": 8}), "trainer.block is for block drafts"),
+        (lambda r: r["target"].pop("aux_layer_ids"), "target.aux_layer_ids is required for trainer.family eagle3"),
+        (lambda r: r["data"].pop("vocab_mapping_path"), "data.vocab_mapping_path is required"),
+    ],
+)
+def test_eagle3_recipes_refuse_block_fields(tmp_path, mutate, msg):
+    raw = copy.deepcopy(_raw())
+    mutate(raw)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(KimiInputError, match=msg):
+        load_recipe(p)
+
+
+def test_block_draft_params_equal_specforges_model():
+    """The memory plan's parameter count of a block draft is SpecForge's DFlashDraftModel's (tiny recipe's shape)."""
+    import torch
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    from specforge_kimi.plan.trainer_terms import block_draft_params
+
+    d = _raw_block()["trainer"]["draft"]
+    with torch.device("meta"):
+        model = DFlashDraftModel(Qwen3Config(**d))
+    assert block_draft_params(d) == sum(p.numel() for p in model.parameters())

@@ -86,3 +86,54 @@ def test_deeply_nested_body_is_400():
         httpd.shutdown()
         httpd.server_close()
     assert status == 400 and "nested too deeply" in payload["error"] and backend.bodies == []
+
+
+class _Store:
+    """Stands in for Mooncake: keeps each put's bytes by key."""
+
+    def __init__(self):
+        self.objects = {}
+
+    def batch_put_from(self, keys, ptrs, sizes, cfg):
+        import ctypes
+
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            self.objects[key] = ctypes.string_at(ptr, size)
+        return [0] * len(keys)
+
+
+@pytest.mark.parametrize(
+    "method,ids,positions",
+    [("dflash", [0, 1, 2, 3], [1, 2, 3, 4]), ("dspark", [1, 3], [2, 4]), ("eagle3", [1, 2, 3], [2, 3, 4])],
+)
+def test_capture_method_reads_ids_as_sglang_and_writes_n_layers(tiny_dir, method, ids, positions):
+    import torch
+
+    from specforge_kimi.servers.reference_server import ReferenceCapture
+    from specforge_kimi.targets.capture import text_decoder
+
+    backend = ReferenceCapture(str(tiny_dir), ids, method=method)
+    assert list(backend.aux.positions) == positions
+    backend._store, backend._cfg = _Store(), None
+    tokens = [5, 17, 99, 3, 250, 7, 11]
+    spec = {"store_id": "s", "sample_id": "x", "features": {"aux": "hidden_states"}, "passthrough": []}
+    result, _ = backend.capture_one(tokens, spec)
+    width = len(ids) * backend.model.config.hidden_size
+    assert result["features"]["hidden_states"]["shape"] == [1, len(tokens), width]
+    assert result["aux_layer_ids"] == ids  # echoed as given, as SGLang's sink does
+    got = torch.frombuffer(bytearray(backend._store.objects["s/x/g1/hidden_states"]), dtype=torch.float32)
+    with torch.no_grad():
+        hs = text_decoder(backend.model)(
+            input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False
+        ).hidden_states
+    torch.testing.assert_close(got.reshape(1, len(tokens), width), torch.cat([hs[p] for p in positions], -1))
+
+
+def test_capture_method_refuses_dflash_last_layer_and_unknown_method(tiny_dir):
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.servers.reference_server import ReferenceCapture
+
+    with pytest.raises(KimiInputError, match="never captured"):
+        ReferenceCapture(str(tiny_dir), [1, 5], method="dflash")  # 6 layers: DFlash ids 0..4
+    with pytest.raises(ValueError, match="expected one of"):
+        ReferenceCapture(str(tiny_dir), [1, 2, 3], method="medusa")

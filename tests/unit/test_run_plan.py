@@ -72,9 +72,9 @@ def counted(monkeypatch):
         counts["choose"] += 1
         return choose(*a, **k)
 
-    def counting_check(draft):
+    def counting_check(draft, *family):
         counts["schema"] += 1
-        return check(draft)
+        return check(draft, *family)
 
     monkeypatch.setattr(run_plan, "compile_plan", counting_compile)
     monkeypatch.setattr(run_plan, "choose_transport", counting_choose)
@@ -109,3 +109,78 @@ def test_each_command_compiles_the_recipe_once(tmp_path, counted, command, trans
     with contextlib.redirect_stdout(io.StringIO()):
         main(argv)
     assert counted == {"compile": 1, "schema": 1, "choose": 1}, argv
+
+
+# ---- the draft family compiled into the server's argv, SpecForge's config and the sizing ---------------------------
+BLOCK_RECIPE = REPO / "recipes" / "tiny-k25-tp1-h200-dflash.yaml"
+
+
+def _block_raw(family: str = "dflash") -> dict:
+    raw = yaml.safe_load(BLOCK_RECIPE.read_text())
+    if family == "dspark":
+        raw["trainer"]["family"] = "dspark"
+        raw["trainer"]["dspark"] = {"ce": 0.2, "l1": 0.8, "confidence": 0.5}
+        draft = raw["trainer"]["draft"]
+        draft["architectures"] = ["DSparkDraftModel"]
+        draft["dflash_config"].update(markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True)
+    return raw
+
+
+def _resolve_with_specforge(config: dict) -> None:
+    """SpecForge's own Config and its planning (validate_resolved_run) accept the rendered config."""
+    from specforge.application.composition import resolve_run
+    from specforge.config import Config
+
+    resolve_run(Config.model_validate(json_roundtrip(config)))
+
+
+def json_roundtrip(config):
+    import json
+
+    return json.loads(json.dumps(dict(config)))
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_block_family_compiles_into_server_argv_and_specforge_config(tmp_path, family):
+    plan = run_plan.compile_plan(_block_raw(family), rendered_dir=tmp_path)
+    argv = list(plan.server_argv)
+    assert argv[argv.index("--spec-capture-method") + 1] == family
+    i = argv.index("--spec-capture-aux-layer-ids")
+    assert argv[i + 1 : i + 6] == ["1", "2", "3", "4", "5"] and argv[i + 6].startswith("--")
+    cfg = plan.rendered()["specforge_config"]
+    assert cfg["training"]["strategy"] == family
+    assert cfg["model"]["mask_token_id"] == 163824
+    assert "aux_hidden_state_layer_ids" not in cfg["model"] and "vocab_mapping_path" not in cfg["model"]
+    assert "ttt_length" not in cfg["training"]
+    assert cfg["training"]["num_anchors"] == 512 and cfg["training"]["objective_chunk_blocks"] == 128
+    assert cfg["training"]["loss_type"] == "dflash"
+    if family == "dspark":
+        assert (cfg["training"]["dspark_ce_loss_alpha"], cfg["training"]["dspark_l1_loss_alpha"]) == (0.2, 0.8)
+        assert cfg["training"]["dspark_confidence_head_alpha"] == 0.5
+    else:
+        assert not any(k.startswith("dspark_") for k in cfg["training"])
+    plan.write()
+    _resolve_with_specforge(cfg)
+    report = plan.report()
+    assert report["family"] == family and report["capture"]["positions"] == [2, 3, 4, 5, 6]
+
+
+def test_specforge_refuses_what_block_families_leave_out(tmp_path):
+    """The checks above are not vacuous: SpecForge's planning refuses EAGLE-3's aux ids for dflash."""
+    plan = run_plan.compile_plan(_block_raw(), rendered_dir=tmp_path)
+    cfg = json_roundtrip(plan.rendered()["specforge_config"])
+    plan.write()
+    cfg["model"]["aux_hidden_state_layer_ids"] = [1, 3, 6]
+    with pytest.raises(ValueError, match="gets capture layers from its draft"):
+        _resolve_with_specforge(cfg)
+
+
+def test_eagle3_family_unchanged(tmp_path):
+    plan = run_plan.compile_plan(RECIPE, rendered_dir=tmp_path)
+    argv = list(plan.server_argv)
+    assert argv[argv.index("--spec-capture-method") + 1] == "eagle3"
+    cfg = plan.rendered()["specforge_config"]
+    assert cfg["training"]["strategy"] == "eagle3" and cfg["training"]["ttt_length"] == 4
+    assert cfg["model"]["aux_hidden_state_layer_ids"] == [1, 3, 6] and "mask_token_id" not in cfg["model"]
+    assert "num_anchors" not in cfg["training"]
+    _resolve_with_specforge(cfg)

@@ -28,6 +28,7 @@ def memory_plan(r, strategy: Transport | None = None, sizing: FeatureSizing | No
     server_pool = s.mem_fraction_static * g.memory_gib
     extra = strategy.memory_terms(sizing)
     trainer = trainer_peak_bytes(r, prefetch=extra["prefetch"]) / GIB
+    terms = trainer_terms(r)
     trainer_room = trainer_room_bytes(r) / GIB
     writer_room = trainer_room - (extra["pool"] + extra["server_rows"]) / GIB
     why = []
@@ -51,7 +52,8 @@ def memory_plan(r, strategy: Transport | None = None, sizing: FeatureSizing | No
         "server_pool_gib": round(server_pool, 2),
         "draft_params": draft_params(r.trainer.draft),
         "trainer_peak_gib": round(trainer, 2),
-        "trainer_sdpa_attention_gib": round(trainer_terms(r)["sdpa_attention"] / GIB, 2),
+        "trainer_sdpa_attention_gib": round(terms["sdpa_attention"] / GIB, 2),
+        **({"trainer_objective_logits_gib": round(terms["objective_logits"] / GIB, 2)} if r.is_block else {}),
         "trainer_room_gib": round(trainer_room, 2),
         "fits": not why,
         "why": "; ".join(why),

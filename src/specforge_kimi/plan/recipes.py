@@ -370,6 +370,9 @@ class Recipe(_Strict):
         if self.target.num_attention_heads % tp:
             raise ValueError(f"TP={tp} does not divide num_attention_heads={self.target.num_attention_heads}")
         d = self.trainer.draft
+        for name in ("block", "dspark"):
+            if not self.is_block and getattr(self.trainer, name) is not None:
+                raise ValueError(f"trainer.{name} is for block drafts (trainer.family dflash/dspark), not eagle3")
         _check_draft_keys(d, self.trainer.family)
         if d.get("hidden_size") != self.target.hidden_size:
             raise ValueError(
@@ -437,10 +440,7 @@ class Recipe(_Strict):
 
 def _check_eagle3(r: Recipe) -> None:
     """An EAGLE-3 recipe: aux ids, vocabulary mapping, no block sections."""
-    t, tr, d = r.target, r.trainer, r.trainer.draft
-    for name in ("block", "dspark"):
-        if getattr(tr, name) is not None:
-            raise ValueError(f"trainer.{name} is for block drafts (trainer.family dflash/dspark), not eagle3")
+    t, d = r.target, r.trainer.draft
     if t.aux_layer_ids is None:
         raise ValueError("target.aux_layer_ids is required for trainer.family eagle3 (SpecForge ids, e.g. [1, 29, 57])")
     if r.data.vocab_mapping_path is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specforge_kimi.environment import SPECFORGE_PLUGINS
 from specforge_kimi.plan.inputs import SERVER_CONTEXT_MARGIN
+from specforge_kimi.plan.recipes import DSparkSection
 from specforge_kimi.servers.capture_server import (
     COMPACT_PASSTHROUGH_ENV,
     capture_server_argv,
@@ -20,7 +21,6 @@ from specforge_kimi.servers.capture_server import (
     mooncake_config,
     mooncake_master_argv,
 )
-from specforge_kimi.targets.layer_ids import AuxLayers
 from specforge_kimi.training.step_knobs import trainer_env
 from specforge_kimi.transport.strategy import GIB, FeatureSizing, Transport
 
@@ -33,8 +33,8 @@ SERVER_DIST_INIT_PORT = 50000
 
 
 def server_argv(r) -> list[str]:
-    """The capture server's command line (:func:`capture_server.capture_server_argv`)."""
-    AuxLayers.from_specforge(r.target.aux_layer_ids, r.target.num_layers)  # validates
+    """The capture server's command line (:func:`capture_server.capture_server_argv`): the family's capture method
+    (``--spec-capture-method eagle3|dflash|dspark``) and its ids (EAGLE-3 aux ids, or a block draft's DFlash ids)."""
     extra: list[str] = []
     if r.gpus.nnodes > 1:
         extra += ["--nnodes", str(r.gpus.nnodes), "--dist-init-addr", f"{r.server.host}:{SERVER_DIST_INIT_PORT}"]
@@ -47,7 +47,8 @@ def server_argv(r) -> list[str]:
         r.target.path,
         tp=r.tp,
         port=r.server.port,
-        aux_specforge_ids=list(r.target.aux_layer_ids),
+        aux_specforge_ids=r.capture_ids,
+        method=r.trainer.family,
         fusion=None if r.server.allreduce_fusion else False,
         attention_backend=r.server.attention_backend,
         mem_fraction_static=r.server.mem_fraction_static,
@@ -104,28 +105,50 @@ def consumer_state_dir(r) -> str:
     return r.trainer.consumer_state_dir or str(Path(r.output_dir) / "consumer-state")
 
 
+def family_model(r) -> dict:
+    """SpecForge's ``model`` fields of the draft family: EAGLE-3's vocabulary mapping and aux ids; a block draft's
+    mask token (its capture layers come from the draft config: SpecForge refuses ``aux_hidden_state_layer_ids`` for
+    dflash/dspark)."""
+    if r.is_block:
+        return {"mask_token_id": r.trainer.block.mask_token_id}
+    return {"vocab_mapping_path": r.data.vocab_mapping_path, "aux_hidden_state_layer_ids": list(r.capture_ids)}
+
+
+def family_training(r) -> dict:
+    """SpecForge's ``training`` fields of the draft family: EAGLE-3's TTT length; a block draft's anchors, loss and
+    objective chunking (the block size is the draft config's), and DSpark's loss weights."""
+    tr = r.trainer
+    if not r.is_block:
+        return {"ttt_length": tr.ttt_length}
+    out = tr.block.model_dump(exclude={"block_size", "mask_token_id"})
+    if tr.family == "dspark":
+        ds = tr.dspark or DSparkSection()
+        out.update(dspark_ce_loss_alpha=ds.ce, dspark_l1_loss_alpha=ds.l1, dspark_confidence_head_alpha=ds.confidence)
+    return out
+
+
 def specforge_config(r, draft_config_path: str, runtime: dict) -> dict:
     """The SpecForge run config (external disaggregated mode) with the transport's ``runtime:`` section; the caller
     validates it with SpecForge's ``Config``."""
     mc, tr = r.mooncake, r.trainer
     out = Path(r.output_dir)
-    training = ("max_steps", "num_epochs", "batch_size", "learning_rate", "ttt_length", "save_interval", "seed")
+    training = ("max_steps", "num_epochs", "batch_size", "learning_rate", "save_interval", "seed")
     return {
         "run_id": r.name,
         "output_dir": str(out),
         "model": {
             "target_model_path": r.target.path,
             "draft_model_config": draft_config_path,
-            "vocab_mapping_path": r.data.vocab_mapping_path,
             "embedding_key": r.target.embedding_key,
             "lm_head_key": r.target.lm_head_key,
-            "aux_hidden_state_layer_ids": list(r.target.aux_layer_ids),
             "torch_dtype": "bfloat16",
+            **family_model(r),
         },
         "data": {"prompts_path": r.data.prompts_path, "max_length": tr.max_length},
         "training": {
-            "strategy": "eagle3",
+            "strategy": tr.family,
             **{k: getattr(tr, k) for k in training},
+            **family_training(r),
             "attention_backend": tr.attention_backend,
             # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
             "log_interval": 10,

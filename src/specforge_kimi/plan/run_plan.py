@@ -100,9 +100,19 @@ class RunPlan:
 
     def report(self) -> dict:
         """What ``recipe validate`` prints."""
+        r = self.recipe
         return {
             "name": self.name,
             "tp": self.tp,
+            "family": r.trainer.family,
+            "capture": {
+                "method": r.trainer.family,
+                "ids": r.capture_ids,
+                "ids_are": "DFlash ids (position = id + 1)" if r.is_block else "SpecForge ids",
+                "positions": list(r.capture_layers.positions),
+                "feature_bytes_per_token": transport_plan.feature_bytes_per_token(r),
+                "sample_bytes": transport_plan.sample_bytes(r),
+            },
             "transport": self.transport.as_dict(),
             "memory_plan": dict(self.memory),
         }

@@ -7,13 +7,14 @@ Scope: arithmetic on a recipe's sections. What each transport refuses and adds l
 (``plan.run_plan.choose_transport``).
 
 Sizing. A sample of ``max_length`` tokens takes ``S = max_length x feature bytes per token`` in the pool
-((aux layers + 1) x hidden x 2 B + 3 int64 passthrough). The consumer needs one whole optimizer window of
+(:func:`feature_layout`, by draft family: EAGLE-3 (aux layers + 1) x hidden x 2 B + 3 int64 passthrough; DFlash
+N target layers x hidden x 2 B + 2 int64 passthrough; DSpark N + 1 layers, the last hidden included). The consumer needs one whole optimizer window of
 ``Q = trainer ranks x batch x accumulation`` samples before it acknowledges (and releases) anything, and
 SpecForge's producer overshoots its watermark by up to ``producer_concurrency x producer_lease`` samples
 (defaults 1 x 8). So the pool must hold ``Q x S + 8 S``; the recipe's producer is given a resident-byte high
 watermark of ``0.8 x pool - 8 S`` (low: 3/4 of it), so it pauses before the server's pool fills, and the
 server's wait for space (backpressure) is a backstop. That minimum keeps the trainer fed only in bursts: every
-rank's loader also holds its prefetched samples' slots (4 batches ahead), and a producer paused at one window
+rank's loader also holds its prefetched samples' slots (4 batches ahead for EAGLE-3, 8 for a block draft), and a producer paused at one window
 refills only once the pool has drained. ``ipc_pool_gib`` unset is therefore sized from the memory plan: room
 for two optimizer windows plus every rank's prefetch under the watermark (plus the overshoot), capped at what
 GPU 0 has left beside the server, its captured rows and the trainer's planned peak, never below the minimum;
@@ -32,6 +33,7 @@ eagle3 loader keeps 4 batches ahead), which Mooncake keeps on the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from specforge_kimi.plan.inputs import SERVER_CONTEXT_MARGIN
@@ -39,16 +41,42 @@ from specforge_kimi.plan.trainer_terms import trainer_peak_bytes, trainer_room_b
 from specforge_kimi.transport import registry
 from specforge_kimi.transport.strategy import GIB, WATERMARK_FRACTION, FeatureSizing, Transport
 
-PASSTHROUGH_BYTES_PER_TOKEN = 3 * 8  # input_ids, loss_mask, attention_mask (int64)
+PASSTHROUGH_BYTES_PER_TOKEN = 3 * 8  # EAGLE-3: input_ids, loss_mask, attention_mask (int64)
 PRODUCER_OVERSHOOT_SAMPLES = 1 * 8  # SpecForge's runtime.producer_concurrency x producer_lease defaults
 SERVER_PENDING_BATCHES = 2  # SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES default
 SGLANG_MAX_PREFILL_TOKENS = 16384  # SGLang 0.5.14's default --max-prefill-tokens
 LOADER_PREFETCH_BATCHES = 4  # SpecForge's eagle3 default_dataloader_num_workers (prefetch depth)
+BLOCK_LOADER_PREFETCH_BATCHES = 8  # SpecForge's dflash and dspark default_dataloader_num_workers
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """What one captured token carries for a draft family (SpecForge's ``ServerCaptureLayout`` of its strategy)."""
+
+    captured_layers: int  # target layers in the aux rows (EAGLE-3: its 3 aux ids; a block draft: its N ids)
+    captures_last_hidden: bool  # the post-norm last hidden state too (EAGLE-3, DSpark; not DFlash)
+    passthrough_count: int  # int64 passthrough tensors (EAGLE-3: input_ids, loss_mask, attention_mask; block: 2)
+    prefetch_batches: int  # batches SpecForge's loader for the strategy keeps ahead
+
+    def rows_bytes_per_token(self, hidden_size: int) -> int:
+        """Captured rows per token, bf16: what the scheduler holds and the pool stores besides the passthrough."""
+        return (self.captured_layers + int(self.captures_last_hidden)) * hidden_size * 2
+
+    def bytes_per_token(self, hidden_size: int) -> int:
+        return self.rows_bytes_per_token(hidden_size) + self.passthrough_count * 8
+
+
+def feature_layout(r) -> FeatureLayout:
+    """The recipe's :class:`FeatureLayout`, from ``trainer.family`` and its capture ids."""
+    family = r.trainer.family
+    if family == "eagle3":
+        return FeatureLayout(len(r.capture_ids), True, PASSTHROUGH_BYTES_PER_TOKEN // 8, LOADER_PREFETCH_BATCHES)
+    return FeatureLayout(len(r.capture_ids), family == "dspark", 2, BLOCK_LOADER_PREFETCH_BATCHES)
 
 
 def feature_bytes_per_token(r) -> int:
-    """Pool bytes per captured token: (aux layers + last hidden) x hidden x 2 B (bf16) + the passthrough."""
-    return (len(r.target.aux_layer_ids) + 1) * r.target.hidden_size * 2 + PASSTHROUGH_BYTES_PER_TOKEN
+    """Pool bytes per captured token: the family's captured layers x hidden x 2 B (bf16) + the passthrough."""
+    return feature_layout(r).bytes_per_token(r.target.hidden_size)
 
 
 def sample_bytes(r) -> int:
@@ -75,13 +103,13 @@ def segment_bytes(r) -> int:
 def wanted_pool_bytes(r) -> int:
     """The pool that keeps every trainer rank fed: two optimizer windows plus every rank's loader prefetch
     resident under the producer's watermark, plus its overshoot."""
-    resident = 2 * optimizer_window(r) + LOADER_PREFETCH_BATCHES * r.trainer.batch_size * r.gpus.per_node
+    resident = 2 * optimizer_window(r) + feature_layout(r).prefetch_batches * r.trainer.batch_size * r.gpus.per_node
     return int((resident + PRODUCER_OVERSHOOT_SAMPLES) * sample_bytes(r) / WATERMARK_FRACTION) + 1
 
 
 def server_rows_bytes(r) -> int:
     """Captured rows the scheduler keeps on the writer's GPU until the sink has copied them (cuda_ipc)."""
-    captured = (len(r.target.aux_layer_ids) + 1) * r.target.hidden_size * 2
+    captured = feature_layout(r).rows_bytes_per_token(r.target.hidden_size)
     return (
         SERVER_PENDING_BATCHES * max(SGLANG_MAX_PREFILL_TOKENS, r.trainer.max_length + SERVER_CONTEXT_MARGIN) * captured
     )
@@ -89,7 +117,7 @@ def server_rows_bytes(r) -> int:
 
 def prefetch_bytes(r) -> int:
     """A trainer rank's prefetched samples (on its GPU with cuda_ipc; Mooncake keeps them on the host)."""
-    return LOADER_PREFETCH_BATCHES * r.trainer.batch_size * sample_bytes(r)
+    return feature_layout(r).prefetch_batches * r.trainer.batch_size * sample_bytes(r)
 
 
 def pool_room_bytes(r) -> int:

@@ -32,6 +32,9 @@ from specforge_kimi.targets.checkpoint import is_kimi_k25_checkpoint
 
 #: What the spec-capture patch's sink and SpecForge's managed_local launcher use.
 SPEC_CAPTURE_METHOD = "eagle3"
+#: ``--spec-capture-method`` values the spec-capture patch takes (dflash and dspark share the DFlash aux plumbing;
+#: their ids are DFlash ids, captured after layer ``id``)
+SPEC_CAPTURE_METHODS = ("eagle3", "dflash", "dspark")
 #: NVLink multicast stays off on shared hosts (see the device notes); servers inherit these.
 NVLS_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FUSION_BACKEND_SM90 = "trtllm"
@@ -155,6 +158,7 @@ def capture_server_argv(
     dp_attention_size: int | None = None,
     python: str = sys.executable,
     extra: Sequence[str] = (),
+    method: str = SPEC_CAPTURE_METHOD,
 ) -> list[str]:
     """The whole command line of a text-only K2.5 capture server.
 
@@ -167,7 +171,8 @@ def capture_server_argv(
     ``fusion=True`` -> ``--flashinfer-allreduce-fusion-backend trtllm`` (what ``auto`` picks on a
     single SM90 node; named so that the multicast-based ``mnnvl`` backend is never chosen).
 
-    ``aux_specforge_ids`` are SpecForge/SGLang ids (SGLang shifts all by +1 when the first is 1;
+    ``aux_specforge_ids`` are the ids of the capture ``method`` (:data:`SPEC_CAPTURE_METHODS`): for eagle3,
+    SpecForge/SGLang ids (SGLang shifts all by +1 when the first is 1); for dflash/dspark, DFlash ids (always +1;
     see :mod:`specforge_kimi.targets.layer_ids`). ``context_length=None`` keeps the checkpoint's own.
 
     ``ep_size`` (expert parallelism) and ``dp_attention_size`` (``--enable-dp-attention --dp-size N``:
@@ -186,6 +191,8 @@ def capture_server_argv(
     ids = [int(i) for i in aux_specforge_ids]
     if not ids:
         raise ValueError("aux_specforge_ids is empty")
+    if method not in SPEC_CAPTURE_METHODS:
+        raise ValueError(f"capture method {method!r}: expected one of {', '.join(SPEC_CAPTURE_METHODS)}")
     for name, size in (("ep_size", ep_size), ("dp_attention_size", dp_attention_size)):
         if size is not None and (size < 1 or tp % size):
             raise ValueError(f"{name} must be a positive divisor of tp={tp}, got {size}")
@@ -205,7 +212,7 @@ def capture_server_argv(
         "-1",
         "--enable-spec-capture",
         "--spec-capture-method",
-        SPEC_CAPTURE_METHOD,
+        method,
         "--spec-capture-aux-layer-ids",
         *[str(i) for i in ids],
         "--host",

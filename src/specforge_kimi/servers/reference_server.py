@@ -16,7 +16,10 @@ greedy token SGLang's capture requests ask for (``max_new_tokens: 1``). Request 
 ``--max-request-bytes`` (64 MiB) are answered 413 without being read.
 
     python -m specforge_kimi.servers.reference_server --model-path DIR --spec-capture-aux-layer-ids 1 3 4 \
-        --host 127.0.0.1 --port 30000 [--dtype float32]
+        --host 127.0.0.1 --port 30000 [--dtype float32] [--spec-capture-method eagle3|dflash|dspark]
+
+``--spec-capture-method`` says how the ids are read, as SGLang does: eagle3 ids shift by +1 when the first is 1,
+dflash/dspark ids always (capture after layer ``id``); the aux rows are the N captured layers side by side.
 
 Mooncake settings come from the same ``MOONCAKE_*`` environment variables as the real sink. With
 ``SGLANG_SPEC_CAPTURE_TRANSPORT=cuda_ipc`` (and the pool variables of :mod:`specforge_kimi.transport`) the
@@ -41,6 +44,8 @@ from specforge_kimi.transport.cuda_ipc import wants_pool
 logger = logging.getLogger("specforge_kimi.servers.reference_server")
 
 _DTYPES = ("float32", "bfloat16", "float16")
+#: ``--spec-capture-method`` values (SGLang's spec-capture patch: eagle3, and dflash/dspark through the DFlash ids)
+METHODS = ("eagle3", "dflash", "dspark")
 #: request bodies above this are answered 413 unread (a tiny model's capture batches are a few MiB of JSON)
 MAX_REQUEST_BYTES = 64 << 20
 
@@ -81,16 +86,23 @@ def passthrough_tensor(item: dict, input_ids: list[int]):
 class ReferenceCapture:
     """The model, the aux positions and the Mooncake connection behind the HTTP handler."""
 
-    def __init__(self, model_path: str, aux_layer_ids: Sequence[int], dtype: str = "float32") -> None:
+    def __init__(
+        self, model_path: str, aux_layer_ids: Sequence[int], dtype: str = "float32", method: str = "eagle3"
+    ) -> None:
         import torch
 
         from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
         from specforge_kimi.targets.layer_ids import AuxLayers
 
         info = inspect_target(model_path)
-        # SGLang's rule (+1 for all when the first id is 1); the ids themselves are echoed back
+        # SGLang's rule for the method (eagle3: +1 for all when the first id is 1; dflash/dspark: +1 always); the ids
+        # themselves are echoed back
+        if method not in METHODS:
+            raise ValueError(f"capture method {method!r}: expected one of {', '.join(METHODS)}")
+        self.method = method
         self.aux_layer_ids = [int(i) for i in aux_layer_ids]
-        self.aux = AuxLayers.from_sglang(self.aux_layer_ids, info.num_layers)
+        engine = "sglang" if method == "eagle3" else "dflash"
+        self.aux = AuxLayers.from_engine(engine, self.aux_layer_ids, info.num_layers)
         self.model = load_text_model(model_path, dtype=torch.float32).eval()
         self.dtype = getattr(torch, dtype)
         self.dtype_name = dtype
@@ -317,6 +329,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         required=True,
         help="SGLang/SpecForge ids (shifted by +1 when the first is 1, as SGLang does)",
     )
+    p.add_argument(
+        "--spec-capture-method",
+        choices=METHODS,
+        default="eagle3",
+        help="how the ids are read: eagle3 (+1 when the first is 1) or dflash/dspark (+1 always)",
+    )
     p.add_argument("--dtype", choices=_DTYPES, default="float32")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -328,7 +346,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    backend = ReferenceCapture(args.model_path, args.spec_capture_aux_layer_ids, args.dtype)
+    backend = ReferenceCapture(
+        args.model_path, args.spec_capture_aux_layer_ids, args.dtype, method=args.spec_capture_method
+    )
     import signal
     import sys
 
@@ -336,9 +356,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, args.max_request_bytes))
     logger.info(
-        "reference capture server on http://%s:%d (ids %s -> positions %s, %s)",
+        "reference capture server on http://%s:%d (%s ids %s -> positions %s, %s)",
         args.host,
         args.port,
+        backend.method,
         backend.aux_layer_ids,
         list(backend.aux.positions),
         args.dtype,

@@ -21,7 +21,7 @@ WATERMARK_FRACTION = 0.8
 class FeatureSizing:
     """A recipe's features in flight, in bytes, as the plan sizes them (``plan.transport_plan.sizing``)."""
 
-    sample_bytes: int  # one max_length sample's features (aux layers + last hidden + passthrough)
+    sample_bytes: int  # one max_length sample's features (the family's captured layers + passthrough)
     window_samples: int  # samples the consumer takes before it acknowledges (one optimizer window)
     overshoot_samples: int  # what SpecForge's producer may have in flight past its watermark
     min_store_bytes: int  # one window plus the overshoot, at the watermark fraction
