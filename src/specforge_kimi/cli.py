@@ -240,6 +240,18 @@ def _layer_ids_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="every convention as JSON instead of the table")
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    if not args.recipe:
+        from specforge_kimi.drafts.export import run
+
+        return run(args)
+    from specforge_kimi.plan.run_plan import compile_plan
+    from specforge_kimi.run.launch import export_latest
+
+    print(f"exported draft: {export_latest(compile_plan(args.recipe))}")
+    return 0
+
+
 def _cmd_export_check(args: argparse.Namespace) -> int:
     from specforge_kimi.drafts.export import check_any_export
 
@@ -474,7 +486,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "export",
-        _K + "drafts.export:run",
+        _K + "cli:_cmd_export",
         "export a checkpoint for SGLang by its draft architecture (EAGLE-3, or DFlash for DFLASH), checked",
         _K + "drafts.export:add_arguments",
     ),

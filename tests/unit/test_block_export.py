@@ -194,17 +194,16 @@ def test_run_export_dispatches_block_drafts_by_architecture(exported, tiny_dir, 
     assert export_module.check_any_export(out, tiny_dir)["architecture"] == "DFlashDraftModel"
 
 
-def test_engine_export_hands_block_drafts_to_sglang_only(exported, tiny_dir, tmp_path):
+def test_engine_export_points_block_drafts_to_the_block_export(exported, tiny_dir, tmp_path):
     from specforge_kimi.drafts import export_engines as ex
 
     assert ex.ARCH_ENGINES["DFlashDraftModel"] == ("sglang",)
     ck = exported[1]
     with pytest.raises(KimiInputError, match="for \\['sglang'\\] only"):
         ex.export_draft(ck["checkpoint"], ck["draft_config_path"], tmp_path / "v", engine="vllm", num_layers=6)
-    prov = ex.export_draft(
-        ck["checkpoint"], ck["draft_config_path"], tmp_path / "s", engine="sglang", num_layers=6, target_dir=tiny_dir
-    )
-    assert prov["architecture"] == "DFlashDraftModel" and (tmp_path / "s" / "model.safetensors").is_file()
+    with pytest.raises(KimiInputError, match="through specforge-kimi export"):
+        ex.export_draft(ck["checkpoint"], ck["draft_config_path"], tmp_path / "s", engine="sglang", num_layers=6)
+    assert not (tmp_path / "s").exists()
 
 
 def test_id_l_minus_1_is_refused_from_num_target_layers_alone(exported, tmp_path):

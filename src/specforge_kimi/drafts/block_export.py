@@ -26,11 +26,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specforge_kimi.drafts.export_engines import DFLASH_ARCH, DSPARK_ARCH
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.targets.layer_ids import AuxLayers
 
-DFLASH_ARCH = "DFlashDraftModel"
-DSPARK_ARCH = "DSparkDraftModel"
 BLOCK_ARCHS = (DFLASH_ARCH, DSPARK_ARCH)
 #: checkpoint strategy each block architecture is trained by (SpecForge's ``training.strategy``)
 STRATEGY = {DFLASH_ARCH: "dflash", DSPARK_ARCH: "dspark"}

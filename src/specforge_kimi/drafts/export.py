@@ -296,14 +296,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    """The export of one named checkpoint (``--recipe`` is the CLI's: it compiles the plan, a higher layer)."""
     import sys
 
-    if args.recipe:
-        from specforge_kimi.plan.run_plan import compile_plan
-        from specforge_kimi.run.launch import export_latest
-
-        print(f"exported draft: {export_latest(compile_plan(args.recipe))}")
-        return 0
     given = {"--checkpoint": args.checkpoint, "--draft-config": args.draft_config, "--target": args.target}
     missing = [flag for flag, v in {**given, "--out": args.out}.items() if not v]
     if missing:

@@ -3,8 +3,8 @@
 Scope: SpecForge 0.2.0 ``eagle3`` checkpoints of two drafts -- the Llama-style
 ``LlamaForCausalLMEagle3`` and our MLA draft (:mod:`.mla_eagle3`, ``Eagle3DeepseekV2ForCausalLM``)
 -- written as one ``model.safetensors`` + ``config.json`` + ``provenance.json`` in the layout
-each engine's loader reads. A block draft (``DFlashDraftModel``) is handed to :mod:`.block_export`, for
-SGLang only (:data:`ARCH_ENGINES`). The frozen embedding is never exported: both engines share the
+each engine's loader reads. A block draft (``DFlashDraftModel``) exports through :mod:`.block_export`, for
+SGLang only (:data:`ARCH_ENGINES`); :func:`export_draft` refuses it with one line. The frozen embedding is never exported: both engines share the
 target's. Aux layer ids are converted once, through :class:`specforge_kimi.targets.layer_ids.AuxLayers`:
 the draft config carries SpecForge ids (SGLang's convention: +1 shift when the first id is 1);
 every export writes the captured *positions*, which SGLang then uses unshifted and vLLM uses as
@@ -66,7 +66,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from specforge_kimi.drafts.block_export import DFLASH_ARCH, block_arch
 from specforge_kimi.durable import recover_dir, refuse_link, staged_dir
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.targets.layer_ids import AuxLayers
@@ -74,6 +73,9 @@ from specforge_kimi.targets.layer_ids import AuxLayers
 ENGINES = ("sglang", "vllm")
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
+#: the block draft, exported by :mod:`.block_export` (which imports this module, not the other way)
+DFLASH_ARCH = "DFlashDraftModel"
+DSPARK_ARCH = "DSparkDraftModel"
 #: the EAGLE-3 drafts this module exports itself
 EAGLE3_ARCHS = (LLAMA_ARCH, MLA_ARCH)
 ARCHS = (*EAGLE3_ARCHS, DFLASH_ARCH)
@@ -348,8 +350,8 @@ def export_draft(
 
     _engine(engine)
     draft_config = json.loads(Path(draft_config_path).read_text())
-    if block_arch(draft_config) is not None:
-        return _export_block(checkpoint, draft_config_path, output_dir, engine, target_dir, command)
+    if (draft_config.get("architectures") or [None])[0] in (DFLASH_ARCH, DSPARK_ARCH):
+        _refuse_block(engine)
     check_export_dir(output_dir)
     arch = _arch(draft_config)
     specforge_ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -415,16 +417,13 @@ def export_draft(
     return prov
 
 
-def _export_block(checkpoint, draft_config_path, output_dir, engine: str, target_dir, command) -> dict[str, Any]:
-    """A block draft through :func:`specforge_kimi.drafts.block_export.export_block_draft`; its provenance."""
-    from specforge_kimi.drafts.block_export import export_block_draft
-
+def _refuse_block(engine: str) -> None:
+    """A block draft is not exported here: one line naming where it is (and that vLLM has no DFlash export)."""
     if engine not in ARCH_ENGINES[DFLASH_ARCH]:
         raise KimiInputError(f"block drafts export for {list(ARCH_ENGINES[DFLASH_ARCH])} only, not {engine!r}")
-    if target_dir is None:
-        raise KimiInputError("exporting a block draft needs the target directory")
-    out = export_block_draft(checkpoint, draft_config_path, output_dir, target_dir=target_dir, command=command)
-    return json.loads((out / PROVENANCE_FILE).read_text())
+    raise KimiInputError(
+        "a block draft exports through specforge-kimi export (drafts.export.export_run_draft -> drafts.block_export)"
+    )
 
 
 def load_exported_draft(export_dir: str | os.PathLike, *, dtype: Any = None, embedding: Any = None):
