@@ -283,7 +283,8 @@ def export_latest(plan: RunPlan) -> Path:
     if not (latest / "training_state.pt").is_file():
         raise KimiInputError(f"{latest} has no training_state.pt: the run wrote no checkpoint")
     model = plan.specforge_config["model"]
-    aux = AuxLayers.from_specforge(recipe.target.aux_layer_ids, recipe.target.num_layers)
+    ids = recipe.target.aux_layer_ids  # EAGLE-3's; a block draft's ids live in its draft config
+    aux = None if ids is None else AuxLayers.from_specforge(ids, recipe.target.num_layers)
     return export_run_draft(
         latest,
         model["draft_model_config"],
