@@ -318,6 +318,25 @@ def test_recipe_fields_reach_the_specforge_processes():
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_block_drafts_get_no_eagle3_step_switches(family):
+    """A block draft's processes carry no eagle3 step variable (patches eagle3-keep-allocator-cache and
+    eagle3-fewer-host-syncs change SpecForge's eagle3 step only), so the launch's preflight asks for neither patch;
+    the optimizer's switch still applies."""
+    import yaml
+
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered-dflash.yaml"))
+    raw["trainer"]["family"] = family
+    plan = compile_plan(raw)
+    assert plan.recipe.trainer.step_empty_cache is False  # the field's default, which the eagle3 step would read
+    env = dict(plan.process_env)
+    assert step_knobs.EMPTY_CACHE_ENV not in env and step_knobs.FEWER_SYNCS_ENV not in env
+    assert env[step_knobs.FUSED_ADAMW_ENV] == "1"
+    assert step_knobs.patches_needed(env) == [step_knobs.FUSED_ADAMW_PATCH]  # what the preflight checks
+
+
 @pytest.mark.parametrize("bad", ["expandable_segments", "expandable_segments:True;x:1", "a:1,", " a:1", "A:1"])
 def test_a_malformed_allocator_setting_is_a_one_line_recipe_error(tmp_path, bad):
     import yaml

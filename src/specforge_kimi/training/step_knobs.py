@@ -45,15 +45,16 @@ def check_alloc_conf(value: str) -> str:
 
 
 def step_env(
-    *, empty_cache: bool, fused_adamw: bool, alloc_conf: str | None, fewer_syncs: bool = False
+    *, empty_cache: bool | None, fused_adamw: bool, alloc_conf: str | None, fewer_syncs: bool | None = False
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
-    inherited shell variable never decides), the allocator setting only when given."""
-    env = {
-        EMPTY_CACHE_ENV: "1" if empty_cache else "0",
-        FUSED_ADAMW_ENV: "1" if fused_adamw else "0",
-        FEWER_SYNCS_ENV: "1" if fewer_syncs else "0",
-    }
+    inherited shell variable never decides), the allocator setting only when given. ``empty_cache`` and
+    ``fewer_syncs`` None: the eagle3 step's switches left out (a block draft's step reads neither)."""
+    env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
+    if empty_cache is not None:
+        env[EMPTY_CACHE_ENV] = "1" if empty_cache else "0"
+    if fewer_syncs is not None:
+        env[FEWER_SYNCS_ENV] = "1" if fewer_syncs else "0"
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
     return env
@@ -61,12 +62,15 @@ def step_env(
 
 def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
-    ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf`` and ``step_fewer_host_syncs``)."""
+    ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf`` and ``step_fewer_host_syncs``). A block draft
+    (``trainer.family`` dflash or dspark) gets no eagle3 step switches: patches eagle3-keep-allocator-cache and
+    eagle3-fewer-host-syncs change SpecForge's eagle3 step only, so the launch needs neither."""
+    eagle3 = getattr(trainer, "family", "eagle3") == "eagle3"
     return step_env(
-        empty_cache=trainer.step_empty_cache,
+        empty_cache=trainer.step_empty_cache if eagle3 else None,
         fused_adamw=trainer.fused_adamw,
         alloc_conf=trainer.cuda_alloc_conf,
-        fewer_syncs=trainer.step_fewer_host_syncs,
+        fewer_syncs=trainer.step_fewer_host_syncs if eagle3 else None,
     )
 
 
