@@ -282,13 +282,11 @@ def pretrain_structured_target(
     ``HELDOUT_SEED`` -- the conversations the bench's ``structured`` prompt set asks) and
     ``pretrain_loss.png``. Returns the ``pretrain.json`` content.
     """
-    import shutil
     import sys
     from dataclasses import asdict
 
     from specforge_kimi.data.tokenizer import build_standin_tokenizer
     from specforge_kimi.targets.checkpoint import resolve_device
-    from specforge_kimi.targets.tiny import write_tiny
 
     prompt_rule = _check_pretrain_args(seconds, max_steps, batch_size, prompt_rules, prompt_rule, precision)
     device = resolve_device(device)
@@ -297,28 +295,21 @@ def pretrain_structured_target(
         raise KimiInputError(f"{out} exists and is not empty")
     tok = build_standin_tokenizer()
     rows = _pretrain_rows(tok, conversations, heldout, prompt_rules, prompt_rule)
-    raw = out.with_name(out.name + ".random")
-    shutil.rmtree(raw, ignore_errors=True)
-    try:
-        write_tiny(raw, spec)
-        res = pretrain(
-            str(raw),
-            [ids for ids, _ in rows.train + rows.rules],
-            str(out),
-            seconds=seconds,
-            batch_size=batch_size,
-            lr=lr,
-            seed=spec.seed,
-            progress=progress,
-            device=device,
-            schedule=schedule,
-            loss=loss,
-            max_steps=max_steps,
-            deterministic=deterministic,
-            precision=precision,
-        )
-    finally:
-        shutil.rmtree(raw, ignore_errors=True)
+    res = _pretrain_from_random(
+        out,
+        spec,
+        [ids for ids, _ in rows.train + rows.rules],
+        seconds=seconds,
+        batch_size=batch_size,
+        lr=lr,
+        progress=progress,
+        device=device,
+        schedule=schedule,
+        loss=loss,
+        max_steps=max_steps,
+        deterministic=deterministic,
+        precision=precision,
+    )
     tok.save_pretrained(out)
 
     held, rule_held_numbers = _score_heldout(out, rows, device)
@@ -327,29 +318,17 @@ def pretrain_structured_target(
         "spec": asdict(spec),
         "device": device,
         "corpus": _corpus_summary(conversations, rows.train),
-        "train": {
-            "steps": res.steps,
-            "max_steps": max_steps,
-            "seconds": round(res.seconds, 2),
-            "seconds_budget": seconds,
-            "deterministic": deterministic,
-            "precision": precision,
-            "batch_size": batch_size,
-            "lr": lr,
-            "lr_schedule": schedule,
-            "schedule_fraction": round(res.schedule_fraction, 4),
-            "schedule_over": "steps" if deterministic else "time or steps, whichever ends first",
-            "loss": loss,
-            "loss_first": res.first_loss,
-            "loss_last": res.last_loss,
-            "losses": res.losses,
-            "what": "next-token cross-entropy over every position; "
-            + (
-                "full vocabulary (the untrained tokens' zero logits as one log(V - n) term)"
-                if loss == "full"
-                else "softmax restricted to the corpus's tokens"
-            ),
-        },
+        "train": _train_summary(
+            res,
+            max_steps=max_steps,
+            seconds=seconds,
+            deterministic=deterministic,
+            precision=precision,
+            batch_size=batch_size,
+            lr=lr,
+            schedule=schedule,
+            loss=loss,
+        ),
         "heldout": _heldout_summary(heldout, held),
     }
     if spec.int4_experts:
@@ -363,6 +342,21 @@ def pretrain_structured_target(
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2))
     _plot_pretrain(res.losses, summary, out / "pretrain_loss.png")
     return summary
+
+
+def _pretrain_from_random(out: Path, spec, sequences: list, **kwargs) -> PretrainResult:
+    """A random tiny target of ``spec`` written beside ``out`` and pretrained into ``out``; the random one removed."""
+    import shutil
+
+    from specforge_kimi.targets.tiny import write_tiny
+
+    raw = out.with_name(out.name + ".random")
+    shutil.rmtree(raw, ignore_errors=True)
+    try:
+        write_tiny(raw, spec)
+        return pretrain(str(raw), sequences, str(out), seed=spec.seed, **kwargs)
+    finally:
+        shutil.rmtree(raw, ignore_errors=True)
 
 
 def _check_pretrain_args(
@@ -442,6 +436,43 @@ def _corpus_summary(conversations: int, train_rows: list) -> dict:
         "what": "synthetic user question -> rule-determined answer (counting, spelling, reversing, repeating, "
         "multiplication tables, colour cycles); every 2nd conversation answers with reasoning; "
         "rendered with the kimi-k2.5 template, stand-in tokenizer (byte-level ids)",
+    }
+
+
+def _train_summary(
+    res: PretrainResult,
+    *,
+    max_steps: int,
+    seconds: float,
+    deterministic: bool,
+    precision: str,
+    batch_size: int,
+    lr: float,
+    schedule: str,
+    loss: str,
+) -> dict:
+    return {
+        "steps": res.steps,
+        "max_steps": max_steps,
+        "seconds": round(res.seconds, 2),
+        "seconds_budget": seconds,
+        "deterministic": deterministic,
+        "precision": precision,
+        "batch_size": batch_size,
+        "lr": lr,
+        "lr_schedule": schedule,
+        "schedule_fraction": round(res.schedule_fraction, 4),
+        "schedule_over": "steps" if deterministic else "time or steps, whichever ends first",
+        "loss": loss,
+        "loss_first": res.first_loss,
+        "loss_last": res.last_loss,
+        "losses": res.losses,
+        "what": "next-token cross-entropy over every position; "
+        + (
+            "full vocabulary (the untrained tokens' zero logits as one log(V - n) term)"
+            if loss == "full"
+            else "softmax restricted to the corpus's tokens"
+        ),
     }
 
 
