@@ -187,21 +187,18 @@ def _cmd_layer_ids(args: argparse.Namespace) -> int:
 
     given = parse_id_list(args.ids, "layer-ids")
     aux = AuxLayers.from_engine(args.engine, given, args.num_layers)
-    # a recipe (and SpecForge's config) takes SpecForge ids: the ids as given when they are SpecForge's or
-    # SGLang's own, else the SpecForge view of the captured positions
-    recipe_ids = list(given) if args.engine in ("specforge", "sglang") else aux.specforge_ids()
     views: dict[str, list[int] | str] = {}
     for engine in ENGINES:
         try:
             views[engine] = aux.to_engine(engine)
         except KimiInputError as exc:
             views[engine] = f"unreachable: {exc}"
+    # an EAGLE-3 recipe (and SpecForge's config) takes SpecForge ids: the ids as given when they are SpecForge's or
+    # SGLang's own, else the SpecForge view of the captured positions; a block draft takes the DFlash view
+    recipe_ids = list(given) if args.engine in ("specforge", "sglang") else views["specforge"]
     if args.json:
-        print(
-            json.dumps(
-                {"recipe_aux_layer_ids": recipe_ids, "captured_positions": list(aux.positions), **views}, indent=2
-            )
-        )
+        doc = {"recipe_aux_layer_ids": recipe_ids, "captured_positions": list(aux.positions), **views}
+        print(json.dumps(doc, indent=2))
         return 0
 
     def ids(v) -> str:
@@ -210,14 +207,22 @@ def _cmd_layer_ids(args: argparse.Namespace) -> int:
     rows = [
         ("recipe target.aux_layer_ids (SpecForge ids)", ids(recipe_ids)),
         ("captured positions = HF hidden_states indices", ids(list(aux.positions))),
-        ("SGLang --spec-capture-aux-layer-ids", ids(recipe_ids)),
+        ("SGLang --spec-capture-aux-layer-ids (eagle3)", ids(recipe_ids)),
         ("vLLM ids", ids(views["vllm"])),
         ("exported drafts' eagle_aux_hidden_state_layer_ids", ids(views["sglang"])),
+        ("block drafts' dflash_config.target_layer_ids", ids(views["dflash"])),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"aux layers of a {args.num_layers}-layer target, given as {args.engine} ids {ids(list(given))}:")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+    block = (
+        f"[{', '.join(map(str, views['dflash']))}] into a block draft's trainer.draft.dflash_config.target_layer_ids"
+    )
+    if args.engine == "dflash" or not isinstance(recipe_ids, list):
+        eagle3 = "" if isinstance(recipe_ids, list) else " (EAGLE-3 cannot capture these positions)"
+        print(f"put {block}{eagle3}")
+        return 0
     same = (
         f" ({ids(list(aux.positions))} captures the same layers: SGLang shifts a list that starts at 1 by +1)"
         if recipe_ids[0] == 1
@@ -233,8 +238,8 @@ def _layer_ids_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         default="specforge",
-        choices=("specforge", "sglang", "vllm", "hf"),
-        help="whose convention the ids are in",
+        choices=("specforge", "sglang", "vllm", "hf", "dflash"),
+        help="whose convention the ids are in (dflash: a block draft's target_layer_ids, position = id + 1)",
     )
     p.add_argument("--num-layers", type=int, default=61, help="target decoder layers (K2.5: 61)")
     p.add_argument("--json", action="store_true", help="every convention as JSON instead of the table")

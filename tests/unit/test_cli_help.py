@@ -83,6 +83,25 @@ def test_layer_ids_is_a_short_table_naming_the_recipe_ids(capsys):
     assert table["recipe_aux_layer_ids"] == [1, 29, 57] and table["captured_positions"] == [2, 30, 58]
 
 
+def test_layer_ids_shows_dflash_ids(capsys):
+    """A block draft's DFlash ids (position = id + 1) are an engine of ``layer-ids``: id 0 (position 1, which no
+    EAGLE-3 list reaches first in SGLang) is shown, not refused, and the line names the draft config's field."""
+    assert cli.main(["layer-ids", "0,1,2,3", "--engine", "dflash", "--num-layers", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 8, lines
+    assert any(line.split()[-1] == "1,2,3,4" and "captured positions" in line for line in lines)
+    assert lines[-1].startswith("put [0, 1, 2, 3] into a block draft's trainer.draft.dflash_config.target_layer_ids")
+    assert "EAGLE-3 cannot capture" in lines[-1]
+    assert cli.main(["layer-ids", "1,29,57", "--engine", "dflash", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["dflash"] == [1, 29, 57] and table["captured_positions"] == [2, 30, 58]
+    assert table["recipe_aux_layer_ids"] == [2, 30, 58]  # EAGLE-3's ids for the same positions
+    assert cli.main(["layer-ids", "1,29,57"]) == 0  # EAGLE-3's ids: the DFlash view beside them
+    assert any(
+        line.split()[-1] == "1,29,57" and "dflash_config" in line for line in capsys.readouterr().out.splitlines()
+    )
+
+
 def test_launch_plan_writes_nothing_and_prints_one_json_document(tmp_path, capsys, monkeypatch):
     raw = yaml.safe_load((ROOT / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
     out = tmp_path / "run"
