@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,10 @@ class FakeServer:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
+
+            def setup(self):
+                super().setup()
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK waits
 
             def handle(self):
                 try:

@@ -1,8 +1,9 @@
 """Generated bad input for the data path (issue 32): ``prepare``'s input lines and ``regenerate``'s server
 replies. Valid rows and replies are mutated (values of the wrong type, keys removed, huge and deeply nested
-values, invalid UTF-8, truncation; for replies also HTTP statuses, bodies cut short, answers slower than the
-timeout). Every case must end in a result or one clear error line -- never a traceback -- and leave no partial
-output behind. Example counts are bounded so the file runs in well under two minutes on two cores; the number
+values, invalid UTF-8, truncation; for replies also HTTP statuses, bodies cut short, and replies slower than
+the deadline: trickled a byte at a time, stalled after the headers, or silent). Every case must end in a
+result or one clear error line -- never a traceback -- and leave no partial output behind; each reply's
+row must be asked and end as the client's contract says (retried or not, written or which error). Example counts are bounded so the file runs in well under two minutes on two cores; the number
 of cases each surface tried is printed in the run's summary (``tests/fuzz_counts.py``).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -187,9 +189,14 @@ def test_prepare_survives_generated_input_lines(tok, data):
 @pytest.fixture(scope="module")
 def server():
     fake = FakeServer()
-    fake.httpd.handle_error = lambda request, address: None  # a client that timed out and left is expected
     yield fake
     fake.close()
+
+
+_SLOW_S = 3.0  # how long a slow reply takes whole; the client's deadline in a case with one is _DEADLINE_S
+_DEADLINE_S = 0.2
+_FAST_DEADLINE_S = 10.0  # a case without slow replies: a deadline no healthy loopback reply meets late
+_RETRY = {408, 429, 500, 502, 503, 504}
 
 
 @st.composite
@@ -204,47 +211,124 @@ def raw_replies(draw) -> RawReply:
         )
     )
     short = draw(st.sampled_from([None, None, None, len(body) + 100]))
-    delay = draw(st.sampled_from([0.0] * 11 + [0.6]))  # slower than the client's 0.3 s timeout
-    return RawReply(status, body, declared_length=short, delay_s=delay)
+    # one reply in 60 is slow (about 50 of the 1,000 cases have one): each costs the deadline per attempt
+    pace = draw(st.sampled_from(["trickle", "stall", "silent"])) if draw(st.integers(0, 59)) == 37 else "now"
+    return RawReply(
+        status,
+        body,
+        declared_length=short,
+        delay_s=_SLOW_S if pace == "silent" else 0.0,  # nothing at all
+        stall_s=_SLOW_S if pace == "stall" else 0.0,  # the headers, then nothing
+        trickle_s=_SLOW_S if pace == "trickle" else 0.0,  # every byte soon, the whole reply late
+    )
+
+
+def _slow(reply: RawReply) -> bool:
+    """Past the deadline: silent, trickled, or stalled before a body (a stall before no body is no wait)."""
+    return bool(reply.delay_s or reply.trickle_s or (reply.stall_s and (reply.body or reply.declared_length)))
+
+
+def _expected(replies: list[RawReply], retries: int) -> tuple[int, str]:
+    """A row's attempts and outcome as the client's contract gives them: ``written``; ``failed at once:``
+    or ``failed after retries:`` and the error's words; or ``answered`` (a JSON reply the row's checks
+    judge: written, or failed at once)."""
+    words = ""
+    for attempt, reply in enumerate(replies[: retries + 1], start=1):
+        if _slow(reply):
+            words = f"within --timeout {_DEADLINE_S:g} s"
+        elif reply.status in _RETRY:
+            words = f"HTTP {reply.status} from"
+        elif not 200 <= reply.status < 300:
+            return attempt, f"failed at once: HTTP {reply.status} from"
+        elif reply.declared_length:
+            words = "broke off its reply"
+        else:
+            try:
+                json.loads(reply.body)
+            except (ValueError, RecursionError):
+                words = "returned invalid JSON"
+            else:
+                return attempt, "written" if reply.body == json.dumps(COMPLETION).encode() else "answered"
+    return retries + 1, f"failed after retries: {words}"
+
+
+def _regenerate_cli(argv: list[str]) -> int:
+    """``specforge-kimi regenerate ARGV`` as ``cli.main`` runs it (a bad input: one ``error:`` line, exit 2),
+    without building every other subcommand's parser for each of a thousand cases."""
+    import argparse
+
+    from specforge_kimi.data import regenerate
+
+    parser = argparse.ArgumentParser(prog="specforge-kimi regenerate")
+    regenerate.add_arguments(parser)
+    try:
+        return regenerate.run(parser.parse_args(argv))
+    except KimiInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 @given(data=st.data())
-@settings(max_examples=150, **_SETTINGS)
+@settings(max_examples=1000, **_SETTINGS)
 def test_regenerate_survives_generated_replies(server, data):
-    from specforge_kimi.cli import main
-
-    replies = data.draw(st.lists(raw_replies(), min_size=1, max_size=4))
+    """Every row's attempts and outcome are the ones the client's contract gives its replies: a slow reply
+    (trickled, stalled after the headers, or silent) ends at the deadline and is retried; the run's exit
+    code and its one error line follow from the rows."""
+    rows = data.draw(st.integers(1, 3))
+    retries = data.draw(st.integers(0, 1))
+    plans = [data.draw(st.lists(raw_replies(), min_size=retries + 1, max_size=retries + 1)) for _ in range(rows)]
     lock = threading.Lock()
-    served = iter(range(10**9))
+    asked: dict[int, int] = {}
 
-    def reply(_payload):
+    def reply(payload):
+        row = int(payload["messages"][-1]["content"].removeprefix("q"))
         with lock:
-            return replies[next(served) % len(replies)]
+            attempt = asked[row] = asked.get(row, 0) + 1
+        return plans[row][min(attempt, retries + 1) - 1]
 
     server.chat_reply = reply
-    rows = data.draw(st.integers(1, 3))
-    record("regenerate server replies", 1)
+    expected = [_expected(plan, retries) for plan in plans]
+    slow = any(_slow(r) for plan in plans for r in plan)
+    record("regenerate server replies")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         source = tmp / "in.jsonl"
-        source.write_text("".join(json.dumps(ROWS[i % 2]) + "\n" for i in range(rows)))
+        source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]
+                                              + ROWS[0]["messages"][1:]}) + "\n" for i in range(rows)))  # fmt: skip
         out = tmp / "out.jsonl"
-        argv = ["regenerate", str(source), "--server", server.url, "--out", str(out), "--concurrency", "2"]
-        argv += ["--timeout", "0.3", "--max-retries", "1", "--retry-delay", "0.001", "--no-progress"]
+        argv = [str(source), "--server", server.url, "--out", str(out), "--concurrency", str(rows)]
+        argv += ["--timeout", str(_DEADLINE_S if slow else _FAST_DEADLINE_S), "--max-retries", str(retries)]
+        argv += ["--retry-delay", "0.001", "--no-progress"]
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(argv)
-        assert code in (0, 1, 2)
-        if code == 2:
-            lines = err.getvalue().strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("error: ")
+            code = _regenerate_cli(argv)
         written = out.read_bytes()
         assert written == b"" or written.endswith(b"\n")  # no torn line
-        done = [json.loads(line) for line in written.splitlines()]
-        errors = [json.loads(line) for line in (tmp / "out.jsonl.errors.jsonl").read_text().splitlines()]
-        assert all(isinstance(e["error"], str) and "\n" not in e["error"] for e in errors)
-        assert sorted([r["regenerate"]["source_line"] for r in done] + [e["line"] for e in errors]) == list(
-            range(1, rows + 1)
-        )  # every row ended as an output line or one error line
+        done = {json.loads(line)["regenerate"]["source_line"] - 1 for line in written.splitlines()}
+        errors = {
+            e["line"] - 1: e["error"]
+            for e in map(json.loads, (tmp / "out.jsonl.errors.jsonl").read_text().splitlines())
+        }
+        assert sorted([*done, *errors]) == list(range(rows))  # every row once: an output line or an error line
         assert sorted(p.name for p in tmp.iterdir()) == ["in.jsonl", "out.jsonl", "out.jsonl.errors.jsonl"]
     server.chat_reply = None
+    for row, (attempts, outcome) in enumerate(expected):
+        assert asked.get(row, 0) == attempts, (row, outcome, errors.get(row))
+        if outcome == "written":
+            assert row in done
+        elif outcome.startswith("failed"):
+            error = errors[row]
+            assert outcome.split(": ", 1)[1] in error and "\n" not in error, (outcome, error)
+            assert (f"(after {retries} retries)" in error) == outcome.startswith("failed after retries")
+        else:
+            assert row in done or "retries)" not in errors[row]  # judged at once, never retried
+    failed = [row for row, (_, outcome) in enumerate(expected) if outcome.startswith("failed")]
+    lines = err.getvalue().strip().splitlines()
+    if not errors:
+        assert code == 0
+    elif failed and not done:
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: no row was regenerated"), lines
+    elif failed:
+        assert code == 1
+    else:  # errors only from rows the checks judged: skipped (0), failed (1; 2 when none was written)
+        assert code in (0, 1) or (code == 2 and not done and len(lines) == 1)

@@ -96,6 +96,8 @@ class _Connection(http.client.HTTPConnection):
         self._client._track(raw)
         raw.settimeout(_left(self._deadline))
         raw.connect(address)
+        if family in (socket.AF_INET, socket.AF_INET6):
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client's own connect does
         sock = raw
         if self._client.scheme == "https":
             import ssl
@@ -192,7 +194,12 @@ class ChatClient:
             headers = {"Content-Type": "application/json", "Connection": "close"}
             connection.request(method, self._prefix + path, body=data, headers=headers)
             response = connection.getresponse()
-            return response.status, response.read()
+            if 200 <= response.status < 300:
+                return response.status, response.read()
+            try:  # the status decides; a body cut short does not make it retryable (the deadline does)
+                return response.status, response.read()
+            except (ConnectionError, http.client.HTTPException):
+                return response.status, b"(body unreadable)"
         finally:
             connection.release()
 
