@@ -46,10 +46,9 @@ in flight at once, keeps only whole lines in ``OUT`` and the errors file, and ex
 line; ``--resume`` then finishes the file, each row once.
 
 Reproducibility is the server's: with SGLang's default kernels, greedy generations depend on what
-else is in the batch, so two runs of the same rows differ in a few (on one H200, 31 of 3,100 rows
-at ``--concurrency 256``); a server started with ``--enable-deterministic-inference`` gave the
-same output bit for bit (0 of 3,100), regenerating about 25% slower (tiny K2.5, TP=1, ``triton``
-attention). SGLang 0.5.14 confines DeepSeek's MLA architectures to ``fa3`` or ``triton`` in that
+else is in the batch, so two runs of the same rows differ in a few; a server started with
+``--enable-deterministic-inference`` gives the same output bit for bit, regenerating somewhat
+slower (the measurements: docs/decisions/002-data-path.md). SGLang 0.5.14 confines DeepSeek's MLA architectures to ``fa3`` or ``triton`` in that
 mode, but its list names ``DeepseekV3ForCausalLM``, not K2.5's wrapper, so it would also accept
 ``flashinfer`` for K2.5: use ``triton`` (measured) or ``fa3``. At TP > 1 it turns custom
 all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosing it.
