@@ -199,6 +199,8 @@ def _dc(r):
         ),
         (lambda r: r["trainer"]["draft"].update(block_size=16), "draft block_size 16 != trainer.block.block_size 8"),
         (lambda r: r["trainer"]["draft"].update(layer_types=[]), "layer_types has 0 entries for 1 layers"),
+        (lambda r: r["trainer"]["draft"].update(layer_types=10**30), "layer_types must be a list of layer kinds"),
+        (lambda r: r["trainer"]["draft"].update(layer_types=[1]), "layer_types must be a list of layer kinds"),
         (lambda r: r["trainer"]["draft"].pop("head_dim"), "trainer.draft.head_dim must be a positive integer"),
         (lambda r: r["trainer"]["draft"].update(hidden_size=256), "draft hidden_size 256 != target"),
         (lambda r: r["trainer"].update(step_empty_cache=True), "trainer.step_empty_cache: EAGLE-3 only"),

@@ -507,7 +507,11 @@ def _check_block(r: Recipe) -> None:
     if special is not None:
         raise ValueError(f"trainer.block.mask_token_id {b.mask_token_id} is K2.5's {special}, a token in use")
     types = d.get("layer_types")
-    if types is not None and len(types) != d["num_hidden_layers"]:
+    if types is None:
+        return
+    if not isinstance(types, list) or not all(isinstance(x, str) for x in types):
+        raise ValueError(f"trainer.draft.layer_types must be a list of layer kinds (strings), not {types!r:.80}")
+    if len(types) != d["num_hidden_layers"]:
         raise ValueError(f"draft layer_types has {len(types)} entries for {d['num_hidden_layers']} layers")
 
 
