@@ -3,8 +3,8 @@
 # recipe_fields RECIPE: the recipe's name, output_dir, gpus.per_node and target.aux_layer_ids (SpecForge ids,
 # comma-joined, as eval-draft's --aux-ids takes them) on one line (fails if it does not load)
 recipe_fields() {
-  python3 -c "import sys; from specforge_kimi.plan.recipes import load_recipe as l; r = l(sys.argv[1]); \
-print(r.name, r.output_dir, r.gpus.per_node, ','.join(map(str, r.target.aux_layer_ids)))" "$1"
+  python3 -c "import sys; from specforge_kimi.plan.run_plan import load_recipe as l; r = l(sys.argv[1]); \
+print(r.name, r.output_dir, r.gpus.per_node, ','.join(map(str, r.target.aux_layer_ids or [])))" "$1"
 }
 
 # eval-draft takes every regenerated held-out row (48 corpus; with MIX + 48 prompt-mix + 48 bench prompts), else 48 corpus

@@ -46,7 +46,7 @@ for item in filter(None, os.environ.get("TRAINER_SET", "").split(",")):
     raw["trainer"][key.strip()] = yaml.safe_load(value)
 open(sys.argv[2], "w").write(yaml.safe_dump(raw, sort_keys=False))
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.plan.recipes import load_recipe
+from specforge_kimi.plan.run_plan import load_recipe
 try:
     load_recipe(sys.argv[2])  # an unknown field or a bad value stops here, with the recipe's own one-line error
 except KimiInputError as exc:
@@ -55,8 +55,8 @@ PY
   RECIPE="$OUT/recipe-run.yaml"
 fi
 read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECIPE" >&2; exit 2; }
-TARGET=$(python3 -c "import sys; from specforge_kimi.plan.recipes import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
-DATA=$(python3 -c "import sys, os; from specforge_kimi.plan.recipes import load_recipe as l; print(os.path.dirname(l(sys.argv[1]).data.prompts_path))" "$RECIPE")
+TARGET=$(python3 -c "import sys; from specforge_kimi.plan.run_plan import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
+DATA=$(python3 -c "import sys, os; from specforge_kimi.plan.run_plan import load_recipe as l; print(os.path.dirname(l(sys.argv[1]).data.prompts_path))" "$RECIPE")
 STAGE="${STAGE:-all}"
 case "$STAGE" in all|target|data|depth|train|bench) ;; *) echo "STAGE must be all, target, data, depth, train or bench, not $STAGE" >&2; exit 2;; esac
 stage() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
