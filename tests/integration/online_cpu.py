@@ -22,6 +22,52 @@ def cpu_inputs(root: Path, conversations: int = 40) -> tuple[Path, Path]:
     return target, prepare_corpus(root, conversations, "--standin-tokenizer")
 
 
+#: a block draft's DFlash ids on ``TEST_SPEC``'s 6 layers: positions [1, 2, 3, 4] (capture after layer id)
+BLOCK_IDS = [0, 1, 2, 3]
+#: the block draft's block size and anchors on the CPU (small: the objective's logits are anchors x block x vocab)
+BLOCK_SIZE, NUM_ANCHORS = 4, 4
+
+
+def block_draft(raw: dict, family: str) -> None:
+    """Rewrites the EAGLE-3 ``raw`` recipe (after :func:`cpu_plan`'s sizes) into a ``family`` block draft on the tiny
+    target: DFlash ids :data:`BLOCK_IDS`, a 1-layer Qwen3-style draft at the target's width, sdpa, and the K2.5 mask
+    token (inside the tiny target's K2.5 vocabulary)."""
+    from specforge_kimi.plan.recipes import K25_MASK_TOKEN_ID
+
+    t, tr = raw["target"], raw["trainer"]
+    del t["aux_layer_ids"], tr["ttt_length"]
+    raw["data"].pop("vocab_mapping_path")
+    raw["bench"] = {"min_acceptance_length": 2.0, "algorithm": "DFLASH", "block_size": BLOCK_SIZE}
+    tr["family"] = family
+    tr["block"] = {"block_size": BLOCK_SIZE, "num_anchors": NUM_ANCHORS, "mask_token_id": K25_MASK_TOKEN_ID}
+    h, heads = t["hidden_size"], 4
+    tr["draft"] = {
+        "architectures": ["DSparkDraftModel" if family == "dspark" else "DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": h,  # the target's: the draft embeds its noise with the target's embedding
+        "intermediate_size": 2 * h,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": h // heads,
+        "num_hidden_layers": 1,
+        "layer_types": ["full_attention"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1.0e-06,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "vocab_size": t["vocab_size"],
+        "block_size": BLOCK_SIZE,
+        "num_target_layers": t["num_layers"],
+        "dflash_config": {"target_layer_ids": list(BLOCK_IDS), "mask_token_id": K25_MASK_TOKEN_ID},
+        "bos_token_id": 163584,
+        "eos_token_id": 163585,
+        "pad_token_id": 163839,
+        "tie_word_embeddings": False,
+    }
+    tr["attention_backend"] = "sdpa"  # flex attention has no CPU backward
+
+
 def cpu_plan(
     root: Path,
     *,
@@ -33,14 +79,17 @@ def cpu_plan(
     compact_specforge: Path | None = None,
     transport: str = "mooncake",
     inputs: tuple[Path, Path] | None = None,
+    family: str = "eagle3",
 ):
-    """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``.
+    """``(plan, recipe, rendered, target)`` for a ``dp``-rank (default 1) CPU run under ``root``; ``rendered`` holds
+    the compiled ``RunPlan`` as ``run_plan``.
 
     ``compact_specforge``: a directory holding a SpecForge package patched by ``specforge-kimi
     setup``; the recipe turns ``server.compact_passthrough`` on and the producer and trainer ranks
     import SpecForge from there. ``transport``: the recipe's ``server.transport`` (``cuda_ipc``: the
     reference server writes into a cuda_ipc pool on its shared-memory backend, no Mooncake master).
-    ``inputs``: ``(target, data dir)`` of :func:`cpu_inputs` to reuse (default: written under ``root``)."""
+    ``inputs``: ``(target, data dir)`` of :func:`cpu_inputs` to reuse (default: written under ``root``).
+    ``family``: the recipe's ``trainer.family``; a block draft (dflash, dspark) is :func:`block_draft`'s."""
     from specforge_kimi.plan.run_plan import compile_plan
     from specforge_kimi.run.launch import build_colocated_plan
     from specforge_kimi.run.services import free_ports  # at most 55535: SGLang's rule, which recipes enforce
@@ -69,6 +118,8 @@ def cpu_plan(
     raw["server"]["compact_passthrough"] = compact_specforge is not None  # off: SpecForge's JSON lists
     raw["server"]["transport"] = transport
     raw["data"] = {"prompts_path": str(data / "prompts.jsonl"), "vocab_mapping_path": str(data / "vocab_mapping.pt")}
+    if family != "eagle3":
+        block_draft(raw, family)
     compiled = compile_plan(raw)
     recipe, rendered = compiled.recipe, compiled.write()  # where `launch` renders it
     # CPU trainer: fp32 features and weights, DDP on gloo instead of FSDP (cpu_shims.py says why)
@@ -78,12 +129,18 @@ def cpu_plan(
     cfg["training"].update(fsdp_sharding="NO_SHARD", log_interval=1)
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     rendered["specforge_config"] = cfg
+    rendered["run_plan"] = compiled  # what run.launch.export_latest reads
 
     plan = build_colocated_plan(compiled, python=sys.executable)
     *others, server = plan.services
     old = list(server.command.argv)
-    server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1 :][:3]
-    assert [int(i) for i in server_ids] == cfg["model"]["aux_hidden_state_layer_ids"]
+    server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1 :][: len(recipe.capture_ids)]
+    contract = (
+        cfg["model"].get("aux_hidden_state_layer_ids") or recipe.trainer.draft["dflash_config"]["target_layer_ids"]
+    )
+    assert [int(i) for i in server_ids] == contract
+    method = old[old.index("--spec-capture-method") + 1]
+    assert method == family
     keeper = old[: old.index("--") + 1] if "specforge_kimi.run.keeper" in old else []
     argv = (
         *keeper,
@@ -100,6 +157,8 @@ def cpu_plan(
         str(recipe.server.port),
         "--dtype",
         "float32",
+        "--spec-capture-method",
+        method,
     )
     env = {**server.command.env, "MOONCAKE_LOCAL_BUFFER_SIZE": str(32 << 20)}
     server = dataclasses.replace(server, command=dataclasses.replace(server.command, argv=argv, env=env))

@@ -71,7 +71,7 @@ def online_run(tmp_path_factory):
     except subprocess.TimeoutExpired:
         watch.kill()
         watch_out, watch_err = watch.communicate()
-    export_dir = export_latest(recipe, rendered) if rc == 0 else None
+    export_dir = export_latest(rendered["run_plan"]) if rc == 0 else None
     return {
         "status": status.getvalue(),
         "watch": (watch.returncode, watch_out, watch_err),

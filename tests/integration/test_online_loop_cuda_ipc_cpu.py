@@ -49,7 +49,7 @@ def ipc_run(request, tmp_path_factory):
         "recipe": recipe,
         "out": Path(recipe.output_dir),
         "spawned": spawned,
-        "export": export_latest(recipe, rendered) if rc == 0 else None,
+        "export": export_latest(rendered["run_plan"]) if rc == 0 else None,
     }
 
 
