@@ -47,7 +47,7 @@ def block_draft(raw: dict, family: str) -> None:
         "hidden_size": h,  # the target's: the draft embeds its noise with the target's embedding
         "intermediate_size": 2 * h,
         "num_attention_heads": heads,
-        "num_key_value_heads": heads,
+        "num_key_value_heads": heads // 2 if family == "dspark" else heads,  # DSpark's attention is GQA
         "head_dim": h // heads,
         "num_hidden_layers": 1,
         "layer_types": ["full_attention"],
