@@ -536,6 +536,62 @@ def _tabled(
     return out + _table(header, rows) + [""] + (tail or [])
 
 
+def _acceptance_rows(name: str, res: dict, rows: list, bars: list, curves: list) -> None:
+    """One ``bench_result.json``'s table rows, bars (AL per set) and curves (P(j)) per speculative config."""
+    for run in res.get("speculative") or []:
+        c = run["config"]
+        label = f"{Path(name).stem} {c['steps']}/{c['topk']}/{c['draft_tokens']}"
+        base = ((res.get("baseline") or {}).get("sets")) or {}
+        match = run.get("output_match") or {}
+        for set_name, m in run["sets"].items():
+            mm = match.get(set_name)
+            rows.append(
+                [
+                    name,
+                    _describe_target(res),
+                    f"{c['steps']}/{c['topk']}/{c['draft_tokens']}",
+                    set_name,
+                    m.get("requests"),
+                    m.get("acceptance_length"),
+                    m.get("acceptance_length_decode"),
+                    m.get("accept_rate"),
+                    (m.get("per_position") or {}).get("at_least"),
+                    _num(m.get("output_tok_per_s"), "{:.1f}"),
+                    _num((base.get(set_name) or {}).get("output_tok_per_s"), "{:.1f}"),
+                    _num((run.get("speedup") or {}).get(set_name), "{:.2f}x"),
+                    f"{mm['identical']}/{mm['identical'] + mm['different']}" if mm else None,
+                ]
+            )
+        bars.append((label, {k: v.get("acceptance_length") for k, v in run["sets"].items()}))
+        curves.append((label, (run["overall"].get("per_position") or {}).get("at_least") or []))
+
+
+def _plot_acceptance(plots: Path, bars: list, curves: list) -> None:
+    """plots/acceptance.png: acceptance length per prompt set, and P(position j accepted) per config."""
+    plt = _plt()
+    sets = sorted({k for _, b in bars for k in b})
+    fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
+    w = 0.8 / max(1, len(bars))
+    for i, (label, b) in enumerate(bars):
+        ax[0].bar([x + i * w for x in range(len(sets))], [b.get(k) or 0 for k in sets], w, label=label)
+    ax[0].set_xticks([x + w * (len(bars) - 1) / 2 for x in range(len(sets))], sets)
+    ax[0].axhline(1, color="grey", lw=0.8)
+    ax[0].set(ylabel="acceptance length", title="acceptance length per prompt set")
+    ax[0].legend(fontsize=6)
+    for label, c in curves:
+        ax[1].plot(range(1, len(c) + 1), c, marker="o", label=label)
+    ax[1].set(
+        xlabel="draft position j",
+        ylabel="P(position j accepted)",
+        ylim=(0, 1.05),
+        title="per-position acceptance (all sets)",
+    )
+    ax[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(plots / "acceptance.png", dpi=110)
+    plt.close(fig)
+
+
 def section_acceptance(files: list[tuple[str, dict]], plots: Path | None) -> list[str]:
     out = ["## Acceptance length through SGLang EAGLE-3", ""]
     if not files:
@@ -554,32 +610,7 @@ def section_acceptance(files: list[tuple[str, dict]], plots: Path | None) -> lis
     rows, bars, curves = [], [], []
     for name, res in files:
         s = res.get("settings") or {}
-        for run in res.get("speculative") or []:
-            c = run["config"]
-            label = f"{Path(name).stem} {c['steps']}/{c['topk']}/{c['draft_tokens']}"
-            base = ((res.get("baseline") or {}).get("sets")) or {}
-            match = run.get("output_match") or {}
-            for set_name, m in run["sets"].items():
-                mm = match.get(set_name)
-                rows.append(
-                    [
-                        name,
-                        _describe_target(res),
-                        f"{c['steps']}/{c['topk']}/{c['draft_tokens']}",
-                        set_name,
-                        m.get("requests"),
-                        m.get("acceptance_length"),
-                        m.get("acceptance_length_decode"),
-                        m.get("accept_rate"),
-                        (m.get("per_position") or {}).get("at_least"),
-                        _num(m.get("output_tok_per_s"), "{:.1f}"),
-                        _num((base.get(set_name) or {}).get("output_tok_per_s"), "{:.1f}"),
-                        _num((run.get("speedup") or {}).get(set_name), "{:.2f}x"),
-                        f"{mm['identical']}/{mm['identical'] + mm['different']}" if mm else None,
-                    ]
-                )
-            bars.append((label, {k: v.get("acceptance_length") for k, v in run["sets"].items()}))
-            curves.append((label, (run["overall"].get("per_position") or {}).get("at_least") or []))
+        _acceptance_rows(name, res, rows, bars, curves)
         th = res.get("threshold")
         if th:
             out.append(
@@ -616,28 +647,7 @@ def section_acceptance(files: list[tuple[str, dict]], plots: Path | None) -> lis
     ]
     if plots is None:
         return out
-    plt = _plt()
-    sets = sorted({k for _, b in bars for k in b})
-    fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
-    w = 0.8 / max(1, len(bars))
-    for i, (label, b) in enumerate(bars):
-        ax[0].bar([x + i * w for x in range(len(sets))], [b.get(k) or 0 for k in sets], w, label=label)
-    ax[0].set_xticks([x + w * (len(bars) - 1) / 2 for x in range(len(sets))], sets)
-    ax[0].axhline(1, color="grey", lw=0.8)
-    ax[0].set(ylabel="acceptance length", title="acceptance length per prompt set")
-    ax[0].legend(fontsize=6)
-    for label, c in curves:
-        ax[1].plot(range(1, len(c) + 1), c, marker="o", label=label)
-    ax[1].set(
-        xlabel="draft position j",
-        ylabel="P(position j accepted)",
-        ylim=(0, 1.05),
-        title="per-position acceptance (all sets)",
-    )
-    ax[1].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(plots / "acceptance.png", dpi=110)
-    plt.close(fig)
+    _plot_acceptance(plots, bars, curves)
     return out + ["![acceptance](plots/acceptance.png)", ""]
 
 
@@ -1820,6 +1830,80 @@ def section_prefill_depth(files: list[tuple[str, dict]]) -> list[str]:
     )
 
 
+def _sizing_rows(res: dict, ts) -> list[list]:
+    """One table row per (shipped recipe, transport) of a ``bench/sizing.py`` file; ``ts``: TorchSpec's tok/s per GPU."""
+    rows = []
+    for recipe, r in (res.get("recipes") or {}).items():
+        for transport, t in (r.get("transports") or {}).items():
+            e2e = t.get("end_to_end_tokens_per_s_per_gpu")
+            m = t.get("memory_per_gpu_gib") or r.get("memory_per_gpu_gib") or {}
+            rows.append(
+                [
+                    recipe,
+                    r.get("gpus"),
+                    r.get("tp"),
+                    _num(r.get("prefill_tokens_per_s_per_gpu"), "{:,.0f}"),
+                    _num(r.get("trainer_tokens_per_s_per_gpu"), "{:,.0f}"),
+                    r.get("slowest_stage"),
+                    transport,
+                    f"{_num(e2e, '{:,.0f}')} ({_num(t.get('end_to_end_no_overlap_tokens_per_s_per_gpu'), '{:,.0f}')})",
+                    _num(e2e / ts if e2e and ts else None, "{:.2f}x"),
+                    f"{_num(t.get('feature_gb_per_s_per_node'), '{:.2f}')} "
+                    f"({_num(t.get('transport_readers_gb_per_s_per_node'), '{:.1f}')})",
+                    t.get("transport_bound"),
+                    _num(t.get("gpu_hours_per_1b_tokens"), "{:,.0f}"),
+                    f"{_num(m.get('server_pool'), '{:.0f}')} + {_num(m.get('trainer_plan'), '{:.0f}')} "
+                    f"of {_num(m.get('gpu'), '{:.0f}')}",
+                ]
+            )
+    return rows
+
+
+def _sizing_notes(res: dict, ts) -> list[str]:
+    """The bullets under a ``bench/sizing.py`` table: depth fit, capture tax, slice run, backtests, TorchSpec, assumptions."""
+    fit, sl = res.get("depth_fit") or {}, res.get("slice_run") or {}
+    k25 = fit.get("k25_s_per_token_one_h200")
+    return [
+        "- depth fit: "
+        + ", ".join(
+            f"{_num(p.get('plain_tokens_per_s'), '{:,.0f}')} tok/s at {p.get('layers')} layers"
+            for p in fit.get("points") or []
+        )
+        + f" -> {_num((fit.get('fixed_s_per_token') or 0) * 1e6, '{:.2f}')} us per token fixed + "
+        f"{_num((fit.get('per_moe_layer_s_per_token') or 0) * 1e6, '{:.2f}')} us per MoE layer; "
+        f"{_num(1 / k25 if k25 else None, '{:,.0f}')} tok/s for 61 layers on one H200",
+        "- capture tax per token: "
+        + ", ".join(
+            f"{t} {_num((c.get('tax_s_per_token') or 0) * 1e6, '{:.1f}')} us (capture / plain "
+            f"{_num(c.get('capture_over_plain_at_slice'), '{:.2f}')} at the slice, one reader "
+            f"{_num(c.get('read_gb_per_s'), '{:.2f}')} GB/s)"
+            for t, c in (res.get("capture") or {}).items()
+        ),
+        f"- the slice's co-located run: trainer-only {_num(sl.get('trainer_only_tokens_per_s'), '{:,.0f}')} "
+        f"tok/s, end-to-end {_num(sl.get('end_to_end_tokens_per_s'), '{:,.0f}')} tok/s, plain prefill "
+        f"{_num(sl.get('slice_prefill_tokens_per_s'), '{:,.0f}')} tok/s; "
+        f"{_num(sl.get('end_to_end_over_slowest_stage'), '{:.2f}')} of its slowest stage, "
+        f"{_num(sl.get('overlap_hidden_fraction'), '{:.2f}')} of the shorter stage hidden",
+        *[
+            f"- backtest: {b.get('what')}: predicted {_num(b.get('predicted'), '{:,.0f}')} from "
+            f"{b.get('predicted_from')}; measured {_num(b.get('measured'), '{:,.0f}')}; error "
+            f"{_num(b.get('relative_error'), '{:+.1%}')}"
+            for b in (res.get("backtest") or []) + (res.get("cross_check") or [])
+        ],
+        f"- TorchSpec: {_num(ts, '{:,.0f}')} tok/s per GPU "
+        f"({_num((res.get('torchspec') or {}).get('tokens'), '{:,.0f}')} tokens in "
+        f"{_num((res.get('torchspec') or {}).get('gpu_hours'), '{:,}')} GPU-hours)",
+        *[
+            f"- assumed, {k}: "
+            + ", ".join(f"{kk} {vv}" for kk, vv in v.items() if kk != "why")
+            + (f" ({v['why']})" if v.get("why") else "")
+            for k, v in (res.get("assumptions") or {}).items()
+            if isinstance(v, dict)
+        ],
+        "",
+    ]
+
+
 def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
     out = [
         "## Projected K2.5 run (`bench/sizing.py`)",
@@ -1839,32 +1923,7 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
     for name, res in files:
         ts = (res.get("torchspec") or {}).get("tokens_per_s_per_gpu")
         inputs = [x for v in (res.get("inputs") or {}).values() for x in str(v).split(" + ") if x]
-        rows = []
-        for recipe, r in (res.get("recipes") or {}).items():
-            m = r.get("memory_per_gpu_gib") or {}
-            for transport, t in (r.get("transports") or {}).items():
-                e2e = t.get("end_to_end_tokens_per_s_per_gpu")
-                m = t.get("memory_per_gpu_gib") or r.get("memory_per_gpu_gib") or {}
-                rows.append(
-                    [
-                        recipe,
-                        r.get("gpus"),
-                        r.get("tp"),
-                        _num(r.get("prefill_tokens_per_s_per_gpu"), "{:,.0f}"),
-                        _num(r.get("trainer_tokens_per_s_per_gpu"), "{:,.0f}"),
-                        r.get("slowest_stage"),
-                        transport,
-                        f"{_num(e2e, '{:,.0f}')} "
-                        f"({_num(t.get('end_to_end_no_overlap_tokens_per_s_per_gpu'), '{:,.0f}')})",
-                        _num(e2e / ts if e2e and ts else None, "{:.2f}x"),
-                        f"{_num(t.get('feature_gb_per_s_per_node'), '{:.2f}')} "
-                        f"({_num(t.get('transport_readers_gb_per_s_per_node'), '{:.1f}')})",
-                        t.get("transport_bound"),
-                        _num(t.get("gpu_hours_per_1b_tokens"), "{:,.0f}"),
-                        f"{_num(m.get('server_pool'), '{:.0f}')} + {_num(m.get('trainer_plan'), '{:.0f}')} "
-                        f"of {_num(m.get('gpu'), '{:.0f}')}",
-                    ]
-                )
+        rows = _sizing_rows(res, ts)
         out += [
             f"`{name}` (inputs: {', '.join(f'`{Path(x).name}`' for x in inputs) or '-'}; "
             f"{res.get('tokens_per_prompt')}-token prompts):",
@@ -1889,47 +1948,7 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
             ),
             "",
         ]
-        fit, sl = res.get("depth_fit") or {}, res.get("slice_run") or {}
-        k25 = fit.get("k25_s_per_token_one_h200")
-        out += [
-            "- depth fit: "
-            + ", ".join(
-                f"{_num(p.get('plain_tokens_per_s'), '{:,.0f}')} tok/s at {p.get('layers')} layers"
-                for p in fit.get("points") or []
-            )
-            + f" -> {_num((fit.get('fixed_s_per_token') or 0) * 1e6, '{:.2f}')} us per token fixed + "
-            f"{_num((fit.get('per_moe_layer_s_per_token') or 0) * 1e6, '{:.2f}')} us per MoE layer; "
-            f"{_num(1 / k25 if k25 else None, '{:,.0f}')} tok/s for 61 layers on one H200",
-            "- capture tax per token: "
-            + ", ".join(
-                f"{t} {_num((c.get('tax_s_per_token') or 0) * 1e6, '{:.1f}')} us (capture / plain "
-                f"{_num(c.get('capture_over_plain_at_slice'), '{:.2f}')} at the slice, one reader "
-                f"{_num(c.get('read_gb_per_s'), '{:.2f}')} GB/s)"
-                for t, c in (res.get("capture") or {}).items()
-            ),
-            f"- the slice's co-located run: trainer-only {_num(sl.get('trainer_only_tokens_per_s'), '{:,.0f}')} "
-            f"tok/s, end-to-end {_num(sl.get('end_to_end_tokens_per_s'), '{:,.0f}')} tok/s, plain prefill "
-            f"{_num(sl.get('slice_prefill_tokens_per_s'), '{:,.0f}')} tok/s; "
-            f"{_num(sl.get('end_to_end_over_slowest_stage'), '{:.2f}')} of its slowest stage, "
-            f"{_num(sl.get('overlap_hidden_fraction'), '{:.2f}')} of the shorter stage hidden",
-            *[
-                f"- backtest: {b.get('what')}: predicted {_num(b.get('predicted'), '{:,.0f}')} from "
-                f"{b.get('predicted_from')}; measured {_num(b.get('measured'), '{:,.0f}')}; error "
-                f"{_num(b.get('relative_error'), '{:+.1%}')}"
-                for b in (res.get("backtest") or []) + (res.get("cross_check") or [])
-            ],
-            f"- TorchSpec: {_num(ts, '{:,.0f}')} tok/s per GPU "
-            f"({_num((res.get('torchspec') or {}).get('tokens'), '{:,.0f}')} tokens in "
-            f"{_num((res.get('torchspec') or {}).get('gpu_hours'), '{:,}')} GPU-hours)",
-            *[
-                f"- assumed, {k}: "
-                + ", ".join(f"{kk} {vv}" for kk, vv in v.items() if kk != "why")
-                + (f" ({v['why']})" if v.get("why") else "")
-                for k, v in (res.get("assumptions") or {}).items()
-                if isinstance(v, dict)
-            ],
-            "",
-        ]
+        out += _sizing_notes(res, ts)
     return out
 
 
