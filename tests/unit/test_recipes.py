@@ -180,6 +180,41 @@ def _dc(r):
     return r["trainer"]["draft"]["dflash_config"]
 
 
+def _dspark(r, kv=4, **dc):
+    r["trainer"].update(family="dspark", dspark={"ce": 0.1, "l1": 0.9, "confidence": 1.0})
+    r["trainer"]["draft"].update(architectures=["DSparkDraftModel"], num_key_value_heads=kv)
+    _dc(r).update(dc)
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda r: _dspark(r, kv=8), "dspark draft is GQA by default: num_key_value_heads 8 must be < num_attention"),
+        (lambda r: _dspark(r, kv=3), "num_key_value_heads 3 must divide num_attention_heads 8"),
+        (lambda r: _dspark(r, kv=4, attention_mode="mha"), "attention_mode mha needs num_key_value_heads 4 =="),
+        (lambda r: _dspark(r, kv=4, attention_mode="sliding"), "attention_mode must be gqa or mha"),
+    ],
+)
+def test_bad_dspark_heads_are_refused_in_one_line(tmp_path, mutate, msg):
+    """SpecForge's DSparkDraftModel refuses these in the trainer, minutes into a run; the recipe refuses them first."""
+    raw = _raw_block()
+    mutate(raw)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(KimiInputError, match=msg) as err:
+        load_recipe(p)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kv,mode", [(4, None), (8, "mha")])
+def test_dspark_heads_specforge_accepts_pass(tmp_path, kv, mode):
+    raw = _raw_block()
+    _dspark(raw, kv=kv, **({"attention_mode": mode} if mode else {}))
+    p = tmp_path / "ok.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    assert load_recipe(p).trainer.family == "dspark"
+
+
 @pytest.mark.parametrize(
     "mutate,msg",
     [

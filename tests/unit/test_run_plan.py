@@ -122,6 +122,7 @@ def _block_raw(family: str = "dflash") -> dict:
         raw["trainer"]["dspark"] = {"ce": 0.2, "l1": 0.8, "confidence": 0.5}
         draft = raw["trainer"]["draft"]
         draft["architectures"] = ["DSparkDraftModel"]
+        draft["num_key_value_heads"] = 4  # DSpark is GQA by default (its model refuses equal head counts)
         draft["dflash_config"].update(markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True)
     return raw
 

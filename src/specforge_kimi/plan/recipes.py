@@ -506,6 +506,8 @@ def _check_block(r: Recipe) -> None:
     special = {v: k for k, v in K25_SPECIAL_TOKENS.items()}.get(b.mask_token_id)
     if special is not None:
         raise ValueError(f"trainer.block.mask_token_id {b.mask_token_id} is K2.5's {special}, a token in use")
+    if r.trainer.family == "dspark":
+        _check_dspark_heads(d, dc)
     types = d.get("layer_types")
     if types is None:
         return
@@ -513,6 +515,24 @@ def _check_block(r: Recipe) -> None:
         raise ValueError(f"trainer.draft.layer_types must be a list of layer kinds (strings), not {types!r:.80}")
     if len(types) != d["num_hidden_layers"]:
         raise ValueError(f"draft layer_types has {len(types)} entries for {d['num_hidden_layers']} layers")
+
+
+def _check_dspark_heads(d: dict, dc: dict) -> None:
+    """What SpecForge's ``DSparkDraftModel`` demands of its heads, refused here instead of in the trainer: kv heads
+    divide the query heads, fewer of them under the default ``attention_mode: gqa``, as many under ``mha``."""
+    heads, kv = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
+    mode = str(dc.get("attention_mode", "gqa")).lower()
+    if mode not in ("gqa", "mha"):
+        raise ValueError(f"draft dflash_config.attention_mode must be gqa or mha, not {mode!r}")
+    if heads % kv:
+        raise ValueError(f"a dspark draft's num_key_value_heads {kv} must divide num_attention_heads {heads}")
+    if mode == "gqa" and kv >= heads:
+        raise ValueError(
+            f"a dspark draft is GQA by default: num_key_value_heads {kv} must be < num_attention_heads {heads} "
+            "(or set trainer.draft.dflash_config.attention_mode: mha)"
+        )
+    if mode == "mha" and kv != heads:
+        raise ValueError(f"attention_mode mha needs num_key_value_heads {kv} == num_attention_heads {heads}")
 
 
 def read_recipe(path: str | Path) -> Recipe:
