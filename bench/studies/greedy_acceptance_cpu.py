@@ -50,6 +50,7 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,25 +149,20 @@ def build_target(loss: str, a, work: Path, tokenizer, train_rows, held_rows, say
     }
 
 
-def run_config(
-    tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say, mix: int = 0
-) -> list[dict]:
-    """Capture the regenerated rows once (the corpus's, plus the first ``mix`` prompt-mix rows), then
-    train and evaluate one draft per (draft, steps): on the held-out corpus answers and, per bench
-    set, on the target's greedy answers to the bench's own prompts."""
+def _capture_config(tgt: dict, vocab: str, work: Path, mix: int) -> dict:
+    """Capture the regenerated rows once (the corpus's, plus the first ``mix`` prompt-mix rows) and write what
+    every draft of this config trains from: features, the vocab mapping, the Llama and MLA draft configs."""
     from collections import Counter
 
     import torch
-    from specforge.export.checkpoint_io import resolve_training_state
 
     from specforge_kimi.data.vocab_mapping import build_vocab_mapping, emitted_special_ids, save_vocab_mapping
-    from specforge_kimi.demo.pipeline import DEMO_AUX_IDS, _draft_config, _load_draft, capture_samples, load_head_weight
+    from specforge_kimi.demo.pipeline import DEMO_AUX_IDS, _draft_config, capture_samples, load_head_weight
     from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
-    from specforge_kimi.evaluate.simulate import add_target_greedy, simulated_acceptance
+    from specforge_kimi.evaluate.simulate import add_target_greedy
     from specforge_kimi.targets.checkpoint import inspect_target, load_text_model
     from specforge_kimi.targets.layer_ids import AuxLayers
     from specforge_kimi.targets.tiny import TinySpec
-    from specforge_kimi.training.offline import train_offline
 
     target_dir = tgt["dir"]
     base = f"{target_dir.name.removeprefix('target-')}-{vocab}" + (f"-mix{mix}" if mix else "")
@@ -206,90 +202,135 @@ def run_config(
     write_config(with_vocab_mapping(tiny_config(spec, aux_ids=list(DEMO_AUX_IDS)), vm), cfgs["mla"])
     head_w = load_head_weight(target_dir, info)
     add_target_greedy(held, head_w, t2d=mapping.t2d)
-    agree = greedy_agreement(held, head_w)
+    return {
+        "target_dir": target_dir,
+        "base": base,
+        "vocab": vocab,
+        "cdir": cdir,
+        "info": info,
+        "feat": feat,
+        "counts": counts,
+        "held": held,
+        "eval_sets": eval_sets,
+        "set_of": set_of,
+        "n_train": n_train,
+        "cap_s": cap_s,
+        "size": size,
+        "vm": vm,
+        "cfgs": cfgs,
+        "head_w": head_w,
+        "agree": greedy_agreement(held, head_w),
+    }
+
+
+def _per_set(draft, c: dict, eval_steps: int) -> dict:
+    """The decode-round and every-position acceptance on each evaluation set alone."""
+    from specforge_kimi.evaluate.simulate import simulated_acceptance
+
+    per_set = {}
+    for set_name in c["eval_sets"]:
+        held = [s for s, n in zip(c["held"], c["set_of"], strict=False) if n == set_name]
+        rs = simulated_acceptance(draft, c["head_w"], held, eval_steps)
+        per_set[set_name] = {
+            "decode_round_acceptance_length": rs.serving_acceptance_length,
+            "decode_round_at_least": rs.serving_at_least,
+            "decode_rounds": rs.serving_rounds,
+            "every_position_acceptance_length": rs.mean_acceptance_length,
+            "heldout_loss": rs.heldout_loss,
+            "samples": c["set_of"].count(set_name),
+        }
+    return per_set
+
+
+def _train_and_evaluate(c: dict, draft_name: str, steps: int, a, say, mix: int) -> dict:
+    """One draft trained by SpecForge's trainer on the captured features, then simulated on the held-out rows."""
+    import torch
+    from specforge.export.checkpoint_io import resolve_training_state
+
+    from specforge_kimi.demo.pipeline import _load_draft
+    from specforge_kimi.evaluate.simulate import simulated_acceptance
+    from specforge_kimi.training.offline import train_offline
+
+    target_dir, info, cfgs, vm = c["target_dir"], c["info"], c["cfgs"], c["vm"]
+    name = f"{c['base']}-{draft_name}-{steps}"
+    t = time.monotonic()
+    torch.manual_seed(a.seed)
+    result = train_offline(
+        target_dir=str(target_dir),
+        draft_config_path=str(cfgs[draft_name]),
+        hidden_states_path=str(c["feat"]),
+        vocab_mapping_path=str(vm),
+        output_dir=str(c["cdir"] / f"train-{draft_name}-{steps}"),
+        max_steps=steps,
+        ttt_length=a.ttt_length,
+        learning_rate=a.learning_rate,
+        max_length=2048,
+        seed=a.seed,
+        embedding_key=info.embedding_key,
+        lm_head_key=info.lm_head_key,
+        chat_template="kimi-k2.5",
+        extra_overrides={"model.torch_dtype": "float32"},
+    )
+    train_s = time.monotonic() - t
+    state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
+    draft = _load_draft(str(cfgs[draft_name]), str(target_dir), info.embedding_key, str(vm), state=state)
+    r = simulated_acceptance(draft, c["head_w"], c["held"], a.eval_steps)
+    per_set = _per_set(draft, c, a.eval_steps)
+    acc = result.get("acc_per_position") or []
+    k = max(1, min(50, len(acc) // 5))
+    acc_last = [sum(x[j] for x in acc[-k:]) / k for j in range(len(acc[0]))] if acc else []
+    say(
+        f"[{name}] draft vocab {c['size']}: decode-round AL {r.serving_acceptance_length:.3f} "
+        f"(at least {', '.join(f'{x:.2f}' for x in r.serving_at_least)}), every-position AL "
+        f"{r.mean_acceptance_length:.3f}, teacher entropy {r.teacher_entropy:.3f}, held-out loss "
+        f"{r.heldout_loss:.3f}, train acc {', '.join(f'{x:.2f}' for x in acc_last)}; agreement {c['agree']:.4f}; "
+        f"{train_s:.0f}s training; per set "
+        + ", ".join(f"{k} {v['decode_round_acceptance_length']:.3f}" for k, v in per_set.items())
+    )
+    return {
+        "target_loss": target_dir.name.removeprefix("target-"),
+        "draft": draft_name,
+        "architectures": json.loads(cfgs[draft_name].read_text())["architectures"],
+        "draft_vocab": c["vocab"],
+        "draft_vocab_size": c["size"],
+        "steps": steps,
+        "mix": mix,
+        "train_samples": c["n_train"],
+        "per_set": per_set,
+        "distinct_trained_tokens": len(c["counts"]),
+        "greedy_agreement": c["agree"],
+        "decode_round_acceptance_length": r.serving_acceptance_length,
+        "decode_round_at_least": r.serving_at_least,
+        "decode_rounds": r.serving_rounds,
+        "every_position_acceptance_length": r.mean_acceptance_length,
+        "per_step_accuracy": r.per_step_accuracy,
+        "chains": r.chains,
+        "heldout_loss": r.heldout_loss,
+        "teacher_entropy": r.teacher_entropy,
+        "train_acc_per_position_last": acc_last,
+        "train_loss_first": result["losses"][0],
+        "train_loss_last_mean": sum(result["losses"][-k:]) / k,
+        "seconds": {"capture": round(c["cap_s"], 2), "train": round(train_s, 2)},
+    }
+
+
+def run_config(
+    tgt: dict, vocab: str, steps_list: list[int], drafts: list[str], a, work: Path, say, mix: int = 0
+) -> list[dict]:
+    """Capture the regenerated rows once (the corpus's, plus the first ``mix`` prompt-mix rows), then
+    train and evaluate one draft per (draft, steps): on the held-out corpus answers and, per bench
+    set, on the target's greedy answers to the bench's own prompts."""
+    c = _capture_config(tgt, vocab, work, mix)
     out = []
     for draft_name in drafts:
         for steps in steps_list:
-            name = f"{base}-{draft_name}-{steps}"
-            t = time.monotonic()
-            torch.manual_seed(a.seed)
-            result = train_offline(
-                target_dir=str(target_dir),
-                draft_config_path=str(cfgs[draft_name]),
-                hidden_states_path=str(feat),
-                vocab_mapping_path=str(vm),
-                output_dir=str(cdir / f"train-{draft_name}-{steps}"),
-                max_steps=steps,
-                ttt_length=a.ttt_length,
-                learning_rate=a.learning_rate,
-                max_length=2048,
-                seed=a.seed,
-                embedding_key=info.embedding_key,
-                lm_head_key=info.lm_head_key,
-                chat_template="kimi-k2.5",
-                extra_overrides={"model.torch_dtype": "float32"},
-            )
-            train_s = time.monotonic() - t
-            state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
-            draft = _load_draft(str(cfgs[draft_name]), str(target_dir), info.embedding_key, str(vm), state=state)
-            r = simulated_acceptance(draft, head_w, held, a.eval_steps)
-            per_set = {}
-            for set_name in eval_sets:
-                rs = simulated_acceptance(
-                    draft, head_w, [s for s, n in zip(held, set_of, strict=False) if n == set_name], a.eval_steps
-                )
-                per_set[set_name] = {
-                    "decode_round_acceptance_length": rs.serving_acceptance_length,
-                    "decode_round_at_least": rs.serving_at_least,
-                    "decode_rounds": rs.serving_rounds,
-                    "every_position_acceptance_length": rs.mean_acceptance_length,
-                    "heldout_loss": rs.heldout_loss,
-                    "samples": set_of.count(set_name),
-                }
-            acc = result.get("acc_per_position") or []
-            k = max(1, min(50, len(acc) // 5))
-            acc_last = [sum(x[j] for x in acc[-k:]) / k for j in range(len(acc[0]))] if acc else []
-            say(
-                f"[{name}] draft vocab {size}: decode-round AL {r.serving_acceptance_length:.3f} "
-                f"(at least {', '.join(f'{x:.2f}' for x in r.serving_at_least)}), every-position AL "
-                f"{r.mean_acceptance_length:.3f}, teacher entropy {r.teacher_entropy:.3f}, held-out loss "
-                f"{r.heldout_loss:.3f}, train acc {', '.join(f'{x:.2f}' for x in acc_last)}; agreement {agree:.4f}; "
-                f"{train_s:.0f}s training; per set "
-                + ", ".join(f"{k} {v['decode_round_acceptance_length']:.3f}" for k, v in per_set.items())
-            )
-            out.append(
-                {
-                    "target_loss": target_dir.name.removeprefix("target-"),
-                    "draft": draft_name,
-                    "architectures": json.loads(cfgs[draft_name].read_text())["architectures"],
-                    "draft_vocab": vocab,
-                    "draft_vocab_size": size,
-                    "steps": steps,
-                    "mix": mix,
-                    "train_samples": n_train,
-                    "per_set": per_set,
-                    "distinct_trained_tokens": len(counts),
-                    "greedy_agreement": agree,
-                    "decode_round_acceptance_length": r.serving_acceptance_length,
-                    "decode_round_at_least": r.serving_at_least,
-                    "decode_rounds": r.serving_rounds,
-                    "every_position_acceptance_length": r.mean_acceptance_length,
-                    "per_step_accuracy": r.per_step_accuracy,
-                    "chains": r.chains,
-                    "heldout_loss": r.heldout_loss,
-                    "teacher_entropy": r.teacher_entropy,
-                    "train_acc_per_position_last": acc_last,
-                    "train_loss_first": result["losses"][0],
-                    "train_loss_last_mean": sum(result["losses"][-k:]) / k,
-                    "seconds": {"capture": round(cap_s, 2), "train": round(train_s, 2)},
-                }
-            )
-            shutil.rmtree(cdir / f"train-{draft_name}-{steps}")
-    shutil.rmtree(feat)
+            out.append(_train_and_evaluate(c, draft_name, steps, a, say, mix))
+            shutil.rmtree(c["cdir"] / f"train-{draft_name}-{steps}")
+    shutil.rmtree(c["feat"])
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default="runs/greedy-acceptance", help="scratch directory (replaced)")
     p.add_argument("--out", default=str(RESULTS))
@@ -319,28 +360,51 @@ def main(argv=None) -> int:
     )
     p.add_argument("--bench-prompts", type=int, default=16)
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    return p
 
-    import torch
 
-    import specforge_kimi
+@dataclass(frozen=True)
+class Settings:
+    """The flags as given (the lists comma-separated, as the result's ``settings`` records them)."""
+
+    work: str
+    out: str
+    losses: str
+    draft_vocabs: str
+    pretrain_steps: int
+    train_conversations: int
+    heldout_conversations: int
+    max_new_tokens: int
+    steps: str
+    drafts: str
+    learning_rate: float
+    ttt_length: int
+    eval_steps: int
+    seed: int
+    mixes: str
+    bench_sets: str
+    bench_prompts: int
+    no_progress: bool
+
+    def recorded(self) -> dict:
+        """What the result's ``settings`` holds: every flag but the paths and the progress switch."""
+        return {k: v for k, v in asdict(self).items() if k not in ("work", "out", "no_progress")}
+
+
+def parse(argv=None) -> Settings:
+    return Settings(**vars(_parser().parse_args(argv)))
+
+
+def _rows(a: Settings, tok) -> tuple[list, list, list, dict]:
+    """The corpus's training and held-out rows, the prompt-mix prompts and each bench set's prompts, encoded."""
     from specforge_kimi.data import corpus, prompt_mix
-    from specforge_kimi.data.chat_template import encode_records as _rows
+    from specforge_kimi.data.chat_template import encode_records
     from specforge_kimi.data.conversation import Message
     from specforge_kimi.data.corpus import HELDOUT_SEED, TRAIN_SEED
-    from specforge_kimi.data.tokenizer import build_standin_tokenizer
     from specforge_kimi.evaluate.bench import Prompt, builtin_prompt_set, encode_prompt
-    from specforge_kimi.provenance import git_commit, versions
 
-    t0 = time.monotonic()
-    say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))
-    specforge_kimi.register()
-    torch.manual_seed(a.seed)
-    work = Path(a.work).resolve()
-    _prepare_work(work)
-    tok = build_standin_tokenizer()
-    train_rows = _rows(list(corpus.conversations(a.train_conversations, seed=TRAIN_SEED)), tok)
-    held_rows = _rows(list(corpus.conversations(a.heldout_conversations, seed=HELDOUT_SEED)), tok)
+    train_rows = encode_records(list(corpus.conversations(a.train_conversations, seed=TRAIN_SEED)), tok)
+    held_rows = encode_records(list(corpus.conversations(a.heldout_conversations, seed=HELDOUT_SEED)), tok)
     mixes = [int(x) for x in a.mixes.split(",")]
     # prompts only (mask all 0): regenerate_greedy continues each from its end, as the bench's requests are
     mix_rows = [
@@ -354,6 +418,24 @@ def main(argv=None) -> int:
     for name in filter(None, a.bench_sets.split(",")):
         ps = builtin_prompt_set(name).prompts[: a.bench_prompts]
         eval_rows[name] = [(ids, [0] * len(ids)) for ids in (encode_prompt(x, tok, thinking=True) for x in ps)]
+    return train_rows, held_rows, mix_rows, eval_rows
+
+
+def measure(a: Settings, say) -> tuple[dict, list[dict]]:
+    """Per pretraining loss one target; per (mix, draft vocab) one capture and its drafts. Returns
+    (targets, configs)."""
+    import torch
+
+    import specforge_kimi
+    from specforge_kimi.data.tokenizer import build_standin_tokenizer
+
+    specforge_kimi.register()
+    torch.manual_seed(a.seed)
+    work = Path(a.work).resolve()
+    _prepare_work(work)
+    tok = build_standin_tokenizer()
+    train_rows, held_rows, mix_rows, eval_rows = _rows(a, tok)
+    mixes = [int(x) for x in a.mixes.split(",")]
     targets, configs = {}, []
     for loss in a.losses.split(","):
         tgt = build_target(loss, a, work, tok, train_rows, held_rows, say, mix_rows=mix_rows, eval_rows=eval_rows)
@@ -369,6 +451,15 @@ def main(argv=None) -> int:
                 configs += run_config(
                     tgt, vocab, [int(x) for x in a.steps.split(",")], a.drafts.split(","), a, work, say, mix=mix
                 )
+    return targets, configs
+
+
+def write(a: Settings, targets: dict, configs: list[dict], total_s: float) -> dict:
+    """The result at ``--out``: the command, the environment, the settings and every config's row."""
+    import torch
+
+    from specforge_kimi.provenance import git_commit, versions
+
     summary = {
         "benchmark": "EAGLE-3 draft acceptance on the tiny target's own greedy text, by pretraining loss and "
         "draft-vocab padding (CPU)",
@@ -384,10 +475,10 @@ def main(argv=None) -> int:
             "git": git_commit(),
             "versions": versions(),
         },
-        "settings": {k: v for k, v in vars(a).items() if k not in ("work", "out", "no_progress")},
+        "settings": a.recorded(),
         "targets": targets,
         "configs": configs,
-        "timings_s": {"total": round(time.monotonic() - t0, 2)},
+        "timings_s": {"total": total_s},
         "what": {
             "decode_round_acceptance_length": "simulate.serving_rounds over the held-out regenerated "
             "answers: 1 + accepted drafts per decode round, chain top-k 1",
@@ -401,7 +492,16 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    say(f"{summary['timings_s']['total']:.0f}s -> {out}")
+    return summary
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    t0 = time.monotonic()
+    say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))
+    targets, configs = measure(a, say)
+    summary = write(a, targets, configs, round(time.monotonic() - t0, 2))
+    say(f"{summary['timings_s']['total']:.0f}s -> {Path(a.out)}")
     return 0
 
 
