@@ -74,6 +74,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 2**30
@@ -564,7 +565,7 @@ def _free_port() -> int:
     return free_ports(1)[0]
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="recipes/kimi-k25-8xb200-lowered.yaml", help="recipe whose trainer is built")
     ap.add_argument(
@@ -620,28 +621,49 @@ def main(argv=None) -> int:
     ap.add_argument("--target", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/step_profile.py
-    if args.child:
-        args.lengths = [int(x) for x in args.lengths.split(",")]
-        return child(args)
+    return ap
 
+
+@dataclass(frozen=True)
+class Settings:
+    """The parent's flags, checked: what ``measure`` runs and ``write`` records."""
+
+    recipe_path: str
+    backends: tuple[str, ...]
+    lengths: str  # comma-separated, as the child takes them
+    sdpa_lengths: str | None
+    nproc: int
+    steps: int
+    profile_steps: int
+    peak_tflops: float
+    variants: tuple[str, ...]
+    feed: str
+    seed: int
+    workdir: Path
+    out: Path | None
+
+
+def _check_lengths(flag: str, value: str | None) -> None:
+    from specforge_kimi.errors import KimiInputError
+
+    if value is None:
+        return
+    try:
+        lengths = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise KimiInputError(f"{flag}: {value!r} is not a comma-separated list of token counts") from None
+    if not lengths or min(lengths) <= 0 or lengths != sorted(lengths):
+        raise KimiInputError(f"{flag}: {value!r} must be positive token counts in ascending order")
+
+
+def parse(args: argparse.Namespace) -> Settings:
+    """The parent's flags as ``Settings``; a bad one is a one-line ``KimiInputError``."""
     import torch
 
     from specforge_kimi.errors import KimiInputError
-    from specforge_kimi.plan.run_plan import load_recipe
 
-    recipe = load_recipe(args.recipe)
     for flag, value in (("--lengths", args.lengths), ("--sdpa-lengths", args.sdpa_lengths)):
-        if value is None:
-            continue
-        try:
-            lengths = [int(x) for x in value.split(",")]
-        except ValueError:
-            raise KimiInputError(f"{flag}: {value!r} is not a comma-separated list of token counts") from None
-        if not lengths or min(lengths) <= 0 or lengths != sorted(lengths):
-            raise KimiInputError(f"{flag}: {value!r} must be positive token counts in ascending order")
+        _check_lengths(flag, value)
     if args.nproc < 1 or (torch.cuda.is_available() and args.nproc > torch.cuda.device_count()):
         raise KimiInputError(f"--nproc {args.nproc}: need 1..{torch.cuda.device_count() or 'N'} ranks (one per GPU)")
     if args.steps < 2:
@@ -660,25 +682,33 @@ def main(argv=None) -> int:
         raise KimiInputError(f"--variants: {args.variants!r} must name each variant once")
     if "flex_attention" in backends and not torch.cuda.is_available():
         raise KimiInputError("--backends flex_attention needs CUDA (SpecForge's flex path has no CPU backward)")
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    # named by what shapes them, so a workdir reused with another recipe never reads a stale stand-in
-    t = recipe.target
-    target = write_standin_target(recipe, workdir / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v")
-    vocab = write_vocab_mapping(
-        recipe, workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}-of-{t.vocab_size}.pt"
+    return Settings(
+        recipe_path=args.recipe,
+        backends=tuple(backends),
+        lengths=args.lengths,
+        sdpa_lengths=args.sdpa_lengths,
+        nproc=args.nproc,
+        steps=args.steps,
+        profile_steps=args.profile_steps,
+        peak_tflops=args.peak_tflops,
+        variants=tuple(variants),
+        feed=args.feed,
+        seed=args.seed,
+        workdir=Path(args.workdir),
+        out=Path(args.out) if args.out else None,
     )
-    setup_s = time.perf_counter() - t0
-    gemm_tflops = measure_gemm_tflops()
+
+
+def _environment() -> dict:
     import importlib.metadata
+
+    import torch
 
     try:
         sf_version = importlib.metadata.version("specforge")
     except importlib.metadata.PackageNotFoundError:
         sf_version = "unknown"
-
-    env = {
+    return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "specforge": sf_version,
@@ -688,75 +718,129 @@ def main(argv=None) -> int:
         "cpus": os.cpu_count(),
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
-    doc = {
+
+
+def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float) -> dict:
+    """The result document before any row: the command, the environment and the run's configuration."""
+    return {
         "benchmark": "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan",
         "command": [sys.executable, *sys.argv],
-        "environment": env,
+        "environment": _environment(),
         "config": {
-            "recipe": args.recipe,
+            "recipe": s.recipe_path,
             "draft": recipe.trainer.draft,
             "ttt_length": recipe.trainer.ttt_length,
             "target_hidden": recipe.target.hidden_size,
             "target_vocab": recipe.target.vocab_size,
-            "steps": args.steps,
-            "profile_steps": args.profile_steps,
-            "peak_tflops": args.peak_tflops,
+            "steps": s.steps,
+            "profile_steps": s.profile_steps,
+            "peak_tflops": s.peak_tflops,
             "peak_tflops_source": "--peak-tflops (default: H200 SXM dense bf16 spec, 989 TFLOP/s without sparsity; "
             "large bf16 GEMMs reach ~790 on an H200 per issue 34, so MFU 0.8 is about the ceiling)",
             "measured_gemm_tflops": gemm_tflops,
             "measured_gemm": "bf16 8192x8192 @ 8192x8192, 40 times after 5, in this process before the rows",
-            "world_size": args.nproc,
+            "world_size": s.nproc,
             "standin_setup_s": setup_s,
-            "variants": {v: {k: variant_env(recipe, v, {}).get(k) for k in STEP_ENV_KEYS} for v in variants},
-            "feed": args.feed,
-            "seed": args.seed,
+            "variants": {v: {k: variant_env(recipe, v, {}).get(k) for k in STEP_ENV_KEYS} for v in s.variants},
+            "feed": s.feed,
+            "seed": s.seed,
         },
         "rows": [],
         "comparisons": [],
     }
-    for v, b in ((v, b) for v in variants for b in backends):
-        lengths = args.sdpa_lengths if (b == "sdpa" and args.sdpa_lengths) else args.lengths
-        launcher = (
-            [sys.executable]
-            if args.nproc == 1
-            else [
-                *(sys.executable, "-m", "specforge_kimi.servers.loopback", "torch.distributed.run"),
-                *("--standalone", "--local-addr=127.0.0.1", f"--nproc_per_node={args.nproc}"),
-            ]
-        )
-        cmd = [
-            *launcher,
-            str(Path(__file__).resolve()),
-            "--child",
-            "--recipe",
-            args.recipe,
-            "--backend",
-            b,
-            "--lengths",
-            lengths,
-            "--steps",
-            str(args.steps),
-            "--profile-steps",
-            str(args.profile_steps),
-            "--peak-tflops",
-            str(args.peak_tflops),
-            *(("--gemm-tflops", str(gemm_tflops)) if gemm_tflops else ()),
-            "--variant",
-            v,
-            "--feed",
-            args.feed,
-            "--seed",
-            str(args.seed),
-            "--workdir",
-            str(workdir),
-            "--target",
-            str(target),
-            "--vocab",
-            str(vocab),
-            "--port",
-            str(_free_port()),
+
+
+def _child_command(
+    s: Settings, *, variant: str, backend: str, gemm_tflops: float | None, target: Path, vocab: Path
+) -> list[str]:
+    lengths = s.sdpa_lengths if (backend == "sdpa" and s.sdpa_lengths) else s.lengths
+    launcher = (
+        [sys.executable]
+        if s.nproc == 1
+        else [
+            *(sys.executable, "-m", "specforge_kimi.servers.loopback", "torch.distributed.run"),
+            *("--standalone", "--local-addr=127.0.0.1", f"--nproc_per_node={s.nproc}"),
         ]
-        log = workdir / f"child-{v}-{b}.log"
+    )
+    return [
+        *launcher,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--recipe",
+        s.recipe_path,
+        "--backend",
+        backend,
+        "--lengths",
+        lengths,
+        "--steps",
+        str(s.steps),
+        "--profile-steps",
+        str(s.profile_steps),
+        "--peak-tflops",
+        str(s.peak_tflops),
+        *(("--gemm-tflops", str(gemm_tflops)) if gemm_tflops else ()),
+        "--variant",
+        variant,
+        "--feed",
+        s.feed,
+        "--seed",
+        str(s.seed),
+        "--workdir",
+        str(s.workdir),
+        "--target",
+        str(target),
+        "--vocab",
+        str(vocab),
+        "--port",
+        str(_free_port()),
+    ]
+
+
+def _print_row(v: str, b: str, r: dict) -> None:
+    if "error" in r:
+        print(f"{v} {b} L={r.get('length')}: {r['error']}", flush=True)
+        return
+    mem = (
+        f"peak {r['peak_allocated_gib']:.2f} GiB allocated / {r['peak_reserved_gib']:.2f} reserved, "
+        f"plan {r['plan_gib']:.2f} ({r['measured_over_plan']:.2f}x), "
+        if "peak_allocated_gib" in r
+        else ""
+    )
+    print(
+        f"{v} {b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
+        f"{r.get('achieved_tflops', float('nan')):.1f} TFLOP/s (MFU {r.get('mfu', float('nan')):.3f}), "
+        f"losses {[round(x, 3) for x in r['losses']]}",
+        flush=True,
+    )
+    if "profile" in r:
+        p = r["profile"]
+        classes = ", ".join(f"{c} {ms:.1f}" for c, ms in p["class_ms_per_step"].items() if ms)
+        print(
+            f"  profile ms/step: wall {p['wall_ms_per_step']:.1f}, "
+            + (f"busy {p['busy_ms_per_step']:.1f}, " if p["busy_ms_per_step"] is not None else "")
+            + classes,
+            flush=True,
+        )
+    elif "profile_error" in r:
+        print(f"  profile failed: {r['profile_error']}", flush=True)
+
+
+def measure(s: Settings, recipe) -> dict:
+    """Every (variant, backend) in its own child process; rows kept as they come (written as they come too)."""
+    s.workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    # named by what shapes them, so a workdir reused with another recipe never reads a stale stand-in
+    t = recipe.target
+    target = write_standin_target(recipe, s.workdir / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v")
+    vocab = write_vocab_mapping(
+        recipe, s.workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}-of-{t.vocab_size}.pt"
+    )
+    setup_s = time.perf_counter() - t0
+    gemm_tflops = measure_gemm_tflops()
+    doc = _document(s, recipe, gemm_tflops=gemm_tflops, setup_s=setup_s)
+    for v, b in ((v, b) for v in s.variants for b in s.backends):
+        cmd = _child_command(s, variant=v, backend=b, gemm_tflops=gemm_tflops, target=target, vocab=vocab)
+        log = s.workdir / f"child-{v}-{b}.log"
         rows = []
         with open(log, "w") as fh:
             proc = subprocess.Popen(
@@ -767,39 +851,13 @@ def main(argv=None) -> int:
                     rows.append(json.loads(line))
                     doc["rows"].append(rows[-1])
                     doc["comparisons"] = compare(doc["rows"])
-                    if args.out:
-                        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+                    write(s, doc)
             rc = proc.wait()
         if rc and not any("error" in r for r in rows):
             rows.append({"variant": v, "backend": b, "error": f"child exited {rc} (see {log})"})
             doc["rows"].append(rows[-1])
         for r in rows:
-            if "error" in r:
-                print(f"{v} {b} L={r.get('length')}: {r['error']}", flush=True)
-                continue
-            mem = (
-                f"peak {r['peak_allocated_gib']:.2f} GiB allocated / {r['peak_reserved_gib']:.2f} reserved, "
-                f"plan {r['plan_gib']:.2f} ({r['measured_over_plan']:.2f}x), "
-                if "peak_allocated_gib" in r
-                else ""
-            )
-            print(
-                f"{v} {b} L={r['length']}: {mem}step {r.get('median_step_s_after_first', float('nan')):.3f} s, "
-                f"{r.get('achieved_tflops', float('nan')):.1f} TFLOP/s (MFU {r.get('mfu', float('nan')):.3f}), "
-                f"losses {[round(x, 3) for x in r['losses']]}",
-                flush=True,
-            )
-            if "profile" in r:
-                p = r["profile"]
-                classes = ", ".join(f"{c} {ms:.1f}" for c, ms in p["class_ms_per_step"].items() if ms)
-                print(
-                    f"  profile ms/step: wall {p['wall_ms_per_step']:.1f}, "
-                    + (f"busy {p['busy_ms_per_step']:.1f}, " if p["busy_ms_per_step"] is not None else "")
-                    + classes,
-                    flush=True,
-                )
-            elif "profile_error" in r:
-                print(f"  profile failed: {r['profile_error']}", flush=True)
+            _print_row(v, b, r)
     doc["comparisons"] = compare(doc["rows"])
     for c in doc["comparisons"]:
         if c["variant"] != c["against"]:
@@ -808,8 +866,28 @@ def main(argv=None) -> int:
                 f"largest loss difference {c['loss_max_abs_diff']}",
                 flush=True,
             )
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def write(s: Settings, doc: dict) -> None:
+    """The document at ``--out`` (nothing without it)."""
+    if s.out:
+        s.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/step_profile.py
+    if args.child:
+        args.lengths = [int(x) for x in args.lengths.split(",")]
+        return child(args)
+
+    from specforge_kimi.plan.run_plan import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    settings = parse(args)
+    write(settings, measure(settings, recipe))
     return 0
 
 
