@@ -35,10 +35,28 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
-def main(argv=None) -> int:
+@dataclass(frozen=True)
+class Settings:
+    """The flags: the batch's shape, what to time and where the result goes."""
+
+    samples: int
+    tokens: int
+    hidden: int
+    threads: tuple[int, ...]
+    reps: int
+    clients: tuple[int, ...]
+    out: Path
+
+    @property
+    def bytes_per_object(self) -> int:
+        return self.tokens * 4 * self.hidden * 2
+
+
+def parse(argv=None) -> Settings:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--tokens", type=int, default=4096)
@@ -48,13 +66,22 @@ def main(argv=None) -> int:
     p.add_argument("--clients", default="", help="comma list of store-client counts (each its own segment) to time")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    return Settings(
+        samples=a.samples,
+        tokens=a.tokens,
+        hidden=a.hidden,
+        threads=tuple(int(t) for t in a.threads.split(",")),
+        reps=a.reps,
+        clients=tuple(int(c) for c in a.clients.split(",") if c),
+        out=Path(a.out),
+    )
+
+
+def _document(s: Settings) -> dict:
     import torch
-    from mooncake.store import MooncakeDistributedStore
 
-    from specforge_kimi.run import services
-
-    n, per = a.samples, a.tokens * 4 * a.hidden * 2
-    result = {
+    n, per = s.samples, s.bytes_per_object
+    return {
         "benchmark": "mooncake same-process put",
         "command": [sys.executable, *sys.argv],
         "environment": {
@@ -67,98 +94,133 @@ def main(argv=None) -> int:
             "samples": n,
             "bytes_per_object": per,
             "batch_bytes": n * per,
-            "reps": a.reps,
+            "reps": s.reps,
             "segment": "mounted by the putting process (segment_owner: server)",
             "protocol": "tcp",
         },
         "threads": {},
         "gil": [],
     }
+
+
+def _store(mc, segment: int):
+    """A store client of this process mounting its own ``segment`` bytes (the capture server's layout)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        "127.0.0.1",
+        f"http://127.0.0.1:{mc.metadata_port}/metadata",
+        segment,
+        256 << 20,
+        "tcp",
+        "",
+        f"127.0.0.1:{mc.rpc_port}",
+    )
+    if rc:
+        raise SystemExit(f"mooncake setup failed: {rc}")
+    return store
+
+
+def _time_threads(store, put, ptrs: list[int], T: int, s: Settings) -> dict:
+    """The batch's put split over ``T`` Python threads, ``--reps`` times; the median leaves out the first."""
+    n, per = s.samples, s.bytes_per_object
+    times = []
+    for rep in range(s.reps):
+        keys = [f"t{T}-{rep}-{i}" for i in range(n)]
+        t0 = time.perf_counter()
+        th = [threading.Thread(target=put, args=(keys[j::T], ptrs[j::T])) for j in range(T)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        times.append(time.perf_counter() - t0)
+        for k in keys:
+            store.remove(k)
+    med = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    return {
+        "median_ms": round(med * 1e3, 1),
+        "GB_per_s": round(n * per / med / 1e9, 2),
+        "all_ms": [round(t * 1e3, 1) for t in times],
+    }
+
+
+def _time_gil(store, put, ptrs: list[int], rep: int, n: int) -> dict:
+    """One put on a thread while the main thread counts: its progress over the same loop alone."""
+    stop = [False]
+
+    def spin(seconds):
+        end, k = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end and not stop[0]:
+            k += 1
+        return k
+
+    alone = spin(0.3) / 0.3
+    keys = [f"g{rep}-{i}" for i in range(n)]
+    took = {}
+
+    def timed_put(keys=keys, took=took):
+        t0 = time.perf_counter()
+        put(keys, ptrs)
+        took["s"] = time.perf_counter() - t0
+        stop[0] = True
+
+    th = threading.Thread(target=timed_put)
+    t0 = time.perf_counter()
+    th.start()
+    k = spin(600.0)
+    wall = time.perf_counter() - t0
+    th.join()
+    for key in keys:
+        store.remove(key)
+    return {"put_ms": round(took["s"] * 1e3, 1), "main_thread_progress": round(k / wall / alone, 3)}
+
+
+def measure(s: Settings) -> dict:
+    """Threads, then clients, then the GIL check, on one loopback master; each line printed as it comes."""
+    import torch
+
+    from specforge_kimi.run import services
+
+    n, per = s.samples, s.bytes_per_object
+    result = _document(s)
     segment = n * per * 2 + (256 << 20)  # two batches in flight, plus headroom
     with (
         tempfile.TemporaryDirectory() as tmp,
         services.mooncake_master(Path(tmp) / "mooncake.log", segment_bytes=segment) as mc,
     ):
-        store = MooncakeDistributedStore()
-        rc = store.setup(
-            "127.0.0.1",
-            f"http://127.0.0.1:{mc.metadata_port}/metadata",
-            segment,
-            256 << 20,
-            "tcp",
-            "",
-            f"127.0.0.1:{mc.rpc_port}",
-        )
-        if rc:
-            raise SystemExit(f"mooncake setup failed: {rc}")
-        buf = torch.randn(n * a.tokens, 4 * a.hidden).to(torch.bfloat16)
+        store = _store(mc, segment)
+        buf = torch.randn(n * s.tokens, 4 * s.hidden).to(torch.bfloat16)
         base = buf.data_ptr()
         store.register_buffer(base, buf.numel() * 2)
         ptrs = [base + i * per for i in range(n)]
 
         def put(keys, pointers):
             status = store.batch_put_from(keys, pointers, [per] * len(keys))
-            if any(s != 0 for s in status):
+            if any(x != 0 for x in status):
                 raise SystemExit(f"batch_put_from failed: {status}")
 
-        for T in [int(t) for t in a.threads.split(",")]:
-            times = []
-            for rep in range(a.reps):
-                keys = [f"t{T}-{rep}-{i}" for i in range(n)]
-                t0 = time.perf_counter()
-                th = [threading.Thread(target=put, args=(keys[j::T], ptrs[j::T])) for j in range(T)]
-                for t in th:
-                    t.start()
-                for t in th:
-                    t.join()
-                times.append(time.perf_counter() - t0)
-                for k in keys:
-                    store.remove(k)
-            med = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-            result["threads"][str(T)] = {
-                "median_ms": round(med * 1e3, 1),
-                "GB_per_s": round(n * per / med / 1e9, 2),
-                "all_ms": [round(t * 1e3, 1) for t in times],
-            }
+        for T in s.threads:
+            result["threads"][str(T)] = _time_threads(store, put, ptrs, T, s)
             print(f"{T} thread(s): {result['threads'][str(T)]}", flush=True)
 
-        for C in [int(c) for c in a.clients.split(",") if c]:
-            result.setdefault("clients", {})[str(C)] = _time_clients(C, n, per, buf, mc, a.reps)
+        for C in s.clients:
+            result.setdefault("clients", {})[str(C)] = _time_clients(C, n, per, buf, mc, s.reps)
             print(f"{C} client(s): {result['clients'][str(C)]}", flush=True)
 
-        stop = [False]
-
-        def spin(seconds):
-            end, k = time.perf_counter() + seconds, 0
-            while time.perf_counter() < end and not stop[0]:
-                k += 1
-            return k
-
-        for rep in range(a.reps):
-            stop[0] = False
-            alone = spin(0.3) / 0.3
-            keys = [f"g{rep}-{i}" for i in range(n)]
-            took = {}
-
-            def timed_put(keys=keys, took=took):
-                t0 = time.perf_counter()
-                put(keys, ptrs)
-                took["s"] = time.perf_counter() - t0
-                stop[0] = True
-
-            th = threading.Thread(target=timed_put)
-            t0 = time.perf_counter()
-            th.start()
-            k = spin(600.0)
-            wall = time.perf_counter() - t0
-            th.join()
-            for key in keys:
-                store.remove(key)
-            result["gil"].append(
-                {"put_ms": round(took["s"] * 1e3, 1), "main_thread_progress": round(k / wall / alone, 3)}
-            )
+        for rep in range(s.reps):
+            result["gil"].append(_time_gil(store, put, ptrs, rep, n))
             print(f"gil rep {rep}: {result['gil'][-1]}", flush=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def write(s: Settings, result: dict) -> None:
+    s.out.write_text(json.dumps(result, indent=2))
+
+
+def main(argv=None) -> int:
+    s = parse(argv)
+    write(s, measure(s))
     return 0
 
 
