@@ -1,6 +1,6 @@
 """The GPU scripts' stage logic on the CPU: which command runs where, and what each stage leaves.
 
-Scope: ``scripts/gpu_online_run.sh STAGE=target`` (target candidates spread over the box's GPUs,
+Scope: ``scripts/gpu_draft_run.sh`` (launch with its listeners listed, then the bench), ``scripts/gpu_online_run.sh STAGE=target`` (target candidates spread over the box's GPUs,
 the chosen one kept) and ``scripts/gpu_offline_twin.sh TWIN_STAGE=features|rest`` (the twin split
 over two device calls). A device call lost to a script slip costs a budget's GPU time, so the
 shell logic is checked here with stand-ins: ``python3 -m specforge_kimi <cmd>`` and ``nvidia-smi``
@@ -52,6 +52,16 @@ elif cmd == "bench":
     run = {{"config": {{"steps": 3, "topk": 1, "draft_tokens": 4}}, "overall": {{"acceptance_length": 2.5}},
            "sets": {{"chat": {{"acceptance_length": 2.5}}}}}}
     (out / "bench_result.json").write_text(json.dumps({{"speculative": [run]}}))
+elif cmd == "launch" and "--plan" in rest:
+    print("{{}}")
+elif cmd == "launch" and os.environ.get("SHIM_RUN"):
+    run = Path(os.environ["SHIM_RUN"])
+    (run / "export-sglang").mkdir(parents=True)
+    (run / "export-sglang" / "config.json").write_text("{{}}")
+    (run / "logs").mkdir()
+    (run / "logs" / "capture-server-node0.log").write_text("up\n")
+elif cmd == "run-report":
+    Path(opt("--out")).write_text("{{}}")
 elif cmd == "train-offline":
     out = Path(opt("--out"))
     (out / "export-sglang").mkdir(parents=True)
@@ -293,3 +303,35 @@ def test_real_width_trainer_set_changes_trainer_fields_and_refuses_unknown_ones(
     )
     assert res.returncode == 2 and "trainer.step_emty_cache: Extra inputs are not permitted" in res.stderr
     assert len([c for c in _calls(tmp_path) if c["cmd"] == "launch"]) == 2  # the bad copy never launched
+
+
+def test_draft_run_launches_with_its_listeners_listed_then_benches(tmp_path):
+    box, env = _sandbox(tmp_path)
+    (box / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "listeners_during.py", box / "tests")
+    out = tmp_path / "out"
+    env.update(
+        RECIPE="recipes/tiny-k25-tp1-h200-dflash.yaml", OUT=str(out), SHIM_RUN=str(box / "runs/tiny-k25-tp1-dflash")
+    )
+    (box / "runs" / "tiny-k25-tp1-dflash" / "stale").mkdir(parents=True)  # a leftover of an earlier run
+    res = subprocess.run(
+        ["bash", "scripts/gpu_draft_run.sh", "60", "60"], cwd=box, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = [(c["cmd"], c["args"]) for c in _calls(tmp_path)]
+    assert [c for c, _ in calls] == ["launch", "launch", "run-report", "bench"]
+    assert calls[0][1][-1] == "--plan" and calls[1][1][-1] == "--no-bench"
+    assert calls[3][1] == [
+        "--recipe",
+        "recipes/tiny-k25-tp1-h200-dflash.yaml",
+        "--draft",
+        "runs/tiny-k25-tp1-dflash/export-sglang",
+        "--out",
+        f"{out}/bench",
+    ]
+    assert not (box / "runs" / "tiny-k25-tp1-dflash" / "stale").exists()
+    listing = json.loads((out / "listeners.json").read_text())
+    assert listing["returncode"] == 0 and listing["samples"] >= 1
+    assert "launch rc=0" in (out / "launch.out").read_text()
+    assert "bench rc=0" in (out / "bench.out").read_text()
+    assert (out / "bench" / "bench_result.json").is_file() and (out / "capture-server-node0.log").is_file()
