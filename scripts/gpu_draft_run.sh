@@ -9,7 +9,9 @@
 #      OUT/listeners.json: address, port, process, loopback or not);
 #   2. `specforge-kimi bench --recipe RECIPE --draft RUN/export-sglang --out OUT/bench` (the recipe's bench section:
 #      EAGLE3 steps/topk/draft tokens or DFLASH block size; acceptance length, decode tok/s, speedup).
-# usage: RECIPE=recipes/...yaml [OUT=/tmp/draft-run] bash scripts/gpu_draft_run.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
+# TAG=NAME names the results as bench/results/ keeps them: OUT/online_run_NAME.json (run-report) and
+# OUT/acceptance_NAME.json (the bench's bench_result.json).
+# usage: RECIPE=recipes/...yaml [OUT=/tmp/draft-run] [TAG=NAME] bash scripts/gpu_draft_run.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/draft-run}"
@@ -29,3 +31,8 @@ timeout --signal=INT "$TB" python3 -m specforge_kimi bench --recipe "$RECIPE" --
   --out "$OUT/bench" > "$OUT/bench.out" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/bench.out"
 tail -3 "$OUT/bench.out"
+if [ -n "${TAG:-}" ]; then
+  [ -f "$OUT/online_run.json" ] && mv "$OUT/online_run.json" "$OUT/online_run_${TAG}.json"
+  [ -f "$OUT/bench/bench_result.json" ] && cp "$OUT/bench/bench_result.json" "$OUT/acceptance_${TAG}.json"
+fi
+exit 0

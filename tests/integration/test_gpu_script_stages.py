@@ -311,7 +311,10 @@ def test_draft_run_launches_with_its_listeners_listed_then_benches(tmp_path):
     shutil.copy(ROOT / "tests" / "listeners_during.py", box / "tests")
     out = tmp_path / "out"
     env.update(
-        RECIPE="recipes/tiny-k25-tp1-h200-dflash.yaml", OUT=str(out), SHIM_RUN=str(box / "runs/tiny-k25-tp1-dflash")
+        RECIPE="recipes/tiny-k25-tp1-h200-dflash.yaml",
+        OUT=str(out),
+        TAG="tiny_dflash",
+        SHIM_RUN=str(box / "runs/tiny-k25-tp1-dflash"),
     )
     (box / "runs" / "tiny-k25-tp1-dflash" / "stale").mkdir(parents=True)  # a leftover of an earlier run
     res = subprocess.run(
@@ -334,4 +337,6 @@ def test_draft_run_launches_with_its_listeners_listed_then_benches(tmp_path):
     assert listing["returncode"] == 0 and listing["samples"] >= 1
     assert "launch rc=0" in (out / "launch.out").read_text()
     assert "bench rc=0" in (out / "bench.out").read_text()
-    assert (out / "bench" / "bench_result.json").is_file() and (out / "capture-server-node0.log").is_file()
+    assert (out / "capture-server-node0.log").is_file() and not (out / "online_run.json").exists()
+    assert (out / "online_run_tiny_dflash.json").is_file()
+    assert (out / "acceptance_tiny_dflash.json").read_bytes() == (out / "bench" / "bench_result.json").read_bytes()
