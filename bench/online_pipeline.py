@@ -73,6 +73,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 AUX_IDS = [1, 3, 4]  # SpecForge ids (captured positions 2, 4, 5); --aux-ids for targets of other depths
 SERVER_START_TIMEOUT_S = 420.0  # --server-start-timeout: a host's first INT4 prefill compiles SGLang's Marlin MoE
@@ -397,6 +398,53 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
     }
 
 
+def _server_argv(target: str, engine: str, tp: int, port: int, longest: int, aux_ids: list[int]) -> list[str]:
+    """The capture server's command line: SGLang with spec capture, or the CPU reference stand-in."""
+    from specforge_kimi.servers.capture_server import capture_server_argv
+
+    if engine == "reference":  # the CPU stand-in: exercises this script without a GPU
+        return [
+            sys.executable,
+            "-m",
+            "specforge_kimi.servers.reference_server",
+            "--model-path",
+            target,
+            "--spec-capture-aux-layer-ids",
+            *map(str, aux_ids),
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+        ]
+    return capture_server_argv(
+        target,
+        tp=tp,
+        port=port,
+        aux_specforge_ids=aux_ids,
+        fusion=False,
+        attention_backend="triton",
+        mem_fraction_static=0.5,
+        context_length=longest + 256,
+        disable_cuda_graph=True,
+        python=sys.executable,
+    )
+
+
+def _extra_rounds(url: str, tools, timed: list[dict], shapes, reps: int, log: Path, in_flight: int, breakdown: bool):
+    """After the one-batch rounds, on the same server: each shape in flight and its capture-time breakdown, if asked."""
+    adapter, cfg, store = tools
+    if in_flight > 1:
+        for shape, (n, length) in zip(timed, shapes, strict=False):
+            shape["in_flight"] = bench_in_flight(url, adapter, cfg, store, n, length, reps, in_flight)
+    if breakdown:
+        for shape, (n, length) in zip(timed, shapes, strict=False):
+            shape["breakdown"] = bench_breakdown(url, adapter, store, n, length, reps, log)
+            full = shape["breakdown"]["variants"].get("full")  # absent when the server refused it
+            shape["breakdown"]["producer_minus_full_ms"] = (
+                statistics.median(shape["capture_s"]) * 1000 - full["post_ms"] - full["encode_ms"] if full else None
+            )
+
+
 def run_tp(
     target: str,
     tp: int,
@@ -410,11 +458,14 @@ def run_tp(
     breakdown: bool = False,
     transport: str = "mooncake",
     ipc_pool_gib: float = 8.0,
+    aux_ids: list[int] | None = None,
+    start_timeout_s: float = SERVER_START_TIMEOUT_S,
 ) -> dict:
     from specforge_kimi.run import services
     from specforge_kimi.run.offline_twin import capture_tools
-    from specforge_kimi.servers.capture_server import capture_server_argv, capture_server_env
+    from specforge_kimi.servers.capture_server import capture_server_env
 
+    aux_ids = AUX_IDS if aux_ids is None else aux_ids
     port, *mc_ports = services.free_ports(4)  # drawn together: a port drawn alone can come back for the master
     longest = max(length for _, length in shapes)
     result: dict = {"tp": tp, "put_clients": put_clients, "transport": transport}
@@ -425,32 +476,7 @@ def run_tp(
     )
     ipc_dir = workdir / f"ipc-{tag}"
     with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30, ports=mc_ports) as mc:
-        argv = capture_server_argv(
-            target,
-            tp=tp,
-            port=port,
-            aux_specforge_ids=AUX_IDS,
-            fusion=False,
-            attention_backend="triton",
-            mem_fraction_static=0.5,
-            context_length=longest + 256,
-            disable_cuda_graph=True,
-            python=sys.executable,
-        )
-        if engine == "reference":  # the CPU stand-in: exercises this script without a GPU
-            argv = [
-                sys.executable,
-                "-m",
-                "specforge_kimi.servers.reference_server",
-                "--model-path",
-                target,
-                "--spec-capture-aux-layer-ids",
-                *map(str, AUX_IDS),
-                "--port",
-                str(port),
-                "--dtype",
-                "bfloat16",
-            ]
+        argv = _server_argv(target, engine, tp, port, longest, aux_ids)
         env = {
             **capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
             "SGLANG_SPEC_CAPTURE_TIMING": "1",
@@ -468,19 +494,19 @@ def run_tp(
             ipc_store = CudaIpcFeatureStore(store_id=f"bench-{tag}", pool_dir=ipc_dir, device=device)
         log = workdir / f"server-{tag}.log"
         t = time.time()
-        with services.server(argv, env, log, port, timeout_s=SERVER_START_TIMEOUT_S) as proc:
+        with services.server(argv, env, log, port, timeout_s=start_timeout_s) as proc:
             result["server_start_s"] = round(time.time() - t, 1)
             result["server_argv"] = argv
+            url = f"http://127.0.0.1:{port}"
             adapter, cfg, store, _layout = capture_tools(
-                f"http://127.0.0.1:{port}",
+                url,
                 mc,
-                aux_ids=AUX_IDS,
+                aux_ids=aux_ids,
                 hidden=info.hidden_size,
                 vocab=info.vocab_size,
                 run_id=f"bench-{tag}",
                 store=ipc_store,
             )
-            url = f"http://127.0.0.1:{port}"
             result["shapes"] = [
                 bench_shape(url, adapter, cfg, store, n, length, reps, log, transport) for n, length in shapes
             ]
@@ -489,18 +515,7 @@ def run_tp(
                 pool = json.loads(next(ipc_dir.glob("*.json")).read_text())
                 result["pool"] = {k: pool.get(k) for k in ("pool_id", "backend", "nbytes", "device", "alloc_conf")}
                 result["reader"] = store.health()
-            if in_flight > 1:
-                for shape, (n, length) in zip(result["shapes"], shapes, strict=False):
-                    shape["in_flight"] = bench_in_flight(url, adapter, cfg, store, n, length, reps, in_flight)
-            if breakdown:
-                for shape, (n, length) in zip(result["shapes"], shapes, strict=False):
-                    shape["breakdown"] = bench_breakdown(url, adapter, store, n, length, reps, log)
-                    full = shape["breakdown"]["variants"].get("full")  # absent when the server refused it
-                    shape["breakdown"]["producer_minus_full_ms"] = (
-                        statistics.median(shape["capture_s"]) * 1000 - full["post_ms"] - full["encode_ms"]
-                        if full
-                        else None
-                    )
+            _extra_rounds(url, (adapter, cfg, store), result["shapes"], shapes, reps, log, in_flight, breakdown)
     if transport == "cuda_ipc":
         from specforge_kimi.transport.pool import remove_stale
 
@@ -556,8 +571,7 @@ def transport_comparison(runs: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    global AUX_IDS, SERVER_START_TIMEOUT_S
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -610,12 +624,44 @@ def main(argv=None) -> int:
     p.add_argument("--aux-ids", default=None, help="SpecForge aux layer ids, comma-separated (default 1,3,4)")
     p.add_argument("--server-start-timeout", type=float, default=SERVER_START_TIMEOUT_S, help="seconds to /health")
     p.add_argument("--out", required=True)
+    return p
+
+
+class Settings(NamedTuple):
+    """The flags, checked: what ``measure`` runs and ``write`` records (a named tuple: the tests load this
+    script by path, outside ``sys.modules``, where a dataclass cannot resolve its annotations)."""
+
+    target: str
+    tps: list[int]
+    shapes_text: str
+    reps: int
+    in_flight: int
+    put_clients: list[int]
+    breakdown: bool
+    compact_passthrough: bool
+    transports: list[str]
+    ipc_pool_gib: float
+    run_reports: dict[str, str]  # transport -> online_run.json
+    workdir: Path
+    engine: str
+    aux_ids: list[int]
+    server_start_timeout_s: float
+    out: Path
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(int(x) for x in s.split("x")) for s in self.shapes_text.split(",")]
+
+
+def parse(argv=None) -> Settings:
+    """The command line as ``Settings``; a bad flag ends in argparse's usage error (exit 2)."""
+    p = _parser()
     args = p.parse_args(argv)
+    aux_ids = AUX_IDS
     if args.aux_ids:
         from specforge_kimi.targets.layer_ids import parse_id_list
 
-        AUX_IDS = list(parse_id_list(args.aux_ids, "--aux-ids"))
-    SERVER_START_TIMEOUT_S = args.server_start_timeout
+        aux_ids = list(parse_id_list(args.aux_ids, "--aux-ids"))
     if args.in_flight < 1:
         p.error("--in-flight must be >= 1")
     if min(args.put_clients) < 1:
@@ -623,29 +669,47 @@ def main(argv=None) -> int:
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or any(t not in TRANSPORTS for t in transports):
         p.error(f"--transport takes a comma-separated subset of {', '.join(TRANSPORTS)}")
-
-    import torch
-
-    import specforge_kimi
-    from specforge_kimi.provenance import versions
-    from specforge_kimi.targets.checkpoint import inspect_target
-
-    specforge_kimi.register()
     if args.compact_passthrough:
-        from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
         from specforge_kimi.setup.setup_patches import compact_passthrough_gaps
 
         gaps = compact_passthrough_gaps(sglang=args.engine == "sglang")  # the reference engine takes them as is
         if gaps:
             p.error("--compact-passthrough: " + "; ".join(gaps))
-        os.environ[COMPACT_PASSTHROUGH_ENV] = "1"
-    info = inspect_target(args.target)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    out = {
+    reports = {}
+    for item in args.run_report or []:
+        transport, sep, path = item.partition("=")
+        if not sep or transport not in TRANSPORTS:
+            transport, path = "mooncake", item
+        reports[transport] = path
+    return Settings(
+        target=args.target,
+        tps=args.tp,
+        shapes_text=args.shapes,
+        reps=args.reps,
+        in_flight=args.in_flight,
+        put_clients=args.put_clients,
+        breakdown=args.breakdown,
+        compact_passthrough=args.compact_passthrough,
+        transports=transports,
+        ipc_pool_gib=args.ipc_pool_gib,
+        run_reports=reports,
+        workdir=Path(args.workdir),
+        engine=args.engine,
+        aux_ids=aux_ids,
+        server_start_timeout_s=args.server_start_timeout,
+        out=Path(args.out),
+    )
+
+
+def _document(s: Settings, info) -> dict:
+    """The result document before any run: the command, versions, environment and the run's configuration."""
+    import torch
+
+    from specforge_kimi.provenance import versions
+
+    return {
         "command": [sys.executable, *sys.argv],
-        "engine": args.engine,
+        "engine": s.engine,
         "versions": versions(),
         "environment": {
             "platform": platform.platform(),
@@ -653,19 +717,19 @@ def main(argv=None) -> int:
             "cpu_count": os.cpu_count(),
         },
         "config": {
-            "target": args.target,
+            "target": s.target,
             "layers": info.num_layers,
             "hidden": info.hidden_size,
             "quantization": info.quantization or "bf16",  # the routed experts' format (targets.checkpoint)
-            "aux_specforge_ids": AUX_IDS,
-            "shapes": args.shapes,
-            "reps": args.reps,
-            "in_flight": args.in_flight,
-            "put_clients": args.put_clients,
-            "transports": transports,
-            "ipc_pool_gib": args.ipc_pool_gib if "cuda_ipc" in transports else None,
-            "breakdown": args.breakdown,
-            "compact_passthrough": args.compact_passthrough,
+            "aux_specforge_ids": s.aux_ids,
+            "shapes": s.shapes_text,
+            "reps": s.reps,
+            "in_flight": s.in_flight,
+            "put_clients": s.put_clients,
+            "transports": s.transports,
+            "ipc_pool_gib": s.ipc_pool_gib if "cuda_ipc" in s.transports else None,
+            "breakdown": s.breakdown,
+            "compact_passthrough": s.compact_passthrough,
             "server_max_pending_capture_batches": int(os.environ.get("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2")),
             "mooncake_protocol": "tcp (loopback)",
             "allreduce_fusion": False,
@@ -679,25 +743,75 @@ def main(argv=None) -> int:
         },
         "runs": [],
     }
-    for tp in args.tp:
-        for transport in transports:
+
+
+def _online_run(out: dict, transport: str, path: str) -> dict:
+    """One run-report's rates beside this bench's capture rate at TP 2: which stage is slowest, and how close."""
+    rep = json.loads(Path(path).read_text())
+    perf = rep.get("perf", {})
+    online = {
+        "source": path,
+        "transport": transport,
+        "perf": perf,
+        "gpu_memory": rep.get("gpu_memory"),
+        "ledger": rep.get("ledger"),
+        "metadata_bytes_per_trained_token": rep.get("metadata_bytes_per_trained_token"),
+    }
+    caps = [
+        s["capture_tokens_per_s"]
+        for r in out["runs"]
+        if r.get("tp") == 2 and r.get("transport", "mooncake") == transport
+        for s in r.get("shapes", [])
+    ]
+    stages = {
+        k: v
+        for k, v in {
+            "trainer_only_tokens_per_s": perf.get("trainer_only_tokens_per_s"),
+            "capture_tokens_per_s_tp2_min": min(caps) if caps else None,
+        }.items()
+        if v
+    }
+    if perf.get("end_to_end_tokens_per_s") and stages:
+        online["slowest_stage"] = min(stages, key=stages.get)
+        online["end_to_end_over_slowest_stage"] = perf["end_to_end_tokens_per_s"] / min(stages.values())
+    return online
+
+
+def measure(s: Settings) -> dict:
+    """One server run per TP size, transport and put-client count (written after each), then the run reports."""
+    import specforge_kimi
+    from specforge_kimi.targets.checkpoint import inspect_target
+
+    specforge_kimi.register()
+    if s.compact_passthrough:
+        from specforge_kimi.servers.capture_server import COMPACT_PASSTHROUGH_ENV
+
+        os.environ[COMPACT_PASSTHROUGH_ENV] = "1"
+    info = inspect_target(s.target)
+    shapes = s.shapes
+    s.workdir.mkdir(parents=True, exist_ok=True)
+    out = _document(s, info)
+    for tp in s.tps:
+        for transport in s.transports:
             # put clients split Mooncake puts: a cuda_ipc server runs once per TP size
-            for clients in args.put_clients if transport == "mooncake" else [1]:
+            for clients in s.put_clients if transport == "mooncake" else [1]:
                 try:
                     out["runs"].append(
                         run_tp(
-                            args.target,
+                            s.target,
                             tp,
                             shapes,
-                            args.reps,
-                            work,
+                            s.reps,
+                            s.workdir,
                             info,
-                            args.engine,
-                            args.in_flight,
+                            s.engine,
+                            s.in_flight,
                             clients,
-                            args.breakdown,
+                            s.breakdown,
                             transport,
-                            args.ipc_pool_gib,
+                            s.ipc_pool_gib,
+                            aux_ids=s.aux_ids,
+                            start_timeout_s=s.server_start_timeout_s,
                         )
                     )
                 except Exception as exc:  # record and go on with the next run
@@ -710,75 +824,54 @@ def main(argv=None) -> int:
                         }
                     )
                 out["transport_comparison"] = transport_comparison(out["runs"])
-                Path(args.out).write_text(json.dumps(out, indent=2))
-    reports = {}
-    for item in args.run_report or []:
-        transport, sep, path = item.partition("=")
-        if not sep or transport not in TRANSPORTS:
-            transport, path = "mooncake", item
-        reports[transport] = path
-    for transport, path in reports.items():
+                write(s, out)
+    for transport, path in s.run_reports.items():
         if not Path(path).is_file():
             continue
-        rep = json.loads(Path(path).read_text())
-        perf = rep.get("perf", {})
-        online = {
-            "source": path,
-            "transport": transport,
-            "perf": perf,
-            "gpu_memory": rep.get("gpu_memory"),
-            "ledger": rep.get("ledger"),
-            "metadata_bytes_per_trained_token": rep.get("metadata_bytes_per_trained_token"),
-        }
-        caps = [
-            s["capture_tokens_per_s"]
-            for r in out["runs"]
-            if r.get("tp") == 2 and r.get("transport", "mooncake") == transport
-            for s in r.get("shapes", [])
-        ]
-        stages = {
-            k: v
-            for k, v in {
-                "trainer_only_tokens_per_s": perf.get("trainer_only_tokens_per_s"),
-                "capture_tokens_per_s_tp2_min": min(caps) if caps else None,
-            }.items()
-            if v
-        }
-        if perf.get("end_to_end_tokens_per_s") and stages:
-            online["slowest_stage"] = min(stages, key=stages.get)
-            online["end_to_end_over_slowest_stage"] = perf["end_to_end_tokens_per_s"] / min(stages.values())
+        online = _online_run(out, transport, path)
         out.setdefault("online_runs", {})[transport] = online
         if transport == "mooncake" or "online_run" not in out:
             out["online_run"] = online  # what bench/report.py reads
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def write(s: Settings, out: dict) -> None:
+    """The document at ``--out``."""
+    s.out.write_text(json.dumps(out, indent=2))
+
+
+def _print_shape(r: dict, s: dict) -> None:
+    print(
+        f"tp{r['tp']} {r.get('transport', 'mooncake')} put clients {r.get('put_clients', 1)} "
+        f"{s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
+        f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
+        f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
+        f"read {s['read_gb_per_s']:.2f} GB/s"
+    )
+    if "breakdown" in s:
+        b = s["breakdown"]
+        print(
+            "  breakdown (median ms): "
+            + ", ".join(f"{v} encode {m['encode_ms']:.1f} post {m['post_ms']:.1f}" for v, m in b["variants"].items())
+            + (f"; errors {b['errors']}" if b["errors"] else "")
+        )
+        for k, v in (b.get("attribution_ms") or {}).items():
+            print(f"    {k}: {v:.1f} ms")
+        if b["producer_minus_full_ms"] is not None:
+            print(f"    producer_minus_full: {b['producer_minus_full_ms']:.1f} ms")
+    if "in_flight" in s:
+        f = s["in_flight"]
+        print(
+            f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "
+            f"{f['capture_tokens_per_s']:.0f} tok/s, ratio {f['capture_over_plain']:.2f}"
+        )
+
+
+def print_summary(out: dict) -> None:
+    """One line per run and shape (with its breakdown and in-flight lines), then the transports side by side."""
     for r in out["runs"]:
         for s in r.get("shapes", []):
-            print(
-                f"tp{r['tp']} {r.get('transport', 'mooncake')} put clients {r.get('put_clients', 1)} "
-                f"{s['batch']}x{s['tokens_per_prompt']}: plain {s['plain_tokens_per_s']:.0f} tok/s, "
-                f"capture {s['capture_tokens_per_s']:.0f} tok/s, ratio {s['capture_over_plain']:.2f}, "
-                f"{s['feature_bytes_per_token']:.0f} B/token, write {s['capture_write_gb_per_s']:.2f} GB/s, "
-                f"read {s['read_gb_per_s']:.2f} GB/s"
-            )
-            if "breakdown" in s:
-                b = s["breakdown"]
-                print(
-                    "  breakdown (median ms): "
-                    + ", ".join(
-                        f"{v} encode {m['encode_ms']:.1f} post {m['post_ms']:.1f}" for v, m in b["variants"].items()
-                    )
-                    + (f"; errors {b['errors']}" if b["errors"] else "")
-                )
-                for k, v in (b.get("attribution_ms") or {}).items():
-                    print(f"    {k}: {v:.1f} ms")
-                if b["producer_minus_full_ms"] is not None:
-                    print(f"    producer_minus_full: {b['producer_minus_full_ms']:.1f} ms")
-            if "in_flight" in s:
-                f = s["in_flight"]
-                print(
-                    f"  {f['in_flight']} in flight: plain {f['plain_tokens_per_s']:.0f} tok/s, capture "
-                    f"{f['capture_tokens_per_s']:.0f} tok/s, ratio {f['capture_over_plain']:.2f}"
-                )
+            _print_shape(r, s)
         if "error" in r:
             print(f"tp{r['tp']} {r.get('transport', 'mooncake')}: {r['error']}")
     for row in out.get("transport_comparison") or []:
@@ -788,6 +881,13 @@ def main(argv=None) -> int:
                 f"cuda_ipc {row['cuda_ipc']['capture_over_plain']:.2f}; read cuda_ipc / mooncake "
                 f"{row['read_rate_cuda_ipc_over_mooncake']:.1f}x; features hash equal: {row['features_hash_equal']}"
             )
+
+
+def main(argv=None) -> int:
+    settings = parse(argv)
+    out = measure(settings)
+    write(settings, out)
+    print_summary(out)
     return 0
 
 
