@@ -47,7 +47,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -275,7 +275,7 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     from specforge_kimi.demo.pipeline import DemoSettings
 
     d = DemoSettings()
@@ -294,37 +294,76 @@ def main(argv=None) -> int:
     g.add_argument("--train-conversations", type=int, default=d.train_conversations)
     g.add_argument("--heldout-conversations", type=int, default=d.heldout_conversations)
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    return p
 
-    import torch
 
-    import specforge_kimi
-    from specforge_kimi.demo.pipeline import DEMO_AUX_IDS, prepare_inputs
-    from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
-    from specforge_kimi.provenance import git_commit, versions
+@dataclass(frozen=True)
+class Settings:
+    """The flags, as ``run_draft`` and the result read them."""
 
-    t0 = time.monotonic()
-    say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))
-    specforge_kimi.register()
-    work = Path(a.work).resolve()
-    _prepare_work(work)
-    t = time.monotonic()
+    demo_dir: str | None
+    work: str
+    out: str
+    steps: int
+    learning_rate: float
+    ttt_length: int
+    eval_steps: int
+    seed: int
+    drafts: str
+    pretrain_seconds: float
+    train_conversations: int
+    heldout_conversations: int
+    no_progress: bool
+
+
+def parse(argv=None) -> Settings:
+    return Settings(**vars(_parser().parse_args(argv)))
+
+
+@dataclass
+class Measured:
+    """What ``measure`` ran: the target's inputs and where they came from, and each draft's result."""
+
+    demo_settings: object
+    inp: object
+    source: dict
+    prep_s: float
+    drafts: dict
+
+
+def _inputs(a: Settings, work: Path, say):
+    """The target and its features: reused from ``--demo-dir`` or built as the demo builds them."""
+    from specforge_kimi.demo.pipeline import DemoSettings, prepare_inputs
+
     if a.demo_dir:
         demo_settings, inp, recapture = inputs_from_demo_dir(Path(a.demo_dir), progress=not a.no_progress)
         source = {"kind": "demo_dir", "dir": str(inp.out), "recapture_check": recapture}
         if recapture["bit_identical_to_feature_files"] != recapture["train_rows_recaptured"]:
             say(f"note: re-capture differs from the feature files by up to {recapture['max_abs_diff']:.2e}")
-    else:
-        demo_settings = DemoSettings(
-            out_dir=str(work / "demo"),
-            seed=a.seed,
-            pretrain_seconds=a.pretrain_seconds,
-            train_conversations=a.train_conversations,
-            heldout_conversations=a.heldout_conversations,
-            progress=not a.no_progress,
-        )
-        inp = prepare_inputs(demo_settings, say)
-        source = {"kind": "built", "dir": str(inp.out)}
+        return demo_settings, inp, source
+    demo_settings = DemoSettings(
+        out_dir=str(work / "demo"),
+        seed=a.seed,
+        pretrain_seconds=a.pretrain_seconds,
+        train_conversations=a.train_conversations,
+        heldout_conversations=a.heldout_conversations,
+        progress=not a.no_progress,
+    )
+    inp = prepare_inputs(demo_settings, say)
+    return demo_settings, inp, {"kind": "built", "dir": str(inp.out)}
+
+
+def measure(a: Settings, say) -> Measured:
+    """The target's inputs, then each draft of ``--drafts`` trained and evaluated on them."""
+    import specforge_kimi
+    from specforge_kimi.demo.pipeline import DEMO_AUX_IDS
+    from specforge_kimi.drafts.mla_eagle3 import tiny_config, with_vocab_mapping, write_config
+
+    specforge_kimi.register()
+    work = Path(a.work).resolve()
+    _prepare_work(work)
+    t = time.monotonic()
+    demo_settings, inp, source = _inputs(a, work, say)
     prep_s = round(time.monotonic() - t, 2)
     say(
         f"target {inp.target_dir}: {inp.train_rows} training rows, {len(inp.held)} held-out samples, "
@@ -340,7 +379,30 @@ def main(argv=None) -> int:
     drafts = {}
     for name in a.drafts.split(","):
         drafts[name] = run_draft(name, cfgs[name], inp, a, work, say)
+    return Measured(demo_settings=demo_settings, inp=inp, source=source, prep_s=prep_s, drafts=drafts)
 
+
+WHAT = {
+    "mean_acceptance_length": "simulate.simulated_acceptance: 1 + accepted draft tokens per chain, "
+    "chain drafting top-k 1, greedy verification, teacher-forced data tokens",
+    "per_step_accuracy": "P(step j correct | steps < j correct)",
+    "heldout_loss": "SpecForge's per-position loss -sum(target_p log q) over the draft vocab, mean "
+    "over the simulated steps and trained held-out positions; kl = loss - teacher "
+    "entropy",
+    "train.loss_*_mean": "SpecForge train/loss (sum_i 0.8**i ploss_i), mean of the first/last "
+    "mean_window optimizer steps",
+    "parameters.trainable": "all draft parameters but the frozen target embedding",
+}
+
+
+def write(a: Settings, m: Measured, t0: float) -> dict:
+    """The result at ``--out``: the command, the environment, the settings, the target and each draft."""
+    import torch
+
+    from specforge_kimi.demo.pipeline import DEMO_AUX_IDS
+    from specforge_kimi.provenance import git_commit, versions
+
+    inp, drafts = m.inp, m.drafts
     summary = {
         "benchmark": "MLA vs Llama-style EAGLE-3 draft on the demo's tiny K2.5 target: simulated acceptance",
         "command": [_rel(sys.executable), *sys.argv],
@@ -367,10 +429,10 @@ def main(argv=None) -> int:
             "captured_positions": list(inp.aux.positions),
         },
         "target": {
-            "source": source,
+            "source": m.source,
             "dir": str(inp.target_dir),
             "spec": asdict(inp.spec),
-            "demo_settings": asdict(demo_settings),
+            "demo_settings": asdict(m.demo_settings),
             "pretrain_steps": inp.pretrain.steps,
             "pretrain_loss_first": inp.pretrain.first_loss,
             "pretrain_loss_last": inp.pretrain.last_loss,
@@ -379,27 +441,21 @@ def main(argv=None) -> int:
         },
         "drafts": drafts,
         "timings_s": {
-            "prepare": prep_s,
+            "prepare": m.prep_s,
             **{f"{n}_{k}": v for n, r in drafts.items() for k, v in r["timings_s"].items()},
             "total": round(time.monotonic() - t0, 2),
         },
-        "what": {
-            "mean_acceptance_length": "simulate.simulated_acceptance: 1 + accepted draft tokens per chain, "
-            "chain drafting top-k 1, greedy verification, teacher-forced data tokens",
-            "per_step_accuracy": "P(step j correct | steps < j correct)",
-            "heldout_loss": "SpecForge's per-position loss -sum(target_p log q) over the draft vocab, mean "
-            "over the simulated steps and trained held-out positions; kl = loss - teacher "
-            "entropy",
-            "train.loss_*_mean": "SpecForge train/loss (sum_i 0.8**i ploss_i), mean of the first/last "
-            "mean_window optimizer steps",
-            "parameters.trainable": "all draft parameters but the frozen target embedding",
-        },
+        "what": WHAT,
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_summary(a: Settings, m: Measured, summary: dict) -> None:
     parts = []
-    for n, r in drafts.items():
+    for n, r in m.drafts.items():
         parts.append(
             f"{n}: AL {r['before']['mean_acceptance_length']:.3f} -> {r['after']['mean_acceptance_length']:.3f}"
             f", held-out loss {r['before']['heldout_loss']:.3f} -> {r['after']['heldout_loss']:.3f}"
@@ -407,11 +463,20 @@ def main(argv=None) -> int:
             f", {r['parameters']['trainable'] / 1e6:.2f}M params"
         )
     print(
-        f"{a.steps} steps, lr {a.learning_rate:g}, TTT {a.ttt_length}, {len(inp.held)} held-out samples "
-        f"({drafts[next(iter(drafts))]['after']['chains']} chains): "
+        f"{a.steps} steps, lr {a.learning_rate:g}, TTT {a.ttt_length}, {len(m.inp.held)} held-out samples "
+        f"({m.drafts[next(iter(m.drafts))]['after']['chains']} chains): "
         + "; ".join(parts)
-        + f"; {summary['timings_s']['total']:.0f}s -> {out}"
+        + f"; {summary['timings_s']['total']:.0f}s -> {Path(a.out)}"
     )
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    t0 = time.monotonic()
+    say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))
+    m = measure(a, say)
+    summary = write(a, m, t0)
+    print_summary(a, m, summary)
     return 0
 
 
