@@ -352,6 +352,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         pretrain_steps=args.pretrain_steps,
         seed=args.seed,
         progress=not args.no_progress,
+        draft=args.draft,
     )
     result = run_demo(settings)
     return 0 if result["ok"] else 1
@@ -369,6 +370,13 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
         help="also stop tiny-target pretraining after this many steps (0: the time budget only)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny target and the training")
+    p.add_argument(
+        "--draft",
+        choices=("eagle3", "dflash", "both"),
+        default="eagle3",
+        help="draft family: eagle3 (default), dflash (a DFlash block draft) or both on the same target and "
+        "held-out prompts, their acceptance side by side (default: eagle3)",
+    )
     p.add_argument(
         "--no-progress",
         action="store_true",

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_kimi.durable import write_atomic
+from specforge_kimi.errors import KimiInputError
 from specforge_kimi.scratch import reset_owned_dir
 
 #: The demo's target: K2.5's structure at CPU size (4 heads: the demo never runs tensor-parallel).
@@ -49,6 +50,17 @@ DEMO_TARGET = dict(
 #: SpecForge ids; SGLang 0.5.14 captures positions [2, 3, 4] (= HF hidden_states[2..4]) for them.
 DEMO_AUX_IDS = (1, 2, 3)
 MARKER = ".specforge-kimi-demo"
+DRAFT_FAMILIES = ("eagle3", "dflash", "both")
+EAGLE3_DECODE_WHAT = (
+    "the target's own greedy continuation of each held-out prompt (decode_tokens new tokens), captured with the "
+    "reference hooks and walked in decode rounds (simulate.serving_rounds: chain, top-k 1, eval_steps drafts), which on "
+    "the target's own greedy text is what greedy chain speculation accepts; mean over all rounds"
+)
+PAIR_WHAT = (
+    "mean acceptance length per decode round (drafted tokens the target accepts + its own token) of greedy "
+    "speculative decoding of the same held-out prompts on the same target; each family's decode_acceptance.what "
+    "says how it is counted"
+)
 
 
 @dataclass
@@ -66,6 +78,14 @@ class DemoSettings:
     draft_vocab_size: int = 0  # 0: exactly the trained tokens + K2.5's emitted specials (see below)
     learning_rate: float = 3e-4
     progress: bool = True
+    draft: str = "eagle3"  # eagle3, dflash (a DFlash block draft: demo.block_draft) or both, on one target
+    block_size: int = 4  # DFlash: tokens per block (at most this many accepted per round, as EAGLE-3's 3 steps + 1)
+    num_anchors: int = 32  # DFlash: SpecForge's training.num_anchors (blocks per sample; each scores the full vocab)
+    decode_tokens: int = 32  # new tokens per held-out prompt in the greedy decode both drafts are measured on
+
+    def __post_init__(self) -> None:
+        if self.draft not in DRAFT_FAMILIES:
+            raise KimiInputError(f"--draft {self.draft!r}: choose one of {', '.join(DRAFT_FAMILIES)}")
 
 
 def _draft_config(hidden: int, draft_vocab: int, aux_ids: list[int]) -> dict:
@@ -111,7 +131,7 @@ def _load_draft(draft_config_path: str, target_dir: str, embedding_key: str, voc
     return model.float().eval()
 
 
-def _plot(losses: list[float], acc: list[list[float]], path: Path) -> None:
+def _plot(losses: list[float], acc: list[list[float]], path: Path, title: str = "EAGLE-3") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +144,7 @@ def _plot(losses: list[float], acc: list[list[float]], path: Path) -> None:
         sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1]) for i in range(len(losses))
     ]
     ax[0].plot(range(1, len(losses) + 1), smooth, lw=2)
-    ax[0].set(xlabel="optimizer step", ylabel="SpecForge train/loss", title="EAGLE-3 draft loss (tiny K2.5)")
+    ax[0].set(xlabel="optimizer step", ylabel="SpecForge train/loss", title=f"{title} draft loss (tiny K2.5)")
     if acc:
         for j in range(len(acc[0])):
             ax[1].plot([a[j] for a in acc], lw=0.8, label=f"TTT position {j}")
@@ -252,6 +272,10 @@ def _capture_features(s: DemoSettings, target_dir: Path, aux, train_rows, held_r
     rows = train_rows + held_rows
     for n, sample in capture_samples(model, rows, aux, feat_dtype, progress=s.progress):
         if n < len(train_rows):
+            if s.draft != "eagle3":
+                # DFlash's ``hidden_states`` [1, S, N*H]: its ids capture EAGLE-3's positions, so the same tensor
+                # (saved once: torch.save keeps the shared storage)
+                sample["hidden_states"] = sample["aux_hidden_state"]
             torch.save(sample, feat_dir / f"sample-{n:06d}.ckpt")
             ids, mask = rows[n]
             counts.update(t_ for t_, m in zip(ids, mask, strict=False) if m)
@@ -299,6 +323,11 @@ def prepare_inputs(s: DemoSettings, say=None, lap=None) -> DemoInputs:
 
     # 3. capture aux + last hidden states with the reference hooks -> SpecForge offline features
     aux = AuxLayers.from_specforge(DEMO_AUX_IDS, info.num_layers)
+    if s.draft != "eagle3":
+        from specforge_kimi.demo.block_draft import DEMO_DFLASH_IDS
+
+        if AuxLayers.from_dflash(DEMO_DFLASH_IDS, info.num_layers).positions != aux.positions:
+            raise RuntimeError(f"DFlash ids {DEMO_DFLASH_IDS} capture other layers than EAGLE-3's {DEMO_AUX_IDS}")
     feat_dir = out / "features"
     feat_dtype, held, counts = _capture_features(s, target_dir, aux, train_rows, held_rows, feat_dir)
     since = lap("capture", t)
@@ -367,7 +396,60 @@ def run_demo(s: DemoSettings) -> dict:
 
     steps = StepLines()  # the training bar follows SpecForge's own step lines
     with console.output_to_log(log, on_line=steps):
-        return _train_evaluate_export(s, inp, say, lap, timings, t0, log, steps)
+        if s.draft != "both":
+            return _one_draft(s, s.draft, inp, say, lap, timings, t0, log, steps, "demo_result.json")
+        results = {}
+        for family in ("eagle3", "dflash"):
+            results[family] = _one_draft(
+                s, family, inp, say, lap, dict(timings), t0, log, steps, f"demo_result_{family}.json"
+            )
+    return _pair(inp.out, results, say)
+
+
+def _one_draft(s: DemoSettings, family: str, inp: DemoInputs, say, lap, timings, t0, log, steps, name: str) -> dict:
+    """One draft family's steps 4-6 on the prepared inputs; its summary written to ``<out>/name``."""
+    if family == "dflash":
+        from specforge_kimi.demo import block_draft
+
+        summary = block_draft.train_evaluate_export(s, inp, say, lap, timings, t0, log, steps, base_summary)
+        _plot(summary["train"]["losses"], [], inp.out / "loss_curve_dflash.png", "DFlash")
+    else:
+        summary = _train_evaluate_export(s, inp, say, lap, timings, t0, log, steps)
+    write_atomic(inp.out / name, json.dumps(summary, indent=2))
+    dec = summary["decode_acceptance"]
+    say(
+        f"        {family}: acceptance length on the held-out prompts' greedy decode "
+        f"{dec['before']['mean_acceptance_length']:.3f} -> {dec['after']['mean_acceptance_length']:.3f} "
+        f"(at most {dec['after']['max_per_round']} per round); {inp.out / name}"
+    )
+    return summary
+
+
+def _pair(out: Path, results: dict, say) -> dict:
+    """``demo --draft both``: the two summaries side by side in ``<out>/demo_result.json``."""
+    pair = {
+        f: {
+            "acceptance_before": r["decode_acceptance"]["before"]["mean_acceptance_length"],
+            "acceptance_after": r["decode_acceptance"]["after"]["mean_acceptance_length"],
+            "max_per_round": r["decode_acceptance"]["after"]["max_per_round"],
+            "rounds": r["decode_acceptance"]["after"]["rounds"],
+            "export_dir": r["export_dir"],
+        }
+        for f, r in results.items()
+    }
+    e, d = pair["eagle3"]["acceptance_after"], pair["dflash"]["acceptance_after"]
+    summary = {
+        "ok": all(r["ok"] for r in results.values()),
+        "draft_family": "both",
+        "pair": {**pair, "dflash_over_eagle3": d / e, "what": PAIR_WHAT},
+        **results,
+    }
+    write_atomic(out / "demo_result.json", json.dumps(summary, indent=2))
+    say(f"pair (same target, same {results['dflash']['decode_acceptance']['after']['prompts']} held-out prompts):")
+    for f, p in pair.items():
+        say(f"        {f:7s} acceptance length {p['acceptance_before']:.3f} -> {p['acceptance_after']:.3f}")
+    say(f"        DFlash / EAGLE-3 after training: {d / e:.2f}x; {out / 'demo_result.json'}")
+    return summary
 
 
 def _specforge_train(s: DemoSettings, inp: DemoInputs, say, log: Path, steps) -> dict:
@@ -402,17 +484,17 @@ def _specforge_train(s: DemoSettings, inp: DemoInputs, say, log: Path, steps) ->
         steps.bar = None
 
 
-def _demo_summary(s: DemoSettings, inp: DemoInputs, result: dict, before, after, losses_gain, export_dir) -> dict:
-    """``demo_result.json``: settings, target, training, simulated acceptance and held-out loss before and after."""
+def base_summary(s: DemoSettings, inp: DemoInputs, result: dict, losses_gain, export_dir, family: str) -> dict:
+    """``demo_result.json``'s keys every draft family writes: settings, target, training, export."""
     import torch
 
     from specforge_kimi.provenance import versions
 
     out, spec, pre, target_dir, aux = inp.out, inp.spec, inp.pretrain, inp.target_dir, inp.aux
     losses = result["losses"]
-    first, last, gain = losses_gain
+    first, last, _ = losses_gain
     return {
-        "ok": bool(after.heldout_loss < before.heldout_loss and gain > 0),
+        "draft_family": family,
         "command": sys.argv,
         "environment": {
             "platform": platform.platform(),
@@ -438,6 +520,17 @@ def _demo_summary(s: DemoSettings, inp: DemoInputs, result: dict, before, after,
             "acc_per_position_last": (result.get("acc_per_position") or [[]])[-1],
             "checkpoint_dir": result["checkpoint_dir"],
         },
+        "export_dir": str(export_dir),
+        "loss_curve_png": str(out / ("loss_curve.png" if family == "eagle3" else f"loss_curve_{family}.png")),
+    }
+
+
+def _demo_summary(s: DemoSettings, inp: DemoInputs, result: dict, before, after, losses_gain, export_dir) -> dict:
+    """``demo_result.json``: settings, target, training, simulated acceptance and held-out loss before and after."""
+    gain = losses_gain[2]
+    return {
+        **base_summary(s, inp, result, losses_gain, export_dir, "eagle3"),
+        "ok": bool(after.heldout_loss < before.heldout_loss and gain > 0),
         "simulated_acceptance": {
             "steps": s.eval_steps,
             "topk": 1,
@@ -465,8 +558,6 @@ def _demo_summary(s: DemoSettings, inp: DemoInputs, result: dict, before, after,
             "what": "SpecForge per-position loss -sum(target_p log q) on held-out samples, mean over "
             "TTT steps; deterministic, unlike the per-sample training loss",
         },
-        "export_dir": str(export_dir),
-        "loss_curve_png": str(out / "loss_curve.png"),
     }
 
 
@@ -500,6 +591,15 @@ def _train_evaluate_export(
     state = resolve_training_state(result["checkpoint_dir"])["draft_state_dict"]
     trained = _load_draft(str(draft_cfg_path), str(target_dir), info.embedding_key, str(vm_path), state=state)
     after = simulated_acceptance(trained, head_w, held, s.eval_steps)
+    from specforge_kimi.demo.block_draft import decode_samples, eagle3_decode_acceptance
+
+    decoded = decode_samples(
+        inp, s.decode_tokens, capture_samples
+    )  # the held-out prompts' greedy decode, as the DFlash demo's
+    decode = {
+        "before": eagle3_decode_acceptance(untrained, inp, decoded, s.eval_steps),
+        "after": eagle3_decode_acceptance(trained, inp, decoded, s.eval_steps),
+    }
     t = lap("eval_after", t)
 
     # 6. export for SGLang, K2.5 eagle_config + provenance, checks
@@ -521,8 +621,12 @@ def _train_evaluate_export(
     gain = after.mean_acceptance_length - before.mean_acceptance_length
     _plot(losses, result.get("acc_per_position") or [], out / "loss_curve.png")
     summary = _demo_summary(s, inp, result, before, after, (first, last, gain), export_dir)
+    summary["decode_acceptance"] = {
+        **decode,
+        "gain": decode["after"]["mean_acceptance_length"] - decode["before"]["mean_acceptance_length"],
+        "what": EAGLE3_DECODE_WHAT,
+    }
     summary["timings_s"] = {**timings, "total": round(time.monotonic() - t0, 2)}
-    write_atomic(out / "demo_result.json", json.dumps(summary, indent=2))
     say(f"[6/6] exported SGLang draft: {export_dir}")
     say(
         f"result: held-out loss {before.heldout_loss:.3f} -> {after.heldout_loss:.3f}, training loss {first:.3f} -> "
@@ -533,8 +637,5 @@ def _train_evaluate_export(
         f"{after.mean_acceptance_length:.3f} (+{gain:.3f}); over decode rounds "
         f"{before.serving_acceptance_length:.3f} -> {after.serving_acceptance_length:.3f}"
     )
-    say(
-        f"        {out / 'demo_result.json'}, {out / 'loss_curve.png'}; SpecForge's log {log}; "
-        f"{summary['timings_s']['total']:.0f}s"
-    )
+    say(f"        {out / 'loss_curve.png'}; SpecForge's log {log}; {summary['timings_s']['total']:.0f}s")
     return summary

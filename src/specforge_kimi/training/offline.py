@@ -1,4 +1,4 @@
-"""Run SpecForge 0.2.0's own offline EAGLE-3 training in this process, and export the result.
+"""Run SpecForge 0.2.0's own offline EAGLE-3 (or DFlash block-draft) training in this process.
 
 :func:`train_offline` builds a SpecForge run config (the pydantic
 ``specforge.config.Config``: ``deployment.mode: local_colocated``, offline because
@@ -92,6 +92,16 @@ Draft config (``model.draft_model_config``)
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` (recorded and exported; offline training
     does not check it against the feature files). ``tie_word_embeddings`` is forced False.
 
+DFlash block drafts (``strategy="dflash"``)
+    The same trainer and run path with ``training.strategy: dflash``: feature files hold
+    ``input_ids``, ``loss_mask`` and ``hidden_states`` [1, L, N*H] (the N target layers named by
+    the draft's ``dflash_config.target_layer_ids``, concatenated in id order;
+    ``algorithms/common/dflash_family_data.normalize_offline_sample``, which needs two consecutive
+    loss-masked tokens per sample). The draft config names ``DFlashDraftModel`` (a Qwen3-style
+    block draft); ``TargetEmbeddingsAndHead`` loads the target's embedding and LM head from
+    ``embedding_key`` / ``lm_head_key`` (full vocab: no vocab mapping). The checkpoint records
+    ``strategy: "dflash"`` and the ``dflash_*`` resume contract the block export checks.
+
 Checkpoint layout (``training/checkpoint.CheckpointManager``)
     ``<output_dir>/<run_id>-step<N>/training_state.pt`` (rank 0: ``draft_state_dict`` without
     the frozen embedding -- ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``,
@@ -118,6 +128,7 @@ from specforge_kimi.durable import write_atomic
 
 __all__ = [
     "DEFAULT_RUN_ID",
+    "OFFLINE_STRATEGIES",
     "build_offline_config",
     "build_specforge_vocab_mapping",
     "read_tensorboard_scalars",
@@ -125,6 +136,8 @@ __all__ = [
 ]
 
 DEFAULT_RUN_ID = "specforge-kimi-offline"
+#: SpecForge strategies :func:`train_offline` runs: EAGLE-3 and the DFlash block draft
+OFFLINE_STRATEGIES = ("eagle3", "dflash")
 
 # Environment variables ``specforge.cli._train`` sets or reads; restored after a run.
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FSDP_SHARDING")
@@ -178,15 +191,22 @@ def build_offline_config(
     extra_overrides: Mapping[str, Any] | None = None,
     num_samples: int | None = None,
     accumulation_steps: int = 1,
+    strategy: str = "eagle3",
 ):
     """The validated SpecForge ``Config`` :func:`train_offline` runs (nothing is started).
 
     ``num_epochs`` is sized so ``max_steps`` optimizer steps fit in the data (SpecForge stops
     at whichever of ``max_steps`` / the end of the last epoch comes first); ``num_samples``
-    defaults to the number of feature files under ``hidden_states_path``.
+    defaults to the number of feature files under ``hidden_states_path``. ``strategy``:
+    SpecForge's ``training.strategy``, one of :data:`OFFLINE_STRATEGIES`; a block draft
+    (``dflash``) reads ``hidden_states`` features, has no vocab mapping (``vocab_mapping_path``
+    is not written) and takes its knobs (``training.num_anchors``, ``model.mask_token_id``)
+    from ``extra_overrides``.
     """
     from specforge.config import Config
 
+    if strategy not in OFFLINE_STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(OFFLINE_STRATEGIES)}")
     if num_samples is None:
         from specforge.runtime.data_plane.offline_reader import list_feature_files
 
@@ -204,7 +224,7 @@ def build_offline_config(
         "model": {
             "target_model_path": os.path.abspath(target_dir),
             "draft_model_config": os.path.abspath(draft_config_path),
-            "vocab_mapping_path": os.path.abspath(vocab_mapping_path),
+            "vocab_mapping_path": os.path.abspath(vocab_mapping_path) if strategy == "eagle3" else "",
             "embedding_key": embedding_key,
             "lm_head_key": lm_head_key,
             "load_target_embedding": True,
@@ -216,7 +236,7 @@ def build_offline_config(
             "cache_dir": os.path.join(os.path.abspath(output_dir), "cache"),
         },
         "training": {
-            "strategy": "eagle3",
+            "strategy": strategy,
             "role": "all",
             "max_steps": int(max_steps),
             "num_epochs": max(1, math.ceil(int(max_steps) / steps_per_epoch)),
@@ -414,8 +434,10 @@ def train_offline(
     save_interval: int | None = None,
     extra_overrides: dict | None = None,
     accumulation_steps: int = 1,
+    strategy: str = "eagle3",
 ) -> dict:
-    """Train an EAGLE-3 draft with SpecForge's own offline trainer, in this process.
+    """Train an EAGLE-3 draft (or, ``strategy="dflash"``, a DFlash block draft) with SpecForge's own offline
+    trainer, in this process.
 
     The config is :func:`build_offline_config` (batch size 1, no accumulation, ``sdpa``,
     ``log_interval: 1``, TensorBoard tracking, ``NO_SHARD`` without CUDA, ``num_epochs`` sized
@@ -457,6 +479,7 @@ def train_offline(
         save_interval=save_interval,
         extra_overrides=extra_overrides,
         accumulation_steps=accumulation_steps,
+        strategy=strategy,
     )
     output_dir = cfg.output_dir
     config_dict, config_path = _write_run_config(cfg)
