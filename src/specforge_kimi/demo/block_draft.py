@@ -10,7 +10,9 @@ block_export`), and measured.
 What is measured (``decode_acceptance``): greedy speculative decoding of the held-out prompts (each held-out
 conversation cut where its first answer starts) on the tiny target in transformers, ``decode_tokens`` new tokens
 each, by SpecForge's own ``DFlashDraftModel.spec_generate`` (temperature 0; the target passed is the text model,
-whose ``model.embed_tokens`` and ``lm_head`` the draft uses). Each verify forward of a block is observed and its
+whose ``model.embed_tokens`` and ``lm_head`` the draft uses). The target's head is restricted to the demo's draft
+vocabulary (the training data's tokens and K2.5's emitted specials) for both target and draft: a full-vocabulary
+head read per call would make the CPU decode slow, and the tiny target is trained on that vocabulary only. Each verify forward of a block is observed and its
 acceptance length computed exactly as ``spec_generate`` computes it (1 + the drafted tokens matching the target's
 argmax, up to the first miss); reported is the mean over all rounds of all prompts, before (the draft as SpecForge
 initialises it, same seed) and after training (the exported draft, read back from the export). At most
@@ -318,7 +320,9 @@ def _summary(summary: dict, before: dict, after: dict, check: dict, timings: dic
         "gain": gain,
         "what": "greedy speculative decoding of the held-out prompts on the tiny target (transformers) by "
         "SpecForge's DFlashDraftModel.spec_generate; per round 1 + drafted tokens matching the target's argmax up to "
-        "the first miss, averaged over all rounds; after = the exported draft read back",
+        "the first miss, averaged over all rounds; target and draft argmax over the demo's draft vocabulary (the "
+        "training data's tokens and K2.5's emitted specials), not the full K2.5 vocabulary; after = the exported draft "
+        "read back",
     }
     summary["simulated_acceptance"] = {
         "before": before["mean_acceptance_length"],

@@ -54,7 +54,8 @@ DRAFT_FAMILIES = ("eagle3", "dflash", "both")
 EAGLE3_DECODE_WHAT = (
     "the target's own greedy continuation of each held-out prompt (decode_tokens new tokens), captured with the "
     "reference hooks and walked in decode rounds (simulate.serving_rounds: chain, top-k 1, eval_steps drafts), which on "
-    "the target's own greedy text is what greedy chain speculation accepts; mean over all rounds"
+    "the target's own greedy text is what greedy chain speculation accepts; mean over all rounds; the target's argmax "
+    "over the draft vocabulary, as the DFlash demo's"
 )
 PAIR_WHAT = (
     "mean acceptance length per decode round (drafted tokens the target accepts + its own token) of greedy "
