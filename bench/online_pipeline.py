@@ -27,15 +27,15 @@ register, put) are summed per shape to show where capture time goes. Prompts are
         --run-report /tmp/online-run/online_run.json --out bench/results/online_pipeline_h200x2.json
 
 ``--put-clients 1 4`` runs each TP size once per value: the capture sink splits each batch's Mooncake
-put over that many store clients (our SGLang patch 0003, ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS``).
+put over that many store clients (our SGLang patch spec-capture-parallel-put, ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS``).
 
 ``--compact-passthrough`` makes the producer's own calls (``capture``, in flight) send the passthrough
-compactly, as a recipe with ``server.compact_passthrough: true`` does; refused when our SpecForge patch 0002
-(or, for the SGLang engine, SGLang patch 0004) is not applied.
+compactly, as a recipe with ``server.compact_passthrough: true`` does; refused when our SpecForge patch compact-capture-passthrough
+(or, for the SGLang engine, SGLang patch spec-capture-compact-passthrough) is not applied.
 
 ``--transport mooncake,cuda_ipc`` measures each feature transport in the same run, one server per TP size and
 transport (each started with it: ``cuda_ipc`` servers carry ``SGLANG_SPEC_CAPTURE_TRANSPORT=cuda_ipc`` and a pool of
-``--ipc-pool-gib``; SGLang patch 0005), the same seeded prompts on each: capture/plain prefill, the read rate
+``--ipc-pool-gib``; SGLang patch spec-capture-cuda-ipc), the same seeded prompts on each: capture/plain prefill, the read rate
 (``cuda_ipc``: our ``CudaIpcFeatureStore.get`` mapping the server's pool by CUDA IPC in this process and copying
 each sample into fresh tensors on GPU 0), the pool's bytes and the server's GPU memory (nvidia-smi). Every shape
 entry names its ``"transport"`` beside ``capture_over_plain``; ``transport_comparison`` sets them side by side with
@@ -52,8 +52,8 @@ as bytes, in five variants posted in turn: ``plain`` (no ``spec_capture``), ``bo
 (``spec_capture`` naming no feature and no passthrough: the capture mode's cost without a sink
 write), ``features`` (aux + last hidden, no passthrough) and ``full`` (the producer's body: also
 input_ids / loss_mask / attention_mask sent as JSON int lists for the sink to store), and
-``compact`` (the same with ``SPECFORGE_SPEC_CAPTURE_COMPACT=1``: our SpecForge patch 0002 sends
-those three compactly and SGLang patch 0004 rebuilds them; an error is recorded for it where
+``compact`` (the same with ``SPECFORGE_SPEC_CAPTURE_COMPACT=1``: our SpecForge patch compact-capture-passthrough sends
+those three compactly and SGLang patch spec-capture-compact-passthrough rebuilds them; an error is recorded for it where
 either patch is missing). Differences
 of the medians attribute the capture cost to the capture mode, the feature sink and the
 passthrough lists; ``producer_minus_full`` is what SpecForge's ``produce_refs`` adds around the
@@ -588,7 +588,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         nargs="+",
         default=[1],
-        help="capture sink store clients (our SGLang patch 0003); one server run per TP size and value",
+        help="capture sink store clients (our SGLang patch spec-capture-parallel-put); one server run per TP size and value",
     )
     p.add_argument(
         "--breakdown",
@@ -599,7 +599,7 @@ def _parser() -> argparse.ArgumentParser:
         "--compact-passthrough",
         action="store_true",
         help="the producer calls (capture, in-flight) send passthrough compactly, as a recipe with "
-        "server.compact_passthrough: true does (our SpecForge 0002 + SGLang 0004; refused if missing)",
+        "server.compact_passthrough: true does (our SpecForge compact-capture-passthrough + SGLang spec-capture-compact-passthrough; refused if missing)",
     )
     p.add_argument(
         "--transport",

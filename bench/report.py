@@ -348,7 +348,7 @@ _ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
 #: its context.
 #: Named by History but kept in the main sections, because a current Measurements paragraph cites them:
 #: online_pipeline_h200x2_{unpatched,patched}.json (the only TP=2 capture-overhead measurement, SpecForge's patch
-#: vs our 0001), online_run_h200x2.json (SGLang's memory outside its static pool), and
+#: vs our spec-capture-staging-buffer), online_run_h200x2.json (SGLang's memory outside its static pool), and
 #: online_run_{4800,taps}_tp1_h200_eval_draft.json (the deep vs SGLang-default taps comparison).
 SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     # acceptance through SGLang
@@ -661,7 +661,7 @@ def _online_rows(kind: str, name: str, res: dict) -> list[str]:
         rows = []
         base = res.get("baseline_capture_over_plain") or {}
         for run in res.get("runs") or []:
-            # --put-clients N (> 1): the sink split its puts over N store clients (SGLang patch 0003)
+            # --put-clients N (> 1): the sink split its puts over N store clients (SGLang patch spec-capture-parallel-put)
             tpl = (
                 f"tp{run.get('tp')}"
                 + (f", {run['put_clients']} put clients" if run.get("put_clients", 1) > 1 else "")

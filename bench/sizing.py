@@ -209,7 +209,7 @@ SPECFORGE_STEP = {
 
 
 def _norm_step(env: dict) -> dict[str, str]:
-    """A step's variables without the unset ones; a record written before patch 0005's switch existed ran without
+    """A step's variables without the unset ones; a record written before patch eagle3-fewer-host-syncs' switch existed ran without
     it (``SPECFORGE_EAGLE3_FEWER_SYNCS=0``)."""
     out = {k: v for k, v in env.items() if v is not None}
     out.setdefault("SPECFORGE_EAGLE3_FEWER_SYNCS", "0")
@@ -531,7 +531,7 @@ def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, di
     name's tag (module docstring; run-reports written before the field existed do not carry it). Named ``recipe``,
     ``specforge`` or ``other``."""
     step = run.get("trainer_step_env")
-    if step is None:  # a run-report from before the field, so from before patch 0005's switch too
+    if step is None:  # a run-report from before the field, so from before patch eagle3-fewer-host-syncs' switch too
         step = {**recipe_step, "SPECFORGE_EAGLE3_FEWER_SYNCS": "0"} if "step_recipe" in name else SPECFORGE_STEP
     step = _norm_step(step)
     return ("recipe" if step == _norm_step(recipe_step) else "specforge" if step == SPECFORGE_STEP else "other"), step

@@ -50,9 +50,9 @@ model's terms -- and the chrome trace is ``WORKDIR/trace-BACKEND-LENGTH-rankR.js
 
 ``--variants`` (default ``recipe``): the trainer-step settings to compare, each in its own process on the
 same batches and the same seeded initial weights (``--seed``): ``specforge`` (as shipped: ``empty_cache`` every
-step, foreach AdamW), ``keep_cache`` (SpecForge patch 0003, ``SPECFORGE_EAGLE3_EMPTY_CACHE=0``),
-``keep_cache_fused_adamw`` (+ patch 0004, ``SPECFORGE_ADAMW_FUSED=1``), ``expandable`` (+ ``PYTORCH_CUDA_ALLOC_CONF=
-expandable_segments:True``), ``fewer_syncs`` (``keep_cache_fused_adamw`` + patch 0005,
+step, foreach AdamW), ``keep_cache`` (SpecForge patch eagle3-keep-allocator-cache, ``SPECFORGE_EAGLE3_EMPTY_CACHE=0``),
+``keep_cache_fused_adamw`` (+ patch bf16-optimizer-fused-adamw, ``SPECFORGE_ADAMW_FUSED=1``), ``expandable`` (+ ``PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True``), ``fewer_syncs`` (``keep_cache_fused_adamw`` + patch eagle3-fewer-host-syncs,
 ``SPECFORGE_EAGLE3_FEWER_SYNCS=1``) and ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
 ``step_fewer_host_syncs`` / ``cuda_alloc_conf``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
@@ -357,9 +357,9 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     wrapped = backend.prepare_model(bundle.model, optimizer_target=bundle.model.draft_model)
     strategy = algorithm.providers.step.build(wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs))
     core = TrainerCore(strategy, backend)
-    # what the variant's SPECFORGE_ADAMW_FUSED did (patch 0004 applied or not)
+    # what the variant's SPECFORGE_ADAMW_FUSED did (patch bf16-optimizer-fused-adamw applied or not)
     adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
-    # what the variant's SPECFORGE_EAGLE3_FEWER_SYNCS did (patch 0005 applied or not)
+    # what the variant's SPECFORGE_EAGLE3_FEWER_SYNCS did (patch eagle3-fewer-host-syncs applied or not)
     import specforge.algorithms.eagle3.model as eagle3_model
 
     fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
@@ -602,7 +602,7 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated trainer-step variants, each in its own process per backend, compared with the first: "
         + ", ".join(f"{k} ({v})" for k, v in VARIANTS.items())
         + "; recipe = the recipe's trainer.step_empty_cache / fused_adamw / cuda_alloc_conf. The two patch "
-        "switches need our SpecForge patches 0003 / 0004 applied (specforge-kimi setup)",
+        "switches need our SpecForge patches eagle3-keep-allocator-cache / bf16-optimizer-fused-adamw applied (specforge-kimi setup)",
     )
     ap.add_argument(
         "--feed",

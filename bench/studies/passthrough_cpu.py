@@ -1,5 +1,5 @@
 """CPU cost of a capture request's passthrough lists on the request path, SpecForge's JSON lists
-against the compact forms of our SpecForge patch 0002 + SGLang patch 0004.
+against the compact forms of our SpecForge patch compact-capture-passthrough + SGLang patch spec-capture-compact-passthrough.
 
 On the H200 (``bench/online_pipeline.py --breakdown``, archive/gpu-runs/RUNS.md, 2026-12-01, the prompt-rule target run) the
 passthrough lists (input_ids, loss_mask, attention_mask as JSON int lists inside ``spec_capture``)
@@ -14,7 +14,7 @@ untouched) with ``SPECFORGE_SPEC_CAPTURE_COMPACT`` off (``lists``) and on (``com
   validate  pydantic validation of ``spec_capture`` against the patched field's annotation
   ipc       pickle round trip of the per-request ``spec_capture`` dicts (tokenizer -> scheduler)
   build     the sink's tensors from the items (``reference_server.passthrough_tensor``: the same
-            forms and calls as SGLang patch 0004's ``_passthrough_tensor``)
+            forms and calls as SGLang patch spec-capture-compact-passthrough's ``_passthrough_tensor``)
 
 Medians of ``--reps``; a loss mask with a realistic mix of 0/1 (first third of each prompt 0).
 Writes JSON with the command and environment. A CPU estimate of where the request path's time

@@ -1,12 +1,12 @@
 """CPU timing of SGLang's spec-capture sink with and without our patches (real Mooncake, no GPU).
 
-Loads versions of ``sglang/srt/spec_capture_sink.py`` -- SpecForge's (``a``), + our 0001 (``b``),
-+ 0001 + 0002 (``c``), + 0001 + 0002 + 0003 (``d``) -- from ``--sinks DIR``
+Loads versions of ``sglang/srt/spec_capture_sink.py`` -- SpecForge's (``a``), + our spec-capture-staging-buffer (``b``),
++ spec-capture-zero-copy (``c``), + spec-capture-parallel-put (``d``) -- from ``--sinks DIR``
 (``DIR/<tag>/python/sglang/srt/``, made by applying the patches to a copy of the file
 see
 patches/README.md) and times ``put_samples`` on a batch laid out as the scheduler lays it out (one
 host tensor per batch, per-request row slices), checking every object byte for byte. A run
-``tag:N`` sets ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=N`` (0003). Prints JSON.
+``tag:N`` sets ``SGLANG_SPEC_CAPTURE_PUT_CLIENTS=N`` (spec-capture-parallel-put). Prints JSON.
 
     python bench/studies/sink_cpu.py --sinks /tmp/sgp 64 1024 512
     python bench/studies/sink_cpu.py --sinks /tmp/sgp --runs c,d,d:2 16 4096 512
@@ -34,7 +34,11 @@ def load(path, name):
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--sinks", required=True)
-ap.add_argument("--runs", default="a,b,c", help="sink versions to time; tag:N runs tag with N put clients (0003)")
+ap.add_argument(
+    "--runs",
+    default="a,b,c",
+    help="sink versions to time; tag:N runs tag with N put clients (spec-capture-parallel-put)",
+)
 ap.add_argument("n", type=int)
 ap.add_argument("L", type=int)
 ap.add_argument("H", type=int)

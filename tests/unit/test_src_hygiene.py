@@ -8,7 +8,10 @@ the order prefix: ``patches/sglang/0.5.14/0005-spec-capture-cuda-ipc.patch``).
 import re
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "specforge_kimi"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "specforge_kimi"
+#: code outside the package that also names patches (its help texts and docstrings are messages too)
+CODE = [ROOT / "bench", ROOT / "scripts"]
 
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 NUMBERED = re.compile(
@@ -46,6 +49,18 @@ def test_no_dates_in_src():
 
 def test_seams_and_patches_by_name_in_src():
     assert _hits(NUMBERED) == []
+
+
+def test_seams_and_patches_by_name_in_bench_and_scripts():
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+        for root in CODE
+        for path in sorted(root.rglob("*"))
+        if path.suffix in (".py", ".sh")
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if NUMBERED.search(line)
+    ]
+    assert hits == []
 
 
 def test_the_patterns_catch_what_they_guard():
