@@ -305,6 +305,28 @@ CUDA_VISIBLE_DEVICES = EnvVar(
     readers=("plan.devices", "run.launch"),
     outside="CUDA",
 )
+CUDA_MPS_PIPE_DIRECTORY = EnvVar(
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "the run's private CUDA MPS pipe directory (recipe overlap.mps): the daemon listens there, every role connects",
+    LIBRARY,
+    writers=("plan.roles", "run.mps"),
+    outside="CUDA MPS",
+)
+CUDA_MPS_LOG_DIRECTORY = EnvVar(
+    "CUDA_MPS_LOG_DIRECTORY",
+    "where the run's CUDA MPS daemon writes control.log and server.log (recipe overlap.mps)",
+    LIBRARY,
+    writers=("run.mps",),
+    outside="CUDA MPS",
+)
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = EnvVar(
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "the share of each GPU's SMs an MPS client's kernels may use (recipe overlap.server_sm_percent / "
+    "trainer_sm_percent)",
+    LIBRARY,
+    writers=("plan.roles",),
+    outside="CUDA MPS",
+)
 PYTORCH_CUDA_ALLOC_CONF = EnvVar(
     "PYTORCH_CUDA_ALLOC_CONF",
     "torch's caching-allocator settings of the trainer ranks (recipe trainer step knob)",

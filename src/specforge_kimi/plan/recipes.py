@@ -351,6 +351,46 @@ class TrackingSection(_Strict):
     mlflow_run_name: str | None = Field(default=None, description="MLflow run name")
 
 
+class OverlapSection(_Strict):
+    """How the co-located capture server and trainer share a GPU (docs/online.md, "Overlap options"). Every option
+    is off by default: the two take turns on the GPU as CUDA time-slices separate processes."""
+
+    mps: bool = Field(
+        default=False,
+        description="Run the node's processes as clients of one CUDA MPS daemon, so the server's prefill and the "
+        "trainer's step can run kernels at the same time: launch starts nvidia-cuda-mps-control -d with a pipe and "
+        "log directory private to the run (mode 0700), hands every role the pipe directory, and stops the daemon "
+        "when the run ends; a daemon that cannot start stops the launch with its reason",
+    )
+    server_sm_percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="With mps: the capture server's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (share of each GPU's SMs its "
+        "kernels may use); unset: all of them",
+    )
+    trainer_sm_percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="With mps: the producer's and trainer ranks' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; unset: all",
+    )
+    producer_concurrency: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="SpecForge's runtime.producer_concurrency: capture calls the producer keeps in flight (each of "
+        "up to runtime.producer_lease 8 prompts), so the server has the next prefill queued while the sink writes "
+        "the last; the byte watermarks leave room for concurrency x 8 samples of overshoot",
+    )
+
+    @model_validator(mode="after")
+    def _split_needs_mps(self) -> OverlapSection:
+        if not self.mps and (self.server_sm_percent is not None or self.trainer_sm_percent is not None):
+            raise ValueError("overlap.server_sm_percent / overlap.trainer_sm_percent need overlap.mps: true")
+        return self
+
+
 class Recipe(_Strict):
     name: str = Field(description="Run id")
     output_dir: str = Field(description="Run directory (refs, ledger, logs, checkpoints)")
@@ -363,6 +403,7 @@ class Recipe(_Strict):
     bench: BenchSection
     resilience: ResilienceSection = ResilienceSection()
     tracking: TrackingSection = TrackingSection()
+    overlap: OverlapSection = OverlapSection()
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -389,6 +430,8 @@ class Recipe(_Strict):
             )
         if self.gpus.nnodes > 1 and self.server.host.startswith("127."):
             raise ValueError("a multi-node recipe needs server.host reachable from the other nodes")
+        if self.gpus.nnodes > 1 and self.overlap.mps:
+            raise ValueError("overlap.mps is single-node only (each node's daemon needs a pipe directory of its own)")
         if self.gpus.nnodes > 1 and self.resilience.run_restarts:
             raise ValueError("resilience.run_restarts is single-node only (whole-run resume reads node 0's ledger)")
         if self.gpus.nnodes > 1 and self.resilience.consumer_restarts:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specforge_kimi.environment import SPECFORGE_PLUGINS
+from specforge_kimi.environment import (
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+    CUDA_MPS_PIPE_DIRECTORY,
+    SPECFORGE_PLUGINS,
+)
 from specforge_kimi.plan.inputs import SERVER_CONTEXT_MARGIN
 from specforge_kimi.plan.recipes import DSparkSection
 from specforge_kimi.servers.capture_server import (
@@ -30,6 +34,8 @@ PLUGINS = {SPECFORGE_PLUGINS.name: "specforge_kimi"}
 TRAINER_MASTER_PORT = 29500
 #: SGLang's ``--dist-init-addr`` port across nodes
 SERVER_DIST_INIT_PORT = 50000
+#: the longest MPS control-socket path kept under the run directory (sun_path holds 108 bytes)
+MPS_SOCKET_PATH_MAX = 100
 
 
 def server_argv(r) -> list[str]:
@@ -85,7 +91,7 @@ def server_env(r, strategy: Transport, sizing: FeatureSizing) -> dict[str, str]:
     if r.mooncake.host != "127.0.0.1":
         env["MOONCAKE_METADATA_SERVER"] = f"http://{r.mooncake.host}:{r.mooncake.metadata_port}/metadata"
         env["MOONCAKE_MASTER_SERVER_ADDR"] = f"{r.mooncake.host}:{r.mooncake.rpc_port}"
-    return {**env, **strategy.server_env(r, sizing), **PLUGINS}
+    return {**env, **strategy.server_env(r, sizing), **PLUGINS, **mps_env(r, r.overlap.server_sm_percent)}
 
 
 def process_env(r, strategy: Transport) -> dict[str, str]:
@@ -96,6 +102,33 @@ def process_env(r, strategy: Transport) -> dict[str, str]:
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
     env.update(trainer_env(r.trainer))
+    env.update(mps_env(r, r.overlap.trainer_sm_percent))
+    return env
+
+
+def mps_dirs(r) -> tuple[str, str] | None:
+    """The run's CUDA MPS pipe and log directories with ``overlap.mps`` (else None): ``<output_dir>/mps/{pipe,log}``,
+    or, when that pipe path is too long for the daemon's Unix socket, a directory under /tmp named by a hash of
+    the output directory (the launch creates both mode 0700 and refuses one it does not own)."""
+    if not r.overlap.mps:
+        return None
+    base = Path(r.output_dir).absolute() / "mps"
+    if len(str(base / "pipe" / "control")) > MPS_SOCKET_PATH_MAX:
+        import hashlib
+
+        base = Path("/tmp") / f"specforge-kimi-mps-{hashlib.sha256(str(base).encode()).hexdigest()[:16]}"
+    return str(base / "pipe"), str(base / "log")
+
+
+def mps_env(r, sm_percent: int | None) -> dict[str, str]:
+    """A role's CUDA MPS variables with ``overlap.mps``: the pipe directory, and its SM share when the recipe
+    sets one."""
+    dirs = mps_dirs(r)
+    if dirs is None:
+        return {}
+    env = {CUDA_MPS_PIPE_DIRECTORY.name: dirs[0]}
+    if sm_percent is not None:
+        env[CUDA_MPS_ACTIVE_THREAD_PERCENTAGE.name] = str(sm_percent)
     return env
 
 

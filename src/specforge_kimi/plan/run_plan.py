@@ -59,6 +59,7 @@ class RunPlan:
     producer_argv: tuple[str, ...]
     consumer_argv: tuple[str, ...]
     strategy: Transport = field(compare=False, repr=False)
+    mps_dirs: tuple[str, str] | None = None  # overlap.mps: the daemon's (pipe, log) directories
 
     @property
     def name(self) -> str:
@@ -87,6 +88,7 @@ class RunPlan:
             "consumer": list(self.consumer_argv),
             "memory_plan": dict(self.memory),
             "transport": self.transport.as_dict(),
+            **({"mps": {"pipe_dir": self.mps_dirs[0], "log_dir": self.mps_dirs[1]}} if self.mps_dirs else {}),
         }
 
     def rendered(self) -> dict:
@@ -219,6 +221,7 @@ def compile_plan(source: Recipe | Mapping | str | Path, *, rendered_dir: str | P
         producer_argv=tuple(roles.producer_argv(config_path)),
         consumer_argv=tuple(roles.consumer_argv(recipe, config_path)),
         strategy=strategy,
+        mps_dirs=roles.mps_dirs(recipe),
     )
 
 

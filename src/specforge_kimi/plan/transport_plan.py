@@ -43,6 +43,7 @@ from specforge_kimi.transport.strategy import GIB, WATERMARK_FRACTION, FeatureSi
 
 PASSTHROUGH_BYTES_PER_TOKEN = 3 * 8  # EAGLE-3: input_ids, loss_mask, attention_mask (int64)
 PRODUCER_OVERSHOOT_SAMPLES = 1 * 8  # SpecForge's runtime.producer_concurrency x producer_lease defaults
+PRODUCER_LEASE = 8  # SpecForge's runtime.producer_lease default (prompts per capture call)
 SERVER_PENDING_BATCHES = 2  # SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES default
 SGLANG_MAX_PREFILL_TOKENS = 16384  # SGLang 0.5.14's default --max-prefill-tokens
 LOADER_PREFETCH_BATCHES = 4  # SpecForge's eagle3 default_dataloader_num_workers (prefetch depth)
@@ -88,11 +89,17 @@ def optimizer_window(r) -> int:
     return r.gpus.per_node * r.gpus.nnodes * r.trainer.batch_size
 
 
+def overshoot_samples(r) -> int:
+    """Samples the producer may put past its watermark: ``overlap.producer_concurrency`` capture calls of
+    :data:`PRODUCER_LEASE` prompts each (:data:`PRODUCER_OVERSHOOT_SAMPLES` at SpecForge's defaults)."""
+    return r.overlap.producer_concurrency * PRODUCER_LEASE
+
+
 def min_store_bytes(r) -> int:
     """The least a store of features in flight (the cuda_ipc pool, the Mooncake segment) may hold: one optimizer
     window plus the producer's overshoot, at the watermark fraction."""
     s = sample_bytes(r)
-    return int((optimizer_window(r) * s + PRODUCER_OVERSHOOT_SAMPLES * s) / WATERMARK_FRACTION) + 1
+    return int((optimizer_window(r) * s + overshoot_samples(r) * s) / WATERMARK_FRACTION) + 1
 
 
 def segment_bytes(r) -> int:
@@ -104,7 +111,7 @@ def wanted_pool_bytes(r) -> int:
     """The pool that keeps every trainer rank fed: two optimizer windows plus every rank's loader prefetch
     resident under the producer's watermark, plus its overshoot."""
     resident = 2 * optimizer_window(r) + feature_layout(r).prefetch_batches * r.trainer.batch_size * r.gpus.per_node
-    return int((resident + PRODUCER_OVERSHOOT_SAMPLES) * sample_bytes(r) / WATERMARK_FRACTION) + 1
+    return int((resident + overshoot_samples(r)) * sample_bytes(r) / WATERMARK_FRACTION) + 1
 
 
 def server_rows_bytes(r) -> int:
@@ -143,7 +150,7 @@ def sizing(r) -> FeatureSizing:
     return FeatureSizing(
         sample_bytes=sample_bytes(r),
         window_samples=optimizer_window(r),
-        overshoot_samples=PRODUCER_OVERSHOOT_SAMPLES,
+        overshoot_samples=overshoot_samples(r),
         min_store_bytes=min_store_bytes(r),
         pool_bytes=pool_bytes(r),
         server_rows_bytes=server_rows_bytes(r),
@@ -164,7 +171,7 @@ def store_bytes(r) -> int:
 
 def watermarks(r) -> tuple[int, int]:
     """SpecForge's ``runtime.resident_{high,low}_watermark_bytes`` for the producer, from :func:`store_bytes`."""
-    high = int(WATERMARK_FRACTION * store_bytes(r)) - PRODUCER_OVERSHOOT_SAMPLES * sample_bytes(r)
+    high = int(WATERMARK_FRACTION * store_bytes(r)) - overshoot_samples(r) * sample_bytes(r)
     return high, int(0.75 * high)
 
 
@@ -177,7 +184,10 @@ def runtime_config(r) -> dict[str, Any]:
     """The SpecForge ``runtime:`` section the transport needs: the producer's byte watermarks, so it pauses
     before the pool or the segment fills (refs alone do not bound bytes)."""
     high, low = watermarks(r)
-    return {"resident_high_watermark_bytes": high, "resident_low_watermark_bytes": low}
+    out = {"resident_high_watermark_bytes": high, "resident_low_watermark_bytes": low}
+    if r.overlap.producer_concurrency != 1:  # overlap.producer_concurrency: calls in flight (SpecForge's default 1)
+        out["producer_concurrency"] = r.overlap.producer_concurrency
+    return out
 
 
 def remove_stale_pools(r) -> list[str]:

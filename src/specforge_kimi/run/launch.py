@@ -255,16 +255,21 @@ def trainer_step_preflight(plan) -> None:
         )
 
 
-def run_plan(plan, **kwargs) -> int:
-    """``specforge.launch_plan.run_commands`` after making the log directory it expects."""
+def run_plan(plan, *, mps_dirs: tuple[str, str] | None = None, gpus: str | None = None, **kwargs) -> int:
+    """``specforge.launch_plan.run_commands`` after making the log directory it expects, inside the run's CUDA MPS
+    daemon when ``mps_dirs`` is set (recipe ``overlap.mps``, :mod:`specforge_kimi.run.mps`: started before the
+    services, stopped after every role, however the run ends)."""
     from specforge.launch_plan import run_commands
+
+    from specforge_kimi.run import mps
 
     if plan.managed_root is None:
         raise KimiInputError("plan has no managed_root")
     logs = Path(plan.services[0].log_path).parent if plan.services else None
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
-    return run_commands(plan, **kwargs)
+    with mps.daemon(mps_dirs, gpus, say=lambda m: print(m, flush=True)):
+        return run_commands(plan, **kwargs)
 
 
 def export_latest(plan: RunPlan) -> Path:
@@ -393,7 +398,8 @@ def run(args) -> int:
         # SpecForge's own files
         sampler = GpuSampler(logs / SAMPLES_CSV) if args.node_rank == 0 else nullcontext()
         with sampler, nullcontext() if args.no_progress else LiveProgress(out):
-            return run_plan(p, managed_preflight=lambda _plan: None)
+            gpus = node_gpus(recipe.gpus.per_node)
+            return run_plan(p, mps_dirs=compiled.mps_dirs, gpus=gpus, managed_preflight=lambda _plan: None)
 
     rc = run_attempts(
         recipe,
