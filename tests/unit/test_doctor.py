@@ -186,3 +186,129 @@ def test_mooncake_listeners_off_loopback_are_named(tiny_dir, tmp_path):
     from specforge_kimi.plan.run_plan import load_recipe
 
     assert f"port {load_recipe(str(recipe)).mooncake.metadata_port}" in c.detail
+
+
+DFLASH_RECIPE = RECIPE.parent / "tiny-k25-tp1-h200-dflash.yaml"
+
+
+def _block_recipe_for(tiny_dir, tmp_path, *, num_layers=6, ids=(1, 2, 3, 4)):
+    """The tiny DFlash recipe on the CPU tiny target (6 layers, hidden 64); ``num_layers`` and ``ids`` as the
+    recipe states them (the checkpoint keeps its 6)."""
+    from conftest import TEST_SPEC
+
+    raw = copy.deepcopy(yaml.safe_load(DFLASH_RECIPE.read_text()))
+    raw["target"].update(path=str(tiny_dir), num_layers=num_layers, hidden_size=TEST_SPEC["hidden"])
+    raw["trainer"]["draft"].update(hidden_size=TEST_SPEC["hidden"], num_target_layers=num_layers)
+    raw["trainer"]["draft"]["dflash_config"]["target_layer_ids"] = list(ids)
+    p = tmp_path / f"block-{num_layers}.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_block_recipe_ids_against_the_checkpoint(tiny_dir, tmp_path):
+    """A block recipe's DFlash ids are read against the checkpoint's num_hidden_layers: ids + 1 as positions when
+    they fit; an id the 6-layer checkpoint never captures (a recipe written for 8 layers) and a draft's
+    num_target_layers off the checkpoint are failures with a fix. An EAGLE-3 recipe gets no such check."""
+    by = {c.name: c for c in doctor.run_checks(str(_block_recipe_for(tiny_dir, tmp_path)))}
+    assert by["block draft ids"].status == "ok", by["block draft ids"]
+    assert by["block draft ids"].detail == "DFlash ids [1, 2, 3, 4] -> captured positions [2, 3, 4, 5] of 6 layers"
+    assert by["target vs recipe"].status == "ok"
+    assert {"sglang dflash capture", "sglang DFLASH"} <= set(by)
+
+    by = {c.name: c for c in doctor.run_checks(str(_block_recipe_for(tiny_dir, tmp_path, num_layers=8, ids=(1, 5))))}
+    c = by["block draft ids"]
+    assert c.status == "fail" and "include 5" in c.detail and "0..4" in c.detail and c.fix, c
+
+    by = {c.name: c for c in doctor.run_checks(str(_block_recipe_for(tiny_dir, tmp_path, num_layers=8)))}
+    c = by["block draft ids"]
+    assert c.status == "fail" and "num_target_layers is 8, the checkpoint has 6" in c.detail, c
+
+    assert "block draft ids" not in {c.name for c in doctor.run_checks(str(_recipe_for(tiny_dir, tmp_path)))}
+
+
+def _capture_patch_part(specforge_checkout, rels) -> str:
+    """The hunks of SpecForge's SGLang spec-capture patch for the files ``rels`` (under ``sglang/``)."""
+    from specforge_kimi.setup.setup_patches import CAPTURE_PATCH
+
+    text = (specforge_checkout / CAPTURE_PATCH).read_text()
+    parts = ["diff --git" + p for p in text.split("diff --git")[1:]]
+    return "".join(p for p in parts if any(f"b/python/sglang/{rel}\n" in p for rel in rels))
+
+
+def _sglang_copy(dest: Path, rels, patch_text: str | None, reverse: bool = False) -> Path:
+    """The installed SGLang's files ``rels`` copied under ``dest/sglang/``, then ``patch_text`` applied (-p2)."""
+    import shutil
+    import subprocess
+
+    from specforge_kimi.setup.setup_patches import sglang_root
+
+    for rel in rels:
+        (dest / "sglang" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(sglang_root() / "sglang" / rel, dest / "sglang" / rel)
+    if patch_text:
+        args = ["patch", "-p2", "-d", str(dest), "--batch", "--fuzz=0", "-f"] + (["-R"] if reverse else [])
+        res = subprocess.run(args, input=patch_text, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+    return dest
+
+
+def test_block_sglang_capture_method_and_dflash(specforge_checkout, tmp_path):
+    """The installed SGLang's capture code carries the dflash capture method exactly when SpecForge's spec-capture
+    patch is in it (read from the patch's own hunks, applied to copies of the pinned SGLang's files), and SGLang has
+    DFLASH (its enum, block-size flag and draft model); DSpark is a warning (no DSpark heads to serve)."""
+    rels = list(doctor.DFLASH_CAPTURE_MARKS)
+    part = _capture_patch_part(specforge_checkout, rels)
+    assert part.count("diff --git") == 2
+    serve = [r for r in doctor.DFLASH_SERVE_MARKS if r not in rels]
+    patched = _sglang_copy(tmp_path / "patched", rels + serve, None)
+    if doctor.DFLASH_CAPTURE_MARKS["srt/server_args.py"] not in (patched / "sglang/srt/server_args.py").read_text():
+        _sglang_copy(tmp_path / "patched", rels, part)
+        plain = _sglang_copy(tmp_path / "plain", rels + serve, None)
+    else:  # this SGLang is set up: take the patch back out for the plain copy
+        plain = _sglang_copy(tmp_path / "plain", rels + serve, part, reverse=True)
+
+    capture, dflash = doctor.check_block_sglang("dflash", patched)
+    assert capture.name == "sglang dflash capture" and capture.status == "ok", capture
+    assert dflash.name == "sglang DFLASH" and dflash.status == "ok", dflash
+
+    capture, dflash = doctor.check_block_sglang("dflash", plain)
+    assert capture.status == "fail" and capture.fix.startswith("specforge-kimi setup --specforge-checkout"), capture
+    assert "server_args.py has no 'spec_capture_method'" in capture.detail and "model_runner.py" in capture.detail
+    assert dflash.status == "ok"
+
+    (patched / "sglang/srt/models/dflash.py").unlink()
+    capture, dflash = doctor.check_block_sglang("dflash", patched)
+    assert capture.status == "ok" and dflash.status == "fail" and "models/dflash.py is missing" in dflash.detail
+
+    _sglang_copy(tmp_path / "patched", ["srt/models/dflash.py"], None)
+    _capture, dflash = doctor.check_block_sglang("dspark", patched)
+    assert dflash.status == "warn" and "no DSpark heads" in dflash.detail and "dflash" in dflash.fix
+
+
+def test_block_recipe_asks_for_no_eagle3_patch(monkeypatch):
+    """Our eagle3-only SpecForge patches (the eagle3 step's switches) not applied: a warning with a fix for an
+    EAGLE-3 recipe, fine for a block draft; the patches both read (the optimizer's) stay a warning for both."""
+    from specforge_kimi.setup import setup_patches
+    from specforge_kimi.setup.setup_patches import KNOWN_PATCHES, PatchStatus
+
+    assert doctor.eagle3_step_patches() == {"eagle3-keep-allocator-cache", "eagle3-fewer-host-syncs"}
+    fake = [
+        PatchStatus(Path(f"000{i}-{n}.patch"), Path("/nowhere"), 1, "applicable", [])
+        for i, n in enumerate(KNOWN_PATCHES["specforge"])
+    ]
+    monkeypatch.setattr(setup_patches, "plan", lambda *a, **k: fake)
+
+    def by(family):
+        return {
+            c.name[len("specforge patch ") :]: c
+            for c in doctor.check_patches(family)
+            if c.name.startswith("specforge patch ")
+        }
+
+    eagle3, block = by("eagle3"), by("dflash")
+    for name in KNOWN_PATCHES["specforge"]:
+        assert eagle3[name].status == "warn" and eagle3[name].fix
+        if name in doctor.eagle3_step_patches():
+            assert block[name].status == "ok" and not block[name].fix and "not needed" in block[name].detail
+        else:
+            assert block[name].status == "warn", block[name]

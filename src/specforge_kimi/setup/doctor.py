@@ -5,7 +5,9 @@ SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recip
 target checkpoint (config vs recipe, tensor names and shapes against the config), its data files
 (tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.plan.inputs`), Mooncake
 reachability (or, with ``server.transport: cuda_ipc``, SGLang patch spec-capture-cuda-ipc and peer access to
-GPU 0) and GPU count/memory against the recipe's budget. Nothing is started or written.
+GPU 0) and GPU count/memory against the recipe's budget; for a block-draft recipe (``trainer.family`` dflash or
+dspark) also its DFlash ids against the checkpoint, the dflash capture method in SGLang's patched capture code and
+SGLang's DFLASH algorithm (and no eagle3-only SpecForge patch asked for). Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
 """
 
@@ -149,17 +151,32 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def check_patches() -> list[Check]:
+def eagle3_step_patches() -> frozenset[str]:
+    """Our SpecForge patches only SpecForge's eagle3 step reads (:mod:`specforge_kimi.training.step_knobs`): the ones
+    an EAGLE-3 recipe's step switches can ask for and a block draft's never do."""
+    from specforge_kimi.training.step_knobs import patches_needed, step_env
+
+    every = patches_needed(step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True))
+    block = patches_needed(step_env(empty_cache=None, fused_adamw=True, alloc_conf=None, fewer_syncs=None))
+    return frozenset(every) - frozenset(block)
+
+
+def check_patches(family: str = "eagle3") -> list[Check]:
+    """Our patches and SpecForge's SGLang capture patch. ``family``: the recipe's draft family; for a block draft
+    an eagle3-only SpecForge patch that is not applied is no warning (its step never reads it)."""
     import importlib.util
 
     from specforge_kimi.errors import KimiInputError
     from specforge_kimi.setup import setup_patches
 
     out = []
+    unused = eagle3_step_patches() if family != "eagle3" else frozenset()
     try:
         for s in setup_patches.plan(None, sglang=False):
             files = ", ".join(f"{f}@{_sha256(s.root / f)}" for f in s.files if (s.root / f).is_file())
             status = {"applied": "ok", "applicable": "warn", "drift": "fail"}[s.state]
+            if status == "warn" and setup_patches.patch_name(s.patch) in unused:
+                status, files = "ok", f"{files}; not needed: a {family} draft's step does not read it"
             warn = (
                 "specforge-kimi setup (or set server.compact_passthrough: false in the recipe)"
                 if setup_patches.patch_name(s.patch) == setup_patches.COMPACT_SPECFORGE_PATCH
@@ -329,6 +346,104 @@ def check_inputs(recipe) -> list[Check]:
     return [Check("recipe inputs", "fail", line, "fix the file or the recipe field it names") for line in problems]
 
 
+#: what SpecForge's SGLang spec-capture patch writes into SGLang for a block draft's capture (file under the installed
+#: ``sglang/`` -> a line it contains): the ``--spec-capture-method`` flag and its dflash/dspark routing of the capture ids
+DFLASH_CAPTURE_MARKS = {
+    "srt/server_args.py": "spec_capture_method",
+    "srt/model_executor/model_runner.py": "self.dflash_target_layer_ids = server_args.spec_capture_aux_layer_ids",
+}
+#: what SGLang's ``--speculative-algorithm DFLASH`` is made of (the pinned SGLang ships them)
+DFLASH_SERVE_MARKS = {
+    "srt/speculative/spec_info.py": "DFLASH = auto()",
+    "srt/server_args.py": "speculative_dflash_block_size",
+    "srt/models/dflash.py": "class DFlashDraftModel",
+}
+
+
+def _missing_marks(site: Path, marks: dict[str, str]) -> list[str]:
+    """The ``marks`` (file under ``site/sglang`` -> text) that the installed files lack, one phrase each."""
+    out = []
+    for rel, text in marks.items():
+        path = site / "sglang" / rel
+        if not path.is_file():
+            out.append(f"sglang/{rel} is missing")
+        elif text not in path.read_text(errors="replace"):
+            out.append(f"sglang/{rel} has no {text!r}")
+    return out
+
+
+def check_block_ids(recipe) -> list[Check]:
+    """A block draft's DFlash ids (``dflash_config.target_layer_ids``) and ``num_target_layers`` against the
+    checkpoint's ``num_hidden_layers`` (ids ``0..L-2``: positions ids + 1); nothing when the target is absent (the
+    target checks say so)."""
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.targets.checkpoint import read_config, text_config_dict
+    from specforge_kimi.targets.layer_ids import AuxLayers
+
+    try:
+        layers = int(text_config_dict(read_config(recipe.target.path))["num_hidden_layers"])
+    except (KimiInputError, KeyError, TypeError, ValueError):
+        return []
+    ids = recipe.capture_ids
+    name = "block draft ids"
+    try:
+        aux = AuxLayers.from_dflash(ids, layers)
+    except KimiInputError as exc:
+        return [Check(name, "fail", f"{exc} (checkpoint num_hidden_layers)", "fix dflash_config.target_layer_ids")]
+    n = recipe.trainer.draft.get("num_target_layers")
+    if n != layers:
+        return [
+            Check(
+                name,
+                "fail",
+                f"the draft's num_target_layers is {n}, the checkpoint has {layers} layers",
+                f"set trainer.draft.num_target_layers: {layers} (and target.num_layers)",
+            )
+        ]
+    return [Check(name, "ok", f"DFlash ids {list(ids)} -> captured positions {list(aux.positions)} of {layers} layers")]
+
+
+def check_block_sglang(family: str, site: Path | None = None) -> list[Check]:
+    """For a block draft: the installed SGLang's spec-capture patch carries the dflash capture method
+    (:data:`DFLASH_CAPTURE_MARKS`), and SGLang has the DFLASH algorithm (:data:`DFLASH_SERVE_MARKS`); a DSpark draft
+    is a warning (SGLang 0.5.14 has no DSpark heads: it trains, its export for SGLang refuses)."""
+    from specforge_kimi.errors import KimiInputError
+    from specforge_kimi.setup import setup_patches
+
+    try:
+        site = site or setup_patches.sglang_root()
+    except KimiInputError as exc:
+        return [Check("sglang dflash capture", "fail", str(exc), "bash scripts/bootstrap.sh")]
+    gaps = _missing_marks(site, DFLASH_CAPTURE_MARKS)
+    out = [
+        Check(
+            "sglang dflash capture",
+            "fail" if gaps else "ok",
+            "; ".join(gaps) + " (SpecForge's spec-capture patch carries --spec-capture-method dflash)"
+            if gaps
+            else f"--spec-capture-method {family} routes the capture ids to SGLang's dflash capture",
+            f"specforge-kimi setup --specforge-checkout DIR, DIR a SpecForge checkout: {setup_patches.GET_CHECKOUT}"
+            if gaps
+            else "",
+        )
+    ]
+    gaps = _missing_marks(site, DFLASH_SERVE_MARKS)
+    if gaps:
+        out.append(Check("sglang DFLASH", "fail", "; ".join(gaps), f"pip install 'sglang=={setup_patches.SGLANG_PIN}'"))
+    elif family == "dspark":
+        out.append(
+            Check(
+                "sglang DFLASH",
+                "warn",
+                "SGLang has DFLASH but no DSpark heads: a dspark draft trains, its export for SGLang refuses",
+                "train trainer.family dflash for a draft SGLang serves",
+            )
+        )
+    else:
+        out.append(Check("sglang DFLASH", "ok", "--speculative-algorithm DFLASH (models/dflash.py)"))
+    return out
+
+
 def check_transport(plan) -> list[Check]:
     """What the plan's transport needs of this host (its strategy's ``doctor_findings``): for Mooncake whether its
     master answers and the listeners it binds to every address, for cuda_ipc its SGLang patch and peer access."""
@@ -370,7 +485,7 @@ def check_gpu_budget(recipe) -> list[Check]:
 
 
 def run_checks(recipe_path: str | None) -> list[Check]:
-    checks = check_versions() + check_patches() + check_cuda()
+    plan = bad = None
     if recipe_path:
         from specforge_kimi.errors import KimiInputError
         from specforge_kimi.plan import run_plan
@@ -378,7 +493,12 @@ def run_checks(recipe_path: str | None) -> list[Check]:
         try:
             plan = run_plan.compile_plan(recipe_path)
         except KimiInputError as exc:
-            return checks + [Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")]
+            bad = Check("recipe", "fail", str(exc), "fix the recipe (unknown fields are rejected)")
+    family = plan.recipe.trainer.family if plan else "eagle3"
+    checks = check_versions() + check_patches(family) + check_cuda()
+    if bad:
+        return checks + [bad]
+    if plan:
         recipe, c = plan.recipe, plan.transport
         checks.append(Check("recipe", "ok", f"{recipe.name}: TP={recipe.tp}, memory split fits"))
         checks.append(Check("transport", "ok", f"{c.name} ({c.chosen_by}): {c.why}"))
@@ -389,6 +509,8 @@ def run_checks(recipe_path: str | None) -> list[Check]:
             + check_gpu_budget(recipe)
             + check_tracking(recipe)
         )
+        if recipe.is_block:
+            checks += check_block_ids(recipe) + check_block_sglang(family)
     return checks
 
 
