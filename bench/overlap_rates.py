@@ -1,0 +1,245 @@
+"""The three rates of a co-located recipe in one GPU call, and how far each overlap option gets past taking turns.
+
+For a recipe (default the K2.5 slice) it measures, each with the script that already measures it (as a
+subprocess; nothing re-implemented here):
+
+  prefill alone   bench/online_pipeline.py: the capture server alone (no trainer) on the recipe's target, TP and
+                  transport, at ``--shape`` (batch x tokens); the rate is its capture tok/s (what the co-located
+                  server does), its plain prefill tok/s beside it
+  trainer alone   bench/trainer_memory.py on the recipe's own step and batches (its attention backend, its
+                  ``max_length``, the batch already on the GPU as both transports hand it over)
+  co-located      ``specforge-kimi launch`` of the recipe with each option's ``overlap:`` section (``--no-bench``),
+                  then ``specforge-kimi run-report``: its ``perf.end_to_end_tokens_per_s`` (trained tok/s)
+
+and writes ONE JSON: the command, the environment, the two stage rates with their source files, the serial sum
+``1 / (1/prefill + 1/trainer)`` (the two stages taking turns) and one row per option (``baseline`` = the recipe's
+own ``overlap:``, ``mps``, ``mps+split``, ``batching``, ``mps+batching``) with its co-located rate and
+``overlap_vs_serial`` = co-located / serial (1.0: they take turns; the issue's goal is >= 1.15). A launch that fails
+(an MPS daemon the box refuses included) is a row with its exit code and the launch's last lines, not a crash.
+``--dry-run`` writes the same JSON from canned sub-results without a GPU (tests/unit/test_overlap_rates.py).
+
+The GPU command (the slice's target and prompts from scripts/gpu_real_width.sh STAGE=target and STAGE=data):
+
+    python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --steps 60 \
+        --options baseline,mps,mps+split,batching,mps+batching --split 50,50 --concurrency 2 \
+        --out bench/results/overlap_rates_k25_slice_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = ("baseline", "mps", "mps+split", "batching", "mps+batching")
+
+
+@dataclass(frozen=True)
+class Settings:
+    recipe: Path
+    options: tuple[str, ...]
+    split: tuple[int, int]
+    concurrency: int
+    steps: int
+    shape: str
+    trainer_steps: int
+    workdir: Path
+    out: Path
+    dry_run: bool
+
+
+def parse(argv: list[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="recipes/kimi-k25-slice-h200.yaml")
+    p.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, of: {', '.join(OPTIONS)}")
+    p.add_argument("--split", default="50,50", help="mps+split: server,trainer CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    p.add_argument("--concurrency", type=int, default=2, help="batching: overlap.producer_concurrency")
+    p.add_argument("--steps", type=int, default=60, help="trainer.max_steps of each co-located run")
+    p.add_argument("--shape", default="4x4096", help="prefill alone: batch x tokens per prompt")
+    p.add_argument("--trainer-steps", type=int, default=8, help="trainer alone: optimizer steps (the first compiles)")
+    p.add_argument("--workdir", default="runs/overlap-rates")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dry-run", action="store_true", help="canned sub-results: the arithmetic and JSON, no GPU")
+    a = p.parse_args(argv)
+    options = tuple(o for o in a.options.split(",") if o)
+    unknown = [o for o in options if o not in OPTIONS]
+    split = tuple(int(x) for x in a.split.split(","))
+    if unknown or len(split) != 2 or not all(1 <= x <= 100 for x in split) or a.concurrency < 1:
+        p.error(f"--options of {', '.join(OPTIONS)}; --split two percentages 1-100; --concurrency >= 1")
+    return Settings(
+        Path(a.recipe), options, split, a.concurrency, a.steps, a.shape, a.trainer_steps, Path(a.workdir),
+        Path(a.out), a.dry_run,
+    )  # fmt: skip
+
+
+def overlap_of(option: str, s: Settings) -> dict:
+    """The ``overlap:`` section a row runs with (``baseline``: the recipe's own, unchanged)."""
+    out: dict = {}
+    if "mps" in option:
+        out["mps"] = True
+    if option == "mps+split":
+        out.update(server_sm_percent=s.split[0], trainer_sm_percent=s.split[1])
+    if "batching" in option:
+        out["producer_concurrency"] = s.concurrency
+    return out
+
+
+def serial_rate(prefill: float, trainer: float) -> float:
+    """Trained tok/s when the two stages take turns on the GPU: ``1 / (1/prefill + 1/trainer)``."""
+    return 1.0 / (1.0 / prefill + 1.0 / trainer)
+
+
+def row(option: str, overlap: dict, colocated: dict, serial: float | None) -> dict:
+    """One option's row: its overlap section, its co-located rate and source (or its error), and the ratio."""
+    rate = colocated.get("tokens_per_s")
+    return {
+        "option": option,
+        "overlap": overlap,
+        "colocated_tokens_per_s": rate,
+        "source": colocated.get("source"),
+        "overlap_vs_serial": rate / serial if rate and serial else None,
+        **{k: colocated[k] for k in ("error", "rc", "log_tail", "gpu_memory") if k in colocated},
+    }
+
+
+def document(s: Settings, argv: list[str], prefill: dict, trainer: dict, runs: dict[str, dict]) -> dict:
+    """The JSON: command, environment, each stage rate with its source, the serial sum, one row per option."""
+    p, t = prefill.get("tokens_per_s"), trainer.get("tokens_per_s")
+    serial = serial_rate(p, t) if p and t else None
+    return {
+        "bench": "overlap_rates",
+        "command": [sys.executable, *argv],
+        "dry_run": s.dry_run,
+        "environment": {
+            "host": platform.node(),
+            "python": platform.python_version(),
+            **{k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ},
+        },
+        "recipe": str(s.recipe),
+        "prefill_alone": prefill,
+        "trainer_alone": trainer,
+        "serial_tokens_per_s": serial,
+        "serial_is": "1 / (1/prefill_alone + 1/trainer_alone): the two stages taking turns on the GPU",
+        "rows": [row(o, overlap_of(o, s), runs[o], serial) for o in s.options],
+    }
+
+
+# -- measure: the existing scripts, as subprocesses -------------------------------------------------------------
+def _run(argv: list[str], log: Path, env: dict | None = None) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        return subprocess.call(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _tail(log: Path, n: int = 5) -> list[str]:
+    return log.read_text(errors="replace").splitlines()[-n:] if log.is_file() else []
+
+
+def measure_prefill(recipe, s: Settings) -> dict:
+    """The capture server alone (bench/online_pipeline.py) on the recipe's target, TP and transport."""
+    out, log = s.workdir / "prefill_alone.json", s.workdir / "prefill_alone.log"
+    ids = ",".join(str(i) for i in recipe.capture_ids)
+    argv = [sys.executable, "bench/online_pipeline.py", "--target", recipe.target.path, "--tp", str(recipe.tp)]
+    argv += ["--shapes", s.shape, "--reps", "3", "--transport", recipe.server.transport, "--aux-ids", ids]
+    rc = _run([*argv, "--workdir", str(s.workdir / "prefill"), "--out", str(out)], log)
+    shapes = [sh for r in _load(out).get("runs", []) for sh in r.get("shapes") or []]
+    if rc or not shapes:
+        return {"error": "bench/online_pipeline.py failed", "rc": rc, "log_tail": _tail(log), "source": str(out)}
+    sh = shapes[0]
+    return {"tokens_per_s": sh["capture_tokens_per_s"], "plain_tokens_per_s": sh["plain_tokens_per_s"],
+            "shape": s.shape, "source": str(out)}  # fmt: skip
+
+
+def measure_trainer(recipe, s: Settings) -> dict:
+    """The recipe's trainer step alone (bench/trainer_memory.py) at its max_length, batch on the GPU."""
+    out, log = s.workdir / "trainer_alone.json", s.workdir / "trainer_alone.log"
+    argv = [sys.executable, "bench/trainer_memory.py", "--recipe", str(s.recipe), "--feed", "device"]
+    argv += ["--backends", recipe.trainer.attention_backend, "--lengths", str(recipe.trainer.max_length)]
+    argv += ["--steps", str(s.trainer_steps), "--workdir", str(s.workdir / "trainer"), "--out", str(out)]
+    rc = _run(argv, log)
+    rows = [r for r in _load(out).get("rows", []) if r.get("tokens_per_s")]
+    if rc or not rows:
+        return {"error": "bench/trainer_memory.py failed", "rc": rc, "log_tail": _tail(log), "source": str(out)}
+    return {"tokens_per_s": rows[0]["tokens_per_s"], "length": rows[0].get("length"), "source": str(out)}
+
+
+def measure_colocated(raw: dict, option: str, s: Settings) -> dict:
+    """``specforge-kimi launch`` of the recipe with the option's overlap section, then its run-report."""
+    name = option.replace("+", "-")
+    run_dir = (s.workdir / f"run-{name}").absolute()
+    variant = {**raw, "output_dir": str(run_dir), "overlap": {**raw.get("overlap", {}), **overlap_of(option, s)}}
+    variant["trainer"] = {**raw["trainer"], "max_steps": s.steps}
+    path = s.workdir / f"recipe-{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(variant, sort_keys=False))
+    log = s.workdir / f"launch-{name}.log"
+    rc = _run([sys.executable, "-m", "specforge_kimi", "launch", str(path), "--no-bench", "--no-progress"], log)
+    if rc:
+        return {"error": "launch failed", "rc": rc, "log_tail": _tail(log), "source": str(log)}
+    report = run_dir / "run-report" / "run_report.json"
+    _run([sys.executable, "-m", "specforge_kimi", "run-report", str(run_dir), "--no-plots", "--out", str(report)],
+         s.workdir / f"run-report-{name}.log")  # fmt: skip
+    perf = _load(report).get("perf", {})
+    rate = perf.get("end_to_end_tokens_per_s")
+    out = {"tokens_per_s": rate, "source": str(report), "gpu_memory": _load(report).get("gpu_memory")}
+    return out if rate else {**out, "error": "run-report has no end_to_end_tokens_per_s"}
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def measure(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
+    """The two stages alone, then one co-located run per option (each stage alone before any run: a clean GPU)."""
+    if s.dry_run:
+        return dry_results(s)
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    recipe = compile_plan(s.recipe).recipe  # the transport resolved as launch resolves it
+    raw = yaml.safe_load(s.recipe.read_text())
+    prefill, trainer = measure_prefill(recipe, s), measure_trainer(recipe, s)
+    return prefill, trainer, {o: measure_colocated(raw, o, s) for o in s.options}
+
+
+def dry_results(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
+    """Canned sub-results (made-up rates, marked as such): the arithmetic and the JSON's shape without a GPU."""
+    prefill = {"tokens_per_s": 50000.0, "plain_tokens_per_s": 50500.0, "shape": s.shape, "source": "dry-run"}
+    trainer = {"tokens_per_s": 12500.0, "length": 4096, "source": "dry-run"}
+    canned = {"baseline": 10000.0, "mps": 11500.0, "mps+split": 12000.0, "batching": 10200.0}
+    runs = {o: {"tokens_per_s": canned.get(o), "source": "dry-run"} for o in s.options}
+    if "mps+batching" in runs:
+        runs["mps+batching"] = {"error": "launch failed", "rc": 1, "log_tail": ["dry-run: a refused MPS daemon"]}
+    return prefill, trainer, runs
+
+
+def write(doc: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    for r in doc["rows"]:
+        ratio = r["overlap_vs_serial"]
+        said = f"{ratio:.3f}" if ratio else r.get("error")
+        print(f"{r['option']:>14}: co-located {r['colocated_tokens_per_s']} tok/s, overlap_vs_serial {said}")
+    print(f"serial sum {doc['serial_tokens_per_s']} tok/s; wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    s = parse(argv)
+    prefill, trainer, runs = measure(s)
+    write(document(s, [str(Path(__file__).relative_to(ROOT)), *argv], prefill, trainer, runs), s.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

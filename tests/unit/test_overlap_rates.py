@@ -1,0 +1,88 @@
+"""bench/overlap_rates.py on the CPU: the serial sum and overlap_vs_serial arithmetic, the JSON's shape from
+``--dry-run``, each option's overlap section, and the co-located measurement's subprocess calls with fake
+``launch`` / ``run-report`` results (a failed launch is a row with its reason, not a crash)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_overlap_rates", REPO / "bench" / "overlap_rates.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_serial_sum_is_the_stages_taking_turns(bench):
+    assert bench.serial_rate(50000.0, 12500.0) == pytest.approx(10000.0)
+    assert bench.serial_rate(3.0, 6.0) == pytest.approx(2.0)
+
+
+def test_dry_run_writes_one_json_with_a_row_per_option(bench, tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert bench.main(["--dry-run", "--out", str(out), "--split", "40,60", "--concurrency", "3"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dry_run"] is True and doc["command"][1].endswith("overlap_rates.py") and "--dry-run" in doc["command"]
+    assert doc["prefill_alone"]["source"] and doc["trainer_alone"]["source"] and "host" in doc["environment"]
+    assert doc["serial_tokens_per_s"] == pytest.approx(10000.0)
+    rows = {r["option"]: r for r in doc["rows"]}
+    assert list(rows) == list(bench.OPTIONS)
+    assert rows["baseline"]["overlap_vs_serial"] == pytest.approx(1.0)
+    assert rows["mps"]["overlap_vs_serial"] == pytest.approx(1.15)
+    assert rows["mps+split"]["overlap"] == {"mps": True, "server_sm_percent": 40, "trainer_sm_percent": 60}
+    assert rows["batching"]["overlap"] == {"producer_concurrency": 3}
+    assert rows["mps+batching"]["overlap_vs_serial"] is None and rows["mps+batching"]["error"] == "launch failed"
+    assert "overlap_vs_serial 1.150" in capsys.readouterr().out
+
+
+def test_bad_options_are_refused(bench):
+    for argv in (["--options", "mps,turbo"], ["--split", "0,50"], ["--split", "50"], ["--concurrency", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse(["--out", "x", *argv])
+
+
+def test_colocated_runs_the_recipe_with_the_option_and_reads_run_report(bench, tmp_path, monkeypatch):
+    raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
+    calls = []
+
+    def fake_run(argv, log, env=None):  # the process boundary: launch and run-report
+        calls.append(argv)
+        if "run-report" in argv:
+            out = Path(argv[argv.index("--out") + 1])
+            out.parent.mkdir(parents=True)
+            out.write_text(json.dumps({"perf": {"end_to_end_tokens_per_s": 11000.0}, "gpu_memory": {"x": 1}}))
+        return 0
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    s = bench.parse(["--out", "x", "--workdir", str(tmp_path), "--steps", "7", "--split", "30,70"])
+    res = bench.measure_colocated(raw, "mps+split", s)
+    assert res["tokens_per_s"] == 11000.0 and res["source"].endswith("run_report.json")
+    launched = yaml.safe_load(Path(calls[0][calls[0].index("launch") + 1]).read_text())
+    assert launched["overlap"] == {"mps": True, "server_sm_percent": 30, "trainer_sm_percent": 70}
+    assert launched["trainer"]["max_steps"] == 7 and launched["output_dir"] == str(tmp_path / "run-mps-split")
+    assert "--no-bench" in calls[0] and calls[1][calls[1].index("run-report") + 1] == str(tmp_path / "run-mps-split")
+
+
+def test_a_failed_launch_is_a_row_with_its_reason(bench, tmp_path, monkeypatch):
+    raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
+
+    def refused(argv, log, env=None):
+        log.write_text("overlap.mps: nvidia-cuda-mps-control -d did not start (exit code 1: refused)\n")
+        return 1
+
+    monkeypatch.setattr(bench, "_run", refused)
+    res = bench.measure_colocated(raw, "mps", bench.parse(["--out", "x", "--workdir", str(tmp_path)]))
+    assert res["rc"] == 1 and "did not start" in res["log_tail"][-1] and "tokens_per_s" not in res
+    r = bench.row("mps", {"mps": True}, res, 10000.0)
+    assert r["overlap_vs_serial"] is None and r["error"] == "launch failed"
