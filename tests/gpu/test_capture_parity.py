@@ -5,8 +5,10 @@ width with K2.5's INT4 routed experts, the reference computing on the same weigh
 compressed-tensors), a Mooncake master on loopback, a text-only capture server
 (:mod:`specforge_kimi.capture_server`, SGLang patched with SpecForge's spec-capture patch) at
 TP=1 / TP=2 / TP=8 with FlashInfer all-reduce fusion off / on, and at TP=8 with expert parallelism (EP=8)
-and with attention data parallelism (8 groups). Capture requests go through SpecForge's
-own producer transport (``SGLangServerCaptureAdapter.produce_refs`` with the eagle3 server
+and with attention data parallelism (8 groups), each for both capture methods (``tests/capture_parity_cases.py``):
+``eagle3`` (SpecForge ids, aux layers plus the last hidden state) and ``dflash`` (a block draft's DFlash ids, 5 on
+the tiny target: positions = ids + 1, ``hidden_states`` [T, 5*H], no last hidden state). Capture requests go
+through SpecForge's own producer transport (``SGLangServerCaptureAdapter.produce_refs`` with the method's server
 layout), tensors come back through SpecForge's ``MooncakeFeatureStore.get``; the reference is
 :func:`specforge_kimi.targets.capture.capture_aux` on an fp32 transformers forward of the same weights.
 
@@ -16,7 +18,7 @@ Tolerances, chosen knowingly:
   (transformers bf16 vs fp32 forward, this spec with top-2), per-token cosine fell to 0.85 at
   1024 tokens while the relative error stayed ~6%; with all experts it stayed >= 0.996. Routing
   flips are a property of bf16 vs fp32, not of capture, and would force a loose per-token bound.
-- Per token: cosine >= 0.99 for every aux slot and the last hidden state.
+- Per token: cosine >= 0.99 for every aux slot and the last hidden state (eagle3; dflash captures none).
 - Per prompt: relative Frobenius error <= 0.02 + 0.04 * T / 1024 (a transformers bf16 forward on
   CPU, used as a proxy before the GPU run, gave 0.6-0.9% at 16-64 tokens and up to 3.6% at 1024;
   SGLang on H200 measured 0.64-0.84% at every length, see archive/gpu-runs/RUNS.md).
@@ -48,6 +50,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from capture_parity_cases import (
+    CASES,
+    COS_MIN,
+    MARGIN_MIN,
+    MAX_BATCH_TOKENS,
+    capture_ids,
+    captures_last,
+    case_name,
+    compare_runs,
+    compare_to_reference,
+    failures,
+    reference_positions,
+)
+from capture_parity_cases import METHODS as CAPTURE_METHODS
 
 from specforge_kimi.procfs import stat_fields
 
@@ -86,8 +102,6 @@ TARGETS = {
 }
 TARGET = os.environ.get("SPECFORGE_KIMI_PARITY_TARGET", "tiny")
 SPEC = TARGETS[TARGET]
-#: SpecForge ids: SGLang's default for the 8-layer tiny; K2.5's slice taps positions 2, 3, 4 of its 5 layers.
-AUX_IDS = {"tiny": None, "k25-int4": (1, 2, 3)}[TARGET]
 #: 40 prompts, 16..1024 tokens; each capture request carries <= MAX_BATCH_TOKENS tokens.
 LENGTHS = (
     16,
@@ -131,31 +145,10 @@ LENGTHS = (
     777,
     999,
 )
-#: SGLang fuses all-reduce + residual + RMSNorm only for batches of <= 2048 tokens
-#: (communicator.FUSE_ALLREDUCE_MAX_BATCH_SIZE); larger batches take the unfused path.
-MAX_BATCH_TOKENS = 2048
-COS_MIN = 0.99
-MARGIN_MIN = 5.0
 START_TIMEOUT_S = float(os.environ.get("SPECFORGE_KIMI_SERVER_START_TIMEOUT", "240"))
 #: Optional wall-clock deadline (epoch seconds) for the whole module, so that a stalled server
 #: leaves time to write the summary before an outer limit kills the run.
 DEADLINE = float(os.environ.get("SPECFORGE_KIMI_GPU_DEADLINE", "0")) or None
-#: (tp, fusion, ep, dp attention groups). Fusion-on at TP=2 after fusion-off: it may stall. The TP=8 layouts
-#: (issue 8) run where 8 GPUs are; elsewhere they skip: plain TP, fusion on, expert parallel 8 (each rank
-#: holds one of the 8 experts and the MoE output is all-reduced over ranks that computed different experts),
-#: attention data parallel 8 (--enable-dp-attention --dp-size 8: each rank attends over its own requests,
-#: tokens are gathered for the MoE and scattered back, and every rank is its group's capture writer).
-#: ``-k "tp1_fusion-off or tp8"`` runs the TP=8 set with the TP=1 base it is compared against.
-CONFIGS = [
-    (1, False, 1, 1),
-    (1, True, 1, 1),
-    (2, False, 1, 1),
-    (2, True, 1, 1),
-    (8, False, 1, 1),
-    (8, True, 1, 1),
-    (8, False, 8, 1),
-    (8, False, 1, 8),
-]
 
 #: Server-log lines that say whether FlashInfer all-reduce fusion really ran.
 LOG_EVIDENCE = {
@@ -180,16 +173,6 @@ FUSION_FALLBACK_KEYS = (
     "fusion_disabled_globally",
     "fusion_comm_unavailable",
 )
-
-
-def rel_bound(tokens: int) -> float:
-    return 0.02 + 0.04 * tokens / 1024
-
-
-def run_name(tp: int, fusion: bool, ep: int = 1, dp: int = 1) -> str:
-    return (
-        f"tp{tp}_fusion-{'on' if fusion else 'off'}" + (f"_ep{ep}" if ep > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,12 +232,9 @@ def tiny_k25(tmp_path_factory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("parity") / f"{TARGET}-k25", TinySpec(**SPEC), device=device)
 
 
-@pytest.fixture(scope="module")
-def aux_layers():
-    from specforge_kimi.targets.layer_ids import AuxLayers, default_specforge_ids
-
-    ids = AUX_IDS or default_specforge_ids(SPEC["layers"])  # tiny: (1, 3, 4) -> SGLang positions (2, 4, 5)
-    return ids, AuxLayers.from_specforge(ids, SPEC["layers"])
+def method_layers(method: str):
+    """``(ids, AuxLayers)`` the server gets for ``method`` on this target (``capture_parity_cases.capture_ids``)."""
+    return capture_ids(method, TARGET, SPEC["layers"])
 
 
 @pytest.fixture(scope="module")
@@ -279,17 +259,20 @@ def _gpu_count() -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_k25, aux_layers, prompts, out_dir):
-    """fp32 transformers forward, our hooks: per prompt aux [T,3H], last [T,H] and the HF
-    ``hidden_states`` at every position the identity check needs (CPU fp32)."""
+def reference(tiny_k25, prompts, out_dir):
+    """fp32 transformers forward, our hooks for every capture method (each checked against ``output_hidden_states``):
+    per prompt the last hidden state [T,H] and the HF ``hidden_states`` at every position the checks of every method
+    need (CPU fp32)."""
+    from contextlib import ExitStack
+
     import torch
 
     from specforge_kimi.targets.capture import capture_aux, text_decoder
     from specforge_kimi.targets.checkpoint import load_text_model
 
-    _, aux = aux_layers
+    auxes = [method_layers(m)[1] for m in CAPTURE_METHODS]
     layers = SPEC["layers"]
-    needed = sorted({q for p in aux.positions for q in (p - 1, p, p + 1)} | {layers - 1, layers})
+    needed = reference_positions(auxes, layers)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = _device()
@@ -300,17 +283,17 @@ def reference(tiny_k25, aux_layers, prompts, out_dir):
     decoder = text_decoder(model)
     refs = []
     t0 = time.time()
-    with torch.no_grad(), capture_aux(model, aux) as cap:
+    with torch.no_grad(), ExitStack() as stack:
+        caps = [(aux, stack.enter_context(capture_aux(model, aux))) for aux in auxes]
         for ids in prompts:
             out = decoder(input_ids=torch.tensor([ids], device=dev), use_cache=False, output_hidden_states=True)
             hs = out.hidden_states
             assert len(hs) == layers + 1
-            for chunk, p in zip(cap["aux"].chunk(len(aux.positions), dim=-1), aux.positions, strict=False):
-                assert torch.equal(chunk, hs[p]), "reference hooks disagree with output_hidden_states"
-            assert torch.equal(cap["last"], hs[-1])
-            refs.append(
-                {"aux": cap["aux"][0].cpu(), "last": cap["last"][0].cpu(), "hs": {q: hs[q][0].cpu() for q in needed}}
-            )
+            for aux, cap in caps:
+                for chunk, p in zip(cap["aux"].chunk(len(aux.positions), dim=-1), aux.positions, strict=True):
+                    assert torch.equal(chunk, hs[p]), "reference hooks disagree with output_hidden_states"
+                assert torch.equal(cap["last"], hs[-1])
+            refs.append({"last": hs[-1][0].cpu(), "hs": {q: hs[q][0].cpu() for q in needed}})
     del model, decoder
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -413,7 +396,9 @@ class ServerStartError(RuntimeError):
         self.diagnosis = diagnosis
 
 
-def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep: int = 1, dp: int = 1) -> list[str]:
+def server_command(
+    ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep: int = 1, dp: int = 1, method: str = "eagle3"
+) -> list[str]:
     from specforge_kimi.servers.capture_server import capture_server_argv
 
     return capture_server_argv(
@@ -427,6 +412,7 @@ def server_command(ckpt: Path, *, tp: int, fusion: bool, port: int, aux_ids, ep:
         context_length=MAX_BATCH_TOKENS + 7,
         ep_size=ep,
         dp_attention_size=dp,
+        method=method,
     )
 
 
@@ -527,10 +513,12 @@ def _batches(prompts: list[list[int]]) -> list[list[int]]:
     return groups
 
 
-def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tuple[dict, dict]:
-    """Send every prompt through SpecForge's eagle3 server-capture adapter and read the features
-    back with SpecForge's Mooncake store. Returns ``{index: (aux [T,3H], last [T,H])}`` (bf16)."""
-    from specforge.algorithms.eagle3.providers import create_registration
+def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str, method: str = "eagle3") -> tuple[dict, dict]:
+    """Send every prompt through SpecForge's server-capture adapter with the ``method`` strategy's layout (eagle3 or
+    dflash) and read the features back with SpecForge's Mooncake store. Returns ``{index: (aux [T,N*H], last [T,H]
+    or None)}`` (bf16; dflash captures no last hidden state)."""
+    import importlib
+
     from specforge.inference.adapters.server_capture import (
         ServerCaptureFailure,
         ServerCaptureSchema,
@@ -542,7 +530,7 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
 
     from specforge_kimi.servers.capture_server import mooncake_reader_setup_kwargs
 
-    algorithm = create_registration()
+    algorithm = importlib.import_module(f"specforge.algorithms.{method}.providers").create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
     layout = streaming.layout
     schema = ServerCaptureSchema(
@@ -602,8 +590,9 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
             assert isinstance(res, SampleRef)
             tensors, handle = store.get(res)
             assert tensors["input_ids"][0].tolist() == prompts[i], f"prompt {i}: stored input_ids differ"
-            aux, last = tensors[layout.aux_feature][0], tensors[layout.last_hidden_feature][0]
-            assert aux.dtype == last.dtype and str(aux.dtype) == "torch.bfloat16"
+            aux = tensors[layout.aux_feature][0]
+            last = tensors[layout.last_hidden_feature][0] if layout.last_hidden_feature else None
+            assert str(aux.dtype) == "torch.bfloat16" and (last is None or last.dtype == aux.dtype)
             out[i] = (aux, last)
             store.release(handle)
     return out, stats
@@ -612,73 +601,6 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str) -> tup
 # --------------------------------------------------------------------------------------------
 # comparison
 # --------------------------------------------------------------------------------------------
-def _rel(x, y) -> float:
-    return float((x.float() - y.float()).norm() / y.float().norm())
-
-
-def _cos(x, y):
-    import torch
-
-    return torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1)
-
-
-def compare_to_reference(captures: dict, reference: list, aux) -> list[dict]:
-    rows = []
-    n = len(aux.positions)
-    for i, ref in enumerate(reference):
-        aux_sg, last_sg = captures[i]
-        tokens = ref["aux"].shape[0]
-        assert tuple(aux_sg.shape) == (tokens, n * SPEC["hidden"]), f"prompt {i}: aux shape {tuple(aux_sg.shape)}"
-        assert tuple(last_sg.shape) == (tokens, SPEC["hidden"]), f"prompt {i}: last shape {tuple(last_sg.shape)}"
-        slots = []
-        for k, (chunk, p) in enumerate(zip(aux_sg.chunk(n, dim=-1), aux.positions, strict=False)):
-            right = ref["hs"][p]
-            cos = _cos(chunk, right)
-            rel = _rel(chunk, right)
-            rel_prev, rel_next = _rel(chunk, ref["hs"][p - 1]), _rel(chunk, ref["hs"][p + 1])
-            slots.append(
-                {
-                    "slot": k,
-                    "hf_index": p,
-                    "cos_min": float(cos.min()),
-                    "cos_mean": float(cos.mean()),
-                    "rel": rel,
-                    "rel_vs_prev": rel_prev,
-                    "rel_vs_next": rel_next,
-                    "margin": min(rel_prev, rel_next) / max(rel, 1e-12),
-                }
-            )
-        cos = _cos(last_sg, ref["last"])
-        rel = _rel(last_sg, ref["last"])
-        pre_norm = _rel(last_sg, ref["hs"][SPEC["layers"] - 1])
-        last = {
-            "hf_index": -1,
-            "cos_min": float(cos.min()),
-            "cos_mean": float(cos.mean()),
-            "rel": rel,
-            "rel_vs_residual_before_last_layer": pre_norm,
-            "margin": pre_norm / max(rel, 1e-12),
-        }
-        rows.append({"prompt": i, "tokens": tokens, "rel_bound": rel_bound(tokens), "aux": slots, "last": last})
-    return rows
-
-
-def compare_runs(a: dict, b: dict, lengths) -> list[dict]:
-    rows = []
-    for i, tokens in enumerate(lengths):
-        row = {"prompt": i, "tokens": tokens, "rel_bound": rel_bound(tokens)}
-        for name, x, y in (("aux", a[i][0], b[i][0]), ("last", a[i][1], b[i][1])):
-            cos = _cos(x, y)
-            row[name] = {
-                "cos_min": float(cos.min()),
-                "cos_mean": float(cos.mean()),
-                "rel": _rel(x, y),
-                "bitwise_equal": bool((x == y).all()),
-            }
-        rows.append(row)
-    return rows
-
-
 def _buckets(rows: list[dict], cols) -> list[dict]:
     """Worst values per length bucket: cosine min, rel err max, margin min."""
     edges = [(16, 63), (64, 255), (256, 511), (512, 1024)]
@@ -707,7 +629,7 @@ def _worst(rows: list[dict]) -> dict:
     length bound), layer-identity margin min, per captured tensor."""
     out = {}
     labels = ["aux"] if not isinstance(rows[0]["aux"], list) else [f"aux_slot{k}" for k in range(len(rows[0]["aux"]))]
-    for label in labels + ["last"]:
+    for label in labels + (["last"] if rows[0].get("last") is not None else []):
         get = (
             (lambda r, lb=label: r["aux"][int(lb[8:])]) if label.startswith("aux_slot") else (lambda r, lb=label: r[lb])
         )
@@ -726,43 +648,25 @@ def _worst(rows: list[dict]) -> dict:
     return out
 
 
-def _failures(rows: list[dict], *, with_identity: bool) -> list[str]:
-    bad = []
-    for r in rows:
-        entries = (
-            [(f"aux slot {s['slot']} (hf {s['hf_index']})", s) for s in r["aux"]]
-            if isinstance(r["aux"], list)
-            else [("aux", r["aux"])]
-        )
-        entries.append(("last", r["last"]))
-        for label, m in entries:
-            where = f"prompt {r['prompt']} ({r['tokens']} tok) {label}"
-            if m["cos_min"] < COS_MIN:
-                bad.append(f"{where}: per-token cosine min {m['cos_min']:.5f} < {COS_MIN}")
-            if m["rel"] > r["rel_bound"]:
-                bad.append(f"{where}: rel err {m['rel']:.4f} > bound {r['rel_bound']:.4f}")
-            if with_identity and m["margin"] < MARGIN_MIN:
-                bad.append(f"{where}: layer-identity margin {m['margin']:.2f} < {MARGIN_MIN}")
-    return bad
-
-
 # --------------------------------------------------------------------------------------------
 # the test
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tp,fusion,ep,dp", CONFIGS, ids=[run_name(*c) for c in CONFIGS])
-def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, reference, out_dir, tmp_path):
+@pytest.mark.parametrize("method,tp,fusion,ep,dp", CASES, ids=[case_name(*c) for c in CASES])
+def test_capture_parity(method, tp, fusion, ep, dp, tiny_k25, prompts, reference, out_dir, tmp_path):
     from specforge_kimi.servers.capture_server import capture_server_env
 
-    name = run_name(tp, fusion, ep, dp)
-    aux_ids, aux = aux_layers
+    name = case_name(method, tp, fusion, ep, dp)
+    aux_ids, aux = method_layers(method)
     _SUMMARY.setdefault("test", "tests/gpu/test_capture_parity.py")
     _SUMMARY.setdefault("date_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     _SUMMARY.setdefault("versions", _versions())
     _SUMMARY.setdefault("gpus", _gpu_names())
     _SUMMARY.setdefault("target", TARGET)
     _SUMMARY.setdefault("tiny_spec", SPEC)
-    _SUMMARY.setdefault("aux_specforge_ids", list(aux_ids))
-    _SUMMARY.setdefault("aux_hf_positions", list(aux.positions))
+    _SUMMARY.setdefault("aux_specforge_ids", list(method_layers("eagle3")[0]))
+    _SUMMARY.setdefault("aux_hf_positions", list(method_layers("eagle3")[1].positions))
+    _SUMMARY.setdefault("dflash_ids", list(method_layers("dflash")[0]))
+    _SUMMARY.setdefault("dflash_hf_positions", list(method_layers("dflash")[1].positions))
     _SUMMARY.setdefault("prompt_lengths", [len(p) for p in prompts])
     _SUMMARY.setdefault(
         "tolerances",
@@ -793,6 +697,12 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
             pytest.skip("not enough time left before SPECFORGE_KIMI_GPU_DEADLINE")
     run = runs[name] = {
         "status": "starting",
+        "capture": {
+            "method": method,
+            "ids": list(aux_ids),
+            "hf_positions": list(aux.positions),
+            "last_hidden": captures_last(method),
+        },
         "start_timeout_s": round(timeout_s),
         "start_hard_limit_if_compiling_s": round(hard_limit_s),
     }
@@ -800,7 +710,9 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
     server_log = tmp_path / f"server_{name}.log"
     try:
         with mooncake_master(tmp_path, mc_ports) as mc:
-            argv = server_command(tiny_k25, tp=tp, fusion=fusion, port=port, aux_ids=aux_ids, ep=ep, dp=dp)
+            argv = server_command(
+                tiny_k25, tp=tp, fusion=fusion, port=port, aux_ids=aux_ids, ep=ep, dp=dp, method=method
+            )
             extra_env = capture_server_env(mc, cuda_visible_devices=list(range(tp)))
             run.update({"server_argv": argv[1:], "server_env": extra_env})
             env = {
@@ -811,7 +723,9 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
             with capture_server(argv, env, server_log, port, timeout_s, hard_limit_s) as startup_s:
                 run["startup_s"] = round(startup_s, 1)
                 t0 = time.time()
-                captures, stats = capture_via_specforge(f"http://127.0.0.1:{port}", mc, prompts, aux_ids, run_id=name)
+                captures, stats = capture_via_specforge(
+                    f"http://127.0.0.1:{port}", mc, prompts, aux_ids, run_id=name, method=method
+                )
                 run["capture_s"] = round(time.time() - t0, 2)
                 run["requests"] = stats
     except ServerStartError as exc:
@@ -832,26 +746,31 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
     run["fusion_active"] = bool(ev["fusion_workspace_initialized"]["count"]) and not any(
         ev[k]["count"] for k in FUSION_FALLBACK_KEYS
     )
-    rows = compare_to_reference(captures, reference, aux)
+    rows = compare_to_reference(captures, reference, aux, hidden=SPEC["hidden"], num_layers=SPEC["layers"])
+    if captures_last(method) != (rows[0]["last"] is not None):
+        raise AssertionError(f"{method}: the last hidden state was expected {captures_last(method)}, got the other")
     run["per_prompt"] = rows
     run["by_length"] = _buckets(
         rows,
         [(f"aux_slot{k}_hf{p}", (lambda r, k=k: r["aux"][k])) for k, p in enumerate(aux.positions)]
-        + [("last", lambda r: r["last"])],
+        + ([("last", lambda r: r["last"])] if captures_last(method) else []),
     )
     run["worst"] = _worst(rows)
-    failures = _failures(rows, with_identity=True)
+    problems = failures(rows, with_identity=True)
     _CAPTURES[name] = captures
-    base = run_name(1, False)
+    base = case_name(method, 1, False)
     if tp > 1 and base in _CAPTURES:
         cross = compare_runs(captures, _CAPTURES[base], [len(p) for p in prompts])
         run["vs_tp1"] = {
             "worst": _worst(cross),
             "per_prompt": cross,
-            "by_length": _buckets(cross, [("aux", lambda r: r["aux"]), ("last", lambda r: r["last"])]),
+            "by_length": _buckets(
+                cross,
+                [("aux", lambda r: r["aux"])] + ([("last", lambda r: r["last"])] if captures_last(method) else []),
+            ),
         }
-        failures += [f"vs {base}: {f}" for f in _failures(cross, with_identity=False)]
-    run["failures"] = failures
+        problems += [f"vs {base}: {f}" for f in failures(cross, with_identity=False)]
+    run["failures"] = problems
     fusion_problem = None
     if fusion and not run["fusion_active"]:
         fusion_problem = "fusion requested but the server log shows it did not run: " + json.dumps(
@@ -863,13 +782,13 @@ def test_capture_parity(tp, fusion, ep, dp, tiny_k25, aux_layers, prompts, refer
         and (not ev["fusion_forcibly_disabled"]["count"] or ev["fusion_workspace_initialized"]["count"])
     ):
         fusion_problem = "fusion should be off but the log does not show it forcibly disabled"
-    run["status"] = "passed" if not failures and not fusion_problem else "failed"
+    run["status"] = "passed" if not problems and not fusion_problem else "failed"
     _write_summary(out_dir)
     assert ev["multimodal_forced_off"]["count"], "the capture server did not force enable_multimodal=False"
     if SPEC.get("int4_experts"):
         assert ev["int4_marlin_moe"]["count"], "the server did not take the compressed-tensors WNA16 Marlin MoE path"
     assert not fusion_problem, fusion_problem
-    assert not failures, f"{len(failures)} parity failures, first: {failures[:5]}"
+    assert not problems, f"{len(problems)} parity failures, first: {problems[:5]}"
 
 
 def _gpu_names() -> list[str]:
