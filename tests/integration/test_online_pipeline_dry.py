@@ -145,7 +145,10 @@ def test_breakdown_posts_each_variant_and_removes_what_it_wrote(tmp_path, monkey
     # the installed SpecForge is the unpatched wheel: the compact variant is refused, the others run
     assert mod.main(args) == 0
     b = json.loads(out.read_text())["runs"][0]["shapes"][0]["breakdown"]
-    assert list(b["errors"]) == ["compact"] and "lacks SpecForge patch compact-capture-passthrough" in b["errors"]["compact"]
+    assert (
+        list(b["errors"]) == ["compact"]
+        and "lacks SpecForge patch compact-capture-passthrough" in b["errors"]["compact"]
+    )
     assert set(b["variants"]) == set(mod.BREAKDOWN_VARIANTS) - {"compact"} and b["attribution_ms"]
     # with the payload builder as `specforge-kimi setup` patches it, every variant runs
     monkeypatch.setattr(
