@@ -93,6 +93,18 @@ def provenance(*, command: Sequence[str] | None, config: dict, extra: dict | Non
     }
 
 
+def target_record(target_dir: str | os.PathLike, info: Any) -> dict:
+    """The target an artifact was made for: its path, the hash of its ``config.json`` and the sizes ``info`` (a
+    ``targets.checkpoint`` summary: ``num_layers``, ``hidden_size``, ``vocab_size``) read from it."""
+    return {
+        "path": str(Path(target_dir).resolve()),
+        "config_sha256": canonical_hash(json.loads((Path(target_dir) / "config.json").read_text())),
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size,
+    }
+
+
 def patch_hashes() -> dict[str, str]:
     """sha256 of every file under this checkout's ``patches/`` (empty outside a checkout)."""
     try:

@@ -16,7 +16,6 @@ import ipaddress
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from drills import descendants
+from listeners_during import listening as _listening
 
 pytestmark = pytest.mark.gpu
 
@@ -34,21 +34,6 @@ TE_PORTS = (
     re.compile(r"Transfer Engine RPC using .*, listening on \S+:(\d+)"),
     re.compile(r"TcpTransport: listen on port (\d+)"),
 )
-
-
-def _listening() -> dict[int, tuple[str, int]]:
-    """socket inode -> (address, port) of every TCP socket in LISTEN state."""
-    rows = {}
-    for family, path in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
-        for line in Path(path).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] != "0A":
-                continue
-            addr, port = f[1].split(":")
-            raw = bytes.fromhex(addr)
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            rows[int(f[9])] = (socket.inet_ntop(family, raw), int(port, 16))
-    return rows
 
 
 def _listeners(pids: list[int]) -> list[dict]:

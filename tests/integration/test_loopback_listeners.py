@@ -17,33 +17,18 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 from drills import descendants
+from listeners_during import listening as _listening
 from online_cpu import cpu_plan
 
 pytestmark = pytest.mark.slow
 
 TE_RPC = re.compile(r"Transfer Engine RPC using .*, listening on \S+:(\d+)")
 TE_TCP = re.compile(r"TcpTransport: listen on port (\d+)")
-
-
-def _listening() -> dict[int, tuple[str, int]]:
-    """socket inode -> (address, port) of every TCP socket in LISTEN state."""
-    rows = {}
-    for family, path in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
-        for line in Path(path).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] != "0A":
-                continue
-            addr, port = f[1].split(":")
-            raw = bytes.fromhex(addr)
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host order
-            rows[int(f[9])] = (socket.inet_ntop(family, raw), int(port, 16))
-    return rows
 
 
 def _sample(seen: dict, stop: threading.Event) -> None:

@@ -142,7 +142,7 @@ def finalize_dflash_export(
     """Write the explicit DFlash fields SGLang reads into a SpecForge ``--to hf`` export, check it, write
     ``provenance.json``; return the provenance."""
     from specforge_kimi.durable import write_atomic
-    from specforge_kimi.provenance import canonical_hash, file_hash, patch_hashes, provenance
+    from specforge_kimi.provenance import file_hash, patch_hashes, provenance, target_record
     from specforge_kimi.targets.checkpoint import inspect_target
 
     d = Path(export_dir)
@@ -165,13 +165,7 @@ def finalize_dflash_export(
         extra={
             "engine": "sglang",
             "architecture": DFLASH_ARCH,
-            "target": {
-                "path": str(Path(target_dir).resolve()),
-                "config_sha256": canonical_hash(json.loads((Path(target_dir) / "config.json").read_text())),
-                "num_layers": info.num_layers,
-                "hidden_size": info.hidden_size,
-                "vocab_size": info.vocab_size,
-            },
+            "target": target_record(target_dir, info),
             "target_layers": {
                 "dflash_ids": summary["target_layer_ids"],
                 "captured_positions": summary["captured_positions"],

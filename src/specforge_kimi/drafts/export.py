@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
-from specforge_kimi.provenance import canonical_hash, file_hash, provenance
+from specforge_kimi.provenance import file_hash, provenance, target_record
 from specforge_kimi.targets.layer_ids import AuxLayers
 
 REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
@@ -86,13 +86,7 @@ def finalize_sglang_export(
         command=command,
         config=cfg,
         extra={
-            "target": {
-                "path": str(Path(target_dir).resolve()),
-                "config_sha256": canonical_hash(json.loads((Path(target_dir) / "config.json").read_text())),
-                "num_layers": info.num_layers,
-                "hidden_size": info.hidden_size,
-                "vocab_size": info.vocab_size,
-            },
+            "target": target_record(target_dir, info),
             "aux_layers": {
                 "captured_positions": list(aux.positions),
                 "sglang_ids": aux.sglang_ids(),
