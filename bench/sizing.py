@@ -205,6 +205,7 @@ SPECFORGE_STEP = {
     "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
     "SPECFORGE_ADAMW_FUSED": "0",
     "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+    "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
 }
 
 
@@ -213,6 +214,7 @@ def _norm_step(env: dict) -> dict[str, str]:
     it (``SPECFORGE_EAGLE3_FEWER_SYNCS=0``)."""
     out = {k: v for k, v in env.items() if v is not None}
     out.setdefault("SPECFORGE_EAGLE3_FEWER_SYNCS", "0")
+    out.setdefault("SPECFORGE_EAGLE3_CHUNKED_LOSS", "0")  # likewise before patch eagle3-chunked-head-loss' switch
     return out
 
 

@@ -53,8 +53,9 @@ same batches and the same seeded initial weights (``--seed``): ``specforge`` (as
 step, foreach AdamW), ``keep_cache`` (SpecForge patch eagle3-keep-allocator-cache, ``SPECFORGE_EAGLE3_EMPTY_CACHE=0``),
 ``keep_cache_fused_adamw`` (+ patch bf16-optimizer-fused-adamw, ``SPECFORGE_ADAMW_FUSED=1``), ``expandable`` (+ ``PYTORCH_CUDA_ALLOC_CONF=
 expandable_segments:True``), ``fewer_syncs`` (``keep_cache_fused_adamw`` + patch eagle3-fewer-host-syncs,
-``SPECFORGE_EAGLE3_FEWER_SYNCS=1``) and ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
-``step_fewer_host_syncs`` / ``cuda_alloc_conf``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+``SPECFORGE_EAGLE3_FEWER_SYNCS=1``), ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
+``step_fewer_host_syncs`` / ``step_chunked_head_loss`` / ``cuda_alloc_conf``) and ``chunked_loss`` (the recipe's own
+with ``trainer.step_chunked_head_loss: 1024``, patch eagle3-chunked-head-loss, ``SPECFORGE_EAGLE3_CHUNKED_LOSS=1024``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
 script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
@@ -181,10 +182,13 @@ VARIANTS = {
         "step_fewer_host_syncs": True,
     },
 }
+#: ``--variants`` that are the recipe's own trainer section with these fields changed
+RECIPE_VARIANTS = {"chunked_loss": {"step_chunked_head_loss": 1024}}
 STEP_ENV_KEYS = (
     "SPECFORGE_EAGLE3_EMPTY_CACHE",
     "SPECFORGE_ADAMW_FUSED",
     "SPECFORGE_EAGLE3_FEWER_SYNCS",
+    "SPECFORGE_EAGLE3_CHUNKED_LOSS",
     "PYTORCH_CUDA_ALLOC_CONF",
 )
 
@@ -196,7 +200,12 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
 
     from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, trainer_env
 
-    v = recipe.trainer if name == "recipe" else SimpleNamespace(**{"step_fewer_host_syncs": False, **VARIANTS[name]})
+    if name == "recipe":
+        v = recipe.trainer
+    elif name in RECIPE_VARIANTS:
+        v = recipe.trainer.model_copy(update=RECIPE_VARIANTS[name])
+    else:
+        v = SimpleNamespace(**{"step_fewer_host_syncs": False, "step_chunked_head_loss": None, **VARIANTS[name]})
     env = {k: val for k, val in base.items() if k != ALLOC_CONF_ENV}
     env.update(trainer_env(v))
     return env
@@ -363,6 +372,8 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     import specforge.algorithms.eagle3.model as eagle3_model
 
     fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
+    # and SPECFORGE_EAGLE3_CHUNKED_LOSS (patch eagle3-chunked-head-loss): tokens per chunk, 0 unchunked
+    chunked_loss = int(getattr(eagle3_model, "_chunked_loss_tokens", lambda: 0)())
     if args.profile_steps:
         step_profile.annotate(target_head=bundle.target_head, backend=backend)
     build_s = time.perf_counter() - t0
@@ -376,6 +387,7 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
         "sharding": sharding,
         "adamw_fused": adamw_fused,
         "fewer_syncs": fewer_syncs,
+        "chunked_loss": chunked_loss,
         "build_s": build_s,
         "built": built,
         "hidden": hidden,
@@ -408,6 +420,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "feed": _feed(args, cuda) or "host",
         "adamw_fused": adamw_fused,
         "fewer_host_syncs": fewer_syncs,
+        "chunked_head_loss": trainer["chunked_loss"],
         "backend": args.backend,
         "length": length,
         "fsdp_sharding": sharding,
@@ -601,8 +614,9 @@ def _parser() -> argparse.ArgumentParser:
         default="recipe",
         help="comma-separated trainer-step variants, each in its own process per backend, compared with the first: "
         + ", ".join(f"{k} ({v})" for k, v in VARIANTS.items())
-        + "; recipe = the recipe's trainer.step_empty_cache / fused_adamw / cuda_alloc_conf. The two patch "
-        "switches need our SpecForge patches eagle3-keep-allocator-cache / bf16-optimizer-fused-adamw applied (specforge-kimi setup)",
+        + "; recipe = the recipe's trainer.step_empty_cache / fused_adamw / cuda_alloc_conf; "
+        + ", ".join(f"{k} (recipe + {v})" for k, v in RECIPE_VARIANTS.items())
+        + ". The patch switches need our SpecForge patches applied (specforge-kimi setup)",
     )
     ap.add_argument(
         "--feed",
@@ -676,8 +690,8 @@ def parse(args: argparse.Namespace) -> Settings:
             raise KimiInputError(f"--backends: {b!r} is not flex_attention or sdpa")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v not in VARIANTS and v != "recipe":
-            raise KimiInputError(f"--variants: {v!r} is not one of recipe, {', '.join(VARIANTS)}")
+        if v not in VARIANTS and v not in RECIPE_VARIANTS and v != "recipe":
+            raise KimiInputError(f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}")
     if len(set(variants)) != len(variants) or not variants:
         raise KimiInputError(f"--variants: {args.variants!r} must name each variant once")
     if "flex_attention" in backends and not torch.cuda.is_available():

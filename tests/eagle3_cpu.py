@@ -19,9 +19,12 @@ def eagle3_step(
     model_cls=None,
     attention="sdpa",
     draft_ids=None,
+    lk_loss_type=None,
 ):
-    """A zero-argument callable running one forward + backward and returning the loss (a detached tensor). The draft
-    vocabulary is the first ``draft_vocab_size`` target ids, or the sorted target ids ``draft_ids``."""
+    """A zero-argument callable running one forward + backward and returning the loss (a detached tensor); the
+    step's metrics (``StepOutput.metrics``) are left in its ``metrics`` attribute. The draft vocabulary is the first
+    ``draft_vocab_size`` target ids, or the sorted target ids ``draft_ids``; ``lk_loss_type``: SpecForge's LK
+    objective (None: KL only)."""
     import torch
     import torch.nn as nn
     from specforge.modeling.target.target_head import TargetHead
@@ -42,7 +45,7 @@ def eagle3_step(
     head = TargetHead.__new__(TargetHead)  # the real class, its weight set here instead of read from disk
     nn.Module.__init__(head)
     head.fc = nn.Linear(target_hidden, vocab, bias=False).requires_grad_(False)
-    model = model_cls(draft_model, length=ttt, attention_backend=attention)
+    model = model_cls(draft_model, length=ttt, attention_backend=attention, lk_loss_type=lk_loss_type)
     strategy = Eagle3TrainStrategy(model, target_head=head)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch(
@@ -61,6 +64,7 @@ def eagle3_step(
     def run():
         out = strategy.forward_loss(batch)
         out.loss.backward()
+        run.metrics = out.metrics
         return out.loss.detach()
 
     return run

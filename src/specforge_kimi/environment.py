@@ -123,6 +123,14 @@ EAGLE3_FEWER_SYNCS = EnvVar(
     readers=("training.step_knobs",),
     patches=("specforge/eagle3-fewer-host-syncs",),
 )
+EAGLE3_CHUNKED_LOSS = EnvVar(
+    "SPECFORGE_EAGLE3_CHUNKED_LOSS",
+    "N > 0: the EAGLE-3 draft head and its loss run N positions at a time (recipe trainer step knob)",
+    OUR_PATCH,
+    writers=("training.step_knobs",),
+    readers=("training.step_knobs",),
+    patches=("specforge/eagle3-chunked-head-loss",),
+)
 SERVER_TRANSPORT = EnvVar(
     "SGLANG_SPEC_CAPTURE_TRANSPORT",
     "the capture server's feature sink: mooncake (SpecForge's, the default) or cuda_ipc (our pool)",

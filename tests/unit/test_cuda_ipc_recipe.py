@@ -393,6 +393,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
         "SPECFORGE_ADAMW_FUSED": "1",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+        "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     shipped = tmp_path / "shipped"
@@ -401,6 +402,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
         "SPECFORGE_ADAMW_FUSED": "1",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+        "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
     }
     assert trainer_step(shipped) == shipped_step
     sheet = json.loads((shipped / "rendered" / "launch.json").read_text())
@@ -411,6 +413,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
         "SPECFORGE_ADAMW_FUSED": "0",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+        "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
     }
     assert trainer_step(tmp_path / "not-a-run") is None
 

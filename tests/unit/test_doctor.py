@@ -291,7 +291,11 @@ def test_block_recipe_asks_for_no_eagle3_patch(monkeypatch):
     from specforge_kimi.setup import setup_patches
     from specforge_kimi.setup.setup_patches import KNOWN_PATCHES, PatchStatus
 
-    assert doctor.eagle3_step_patches() == {"eagle3-keep-allocator-cache", "eagle3-fewer-host-syncs"}
+    assert doctor.eagle3_step_patches() == {
+        "eagle3-keep-allocator-cache",
+        "eagle3-fewer-host-syncs",
+        "eagle3-chunked-head-loss",
+    }
     fake = [
         PatchStatus(Path(f"000{i}-{n}.patch"), Path("/nowhere"), 1, "applicable", [])
         for i, n in enumerate(KNOWN_PATCHES["specforge"])

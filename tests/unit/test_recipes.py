@@ -240,6 +240,7 @@ def test_dspark_heads_specforge_accepts_pass(tmp_path, kv, mode):
         (lambda r: r["trainer"]["draft"].update(hidden_size=256), "draft hidden_size 256 != target"),
         (lambda r: r["trainer"].update(step_empty_cache=True), "trainer.step_empty_cache: EAGLE-3 only"),
         (lambda r: r["trainer"].update(step_fewer_host_syncs=False), "trainer.step_fewer_host_syncs: EAGLE-3 only"),
+        (lambda r: r["trainer"].update(step_chunked_head_loss=1024), "trainer.step_chunked_head_loss: EAGLE-3 only"),
         (lambda r: r["trainer"].update(ttt_length=7), "trainer.ttt_length: EAGLE-3 only"),
         (lambda r: r["trainer"]["draft"].update(draft_vocab_size=256), "trainer.draft.draft_vocab_size: EAGLE-3 only"),
         (lambda r: r["bench"].update(steps=3), "bench.steps: EAGLE-3 only"),

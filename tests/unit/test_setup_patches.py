@@ -97,6 +97,25 @@ def test_changed_context_is_drift_not_fuzz(fake_checkout):
         _run(fake_checkout, check=True)
 
 
+def test_a_changed_eagle3_step_is_drift_for_the_chunked_head_loss(fake_checkout):
+    """Patch eagle3-chunked-head-loss edits the eagle3 step's logits line after patches eagle3-keep-allocator-cache
+    and eagle3-fewer-host-syncs edited the same file: a changed context line of its hunk is drift, named, while
+    those two still apply."""
+    from specforge_kimi.training import step_knobs
+
+    model = fake_checkout / "specforge/algorithms/eagle3/model.py"
+    text = model.read_text()
+    line = "            logits = self.draft_model.compute_logits(hidden_states)\n"
+    assert text.count(line) == 1
+    model.write_text(text.replace(line, line.replace("hidden_states)", "hidden_states)  # edited")))
+    statuses = {setup_patches.patch_name(s.patch): s for s in setup_patches.plan(str(fake_checkout), sglang=False)}
+    drift = statuses[step_knobs.CHUNKED_LOSS_PATCH]
+    assert drift.state == "drift" and drift.failed == ["specforge/algorithms/eagle3/model.py"], drift.detail
+    assert statuses[step_knobs.EMPTY_CACHE_PATCH].state == statuses[step_knobs.FEWER_SYNCS_PATCH].state == "applicable"
+    with pytest.raises(KimiInputError, match=r"0006-eagle3-chunked-head-loss.patch does not apply to \S*/model.py"):
+        _run(fake_checkout, check=True)
+
+
 def test_a_checkout_python_does_not_import_gets_a_note(fake_checkout, capsys):
     assert _run(fake_checkout, check=True) == 0
     assert f"not from {fake_checkout}" in capsys.readouterr().out
@@ -135,6 +154,7 @@ def test_every_patch_file_is_known_by_name():
             step_knobs.EMPTY_CACHE_PATCH,
             step_knobs.FUSED_ADAMW_PATCH,
             step_knobs.FEWER_SYNCS_PATCH,
+            step_knobs.CHUNKED_LOSS_PATCH,
         ],
         "sglang": [setup_patches.COMPACT_SGLANG_PATCH, setup_patches.CUDA_IPC_SGLANG_PATCH],
     }

@@ -221,6 +221,94 @@ def test_0005_metrics_are_read_back_once_with_the_same_values(patched_controller
     assert ("acceptance_rate" in ref) is acceptance and len(ref) == 2 * n + 2 + (n + 1) * acceptance
 
 
+#: a draft head wider than the draft's hidden size, as K2.5's (32k draft vocabulary over 7168): its logits are the
+#: largest tensors the step keeps for the backward
+WIDE = {**LLAMA, "vocab_size": 300, "draft_vocab_size": 200, "max_position_embeddings": 128}
+WIDE_IDS = sorted(torch.randperm(300, generator=torch.Generator().manual_seed(1))[:200].tolist())
+WIDE_LEN, WIDE_TTT = 40, 3
+
+
+def _chunked_step(model_cls, monkeypatch, value: str | None, lk: str | None = None):
+    """One step of a fresh seeded wide draft with ``SPECFORGE_EAGLE3_CHUNKED_LOSS`` = value: (loss, grads, metrics,
+    {storage: bytes} of the tensors the autograd graph saved for the backward, parameters left out)."""
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    if value is None:
+        monkeypatch.delenv(step_knobs.CHUNKED_LOSS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(step_knobs.CHUNKED_LOSS_ENV, value)
+    torch.manual_seed(0)
+    draft = LlamaForCausalLMEagle3(LlamaConfig(**WIDE), attention_backend="sdpa")
+    run = eagle3_step(
+        draft,
+        length=WIDE_LEN,
+        ttt=WIDE_TTT,
+        vocab=300,
+        target_hidden=16,
+        model_cls=model_cls,
+        draft_ids=WIDE_IDS,
+        lk_loss_type=lk,
+    )
+    params = {p.untyped_storage().data_ptr() for p in draft.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    return loss, grads, run.metrics, saved
+
+
+@pytest.mark.parametrize("lk", [None, "lambda"])
+@pytest.mark.parametrize("chunk", ["7", "16", "40", "64"])  # 7 and 16 leave a short last chunk; 64 > the sequence
+def test_0006_chunked_head_loss_gives_the_same_step_without_keeping_the_logits(
+    patched_model_module, monkeypatch, chunk, lk
+):
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+
+    ref_loss, ref_grads, ref_metrics, ref_saved = _chunked_step(OnlineEagle3Model, monkeypatch, None, lk)
+    loss, grads, metrics, saved = _chunked_step(patched_model_module.OnlineEagle3Model, monkeypatch, chunk, lk)
+    assert ref_grads and set(grads) == set(ref_grads)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    for name in ref_grads:
+        assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
+    assert list(metrics) == list(ref_metrics)
+    for key in ("acces", "acc_corrects", "acc_denoms", "metric_loss_denoms"):  # counts: exact
+        assert all(torch.equal(a, b) for a, b in zip(metrics[key], ref_metrics[key], strict=True)), key
+    for key in ("plosses", "metric_losses", "acceptance_rates"):
+        assert all(
+            torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(metrics[key], ref_metrics[key], strict=True)
+        ), key
+    # SpecForge keeps each TTT step's whole fp32 logits [1, S, V] for the backward (with LK also their softmax);
+    # chunked, the graph keeps no tensor of that size
+    logits = WIDE_LEN * WIDE["draft_vocab_size"] * 4
+    whole = list(ref_saved.values()).count(logits)
+    assert whole == WIDE_TTT * (1 if lk is None else 2)
+    assert logits not in saved.values()
+    assert sum(saved.values()) <= sum(ref_saved.values()) - whole * logits
+
+
+def test_0006_without_the_variable_the_step_is_specforges(patched_model_module, monkeypatch):
+    """Unset or 0: the shipped head and loss, bit for bit, and the chunked path never entered."""
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+
+    cls = patched_model_module.OnlineEagle3Model
+    monkeypatch.setattr(cls, "_chunked_acc_and_loss", lambda *a, **k: pytest.fail("chunked path entered"))
+    ref_loss, ref_grads, ref_metrics, _ = _chunked_step(OnlineEagle3Model, monkeypatch, None)
+    for value in (None, "0"):
+        loss, grads, metrics, _ = _chunked_step(cls, monkeypatch, value)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+        for key in ("acces", "acceptance_rates", "plosses"):
+            assert all(torch.equal(a, b) for a, b in zip(metrics[key], ref_metrics[key], strict=True)), key
+
+
 def _train(opt_cls, monkeypatch, fused: str | None, steps: int = 20, state=None):
     """``BF16Optimizer`` over a fresh seeded bf16 model fed the same seeded gradients: (optimizer, model)."""
     if fused is None:
@@ -273,29 +361,37 @@ def test_0004_a_foreach_checkpoint_resumes_fused(patched_optimizer_module, monke
 
 def test_step_env_spells_every_switch_and_names_the_patches():
     env = step_knobs.step_env(
-        empty_cache=False, fused_adamw=True, alloc_conf="expandable_segments:True", fewer_syncs=True
+        empty_cache=False, fused_adamw=True, alloc_conf="expandable_segments:True", fewer_syncs=True, chunked_loss=1024
     )
     assert env == {
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "0",
         "SPECFORGE_ADAMW_FUSED": "1",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "1",
+        "SPECFORGE_EAGLE3_CHUNKED_LOSS": "1024",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     assert step_knobs.patches_needed(env) == [
         step_knobs.EMPTY_CACHE_PATCH,
         step_knobs.FUSED_ADAMW_PATCH,
         step_knobs.FEWER_SYNCS_PATCH,
+        step_knobs.CHUNKED_LOSS_PATCH,
     ]
     shipped = step_knobs.step_env(empty_cache=True, fused_adamw=False, alloc_conf=None)
     assert shipped == {
         "SPECFORGE_EAGLE3_EMPTY_CACHE": "1",
         "SPECFORGE_ADAMW_FUSED": "0",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
+        "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
     from specforge_kimi.setup.setup_patches import patch_file
 
-    for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH, step_knobs.FEWER_SYNCS_PATCH):
+    for name in (
+        step_knobs.EMPTY_CACHE_PATCH,
+        step_knobs.FUSED_ADAMW_PATCH,
+        step_knobs.FEWER_SYNCS_PATCH,
+        step_knobs.CHUNKED_LOSS_PATCH,
+    ):
         assert patch_file("specforge", name).is_file()
 
 
@@ -307,15 +403,24 @@ def test_recipe_fields_reach_the_specforge_processes():
     env = dict(compile_plan(r).process_env)
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "0" and env["SPECFORGE_ADAMW_FUSED"] == "1"
     assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "0"  # not measured on a GPU yet: off in the recipes
+    assert r.trainer.step_chunked_head_loss is None and env["SPECFORGE_EAGLE3_CHUNKED_LOSS"] == "0"  # likewise
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
     raw = r.model_dump()
     raw["trainer"].update(
-        step_empty_cache=True, fused_adamw=False, cuda_alloc_conf="expandable_segments:True", step_fewer_host_syncs=True
+        step_empty_cache=True,
+        fused_adamw=False,
+        cuda_alloc_conf="expandable_segments:True",
+        step_fewer_host_syncs=True,
+        step_chunked_head_loss=2048,
     )
     env = dict(compile_plan(raw).process_env)
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "1" and env["SPECFORGE_ADAMW_FUSED"] == "0"
-    assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "1"
+    assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "1" and env["SPECFORGE_EAGLE3_CHUNKED_LOSS"] == "2048"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    raw["trainer"]["step_chunked_head_loss"] = 0
+    with pytest.raises(KimiInputError) as e:
+        compile_plan(raw)
+    assert "step_chunked_head_loss" in str(e.value)
 
 
 @pytest.mark.parametrize("family", ["dflash", "dspark"])
@@ -332,7 +437,7 @@ def test_block_drafts_get_no_eagle3_step_switches(family):
     plan = compile_plan(raw)
     assert plan.recipe.trainer.step_empty_cache is False  # the field's default, which the eagle3 step would read
     env = dict(plan.process_env)
-    assert step_knobs.EMPTY_CACHE_ENV not in env and step_knobs.FEWER_SYNCS_ENV not in env
+    assert not {step_knobs.EMPTY_CACHE_ENV, step_knobs.FEWER_SYNCS_ENV, step_knobs.CHUNKED_LOSS_ENV} & set(env)
     assert env[step_knobs.FUSED_ADAMW_ENV] == "1"
     assert step_knobs.patches_needed(env) == [step_knobs.FUSED_ADAMW_PATCH]  # what the preflight checks
 
@@ -364,7 +469,9 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
     from specforge_kimi.run import launch
     from specforge_kimi.setup import setup_patches
 
-    wanted = step_knobs.step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True)
+    wanted = step_knobs.step_env(
+        empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True, chunked_loss=512
+    )
     plan = SimpleNamespace(commands=[SimpleNamespace(env={}), SimpleNamespace(env=wanted)])
     patched = tmp_path / "sf"
     shutil.copytree(
@@ -376,7 +483,12 @@ def test_launch_refuses_a_switch_whose_patch_is_missing(tmp_path, monkeypatch):
     with pytest.raises(KimiInputError) as e:
         launch.trainer_step_preflight(plan)
     msg = str(e.value)
-    for name in (step_knobs.EMPTY_CACHE_PATCH, step_knobs.FUSED_ADAMW_PATCH, step_knobs.FEWER_SYNCS_PATCH):
+    for name in (
+        step_knobs.EMPTY_CACHE_PATCH,
+        step_knobs.FUSED_ADAMW_PATCH,
+        step_knobs.FEWER_SYNCS_PATCH,
+        step_knobs.CHUNKED_LOSS_PATCH,
+    ):
         assert f"SpecForge patch {name} is not applied" in msg, msg
     assert "specforge-kimi setup" in msg
     assert "\n" not in msg

@@ -50,8 +50,9 @@ _DRAFT_KEYS["dspark"] = _DRAFT_KEYS["dflash"]
 _MLA_DRAFT_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 #: EAGLE-3 draft keys a block draft must not carry (it has no vocabulary of its own and no TTT)
 _EAGLE3_ONLY_DRAFT_KEYS = ("draft_vocab_size", "eagle_config", "ttt_length")
-#: trainer fields only the eagle3 step reads (patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs; TTT)
-EAGLE3_ONLY_TRAINER_FIELDS = ("ttt_length", "step_empty_cache", "step_fewer_host_syncs")
+#: trainer fields only the eagle3 step reads (patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs,
+#: eagle3-chunked-head-loss; TTT)
+EAGLE3_ONLY_TRAINER_FIELDS = ("ttt_length", "step_empty_cache", "step_fewer_host_syncs", "step_chunked_head_loss")
 #: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
 K25_MASK_TOKEN_ID = 163824
 
@@ -291,6 +292,16 @@ class TrainerSection(_Strict):
         "eagle3-fewer-host-syncs; the launch refuses to start without it): SpecForge makes the host wait for the GPU "
         "7 + 1 + 7 times per step at TTT length 7. Same values (tests/unit/test_step_patches.py); measured by "
         "bench/trainer_memory.py --variants: bench/REPORT.md, 'One trainer rank at a recipe's sizes'. Off by default",
+    )
+    step_chunked_head_loss: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens per chunk: the eagle3 draft head's logits and its loss and metrics are computed that many "
+        "positions at a time, each chunk recomputed in the backward, so the step never keeps its whole "
+        "[sequence, draft vocab] logits for the backward (SPECFORGE_EAGLE3_CHUNKED_LOSS=N; needs our SpecForge patch "
+        "eagle3-chunked-head-loss; the launch refuses to start without it). Same loss, gradients and metrics to fp32 "
+        "rounding (tests/unit/test_step_patches.py); costs a second draft-head forward per chunk. Measured by "
+        "bench/trainer_memory.py --variants recipe,chunked_loss. None (the default): as SpecForge ships",
     )
     cuda_alloc_conf: str | None = Field(
         default=None,

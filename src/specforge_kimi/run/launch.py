@@ -238,8 +238,9 @@ def compact_preflight(plan) -> None:
 
 def trainer_step_preflight(plan) -> None:
     """Refuse to start when the plan's SpecForge processes ask for a trainer-step setting (``trainer.step_empty_cache:
-    false``, ``trainer.fused_adamw: true``, ``trainer.step_fewer_host_syncs: true``) whose SpecForge patch is not
-    applied: without it the variable is ignored and the run trains as SpecForge ships, silently."""
+    false``, ``trainer.fused_adamw: true``, ``trainer.step_fewer_host_syncs: true``, ``trainer.step_chunked_head_loss:
+    N``) whose SpecForge patch is not applied: without it the variable is ignored and the run trains as SpecForge
+    ships, silently."""
     from specforge_kimi.setup.setup_patches import specforge_patch_gaps
     from specforge_kimi.training.step_knobs import patches_needed
 
@@ -248,10 +249,10 @@ def trainer_step_preflight(plan) -> None:
     if gaps:
         raise KimiInputError(
             "the recipe's trainer.step_empty_cache: false / trainer.fused_adamw: true / trainer.step_fewer_host_syncs: "
-            "true need our SpecForge patches, but "
+            "true / trainer.step_chunked_head_loss need our SpecForge patches, but "
             + "; ".join(gaps)
-            + ". Run specforge-kimi setup, or set trainer.step_empty_cache: true, trainer.fused_adamw: false and "
-            "trainer.step_fewer_host_syncs: false"
+            + ". Run specforge-kimi setup, or set trainer.step_empty_cache: true, trainer.fused_adamw: false, "
+            "trainer.step_fewer_host_syncs: false and trainer.step_chunked_head_loss: null"
         )
 
 

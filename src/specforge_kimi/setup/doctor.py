@@ -156,8 +156,12 @@ def eagle3_step_patches() -> frozenset[str]:
     an EAGLE-3 recipe's step switches can ask for and a block draft's never do."""
     from specforge_kimi.training.step_knobs import patches_needed, step_env
 
-    every = patches_needed(step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True))
-    block = patches_needed(step_env(empty_cache=None, fused_adamw=True, alloc_conf=None, fewer_syncs=None))
+    every = patches_needed(
+        step_env(empty_cache=False, fused_adamw=True, alloc_conf=None, fewer_syncs=True, chunked_loss=1)
+    )
+    block = patches_needed(
+        step_env(empty_cache=None, fused_adamw=True, alloc_conf=None, fewer_syncs=None, chunked_loss=None)
+    )
     return frozenset(every) - frozenset(block)
 
 

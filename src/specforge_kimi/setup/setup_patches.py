@@ -57,6 +57,7 @@ KNOWN_PATCHES = {
         "eagle3-keep-allocator-cache",
         "bf16-optimizer-fused-adamw",
         "eagle3-fewer-host-syncs",
+        "eagle3-chunked-head-loss",
     ),
     "sglang": (
         "spec-capture-staging-buffer",

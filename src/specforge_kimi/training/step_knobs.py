@@ -4,8 +4,8 @@ Scope: the names and values only. Each variable is read by one of our SpecForge 
 (``patches/specforge/0.2.0``) inside SpecForge's own code; without the patch the variable does nothing and
 SpecForge behaves as shipped, so a launch that asks for a non-default value checks the patch first
 (``setup.setup_patches.specforge_patch_gaps``, ``run.launch.trainer_step_preflight``). The recipe fields
-(``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.step_fewer_host_syncs``, ``trainer.cuda_alloc_conf``)
-say why each exists; ``bench/trainer_memory.py --variants`` measures them side by side (bench/REPORT.md,
+(``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.step_fewer_host_syncs``,
+``trainer.step_chunked_head_loss``, ``trainer.cuda_alloc_conf``) say why each exists; ``bench/trainer_memory.py --variants`` measures them side by side (bench/REPORT.md,
 "One trainer rank at a recipe's sizes").
 """
 
@@ -28,6 +28,10 @@ FUSED_ADAMW_PATCH = "bf16-optimizer-fused-adamw"
 #: TTT length 7; same values)
 FEWER_SYNCS_ENV = _env.EAGLE3_FEWER_SYNCS.name
 FEWER_SYNCS_PATCH = "eagle3-fewer-host-syncs"
+#: SpecForge patch eagle3-chunked-head-loss: N > 0 runs the eagle3 draft head and its loss N positions at a time,
+#: each chunk recomputed in the backward, so the step's whole [S, draft vocab] logits are never kept; "0": as shipped
+CHUNKED_LOSS_ENV = _env.EAGLE3_CHUNKED_LOSS.name
+CHUNKED_LOSS_PATCH = "eagle3-chunked-head-loss"
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
@@ -45,16 +49,24 @@ def check_alloc_conf(value: str) -> str:
 
 
 def step_env(
-    *, empty_cache: bool | None, fused_adamw: bool, alloc_conf: str | None, fewer_syncs: bool | None = False
+    *,
+    empty_cache: bool | None,
+    fused_adamw: bool,
+    alloc_conf: str | None,
+    fewer_syncs: bool | None = False,
+    chunked_loss: int | None = 0,
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
-    inherited shell variable never decides), the allocator setting only when given. ``empty_cache`` and
-    ``fewer_syncs`` None: the eagle3 step's switches left out (a block draft's step reads neither)."""
+    inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
+    chunk, 0 off. ``empty_cache``, ``fewer_syncs`` and ``chunked_loss`` None: the eagle3 step's switches left out
+    (a block draft's step reads none of them)."""
     env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
     if empty_cache is not None:
         env[EMPTY_CACHE_ENV] = "1" if empty_cache else "0"
     if fewer_syncs is not None:
         env[FEWER_SYNCS_ENV] = "1" if fewer_syncs else "0"
+    if chunked_loss is not None:
+        env[CHUNKED_LOSS_ENV] = str(int(chunked_loss))
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
     return env
@@ -62,15 +74,17 @@ def step_env(
 
 def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
-    ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf`` and ``step_fewer_host_syncs``). A block draft
-    (``trainer.family`` dflash or dspark) gets no eagle3 step switches: patches eagle3-keep-allocator-cache and
-    eagle3-fewer-host-syncs change SpecForge's eagle3 step only, so the launch needs neither."""
+    ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf``, ``step_fewer_host_syncs`` and
+    ``step_chunked_head_loss``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
+    patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs and eagle3-chunked-head-loss change SpecForge's
+    eagle3 step only, so the launch needs none of them."""
     eagle3 = getattr(trainer, "family", "eagle3") == "eagle3"
     return step_env(
         empty_cache=trainer.step_empty_cache if eagle3 else None,
         fused_adamw=trainer.fused_adamw,
         alloc_conf=trainer.cuda_alloc_conf,
         fewer_syncs=trainer.step_fewer_host_syncs if eagle3 else None,
+        chunked_loss=(trainer.step_chunked_head_loss or 0) if eagle3 else None,
     )
 
 
@@ -83,4 +97,6 @@ def patches_needed(env: dict[str, str]) -> list[str]:
         need.append(FUSED_ADAMW_PATCH)
     if env.get(FEWER_SYNCS_ENV) == "1":
         need.append(FEWER_SYNCS_PATCH)
+    if env.get(CHUNKED_LOSS_ENV, "0") not in ("", "0"):
+        need.append(CHUNKED_LOSS_PATCH)
     return need
