@@ -149,7 +149,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
             "--steps",
             "3",
             "--variants",
-            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs",
+            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs,chunked_loss",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -164,22 +164,25 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs"]
+    variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss"]
     assert [r["variant"] for r in rows] == variants, rows
-    cache, fused, syncs, alloc = (
+    cache, fused, syncs, chunked, alloc = (
         "SPECFORGE_EAGLE3_EMPTY_CACHE",
         "SPECFORGE_ADAMW_FUSED",
         "SPECFORGE_EAGLE3_FEWER_SYNCS",
+        "SPECFORGE_EAGLE3_CHUNKED_LOSS",
         "PYTORCH_CUDA_ALLOC_CONF",
     )
     assert [r["step_env"] for r in rows] == [
-        {cache: "1", fused: "0", syncs: "0", alloc: None},
-        {cache: "0", fused: "1", syncs: "0", alloc: None},
-        {cache: "0", fused: "1", syncs: "0", alloc: "expandable_segments:True"},
-        {cache: "0", fused: "1", syncs: "1", alloc: None},
+        {cache: "1", fused: "0", syncs: "0", chunked: "0", alloc: None},
+        {cache: "0", fused: "1", syncs: "0", chunked: "0", alloc: None},
+        {cache: "0", fused: "1", syncs: "0", chunked: "0", alloc: "expandable_segments:True"},
+        {cache: "0", fused: "1", syncs: "1", chunked: "0", alloc: None},
+        {cache: "0", fused: "1", syncs: "0", chunked: "1024", alloc: None},  # the tiny recipe's step, chunked
     ]
-    assert [r["adamw_fused"] for r in rows] == [False, True, True, True]
-    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True]
+    assert [r["adamw_fused"] for r in rows] == [False, True, True, True, True]
+    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True, False]
+    assert [r["chunked_head_loss"] for r in rows] == [0, 0, 0, 0, 1024]  # what the patched step read
     assert doc["config"]["variants"]["expandable"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     base = rows[0]["losses"]
     assert len(base) == 3 and len(set(base)) == 3  # three different batches
@@ -189,7 +192,9 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert comps["specforge"]["loss_max_abs_diff"] == 0.0 and comps["specforge"]["speed_ratio"] == 1.0
     # eagle3-fewer-host-syncs changes where values are built and when they are read, not what they are
     assert rows[3]["losses"] == rows[1]["losses"]
-    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs"):
+    # eagle3-chunked-head-loss sums the same terms in another order
+    assert rows[4]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-5)
+    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss"):
         r = rows[[x["variant"] for x in rows].index(name)]
         diff = max(abs(a - b) for a, b in zip(r["losses"], base, strict=True))
         assert comps[name]["loss_max_abs_diff"] == diff <= 1e-3 * max(base)
