@@ -23,6 +23,7 @@ DURABLE_ONLY = [
     "training/offline.py",
     "demo/draft_eval.py",
     "demo/target_text.py",
+    "demo/pretrain.py",
     "drafts/export.py",
 ]
 

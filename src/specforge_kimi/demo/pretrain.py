@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 
 
@@ -339,7 +340,7 @@ def pretrain_structured_target(
         )
     if prompt_rules:
         summary["prompt_rules"] = _rules_summary(prompt_rule, prompt_rules, rows, rule_held_numbers)
-    (out / "pretrain.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "pretrain.json", json.dumps(summary, indent=2))
     _plot_pretrain(res.losses, summary, out / "pretrain_loss.png")
     return summary
 
