@@ -93,16 +93,16 @@ def test_overlap_refusals_are_one_line(tmp_path, overlap, nnodes, says):
 
 # -- the daemon's lifecycle, a fake nvidia-cuda-mps-control on PATH ------------------------------------------
 FAKE = """#!/bin/sh
-# fake nvidia-cuda-mps-control: records each call in $EVENTS; -d leaves a marker in the pipe directory
+# fake nvidia-cuda-mps-control: records each call in $EVENTS; -d leaves the control socket's name in the pipe dir
 if [ "$1" = "-d" ]; then
   [ -n "$FAKE_MPS_REFUSE" ] && { echo "$FAKE_MPS_REFUSE" >&2; exit 1; }
   echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY $CUDA_VISIBLE_DEVICES" >> "$EVENTS"
-  touch "$CUDA_MPS_PIPE_DIRECTORY/daemon"
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"
   exit 0
 fi
 read line
 echo "$line $CUDA_MPS_PIPE_DIRECTORY" >> "$EVENTS"
-rm -f "$CUDA_MPS_PIPE_DIRECTORY/daemon"
+rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
 """
 
 
@@ -125,7 +125,7 @@ def _supervised(tmp_path: Path, service_rc: int):
     directory it was given) into the events file, then exits ``service_rc``."""
     from specforge.launch_plan import CommandSpec, LaunchPlan
 
-    script = 'if [ -e "$CUDA_MPS_PIPE_DIRECTORY/daemon" ]; then echo role-saw-daemon >> "$EVENTS"; fi; exit ' + str(
+    script = 'if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then echo role-saw-daemon >> "$EVENTS"; fi; exit ' + str(
         service_rc
     )
     role = CommandSpec("role", ("/bin/sh", "-c", script), {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps" / "pipe")})
@@ -193,3 +193,49 @@ def test_mps_dir_not_ours_is_refused(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(KimiInputError, match="not a directory of ours"):
         mps.private_dir(tmp_path / "link")
+
+
+def test_a_daemon_left_by_a_killed_launcher_is_stopped_before_the_next_start(tmp_path, fake_mps):
+    from specforge_kimi.run import mps
+
+    pipe, log = tmp_path / "mps" / "pipe", tmp_path / "mps" / "log"
+    pipe.mkdir(parents=True)
+    (pipe / mps.CONTROL_SOCKET).touch()  # the launcher was SIGKILLed: its finally never sent quit
+    mps.start(str(pipe), str(log), "0")
+    assert fake_mps.read_text().splitlines() == [f"quit {pipe}", f"start {pipe} {log} 0"]
+
+
+def test_stop_leftover_quits_only_a_serving_daemon(tmp_path, fake_mps):
+    from specforge_kimi.run import mps
+
+    pipe, log = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    assert mps.stop_leftover(None) is None and mps.stop_leftover((str(pipe), str(log))) is None
+    assert fake_mps.read_text() == ""
+    (pipe / mps.CONTROL_SOCKET).touch()
+    assert "stopped a CUDA MPS daemon" in mps.stop_leftover((str(pipe), str(log)))
+    assert fake_mps.read_text().splitlines() == [f"quit {pipe}"]
+
+
+def test_stop_quits_the_runs_left_daemon(tmp_path, monkeypatch):
+    from specforge_kimi.run import mps, stop
+
+    quit_on = []
+    monkeypatch.setattr(mps, "stop_leftover", lambda dirs: quit_on.append(dirs) or "stopped")
+    monkeypatch.setattr(stop, "_take_lock", lambda *a, **k: None)
+    monkeypatch.setattr(stop.run_guard, "run_processes", lambda out: [])
+    plan = compile_plan(_raw(tmp_path, mps=True), rendered_dir=tmp_path / "r")
+    Path(plan.recipe.output_dir).mkdir(parents=True, exist_ok=True)
+    done = stop.stop_run(plan.recipe, say=lambda _s: None)
+    assert quit_on == [plan.mps_dirs] and done["mps"] == "stopped"
+
+
+def test_a_parent_of_the_mps_directories_owned_by_another_user_is_refused(tmp_path, fake_mps):
+    from specforge_kimi.run import mps
+
+    base = tmp_path / "specforge-kimi-mps-0123456789abcdef"  # the /tmp fallback's predictable name, taken first
+    base.mkdir()
+    os.chown(base, 65534, 65534)
+    with pytest.raises(KimiInputError, match="not a directory of ours") as err:
+        mps.start(str(base / "pipe"), str(base / "log"))
+    assert "\n" not in str(err.value) and fake_mps.read_text() == ""

@@ -29,7 +29,11 @@ def _spawn(code: str, out: Path) -> subprocess.Popen:
 
 
 def _recipe(out: Path):
-    return types.SimpleNamespace(output_dir=str(out), server=types.SimpleNamespace(transport="mooncake"))
+    return types.SimpleNamespace(
+        output_dir=str(out),
+        server=types.SimpleNamespace(transport="mooncake"),
+        overlap=types.SimpleNamespace(mps=False),
+    )
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
@@ -96,7 +100,7 @@ def test_stop_with_nothing_running_changes_nothing(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     done = stop_run(_recipe(out), say=lambda _m: None)
-    assert done == {"launcher": None, "stopped": [], "pools_removed": [], "shm_removed": []}
+    assert done == {"launcher": None, "stopped": [], "pools_removed": [], "shm_removed": [], "mps": None}
     assert (out / "keep.txt").read_text() == "x"
 
 
@@ -216,7 +220,7 @@ def test_stop_never_signals_a_launcher_it_runs_under(tmp_path):
         "run_guard.acquire_lock(Path(sys.argv[1]))\n"
         "stop = ('import sys, types\\n'\n"
         "        'from specforge_kimi.run.stop import stop_run\\n'\n"
-        "        'r = types.SimpleNamespace(output_dir=sys.argv[1], server=types.SimpleNamespace(transport=\"mooncake\"))\\n'\n"
+        "        'r = types.SimpleNamespace(output_dir=sys.argv[1], server=types.SimpleNamespace(transport=\"mooncake\"), overlap=types.SimpleNamespace(mps=False))\\n'\n"
         "        'stop_run(r, grace_s=2.0)\\n')\n"
         "r = subprocess.run([sys.executable, '-c', stop, sys.argv[1]], capture_output=True, text=True)\n"
         "print(json.dumps({'rc': r.returncode, 'err': r.stderr.strip().splitlines()[-1:]}), flush=True)\n"

@@ -4,7 +4,9 @@ Scope: one ``nvidia-cuda-mps-control -d`` per node and attempt, with a pipe and 
 (mode 0700; the plan names them, ``plan.roles.mps_dirs``); every role carries the pipe directory in its environment
 (``CUDA_MPS_PIPE_DIRECTORY``), so its CUDA contexts become clients of this daemon and of no other. The daemon is
 stopped with ``echo quit | nvidia-cuda-mps-control`` however the attempt ends (a clean finish, a failed role,
-Ctrl-C). A daemon that cannot start is a one-line :class:`KimiInputError` with its reason; nothing else starts.
+Ctrl-C); a daemon a killed launcher left on the run's pipe is stopped by ``stop`` and before the next attempt's
+start (:func:`stop_leftover`). A daemon that cannot start is a one-line :class:`KimiInputError` with its reason;
+nothing else starts. The directories' parent is checked too (the /tmp fallback's name is predictable).
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from specforge_kimi.environment import CUDA_MPS_LOG_DIRECTORY, CUDA_MPS_PIPE_DIR
 from specforge_kimi.errors import KimiInputError
 
 CONTROL = "nvidia-cuda-mps-control"
+#: the daemon's control socket in its pipe directory: there while a daemon serves that pipe
+CONTROL_SOCKET = "control"
+#: the start command's output, kept in the run's MPS log directory (a pipe would keep the start waiting on the
+#: daemon's inherited descriptors)
+START_OUTPUT = "start.out"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 
@@ -46,7 +53,7 @@ def _reason(proc: subprocess.CompletedProcess | None, log: Path, exc: BaseExcept
     """Why the daemon did not start, in one line: the exception, its output, else its control.log's last line."""
     if exc is not None:
         return f"{type(exc).__name__}: {exc}"
-    text = ((proc.stderr or "") + (proc.stdout or "")).strip() if proc is not None else ""
+    text = (log / START_OUTPUT).read_text(errors="replace").strip() if (log / START_OUTPUT).is_file() else ""
     if not text and (log / "control.log").is_file():
         text = (log / "control.log").read_text(errors="replace").strip()
     line = text.splitlines()[-1] if text else "no output"
@@ -55,15 +62,22 @@ def _reason(proc: subprocess.CompletedProcess | None, log: Path, exc: BaseExcept
 
 def start(pipe: str, log: str, gpus: str | None = None) -> None:
     """Start the daemon on ``pipe``/``log`` (made private first); :class:`KimiInputError` naming why it did not."""
-    private_dir(Path(pipe))
-    private_dir(Path(log))
+    for d in {Path(pipe).parent, Path(log).parent, Path(pipe), Path(log)}:
+        private_dir(d)
     if shutil.which(CONTROL) is None:
         raise KimiInputError(f"overlap.mps: {CONTROL} is not on PATH (CUDA MPS is not installed on this host)")
+    stop_leftover((pipe, log))
     proc = exc = None
     try:
-        proc = subprocess.run(
-            [CONTROL, "-d"], env=_env(pipe, log, gpus), capture_output=True, text=True, timeout=START_TIMEOUT_S
-        )
+        with open(Path(log) / START_OUTPUT, "w", encoding="utf-8") as out:
+            proc = subprocess.run(
+                [CONTROL, "-d"],
+                env=_env(pipe, log, gpus),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=START_TIMEOUT_S,
+            )
     except (OSError, subprocess.TimeoutExpired) as e:
         exc = e
     if exc is not None or proc.returncode != 0:
@@ -79,6 +93,15 @@ def stop(pipe: str, log: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None if proc.returncode == 0 else _reason(proc, Path(log))
+
+
+def stop_leftover(dirs: tuple[str, str] | None) -> str | None:
+    """Stop a daemon still serving the run's pipe (its launcher was killed before its ``finally`` ran): ``quit``
+    when the control socket is there; returns what was done, None when nothing was left."""
+    if dirs is None or not (Path(dirs[0]) / CONTROL_SOCKET).exists():
+        return None
+    why = stop(*dirs)
+    return "stopped a CUDA MPS daemon left on the run's pipe" if why is None else f"a left MPS daemon: {why}"
 
 
 @contextmanager

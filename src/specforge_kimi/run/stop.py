@@ -83,7 +83,9 @@ def _take_lock(out: Path, *, grace_s: float, say: Callable[[str], object]) -> in
 
 def stop_run(recipe: Any, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say: Callable[[str], object] = print) -> dict:
     """Steps 1-3 of the module's docstring for ``recipe``'s output directory; returns what was done."""
+    from specforge_kimi.plan.roles import mps_dirs
     from specforge_kimi.plan.transport_plan import remove_stale_pools
+    from specforge_kimi.run import mps
     from specforge_kimi.run.resume import read_record, run_started
     from specforge_kimi.run.shm_leftovers import remove_leftovers
 
@@ -98,9 +100,12 @@ def stop_run(recipe: Any, *, grace_s: float = 3 * run_guard.STOP_GRACE_S, say: C
         stopped = run_guard.stop(left) if left else []
         pools = remove_stale_pools(recipe)
         shm = remove_leftovers(run_started(read_record(out)))
+        mps_left = mps.stop_leftover(mps_dirs(recipe))
+        if mps_left:
+            say(mps_left)
     finally:
         run_guard.release_lock(out)
-    done = {"launcher": launcher, "stopped": stopped, "pools_removed": pools, "shm_removed": shm}
+    done = {"launcher": launcher, "stopped": stopped, "pools_removed": pools, "shm_removed": shm, "mps": mps_left}
     say(
         f"stopped {out}: launcher {'pid ' + str(launcher) if launcher else 'not running'}, {len(stopped)} processes, "
         f"{len(pools)} stale pools and {len(shm)} /dev/shm files removed; `launch --resume` continues the run"
