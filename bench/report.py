@@ -176,6 +176,28 @@ def _read_e2e_run(d: dict) -> str:
     return f"**{e / t:.2f}** ({e:,.0f} trained tok/s end to end vs {t:,.0f} trainer-only)"
 
 
+TRAINER_ALONE_FILE = "trainer_step_k25_b200_h200.json"
+PREFILL_ALONE_FILE = "prefill_depth_k25_slice5_h200.json"
+
+
+def _read_colocated_over_alone(d: dict, by_name: dict[str, dict]) -> str:
+    """The co-located run's end-to-end rate over the trainer measured alone (same step, 4k, the recipe's variant)
+    and over the serial sum of the two stages alone (1 / (1/prefill + 1/trainer)): how far the stages overlap."""
+    e = d["perf"]["end_to_end_tokens_per_s"]
+    rows = by_name[TRAINER_ALONE_FILE]["rows"]
+    trainer = next(r["tokens_per_s"] for r in rows if r["variant"] == "recipe" and r["length"] == 4096)
+    prefill = by_name[PREFILL_ALONE_FILE]["runs"][0]["shapes"][0]["plain_tokens_per_s"]
+    serial = 1 / (1 / prefill + 1 / trainer)
+    return (
+        f"**{e / trainer:.2f}** of the trainer alone, **{e / serial:.2f}** of the serial sum ({e:,.0f} trained tok/s "
+        f"end to end; trainer alone {trainer:,.0f} (`{TRAINER_ALONE_FILE}`), plain prefill alone {prefill:,.0f} "
+        f"(`{PREFILL_ALONE_FILE}`), serial {serial:,.0f})"
+    )
+
+
+_read_colocated_over_alone.with_index = True
+
+
 def _read_e2e_sizing(d: dict) -> str:
     s = d["slice_run"]
     return (
@@ -267,6 +289,19 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
                 "`runs[].shapes[].capture_over_plain`: through SpecForge's producer, compact passthrough, tiny "
                 "random-weight target (hidden 512), TP=1, one H200; medians of 5",
             ),
+        ],
+    ),
+    (
+        "co-located / the stages alone",
+        [
+            (
+                "online_run_k25_slice_shipped_h200.json",
+                _read_colocated_over_alone,
+                "`perf.end_to_end_tokens_per_s` of the K2.5-width slice's co-located run (cuda_ipc, the recipe as "
+                "shipped, one H200) over the trainer measured alone on the same step at 4k and over the serial sum "
+                "of that and plain prefill alone: the baselines a user would pick (the row below compares with "
+                "rates measured inside the same run)",
+            )
         ],
     ),
     (
@@ -1963,7 +1998,7 @@ def section_headline(by_name: dict[str, dict], headline=None) -> list[str]:
             continue
         f, read, how = present
         try:
-            figure = read(by_name[f])
+            figure = read(by_name[f], by_name) if getattr(read, "with_index", False) else read(by_name[f])
         except Exception as exc:  # a file of an unexpected shape: say so, keep the report
             figure = f"could not be read: {type(exc).__name__}: {exc}"
         preferred = [g for g, _, _ in candidates[: [c[0] for c in candidates].index(f)]]

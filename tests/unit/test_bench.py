@@ -1303,3 +1303,25 @@ def test_cli_defaults_to_dflash_for_a_block_draft(tmp_path):
     assert s.configs == [bench.DFlashConfig(None)]
     s = bench.settings_from_args(p.parse_args(["--target", str(target), "--draft", str(draft), "--config", "DFLASH,4"]))
     assert s.configs == [bench.DFlashConfig(4)]
+
+
+def test_report_colocated_row_divides_by_the_stages_measured_alone():
+    """The honest co-located ratio: over the trainer measured alone and the serial sum, not the in-run rates."""
+    report = _report_module()
+    run = {"perf": {"end_to_end_tokens_per_s": 8000.0, "trainer_only_tokens_per_s": 8100.0}}
+    alone = {
+        "rows": [
+            {"variant": "specforge", "length": 4096, "tokens_per_s": 9000.0},
+            {"variant": "recipe", "length": 16384, "tokens_per_s": 7000.0},
+            {"variant": "recipe", "length": 4096, "tokens_per_s": 10000.0},
+        ]
+    }
+    prefill = {"runs": [{"shapes": [{"plain_tokens_per_s": 40000.0}]}]}
+    by_name = {report.TRAINER_ALONE_FILE: alone, report.PREFILL_ALONE_FILE: prefill}
+    text = report._read_colocated_over_alone(run, by_name)
+    assert text.startswith("**0.80** of the trainer alone, **1.00** of the serial sum")  # serial = 8,000
+    rows = report.section_headline(
+        {"online_run_k25_slice_shipped_h200.json": run, **by_name},
+        headline=[("co-located", [("online_run_k25_slice_shipped_h200.json", report._read_colocated_over_alone, "")])],
+    )
+    assert any("**0.80** of the trainer alone" in line for line in rows)
