@@ -19,11 +19,11 @@ import re
 from pathlib import Path
 
 import pytest
+from package_modules import modules
 
 from specforge_kimi import environment
 
 ROOT = Path(__file__).resolve().parents[2]
-PKG = ROOT / "src" / "specforge_kimi"
 TABLE_MODULE = "environment"
 ROW_CONST = {attr: v for attr, v in vars(environment).items() if isinstance(v, environment.EnvVar)}
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9]*(_[A-Z0-9]+)*$")
@@ -31,17 +31,7 @@ ENVISH = re.compile(r"(^|_)env(iron)?$", re.IGNORECASE)
 OURS = re.compile(r"SPECFORGE_KIMI_[A-Z0-9_]+")
 
 
-def _module_files() -> dict[str, Path]:
-    mods = {}
-    for path in PKG.rglob("*.py"):
-        parts = path.relative_to(PKG).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = path
-    return mods
-
-
-MODULES = _module_files()
+MODULES = modules()
 TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
 
 

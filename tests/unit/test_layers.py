@@ -12,8 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-PKG = Path(__file__).resolve().parents[2] / "src" / "specforge_kimi"
+from package_modules import modules
 
 #: Bottom first. A top-level module is its own unit; a subpackage is one unit.
 LAYERS = [
@@ -35,17 +34,7 @@ LAYERS = [
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
-def _modules() -> dict[str, Path]:
-    mods = {}
-    for path in PKG.rglob("*.py"):
-        parts = path.relative_to(PKG).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = path
-    return mods
-
-
-MODULES = _modules()
+MODULES = modules()
 
 
 def _unit(module: str) -> str:
