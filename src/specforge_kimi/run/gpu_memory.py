@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
+
+from specforge_kimi.run.periodic import Periodic
 
 SAMPLES_CSV = "gpu_mem_samples.csv"
 
@@ -88,26 +89,22 @@ class GpuSampler:
         self.path = Path(path)
         self.interval_s = interval_s
         self.nvidia_smi = shutil.which(nvidia_smi)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic: Periodic | None = None
 
-    def _loop(self) -> None:
-        while True:
-            lines = sample_once(self.nvidia_smi)
-            if lines:
-                with open(self.path, "a") as f:
-                    f.write("\n".join(lines) + "\n")
-            if self._stop.wait(self.interval_s):
-                return
+    def _sample(self) -> None:
+        lines = sample_once(self.nvidia_smi)
+        if lines:
+            with open(self.path, "a") as f:
+                f.write("\n".join(lines) + "\n")
 
     def __enter__(self) -> GpuSampler:
         if self.nvidia_smi:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._thread = threading.Thread(target=self._loop, name="specforge-kimi-gpu-samples", daemon=True)
-            self._thread.start()
+            self._periodic = Periodic(
+                self._sample, self.interval_s, name="specforge-kimi-gpu-samples", at_start=True
+            ).start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._periodic is not None:
+            self._periodic.stop()

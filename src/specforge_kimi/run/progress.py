@@ -22,13 +22,13 @@ import json
 import re
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from specforge_kimi.errors import KimiInputError
+from specforge_kimi.run.periodic import Periodic
 
 _STEP = re.compile(r"^step (\d+): (\{.*\})\s*$", re.M)
 
@@ -297,8 +297,7 @@ class LiveProgress:
         self.stream = sys.stderr if stream is None else stream
         self.tty = is_terminal(self.stream)
         self.interval_s = interval_s if interval_s is not None else (2.0 if self.tty else 60.0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic: Periodic | None = None
         self._tail: RunTail | None = None
         self._last = ""
         self.lines = 0
@@ -324,22 +323,19 @@ class LiveProgress:
                 return
         self.show(status_line(self._tail.poll(force_ledger=final)), final=final)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self._tick()
-            except Exception as exc:  # a status line must never stop the run it reports on
-                self.show(f"(progress unavailable: {exc})")
+    def _safe_tick(self) -> None:
+        try:
+            self._tick()
+        except Exception as exc:  # a status line must never stop the run it reports on
+            self.show(f"(progress unavailable: {exc})")
 
     def __enter__(self) -> LiveProgress:
-        self._thread = threading.Thread(target=self._loop, name="specforge-kimi-progress", daemon=True)
-        self._thread.start()
+        self._periodic = Periodic(self._safe_tick, self.interval_s, name="specforge-kimi-progress").start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._periodic is not None:
+            self._periodic.stop()
         try:
             self._tick(final=True)
         except Exception as e:  # the run's own result matters more than its last status line
