@@ -72,7 +72,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 TRAINER_STEP_BENCH = "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
@@ -195,9 +195,6 @@ def _read_colocated_over_alone(d: dict, by_name: dict[str, dict]) -> str:
     )
 
 
-_read_colocated_over_alone.with_index = True
-
-
 def _read_e2e_sizing(d: dict) -> str:
     s = d["slice_run"]
     return (
@@ -235,14 +232,24 @@ def _read_projection(d: dict, recipe: str = "8xb200") -> str:
     return f"{per} tok/s per GPU ({name}, {r['gpus']}, slowest stage {r['slowest_stage']}); TorchSpec {ts:,.0f}"
 
 
-#: The headline table, one row per metric: ``(metric, candidates)``, each candidate ``(file, reader, how the
-#: number is read)`` in order of preference. The first candidate present in the results is read; a row whose
-#: files are all absent says "not measured yet". A headline file must not be in SUPERSEDED (a test checks).
-HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
+class Source(NamedTuple):
+    """A file a headline row may be read from: ``read(results)``, or with ``needs_index`` ``read(results, by_name)``
+    (every results file by name, for a figure that divides by another file's); ``how`` says how the number is read."""
+
+    file: str
+    read: Callable[..., str]
+    how: str
+    needs_index: bool = False
+
+
+#: The headline table, one row per metric: ``(metric, sources)``, the :class:`Source` files in order of preference.
+#: The first source present in the results is read; a row whose files are all absent says "not measured yet". A
+#: headline file must not be in SUPERSEDED (a test checks).
+HEADLINE: list[tuple[str, list[Source]]] = [
     (
         "acceptance length",
         [
-            (
+            Source(
                 "acceptance_online_draft_echo_tp1_h200.json",
                 _read_acceptance,
                 "`threshold.acceptance_length`: SGLang's token-weighted AL at EAGLE-3 3/1/4 over the threshold's "
@@ -253,7 +260,7 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "offline twin vs online draft (acceptance length)",
         [
-            (
+            Source(
                 "offline_twin_echo_tp1_h200.json",
                 _read_twin,
                 "`offline_vs_online_relative`: the same recipe trained by SpecForge's offline trainer on features "
@@ -264,7 +271,7 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "speedup",
         [
-            (
+            Source(
                 "acceptance_offline_twin_echo_baseline_tp1_h200.json",
                 _read_speedup,
                 "`speedup.overall` of the speculative run at the threshold's config: output tok/s at 3/1/4 over "
@@ -277,13 +284,13 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "capture / plain prefill",
         [
-            (
+            Source(
                 "online_pipeline_k25_slice_h200.json",
                 _read_capture,
                 "`runs[].shapes[].capture_over_plain` per transport and batch: the K2.5-width slice (hidden "
                 "7168, INT4 experts), TP=1, one H200, compact passthrough",
             ),
-            (
+            Source(
                 "online_pipeline_tp1_h200_compact_headline.json",
                 _read_capture,
                 "`runs[].shapes[].capture_over_plain`: through SpecForge's producer, compact passthrough, tiny "
@@ -294,32 +301,33 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "co-located / the stages alone",
         [
-            (
+            Source(
                 "online_run_k25_slice_shipped_h200.json",
                 _read_colocated_over_alone,
                 "`perf.end_to_end_tokens_per_s` of the K2.5-width slice's co-located run (cuda_ipc, the recipe as "
                 "shipped, one H200) over the trainer measured alone on the same step at 4k and over the serial sum "
                 "of that and plain prefill alone: the baselines a user would pick (the row below compares with "
                 "rates measured inside the same run)",
+                needs_index=True,
             )
         ],
     ),
     (
         "end-to-end / slowest stage",
         [
-            (
+            Source(
                 "sizing_k25.json",
                 _read_e2e_sizing,
                 "`slice_run.end_to_end_over_slowest_stage`: the K2.5-width slice's co-located run against the "
                 "slower of its plain prefill and its trainer-only rate",
             ),
-            (
+            Source(
                 "online_run_k25_slice_cuda_ipc_h200.json",
                 _read_e2e_run,
                 "`perf.end_to_end_tokens_per_s` / `perf.trainer_only_tokens_per_s` (the run-report's one stage "
                 "rate): the K2.5-width slice's co-located run on cuda_ipc, one H200",
             ),
-            (
+            Source(
                 "online_run_echo_tp1_h200.json",
                 _read_e2e_run,
                 "`perf.end_to_end_tokens_per_s` / `perf.trainer_only_tokens_per_s` (the trainer is the slowest "
@@ -330,13 +338,13 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "bytes on disk per trained token",
         [
-            (
+            Source(
                 "online_run_k25_slice_cuda_ipc_h200.json",
                 _read_disk,
                 "`metadata_bytes_per_trained_token`: the run directory besides checkpoints and export over "
                 "trained tokens; the K2.5-width slice's 300-step co-located run on cuda_ipc",
             ),
-            (
+            Source(
                 "online_run_echo_tp1_h200.json",
                 _read_disk,
                 "`metadata_bytes_per_trained_token`: the run directory besides checkpoints and export over "
@@ -347,7 +355,7 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "trainer memory vs plan",
         [
-            (
+            Source(
                 "trainer_memory_k25_b200_h200.json",
                 _read_trainer_plan,
                 "`rows[].measured_over_plan`: one trainer rank's peak `torch.cuda` allocated memory over "
@@ -358,7 +366,7 @@ HEADLINE: list[tuple[str, list[tuple[str, Callable[[dict], str], str]]]] = [
     (
         "projected end-to-end tok/s per GPU, 8xB200 (vs TorchSpec 1.1k)",
         [
-            (
+            Source(
                 "sizing_k25.json",
                 _read_projection,
                 "`recipes[kimi-k25-8xb200-lowered].transports[].end_to_end_tokens_per_s_per_gpu` over "
@@ -1990,20 +1998,23 @@ def section_sizing(files: list[tuple[str, dict]]) -> list[str]:
 def section_headline(by_name: dict[str, dict], headline=None) -> list[str]:
     """The current figure per metric, read from the first present file of each ``HEADLINE`` row."""
     rows = []
-    for metric, candidates in HEADLINE if headline is None else headline:
-        present = next(((f, read, how) for f, read, how in candidates if f in by_name), None)
+    for metric, sources in HEADLINE if headline is None else headline:
+        present = next((i for i, c in enumerate(sources) if c.file in by_name), None)
         if present is None:
-            names = " or ".join(f"`{f}`" for f, _, _ in candidates)
-            rows.append([metric, "not measured yet", candidates[0][2], names])
+            names = " or ".join(f"`{c.file}`" for c in sources)
+            rows.append([metric, "not measured yet", sources[0].how, names])
             continue
-        f, read, how = present
+        source = sources[present]
+        d = by_name[source.file]
         try:
-            figure = read(by_name[f], by_name) if getattr(read, "with_index", False) else read(by_name[f])
+            figure = source.read(d, by_name) if source.needs_index else source.read(d)
         except Exception as exc:  # a file of an unexpected shape: say so, keep the report
             figure = f"could not be read: {type(exc).__name__}: {exc}"
-        preferred = [g for g, _, _ in candidates[: [c[0] for c in candidates].index(f)]]
-        where = f"`{f}`" + (f" ({', '.join(f'`{g}`' for g in preferred)} not measured yet)" if preferred else "")
-        rows.append([metric, figure, how, where])
+        preferred = [c.file for c in sources[:present]]
+        where = f"`{source.file}`" + (
+            f" ({', '.join(f'`{g}`' for g in preferred)} not measured yet)" if preferred else ""
+        )
+        rows.append([metric, figure, source.how, where])
     return [
         "## Headline: the current figure per metric",
         "",

@@ -1034,7 +1034,7 @@ def test_report_headline_and_superseded_agree_with_the_committed_results(tmp_pat
     headline without a read error, and each superseded file is listed in the appendix, out of the main sections."""
     report = _report_module()
     committed = {p.name for p in (REPO / "bench" / "results").glob("*.json")}
-    headline_files = {f for _, cands in report.HEADLINE for f, _, _ in cands}
+    headline_files = {c.file for _, sources in report.HEADLINE for c in sources}
     assert not headline_files & set(report.SUPERSEDED)
     assert set(report.SUPERSEDED) <= committed
     md = report.build_report(REPO / "bench" / "results", tmp_path / "REPORT.md", tmp_path / "plots")
@@ -1322,6 +1322,18 @@ def test_report_colocated_row_divides_by_the_stages_measured_alone():
     assert text.startswith("**0.80** of the trainer alone, **1.00** of the serial sum")  # serial = 8,000
     rows = report.section_headline(
         {"online_run_k25_slice_shipped_h200.json": run, **by_name},
-        headline=[("co-located", [("online_run_k25_slice_shipped_h200.json", report._read_colocated_over_alone, "")])],
+        headline=[
+            (
+                "co-located",
+                [
+                    report.Source(
+                        "online_run_k25_slice_shipped_h200.json",
+                        report._read_colocated_over_alone,
+                        "",
+                        needs_index=True,
+                    )
+                ],
+            )
+        ],
     )
     assert any("**0.80** of the trainer alone" in line for line in rows)
