@@ -35,31 +35,18 @@ DEMO_DFLASH_IDS = (1, 2, 3)
 def dflash_draft_config(hidden: int, num_layers: int, block_size: int, mask_token_id: int) -> dict:
     """The demo's DFlash draft: one Qwen3-style layer at the target's width (its noise is embedded with the target's
     embedding), :data:`DEMO_DFLASH_IDS`, the K2.5 mask token."""
-    from specforge_kimi.targets.tiny import K25_BOS, K25_EOS, K25_PAD, K25_VOCAB
+    from specforge_kimi.demo.draft_steps import one_layer_draft
 
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": 4 * hidden,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "head_dim": hidden // 4,
-        "num_hidden_layers": 1,
+        **one_layer_draft(hidden),
         "layer_types": ["full_attention"],
-        "hidden_act": "silu",
         "attention_bias": False,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "vocab_size": K25_VOCAB,
         "block_size": block_size,
         "num_target_layers": num_layers,
         "dflash_config": {"target_layer_ids": list(DEMO_DFLASH_IDS), "mask_token_id": mask_token_id},
-        "bos_token_id": K25_BOS,
-        "eos_token_id": K25_EOS,
-        "pad_token_id": K25_PAD,
-        "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
 
@@ -226,37 +213,23 @@ def eagle3_decode_acceptance(draft, inp, samples: list[dict], steps: int) -> dic
 
 def _train(s, inp, say, log: Path, steps, cfg_path: Path) -> dict:
     """SpecForge's own DFlash training on the captured features (``hidden_states``), its steps on ``steps.bar``."""
-    from specforge_kimi.console import Progress
+    from specforge_kimi.demo.draft_steps import train_draft
     from specforge_kimi.plan.recipes import K25_MASK_TOKEN_ID
-    from specforge_kimi.training.offline import train_offline
 
-    say(f"[5/6] SpecForge DFlash training, {s.steps} steps (block {s.block_size}); its log: {log}")
-    steps.bar = Progress("[5/6] train", s.steps, unit="step", enabled=s.progress)
-    try:
-        return train_offline(
-            target_dir=str(inp.target_dir),
-            draft_config_path=str(cfg_path),
-            hidden_states_path=str(inp.feat_dir),
-            vocab_mapping_path=None,
-            output_dir=str(inp.out / "train-dflash"),
-            max_steps=s.steps,
-            ttt_length=s.ttt_length,
-            learning_rate=s.learning_rate,
-            max_length=2048,
-            seed=s.seed,
-            embedding_key=inp.info.embedding_key,
-            lm_head_key=inp.info.lm_head_key,
-            chat_template="kimi-k2.5",
-            strategy="dflash",
-            extra_overrides={
-                "model.torch_dtype": str(inp.feat_dtype).replace("torch.", ""),
-                "model.mask_token_id": K25_MASK_TOKEN_ID,
-                "training.num_anchors": s.num_anchors,
-            },
-        )
-    finally:
-        steps.bar.close()
-        steps.bar = None
+    return train_draft(
+        s,
+        inp,
+        say,
+        log,
+        steps,
+        family="DFlash",
+        detail=f"block {s.block_size}",
+        draft_config_path=cfg_path,
+        vocab_mapping_path=None,
+        output_dir=inp.out / "train-dflash",
+        strategy="dflash",
+        extra_overrides={"model.mask_token_id": K25_MASK_TOKEN_ID, "training.num_anchors": s.num_anchors},
+    )
 
 
 def train_evaluate_export(s, inp, say, lap, timings: dict, t0: float, log: Path, steps, base_summary) -> dict:
@@ -302,10 +275,10 @@ def train_evaluate_export(s, inp, say, lap, timings: dict, t0: float, log: Path,
 
 def _losses_gain(result: dict, before: dict, after: dict) -> tuple[float, float, float]:
     """Mean training loss over the first and last fifth (at most 50 steps each) and the acceptance gain."""
-    losses = result["losses"]
-    k = max(1, min(50, len(losses) // 5))
-    gain = after["mean_acceptance_length"] - before["mean_acceptance_length"]
-    return sum(losses[:k]) / k, sum(losses[-k:]) / k, gain
+    from specforge_kimi.demo.draft_steps import loss_means
+
+    _, first, last = loss_means(result["losses"])
+    return first, last, after["mean_acceptance_length"] - before["mean_acceptance_length"]
 
 
 def _summary(summary: dict, before: dict, after: dict, check: dict, timings: dict, t0: float) -> dict[str, Any]:

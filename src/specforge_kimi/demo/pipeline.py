@@ -90,28 +90,15 @@ class DemoSettings:
 
 
 def _draft_config(hidden: int, draft_vocab: int, aux_ids: list[int]) -> dict:
-    from specforge_kimi.targets.tiny import K25_BOS, K25_EOS, K25_PAD, K25_VOCAB
+    from specforge_kimi.demo.draft_steps import one_layer_draft
 
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": 4 * hidden,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "head_dim": hidden // 4,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
+        **one_layer_draft(hidden),
         "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "vocab_size": K25_VOCAB,
         "draft_vocab_size": draft_vocab,
         "target_hidden_size": hidden,
-        "bos_token_id": K25_BOS,
-        "eos_token_id": K25_EOS,
-        "pad_token_id": K25_PAD,
-        "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True},
     }
@@ -454,35 +441,21 @@ def _pair(out: Path, results: dict, say) -> dict:
 
 
 def _specforge_train(s: DemoSettings, inp: DemoInputs, say, log: Path, steps) -> dict:
-    """Step 5: SpecForge's own EAGLE-3 training on the captured features (:func:`training.offline.train_offline`),
-    its steps shown on ``steps.bar``."""
-    from specforge_kimi.console import Progress
-    from specforge_kimi.training.offline import train_offline
+    """Step 5: SpecForge's own EAGLE-3 training on the captured features, its steps shown on ``steps.bar``."""
+    from specforge_kimi.demo.draft_steps import train_draft
 
-    out, target_dir, info, feat_dir, feat_dtype = inp.out, inp.target_dir, inp.info, inp.feat_dir, inp.feat_dtype
-    draft_cfg_path, vm_path = inp.draft_cfg_path, inp.vm_path
-    say(f"[5/6] SpecForge EAGLE-3 training, {s.steps} steps (TTT length {s.ttt_length}); its log: {log}")
-    steps.bar = Progress("[5/6] train", s.steps, unit="step", enabled=s.progress)
-    try:
-        return train_offline(
-            target_dir=str(target_dir),
-            draft_config_path=str(draft_cfg_path),
-            hidden_states_path=str(feat_dir),
-            vocab_mapping_path=str(vm_path),
-            output_dir=str(out / "train"),
-            max_steps=s.steps,
-            ttt_length=s.ttt_length,
-            learning_rate=s.learning_rate,
-            max_length=2048,
-            seed=s.seed,
-            embedding_key=info.embedding_key,
-            lm_head_key=info.lm_head_key,
-            chat_template="kimi-k2.5",
-            extra_overrides={"model.torch_dtype": str(feat_dtype).replace("torch.", "")},
-        )
-    finally:
-        steps.bar.close()
-        steps.bar = None
+    return train_draft(
+        s,
+        inp,
+        say,
+        log,
+        steps,
+        family="EAGLE-3",
+        detail=f"TTT length {s.ttt_length}",
+        draft_config_path=inp.draft_cfg_path,
+        vocab_mapping_path=str(inp.vm_path),
+        output_dir=inp.out / "train",
+    )
 
 
 def base_summary(s: DemoSettings, inp: DemoInputs, result: dict, losses_gain, export_dir, family: str) -> dict:
@@ -568,6 +541,7 @@ def _train_evaluate_export(
     """The demo's steps 4-6: the untrained draft, SpecForge's training, evaluation, export and the summary."""
     import torch
 
+    from specforge_kimi.demo.draft_steps import loss_means
     from specforge_kimi.drafts.export import export_run_draft
     from specforge_kimi.evaluate.simulate import simulated_acceptance
 
@@ -617,8 +591,7 @@ def _train_evaluate_export(
     )
     t = lap("export", t)
 
-    k = max(1, min(50, len(losses) // 5))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    k, first, last = loss_means(losses)
     gain = after.mean_acceptance_length - before.mean_acceptance_length
     _plot(losses, result.get("acc_per_position") or [], out / "loss_curve.png")
     summary = _demo_summary(s, inp, result, before, after, (first, last, gain), export_dir)
