@@ -9,23 +9,30 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   experts) comes from the width probes ``capture_overhead_width7168_l<L>_e16_bf16_tp1_h200.json`` (hidden 7168,
   16 bf16 experts, two depths) and the per-MoE-layer time from the 384-expert slice, so the expert count the real
   run pays stays in the MoE term;
-- ``online_run_k25_slice_<transport>[_<tag>].json`` (transport ``cuda_ipc`` or ``mooncake``; ``*_eval_draft``
-  excluded): run-reports of the slice recipe's co-located runs, every one used, per transport. The trainer step a
-  run ran is its report's ``trainer_step_env`` (from the launch sheet); for a report without it, a tag holding
-  ``step_recipe`` marks the recipe's step (``trainer.step_empty_cache`` / ``fused_adamw`` / ``cuda_alloc_conf``
-  as the slice recipe ships them) and any other run ran SpecForge's own (all runs before 2026-12-04;
-  ``step_specforge`` says so explicitly);
-- ``trainer_step_lifts_k25_b200_h200.json``: one trainer rank alone on the GPU at the recipes' draft, 4k and 16k
-  tokens, the batch already on the GPU (``--feed cuda``: both transports hand the step device tensors), one row per
-  step variant (``step_env``). A recipe's trainer rate is the row of its own step; a run's trainer-alone rate, the
-  row of the step that run used;
+- ``online_run_k25_slice_<transport>[_<tag>].json`` (transport ``cuda_ipc`` or ``mooncake``), or
+  ``online_run_k25_slice_<tag>.json`` whose run-report names its ``transport`` (``*_eval_draft`` excluded, and any
+  report with fewer than ``MIN_RUN_STEPS`` timed steps): run-reports of the slice recipe's co-located runs, every one
+  used, per transport. The trainer step a run ran is its report's ``trainer_step_env`` (from the launch sheet); for
+  a report without it, a tag holding ``step_recipe`` marks the recipe's step (``trainer.step_empty_cache`` /
+  ``fused_adamw`` / ``cuda_alloc_conf`` as the slice recipe ships them) and any other run ran SpecForge's own (all
+  runs before 2026-12-04; ``step_specforge`` says so explicitly). The memory carried to the recipes is a run of the
+  recipe's step, one whose report names its step first;
+- ``trainer_step_k25_b200_h200.json`` (optional, preferred) and ``trainer_step_lifts_k25_b200_h200.json``
+  (``TRAINER_FILES``): one trainer rank alone on the GPU at the recipes' draft, 4k and 16k tokens, the batch already
+  on the GPU (``--feed cuda``: both transports hand the step device tensors), one row per step variant
+  (``step_env``); a (length, step) row is read from the first file that has it. A recipe's trainer rate is the row
+  of its own step; a run's trainer-alone rate, the row of the step that run used. A block-draft recipe (DFlash) has
+  no measured step: its rate is its EAGLE-3 twin's x the ratio of training FLOPs per token
+  (:func:`train_flops_per_token`) x ``block_step_vs_flops``, an estimate;
 - ``prefill_width7168_l6_e16_{bf16,int4}_h200.jsonl``: INT4 vs bf16 experts (the expert-count backtest).
 
-and projects each shipped K2.5 recipe (8xB200 lowered, 8xB300, 2x8 B300) per transport that applies to it
+and projects each shipped K2.5 recipe (8xB200 lowered, 8xB300, 2x8 B300; the 8xB200 DFlash twin) per transport that applies to it
 (cuda_ipc: one node; Mooncake: all): node prefill tok/s, trainer tok/s per GPU, co-located end-to-end trained tok/s
 per GPU, feature GB/s per node against what the transport carried, memory per GPU, wall time and GPU-hours per
-1B trained tokens, beside TorchSpec's published K2.5 run. Every number not measured here is in ``ASSUMPTIONS``
-with its source, and written into the output. ``backtest`` predicts measured configurations the model was not fed
+1B trained tokens, beside TorchSpec's published K2.5 run (its two figures, the blog's and the model card's, beside
+this model's prediction on TorchSpec's own 16 + 16 H200 layout). Every number not measured here is in ``ASSUMPTIONS``
+with its source and its pessimistic and optimistic end, and written into the output; ``sensitivity`` projects the
+8xB200 recipes (EAGLE-3 and its block-draft twin) and TorchSpec's layout at each end, one assumption at a time. ``backtest`` predicts measured configurations the model was not fed
 (the slice run's end-to-end rate without that run; the slice's prefill from the 16-expert probes) and records
 predicted, measured and the relative error.
 
@@ -48,17 +55,37 @@ DOC = REPO / "docs" / "sizing.md"
 BEGIN, END = "<!-- sizing:begin (bench/sizing.py writes this) -->", "<!-- sizing:end -->"
 K25_LAYERS = 61
 GIB = 1024**3
-RECIPES = ("kimi-k25-8xb200-lowered.yaml", "kimi-k25-8xb300.yaml", "kimi-k25-2x8xb300.yaml")
+#: EAGLE-3 recipes, then the block-draft (DFlash) twin of the 8xB200 one: its trainer term is an estimate
+#: (``block_step_vs_flops``), scaled from its EAGLE-3 twin's measured step (the name without ``-dflash``)
+RECIPES = (
+    "kimi-k25-8xb200-lowered.yaml",
+    "kimi-k25-8xb300.yaml",
+    "kimi-k25-2x8xb300.yaml",
+    "kimi-k25-8xb200-lowered-dflash.yaml",
+)
 SLICE_RECIPE = "kimi-k25-slice-h200.yaml"
 TRANSPORTS = ("cuda_ipc", "mooncake")
-RUN_NAME = re.compile(r"^online_run_k25_slice_(cuda_ipc|mooncake)(_[A-Za-z0-9_.-]+)?\.json$")
+RUN_NAME = re.compile(r"^online_run_k25_slice_(?:(cuda_ipc|mooncake)(?:_[A-Za-z0-9_.-]+)?|[A-Za-z0-9_.-]+)\.json$")
+#: a run-report with fewer timed steps than this (after its warm-up) measured start-up, not a rate: left out
+MIN_RUN_STEPS = 5
+#: trainer step benches, the preferred first: a row (length, step) is read from the first file that has it
+TRAINER_FILES = ("trainer_step_k25_b200_h200.json", "trainer_step_lifts_k25_b200_h200.json")
 DEPTH_NAME = re.compile(r"^prefill_depth_k25_slice(\d+)_h200\.json$")
 PROBE_NAME = re.compile(r"^capture_overhead_width7168_l(\d+)_e16_bf16_tp1_h200\.json$")
-#: TorchSpec's K2.5 EAGLE-3 run (FACTS.md "Performance anchors"): 6B tokens, 1,500 H200 GPU-hours, 16 inference
-#: + 16 training GPUs.
-TORCHSPEC = {"tokens": 6e9, "gpu_hours": 1500, "gpus": 32, "inference_gpus": 16, "trainer_gpus": 16}
+#: TorchSpec's K2.5 EAGLE-3 run, two published figures (FACTS.md "Performance anchors" and "After the pin"): the
+#: blog's 6B tokens in 1,500 H200 GPU-hours, and the model card's 2 phases x ~14 h x 32 GPUs; both on 16 inference
+#: + 16 training H200s. The card gives no token count (``torchspec_card``).
+TORCHSPEC = {
+    "tokens": 6e9,
+    "gpu_hours": 1500,
+    "gpus": 32,
+    "inference_gpus": 16,
+    "trainer_gpus": 16,
+    "card": {"phases": 2, "hours_per_phase": 14, "gpus": 32},
+}
 
-#: Not measured here (one H200 is lent); each number with its source, written into the output.
+#: Not measured here (one H200 is lent); each number with its source and the two ends its sensitivity rows set it
+#: to (``ends``: one assumption at a time, the pessimistic and the optimistic end), written into the output.
 ASSUMPTIONS = {
     "prefill_speed_vs_h200": {
         "H200": 1.0,
@@ -67,14 +94,17 @@ ASSUMPTIONS = {
         "why": "vendor spec sheets: HBM 4.8 TB/s (H200) vs 8 TB/s (B200, B300), 132 vs 148 SMs; bf16 dense "
         "0.99 vs 2.25 PFLOPS. The INT4 experts run SGLang's moe_wna16_marlin, whose MMA is the Ampere-class "
         "mma.sync path rather than Blackwell's tcgen05, so the 2.25x peak is not assumed for the MoE; 1.5 sits "
-        "between the SM-count ratio (1.12) and the HBM ratio (1.67)",
+        "between the SM-count ratio (1.12) and the HBM ratio (1.67). Ends: no faster than an H200; the HBM ratio",
+        "ends": {"pessimistic": {"B200": 1.0, "B300": 1.0}, "optimistic": {"B200": 1.67, "B300": 1.67}},
     },
     "trainer_speed_vs_h200": {
         "H200": 1.0,
         "B200": 2.0,
         "B300": 2.0,
         "why": "bf16 dense tensor throughput, vendor spec sheets: H200 0.99, B200 and B300 2.25 PFLOPS (B300 adds "
-        "FP4, not bf16); the draft's step is cuBLAS bf16 GEMMs and flex attention, discounted to 2.0",
+        "FP4, not bf16); the draft's step is cuBLAS bf16 GEMMs and flex attention, discounted to 2.0. Ends: the "
+        "prefill's 1.5 (a step partly bound by memory and launches); the bf16 peak ratio 2.25",
+        "ends": {"pessimistic": {"B200": 1.5, "B300": 1.5}, "optimistic": {"B200": 2.25, "B300": 2.25}},
     },
     "tp_efficiency": {
         "1": 1.0,
@@ -82,50 +112,77 @@ ASSUMPTIONS = {
         "16": 0.5,
         "why": "not measured at K2.5 width (one GPU lent): per-GPU prefill at TP=N = N x efficiency x one GPU's "
         "rate; TP=8 pays two NVLink all-reduces per layer and 8x smaller GEMMs per GPU (0.7 assumed); TP=16 spans "
-        "two nodes' network (0.5 assumed)",
+        "two nodes' network (0.5 assumed). Also TorchSpec's layout (two TP=8 servers). Ends: 0.5 / 0.35; 0.9 / 0.7",
+        "ends": {"pessimistic": {"8": 0.5, "16": 0.35}, "optimistic": {"8": 0.9, "16": 0.7}},
     },
     "overlap_carries": {
         "value": True,
         "why": "co-location hides part of the shorter stage's GPU time behind the longer one, or, when negative, "
         "costs more than the two stages' times added (measured on the slice's runs at TP=1, one GPU); the same "
         "fraction is assumed at TP=8/16 and on B200/B300. The rate with the times added (fraction 0) is in the "
-        "output beside it",
+        "output beside it. Ends: the lowest single run's fraction for both transports; the highest's",
+        "ends": {"pessimistic": {"value": "worst"}, "optimistic": {"value": "best"}},
     },
     "capture_tax_serial": {
         "value": True,
         "why": "the capture writer is one per server (TP rank 0's sink); its extra time per token, measured as "
-        "capture minus plain prefill on the slice, is added to the server's time per token, not divided by TP",
+        "capture minus plain prefill on the slice, is added to the server's time per token, not divided by TP. "
+        "Ends: this is the pessimistic reading already; divided by TP (every rank writing its share)",
+        "ends": {"pessimistic": {"value": True}, "optimistic": {"value": False}},
     },
     "readers_scale": {
         "value": True,
         "why": "every trainer rank reads its own samples: a node's readers carry the measured one-reader rate x "
-        "its ranks (Mooncake over loopback is per-client memcpy bound); RDMA between nodes is not measured",
+        "its ranks (Mooncake over loopback is per-client memcpy bound); RDMA between nodes is not measured. The "
+        "projection is capped at what the readers and the writer carry. Ends: one reader's rate per node; as is",
+        "ends": {"pessimistic": {"value": False}, "optimistic": {"value": True}},
     },
     "width_probe_fixed_part": {
         "value": "with one slice depth",
+        "prefill_scale": 1.0,
         "why": "the probes' fixed part (embedding, head, dense layer 0) stands for the slice's; the probes were "
         "`specforge-kimi tiny` targets whose dense MLP width is not recorded (tiny's default is 1024, the slice's "
         "18432: about 0.8 GFLOP more per token, ~1 us on an H200); if so, the slice's wider dense MLP lands in its "
-        "per-MoE-layer time (~0.3 us of ~4 us per layer): conservative, up to ~8% on the 61-layer prefill",
+        "per-MoE-layer time (~0.3 us of ~4 us per layer): conservative, up to ~8% on the 61-layer prefill. Used "
+        "only when one slice depth is committed (two depths: both ends leave the projection as is). Ends: as is; "
+        "prefill 1/0.92",
+        "ends": {"pessimistic": {"prefill_scale": 1.0}, "optimistic": {"prefill_scale": 1 / 0.92}},
     },
     "prompt_length": {
         "value": 4096,
+        "prefill_scale_16k": 1.0,
         "why": "prefill per token is measured at 4096-token prompts and used for every recipe; the B300 recipes "
         "train 16,384-token samples, whose attention costs more per token (optimistic for them); the trainer rate "
-        "is read at each recipe's max_length",
+        "is read at each recipe's max_length. Ends: 16k-token recipes' prefill 0.8x per token; as is (the 8xB200 "
+        "recipes train 4096-token samples: unchanged by either end)",
+        "ends": {"pessimistic": {"prefill_scale_16k": 0.8}, "optimistic": {"prefill_scale_16k": 1.0}},
+    },
+    "block_step_vs_flops": {
+        "value": 1.0,
+        "why": "ESTIMATE, no block-draft step measured yet: the block draft's (DFlash) trainer step time per token "
+        "is its EAGLE-3 twin's measured step x the ratio of training FLOPs per token (`block_trainer` in the "
+        "output: draft layers x per-layer GEMM and attention FLOPs over anchors x block queries, the fc over the "
+        "5 captured layers, the frozen head's forward and input gradient; EAGLE-3: TTT steps x its one layer and "
+        "draft head, its 3-layer fc, the target head's forward) x this factor. The optimizer update (2.2x the "
+        "parameters, a few ms per step) and launch overheads are not in the FLOPs. Ends: 2x; 0.5x the estimated step",
+        "ends": {"pessimistic": {"value": 2.0}, "optimistic": {"value": 0.5}},
+    },
+    "block_capture_tax_vs_eagle3": {
+        "value": "feature bytes ratio",
+        "why": "ESTIMATE: the block draft's capture tax per token is EAGLE-3's measured one x its feature bytes "
+        "ratio (5 captured layers + 2 int64 vs 3 + the last hidden + EAGLE-3's passthrough: 1.25x); its "
+        "features GB/s on the transport and its pool scale the same way (the plan's bytes). Ends: 2x; 1x",
+        "ends": {"pessimistic": {"value": 2.0}, "optimistic": {"value": 1.0}},
+    },
+    "torchspec_card": {
+        "tokens": 6e9,
+        "hours_per_phase": 14,
+        "why": "the model card states 2 phases x ~14 h x 32 H200 GPUs and no token count: the blog's 6B tokens are "
+        "assumed for it (tok/s per GPU = 6e9 / GPU-seconds). It moves the compared figure, not the projection. "
+        "Ends: ~14 h read as 13 h (a higher TorchSpec figure); 15 h",
+        "ends": {"pessimistic": {"hours_per_phase": 13}, "optimistic": {"hours_per_phase": 15}},
     },
 }
-
-
-#: The 8xB200 headline with one assumption at a time set to its pessimistic end: (what, ASSUMPTIONS changes,
-#: overlap fraction: None for each transport's measured one, "worst" for the lowest single run's).
-SENSITIVITY = (
-    ("as projected", {}, None),
-    ("the worst run's hidden fraction for both transports", {}, "worst"),
-    ("prefill no faster than on an H200", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}}, None),
-    ("TP=8 efficiency 0.5", {"tp_efficiency": {"8": 0.5}}, None),
-    ("all three", {"prefill_speed_vs_h200": {"B200": 1.0, "B300": 1.0}, "tp_efficiency": {"8": 0.5}}, "worst"),
-)
 
 
 def _load(path: Path) -> dict:
@@ -210,12 +267,14 @@ SPECFORGE_STEP = {
 
 
 def _norm_step(env: dict) -> dict[str, str]:
-    """A step's variables without the unset ones; a record written before patch eagle3-fewer-host-syncs' switch existed ran without
-    it (``SPECFORGE_EAGLE3_FEWER_SYNCS=0``)."""
-    out = {k: v for k, v in env.items() if v is not None}
-    out.setdefault("SPECFORGE_EAGLE3_FEWER_SYNCS", "0")
-    out.setdefault("SPECFORGE_EAGLE3_CHUNKED_LOSS", "0")  # likewise before patch eagle3-chunked-head-loss' switch
-    return out
+    """A step's variables without the unset ones and without the SpecForge switches at SpecForge's own value
+    (``SPECFORGE_STEP``'s, else "0"): a record written before a switch existed (patch eagle3-fewer-host-syncs',
+    eagle3-chunked-head-loss', the compile-elementwise seam's) ran without it, as one that spells it off."""
+    return {
+        k: v
+        for k, v in env.items()
+        if v is not None and not (k.startswith("SPECFORGE_") and v == SPECFORGE_STEP.get(k, "0"))
+    }
 
 
 def _recipe_step(r) -> dict[str, str]:
@@ -231,7 +290,8 @@ def _same_step(row_env: dict, step: dict[str, str]) -> bool:
 
 def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tuple[int, float]:
     """The flex_attention row nearest ``length`` of the step ``step`` (its ``step_env``), its batch on the GPU
-    (``feed: cuda``); a bench without such a row is one line naming the step."""
+    (``feed: cuda``), from the first bench file that has that length (rows carry ``_pref``: the file's place in
+    ``TRAINER_FILES``); a bench without such a row is one line naming the step."""
     rows = [
         r
         for r in trainer_bench["rows"]
@@ -242,8 +302,90 @@ def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tup
     ]
     if not rows:
         raise SystemExit(f"error: the trainer bench has no flex_attention row fed from the GPU of the step {step}")
-    row = min(rows, key=lambda r: (abs(r["length"] - length), r["length"]))
+    row = min(rows, key=lambda r: (abs(r["length"] - length), r["length"], r.get("_pref", 0)))
     return row["length"], row["tokens_per_s"]
+
+
+def train_flops_per_token(r) -> dict:
+    """Training GEMM + attention FLOPs per trained token of a recipe's draft step, term by term (2 FLOPs per
+    multiply-add; a trained weight costs 3x its forward, a frozen one with its input's gradient 2x, a frozen one
+    without 1x; causal attention over S/2 keys on average). EAGLE-3: the fc over the captured layers, then
+    ``ttt_length`` x (the layer on [emb, hidden] + the draft head), the target head's forward once. A block draft:
+    the fc over its captured layers and each layer's k/v for the S context rows, each layer on anchors x block
+    queries per sample (per token: anchors x block / S), the frozen head on every query with its input's gradient."""
+    t, tr, d = r.target, r.trainer, r.trainer.draft
+    h, s_len = t.hidden_size, tr.max_length
+    a, k = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
+    hd, inter = d.get("head_dim", h // a), d["intermediate_size"]
+    attn = 4 * (s_len / 2) * a * hd  # scores + values, one query
+    fc = 6 * len(r.capture_ids) * h * h
+    if tr.family == "eagle3":
+        layer = 2 * h * a * hd + 2 * 2 * h * k * hd + a * hd * h + 3 * h * inter
+        per_step = 6 * layer + 3 * attn + 6 * d["draft_vocab_size"] * h
+        return {
+            "fc": fc,
+            "layers": tr.ttt_length * (6 * layer + 3 * attn),
+            "draft_head": tr.ttt_length * 6 * d["draft_vocab_size"] * h,
+            "target_head": 2 * t.vocab_size * h,
+            "total": fc + tr.ttt_length * per_step + 2 * t.vocab_size * h,
+        }
+    b = tr.block
+    q = min(b.num_anchors, s_len) * b.block_size / s_len  # queries per trained token
+    n = d["num_hidden_layers"]
+    query = 2 * h * a * hd + 2 * h * k * hd + 3 * h * inter  # q, o, k/v of the noise, the MLP
+    context = 2 * h * k * hd  # k/v of each context row
+    layers = n * (q * (6 * query + 3 * attn) + 6 * context)
+    head = q * 4 * t.vocab_size * h
+    return {"fc": fc, "layers": layers, "draft_head": 0.0, "target_head": head, "total": fc + layers + head}
+
+
+def _recipe_rates(r: dict, a: dict, fit: dict, trainer_bench: dict) -> dict:
+    """One recipe's prefill and trainer tok/s per GPU under the assumptions ``a``; a block draft's trainer from its
+    EAGLE-3 twin's measured step x its FLOPs ratio x ``block_step_vs_flops``."""
+    tp = r["per_node"] * r["nnodes"]
+    prefill = a["tp_efficiency"][str(tp)] * a["prefill_speed_vs_h200"][r["kind"]] / fit["k25_s_per_token_one_h200"]
+    if "per_moe_layer_s_per_token_16_experts" in fit:  # the fixed part from the width probes
+        prefill *= a["width_probe_fixed_part"]["prefill_scale"]
+    if r["max_length"] > a["prompt_length"]["value"]:
+        prefill *= a["prompt_length"]["prefill_scale_16k"]
+    length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"], r["step"])
+    trainer = a["trainer_speed_vs_h200"][r["kind"]] * trainer_h200
+    tax_scale = 1.0
+    if r.get("flops_ratio"):
+        trainer /= r["flops_ratio"] * a["block_step_vs_flops"]["value"]
+        v = a["block_capture_tax_vs_eagle3"]["value"]
+        tax_scale = v if isinstance(v, (int, float)) else r["feature_scale"]
+    return {"tp": tp, "prefill": prefill, "trainer": trainer, "length": length, "tax_scale": tax_scale}
+
+
+def _transport_row(r: dict, rates: dict, c: dict, h: float, a: dict, feature_bytes: float) -> dict:
+    """One recipe x transport: the co-located rate, capped at what the readers and the writer carry."""
+    tp, nnodes = rates["tp"], r["nnodes"]
+    tax = c["tax_s_per_token"] * rates["tax_scale"] / (1 if a["capture_tax_serial"]["value"] else tp)
+    stages = {"prefill": rates["prefill"], "trainer": rates["trainer"], "tax_s": tax, "gpus": tp}
+    server = colocated(**stages, overlap=h)
+    added = colocated(**stages, overlap=0.0)
+    readers = c["read_gb_per_s"] * (r["per_node"] if a["readers_scale"]["value"] else 1)
+    carried = min(readers * nnodes, c["writer_gb_per_s"]) * 1e9 / feature_bytes
+    bound = server > carried
+    server, added = min(server, carried), min(added, carried)
+    node_gb_s = server / nnodes * feature_bytes / 1e9
+    wall_h = 1e9 / server / 3600
+    return {
+        "end_to_end_tokens_per_s_per_gpu": server / tp,
+        "end_to_end_no_overlap_tokens_per_s_per_gpu": added / tp,
+        "overlap_hidden_fraction": h,
+        "capture_tax_s_per_token": tax,
+        "server_tokens_per_s": server,
+        "feature_bytes_per_token": feature_bytes,
+        "feature_gb_per_s_per_node": node_gb_s,
+        "transport_readers_gb_per_s_per_node": readers,
+        "writer_gb_per_s": server * feature_bytes / 1e9,
+        "transport_writer_gb_per_s": c["writer_gb_per_s"],
+        "transport_bound": bound,
+        "wall_hours_per_1b_tokens": wall_h,
+        "gpu_hours_per_1b_tokens": wall_h * tp,
+    }
 
 
 def project(
@@ -259,51 +401,28 @@ def project(
 ) -> dict:
     """The projection per recipe and applicable transport. ``capture``: per transport ``tax_s_per_token``,
     ``read_gb_per_s`` (one reader), ``writer_gb_per_s``; ``overlap``: the hidden fraction per transport;
+    ``feature_bytes``: the measured EAGLE-3 bytes per token (a block draft's x its ``feature_scale``);
     ``assumptions``: ``ASSUMPTIONS`` unless given (the sensitivity rows)."""
     a = assumptions or ASSUMPTIONS
     out = {}
     for name, r in recipes.items():
-        per_node, nnodes, kind = r["per_node"], r["nnodes"], r["kind"]
-        tp = per_node * nnodes
-        eff = a["tp_efficiency"][str(tp)]
-        prefill = eff * a["prefill_speed_vs_h200"][kind] / fit["k25_s_per_token_one_h200"]
-        length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"], r["step"])
-        trainer = a["trainer_speed_vs_h200"][kind] * trainer_h200
-        per_transport = {}
-        for t in r["transports"]:
-            c = capture[t]
-            server = colocated(
-                prefill=prefill, trainer=trainer, overlap=overlap[t], tax_s=c["tax_s_per_token"], gpus=tp
-            )
-            added = colocated(prefill=prefill, trainer=trainer, overlap=0.0, tax_s=c["tax_s_per_token"], gpus=tp)
-            e2e = server / tp
-            node_gb_s = server / nnodes * feature_bytes / 1e9
-            readers = c["read_gb_per_s"] * per_node
-            writer_gb_s = server * feature_bytes / 1e9
-            wall_h = 1e9 / server / 3600
-            per_transport[t] = {
-                "end_to_end_tokens_per_s_per_gpu": e2e,
-                "end_to_end_no_overlap_tokens_per_s_per_gpu": added / tp,
-                "overlap_hidden_fraction": overlap[t],
-                "server_tokens_per_s": server,
-                "feature_gb_per_s_per_node": node_gb_s,
-                "transport_readers_gb_per_s_per_node": readers,
-                "writer_gb_per_s": writer_gb_s,
-                "transport_writer_gb_per_s": c["writer_gb_per_s"],
-                "transport_bound": node_gb_s > readers or writer_gb_s > c["writer_gb_per_s"],
-                "wall_hours_per_1b_tokens": wall_h,
-                "gpu_hours_per_1b_tokens": wall_h * tp,
-                "memory_per_gpu_gib": plans[name][t],
-            }
+        rates = _recipe_rates(r, a, fit, trainer_bench)
+        fb = feature_bytes * r.get("feature_scale", 1.0)
+        per_transport = {
+            t: {**_transport_row(r, rates, capture[t], overlap[t], a, fb), "memory_per_gpu_gib": plans[name][t]}
+            for t in r["transports"]
+        }
         out[name] = {
-            "gpus": f"{nnodes}x{per_node} {kind}",
-            "tp": tp,
+            "gpus": f"{r['nnodes']}x{r['per_node']} {r['kind']}",
+            "tp": rates["tp"],
+            "family": r.get("family", "eagle3"),
+            "trainer_estimated": bool(r.get("flops_ratio")),
             "recipe_transport": r["transport"],
-            "prefill_tokens_per_s_per_gpu": prefill,
-            "node_prefill_tokens_per_s": prefill * per_node,
-            "trainer_tokens_per_s_per_gpu": trainer,
-            "trainer_bench_length": length,
-            "slowest_stage": "prefill" if prefill < trainer else "trainer",
+            "prefill_tokens_per_s_per_gpu": rates["prefill"],
+            "node_prefill_tokens_per_s": rates["prefill"] * r["per_node"],
+            "trainer_tokens_per_s_per_gpu": rates["trainer"],
+            "trainer_bench_length": rates["length"],
+            "slowest_stage": "prefill" if rates["prefill"] < rates["trainer"] else "trainer",
             "transports": per_transport,
             "memory_per_gpu_gib": plans[name][r["transports"][0]],
         }
@@ -370,8 +489,8 @@ def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict,
         "slice_measured_peak_gib": {k: v / 1024 for k, v in slice_peaks.items()},
     }
     recipes, plans = {}, {}
-    for f in RECIPES:
-        r = load_recipe(REPO / "recipes" / f)
+    loaded = {f: load_recipe(REPO / "recipes" / f) for f in RECIPES}
+    for f, r in loaded.items():
         explicit = "transport" in r.server.model_fields_set
         # cuda_ipc maps one node's pool: single-node only; Mooncake everywhere
         transports = [t for t in TRANSPORTS if t == "mooncake" or r.gpus.nnodes == 1]
@@ -385,28 +504,60 @@ def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict,
             "step": _recipe_step(r),
             "transports": transports,
             "transport": r.server.transport if explicit else "not set (single node: cuda_ipc-capable)",
+            "family": r.trainer.family,
         }
+        if r.trainer.family != "eagle3":
+            recipes[r.name].update(_block_terms(r, loaded.get(f.replace("-dflash", ""))))
         plans[r.name] = {t: _memory(_with_transport(r, t), overheads) for t in transports}
     return recipes, plans, overheads
+
+
+def _block_terms(r, twin) -> dict:
+    """A block draft's estimated trainer inputs from its EAGLE-3 twin (the same recipe name without ``-dflash``):
+    the twin's step (its measured rate is scaled), the FLOPs ratio, the feature bytes ratio of their plans."""
+    if twin is None or twin.trainer.family != "eagle3":
+        raise SystemExit(f"error: {r.name} has no EAGLE-3 twin in RECIPES to scale its trainer step from")
+    from specforge_kimi.plan.transport_plan import feature_bytes_per_token
+
+    mine, theirs = train_flops_per_token(r), train_flops_per_token(twin)
+    return {
+        "twin": twin.name,
+        "step": _recipe_step(twin),
+        "flops_ratio": mine["total"] / theirs["total"],
+        "feature_scale": feature_bytes_per_token(r) / feature_bytes_per_token(twin),
+        "block_trainer": {
+            "flops_per_token": mine,
+            "twin_flops_per_token": theirs,
+            "feature_bytes_per_token_plan": feature_bytes_per_token(r),
+            "twin_feature_bytes_per_token_plan": feature_bytes_per_token(twin),
+        },
+    }
 
 
 def find_inputs(results: Path) -> dict:
     """The committed measurement files, by the naming rules of the module docstring."""
     names = sorted(p.name for p in results.iterdir())
-    runs: dict[str, list[Path]] = {}
-    for n in names:
-        m = RUN_NAME.match(n)
-        if m and not n.endswith("_eval_draft.json"):
-            runs.setdefault(m.group(1), []).append(results / n)
     return {
         "pipeline": results / "online_pipeline_k25_slice_h200.json",
         "depth": {int(m.group(1)): results / n for n in names if (m := DEPTH_NAME.match(n))},
         "probes": {int(m.group(1)): results / n for n in names if (m := PROBE_NAME.match(n))},
-        "runs": runs,
-        "trainer": results / "trainer_step_lifts_k25_b200_h200.json",
+        "runs": [results / n for n in names if RUN_NAME.match(n) and not n.endswith("_eval_draft.json")],
+        "trainer": [results / n for n in TRAINER_FILES],
         "int4": results / "prefill_width7168_l6_e16_int4_h200.jsonl",
         "bf16": results / "prefill_width7168_l6_e16_bf16_h200.jsonl",
     }
+
+
+def trainer_benches(paths: list[Path]) -> tuple[dict, list[str]]:
+    """The trainer step benches present, merged (each row tagged ``_pref``, its file's place, and ``_file``); the
+    last of ``TRAINER_FILES`` (the one with every length and step) must be there."""
+    rows, used = [], []
+    for i, p in enumerate(paths):
+        if not p.exists() and i < len(paths) - 1:
+            continue
+        rows += [{**r, "_pref": i, "_file": p.name} for r in _load(p)["rows"]]
+        used.append(p.name)
+    return {"rows": rows}, used
 
 
 def _jsonl_rate(path: Path, batch: int, length: int) -> float:
@@ -490,25 +641,74 @@ def backtest(
     return out
 
 
-def torchspec_check(*, fit: dict, capture: dict, trainer_bench: dict) -> dict:
+def torchspec_predict(*, fit: dict, capture: dict, trainer_bench: dict, assumptions: dict | None = None) -> dict:
     """The model on TorchSpec's published layout: H200s, 16 inference GPUs as two TP=8 servers over Mooncake,
     16 trainer GPUs apart (no co-location, so no overlap): trained tok/s per GPU of all 32."""
-    ts = TORCHSPEC
+    a, ts = assumptions or ASSUMPTIONS, TORCHSPEC
     tp = ts["inference_gpus"] // 2
-    prefill = ASSUMPTIONS["tp_efficiency"][str(tp)] / fit["k25_s_per_token_one_h200"]
-    server = 1 / (1 / (tp * prefill) + capture["mooncake"]["tax_s_per_token"])
+    prefill = a["tp_efficiency"][str(tp)] * a["prefill_speed_vs_h200"]["H200"] / fit["k25_s_per_token_one_h200"]
+    if "per_moe_layer_s_per_token_16_experts" in fit:
+        prefill *= a["width_probe_fixed_part"]["prefill_scale"]
+    tax = capture["mooncake"]["tax_s_per_token"] / (1 if a["capture_tax_serial"]["value"] else tp)
+    server = 1 / (1 / (tp * prefill) + tax)
     length, trainer = _trainer_rate(trainer_bench, 4096, SPECFORGE_STEP)
-    e2e = min(2 * server, ts["trainer_gpus"] * trainer) / ts["gpus"]
-    published = ts["tokens"] / (ts["gpu_hours"] * 3600)
+    servers, trainers = 2 * server, ts["trainer_gpus"] * trainer * a["trainer_speed_vs_h200"]["H200"]
     return {
-        "what": "TorchSpec's published K2.5 run, tok/s per GPU",
-        "predicted_from": "this model on 2 TP=8 H200 servers (Mooncake tax, TP=8 efficiency assumed) + 16 H200 "
-        f"trainers alone at {length} tokens (SpecForge's own step), the slower side; TorchSpec's sample lengths, draft and TP are not "
-        "published beside the number",
-        "predicted": e2e,
-        "measured": published,
-        "relative_error": _rel(e2e, published),
+        "tokens_per_s_per_gpu": min(servers, trainers) / ts["gpus"],
+        "servers_tokens_per_s": servers,
+        "trainers_tokens_per_s": trainers,
+        "trainer_length": length,
     }
+
+
+def torchspec_figures(assumptions: dict | None = None) -> dict:
+    """TorchSpec's two published figures as tok/s per GPU: the blog's (6B tokens / 1,500 GPU-hours) and the model
+    card's (2 phases x ~14 h x 32 GPUs, with ``torchspec_card``'s assumed token count)."""
+    a, ts = assumptions or ASSUMPTIONS, TORCHSPEC
+    card = ts["card"]
+    card_hours = card["phases"] * a["torchspec_card"]["hours_per_phase"] * card["gpus"]
+    return {
+        "blog": {
+            "gpu_hours": ts["gpu_hours"],
+            "tokens": ts["tokens"],
+            "tokens_per_s_per_gpu": ts["tokens"] / (ts["gpu_hours"] * 3600),
+        },
+        "model_card": {
+            "gpu_hours": card_hours,
+            "tokens": a["torchspec_card"]["tokens"],
+            "tokens_assumed": True,
+            "tokens_per_s_per_gpu": a["torchspec_card"]["tokens"] / (card_hours * 3600),
+        },
+    }
+
+
+def torchspec_check(*, fit: dict, capture: dict, trainer_bench: dict) -> list[dict]:
+    """The model's prediction on TorchSpec's layout beside each published figure (``cross_check``)."""
+    pred = torchspec_predict(fit=fit, capture=capture, trainer_bench=trainer_bench)
+    e2e = pred["tokens_per_s_per_gpu"]
+    src = (
+        "this model on 2 TP=8 H200 servers (Mooncake tax, TP=8 efficiency assumed) + 16 H200 trainers alone at "
+        f"{pred['trainer_length']} tokens (SpecForge's own step), the slower side; TorchSpec's sample lengths, "
+        "draft and TP are not published beside the number"
+    )
+    figs = torchspec_figures()
+    return [
+        {
+            "what": "TorchSpec's published K2.5 run, tok/s per GPU (blog: 6B tokens, 1,500 H200 GPU-hours)",
+            "predicted_from": src,
+            "predicted": e2e,
+            "measured": figs["blog"]["tokens_per_s_per_gpu"],
+            "relative_error": _rel(e2e, figs["blog"]["tokens_per_s_per_gpu"]),
+        },
+        {
+            "what": "TorchSpec's published K2.5 run, tok/s per GPU (model card: 2 phases x ~14 h x 32 H200 GPUs "
+            f"= {figs['model_card']['gpu_hours']:,} GPU-hours; 6B tokens assumed)",
+            "predicted_from": src,
+            "predicted": e2e,
+            "measured": figs["model_card"]["tokens_per_s_per_gpu"],
+            "relative_error": _rel(e2e, figs["model_card"]["tokens_per_s_per_gpu"]),
+        },
+    ]
 
 
 def capture_rates(pipeline: dict, length: int) -> dict:
@@ -536,26 +736,40 @@ def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, di
     if step is None:  # a run-report from before the field, so from before patch eagle3-fewer-host-syncs' switch too
         step = {**recipe_step, "SPECFORGE_EAGLE3_FEWER_SYNCS": "0"} if "step_recipe" in name else SPECFORGE_STEP
     step = _norm_step(step)
-    return ("recipe" if step == _norm_step(recipe_step) else "specforge" if step == SPECFORGE_STEP else "other"), step
+    name = (
+        "recipe" if step == _norm_step(recipe_step) else "specforge" if step == _norm_step(SPECFORGE_STEP) else "other"
+    )
+    return name, step
+
+
+def _run_transport(name: str, run: dict) -> str:
+    """A run's transport: its file name's (``online_run_k25_slice_<transport>...``), else its report's."""
+    m = RUN_NAME.match(name)
+    t = (m.group(1) if m else None) or run.get("transport")
+    if t not in TRANSPORTS:
+        raise SystemExit(f"error: {name} names no transport (cuda_ipc or mooncake), in its name or its report")
+    return t
 
 
 def slice_runs(
-    paths: dict[str, list[Path]], *, slice_prefill: float, trainer_bench: dict, capture: dict, recipe_step: dict
+    paths: list[Path], *, slice_prefill: float, trainer_bench: dict, capture: dict, recipe_step: dict
 ) -> dict:
     """Per transport, the slice's co-located run-reports with their stage rates measured alone (``_stage``: the
     slice's prefill, the trainer bench at the run's sample size and step, the transport's tax) and overlap
-    fraction."""
+    fraction; a report with fewer than ``MIN_RUN_STEPS`` timed steps is left out."""
     runs: dict[str, list[dict]] = {}
-    for t, ps in paths.items():
-        for p in ps:
-            run = _load(p)
-            step_name, step = run_step(p.name, run, recipe_step)
-            length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]), step)
-            stage = {"prefill": slice_prefill, "trainer": trainer_alone, "tax_s": capture[t]["tax_s_per_token"]}
-            h = overlap_from_run(**stage, end_to_end=run["perf"]["end_to_end_tokens_per_s"])
-            runs.setdefault(t, []).append(
-                {**run, "_file": p.name, "_stage": {**stage, "length": length, "step": step_name}, "_overlap": h}
-            )
+    for p in paths:
+        run = _load(p)
+        if run["perf"].get("steps_used", MIN_RUN_STEPS) < MIN_RUN_STEPS:
+            continue
+        t = _run_transport(p.name, run)
+        step_name, step = run_step(p.name, run, recipe_step)
+        length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]), step)
+        stage = {"prefill": slice_prefill, "trainer": trainer_alone, "tax_s": capture[t]["tax_s_per_token"]}
+        h = overlap_from_run(**stage, end_to_end=run["perf"]["end_to_end_tokens_per_s"])
+        runs.setdefault(t, []).append(
+            {**run, "_file": p.name, "_stage": {**stage, "length": length, "step": step_name}, "_overlap": h}
+        )
     return runs
 
 
@@ -589,33 +803,68 @@ def overlap_per_transport(runs: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
-def sensitivity(project_with, recipes: dict, overlap: dict, worst: float) -> list[dict]:
-    """The 8xB200 rows under each ``SENSITIVITY`` change; ``project_with(recipes, overlap, assumptions)``;
-    ``worst``: the lowest hidden fraction of any single run."""
+def _ends():
+    """(assumption, end, the change, ASSUMPTIONS with it) for the central row, each assumption's pessimistic and
+    optimistic end one at a time, and all pessimistic ends together."""
+    yield "as projected", "central", {}, ASSUMPTIONS
+    every = json.loads(json.dumps(ASSUMPTIONS))
+    for key, spec in ASSUMPTIONS.items():
+        for end in ("pessimistic", "optimistic"):
+            a = json.loads(json.dumps(ASSUMPTIONS))
+            a[key].update(spec["ends"][end])
+            yield key, end, spec["ends"][end], a
+        every[key].update(spec["ends"]["pessimistic"])
+    yield "all pessimistic ends", "pessimistic", {}, every
+
+
+def sensitivity(project_with, recipes: dict, overlaps: dict, torchspec_with) -> list[dict]:
+    """The 8xB200 rows (EAGLE-3 and the block draft) and the TorchSpec prediction under each assumption's ends
+    (:func:`_ends`); ``project_with(recipes, overlap, assumptions)``; ``overlaps``: the hidden fraction per
+    transport for ``overlap_carries`` True, ``"worst"`` and ``"best"``; ``torchspec_with(assumptions)``."""
+    b200 = {k: v for k, v in recipes.items() if "b200" in k}
     out = []
-    for what, change, ov in SENSITIVITY:
-        a = json.loads(json.dumps(ASSUMPTIONS))
-        for key, value in change.items():
-            a[key].update(value)
-        b200 = {k: v for k, v in recipes.items() if "b200" in k}
-        hs = {t: h if ov is None else worst if ov == "worst" else ov for t, h in overlap.items()}
-        for name, r in project_with(b200, hs, a).items():
-            e2e = {t: x["end_to_end_tokens_per_s_per_gpu"] for t, x in r["transports"].items()}
-            out.append({"recipe": name, "what": what, **e2e})
+    for key, end, change, a in _ends():
+        v = a["overlap_carries"]["value"]
+        proj = project_with(b200, overlaps[v if isinstance(v, str) else "central"], a)
+        out.append(
+            {
+                "assumption": key,
+                "end": end,
+                "change": change,
+                "end_to_end_tokens_per_s_per_gpu": {
+                    name: {t: x["end_to_end_tokens_per_s_per_gpu"] for t, x in r["transports"].items()}
+                    for name, r in proj.items()
+                },
+                "gpu_hours_per_1b_tokens": {
+                    name: {t: x["gpu_hours_per_1b_tokens"] for t, x in r["transports"].items()}
+                    for name, r in proj.items()
+                },
+                "torchspec_predicted": torchspec_with(a)["tokens_per_s_per_gpu"],
+                "torchspec_figures": {k: f["tokens_per_s_per_gpu"] for k, f in torchspec_figures(a).items()},
+            }
+        )
     return out
+
+
+def _overlaps(runs: dict[str, list[dict]], overlap: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The fraction per transport as measured (``central``), and the lowest / highest single run's for both."""
+    each = [max(-1.0, min(1.0, r["_overlap"])) for rs in runs.values() for r in rs]
+    return {
+        "central": overlap,
+        "worst": {t: min(each) for t in overlap},
+        "best": {t: max(each) for t in overlap},
+    }
 
 
 def build(results: Path, length: int, argv: list[str]) -> dict:
     inputs = find_inputs(results)
     pipeline = _load(inputs["pipeline"])
-    trainer_bench = _load(inputs["trainer"])
+    trainer_bench, trainer_files = trainer_benches(inputs["trainer"])
     if not inputs["runs"]:
-        raise SystemExit(f"error: no online_run_k25_slice_<transport>*.json in {results}")
+        raise SystemExit(f"error: no online_run_k25_slice_*.json in {results}")
     fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
     capture = capture_rates(pipeline, length)
-    load_recipe = _recipes().load_recipe
-
-    recipe_step = _recipe_step(load_recipe(REPO / "recipes" / SLICE_RECIPE))
+    recipe_step = _recipe_step(_recipes().load_recipe(REPO / "recipes" / SLICE_RECIPE))
     runs = slice_runs(
         inputs["runs"],
         slice_prefill=slice_prefill,
@@ -625,8 +874,10 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
     )
     summaries = [_run_summary(t, r) for t, rs in runs.items() for r in rs]
     overlap = overlap_per_transport(runs)
-    # the memory measured beside the plan: a run of the step the recipes ship, if there is one
-    primary = next((s for s in summaries if s["trainer_step"] == "recipe"), summaries[0])
+    # the memory measured beside the plan: a run of the step the recipes ship, one naming its step (a newer
+    # run-report, from its launch sheet) first
+    named = {r["_file"] for rs in runs.values() for r in rs if "trainer_step_env" in r}
+    primary = min(summaries, key=lambda s: (s["trainer_step"] != "recipe", s["file"] not in named))
     recipes, plans, mem_overheads = _recipe_inputs(primary["peak_gpu_mib_per_role"], primary["transport"])
     probe_int4 = None
     if inputs["int4"].exists() and inputs["bf16"].exists():
@@ -647,16 +898,19 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
             assumptions=assumptions,
         )
 
+    def torchspec_with(assumptions: dict | None = None) -> dict:
+        return torchspec_predict(fit=fit, capture=capture, trainer_bench=trainer_bench, assumptions=assumptions)
+
     probes = " + ".join(p.name for p in inputs["probes"].values())
     return {
         "command": ["python", "bench/sizing.py", *argv],
-        "measured_on": "one H200 (K2.5-width slice 2026-12-03, width probes 2026-12-02)",
+        "measured_on": "one H200 (K2.5-width slice 2026-12-03/04, width probes 2026-12-02)",
         "inputs": {
             "pipeline": inputs["pipeline"].name,
             "depth": " + ".join(p.name for p in inputs["depth"].values()),
             "width_probes": probes if "per_moe_layer_s_per_token_16_experts" in fit else "",
             "online_runs": " + ".join(s["file"] for s in summaries),
-            "trainer": inputs["trainer"].name,
+            "trainer": " + ".join(trainer_files),
         },
         "assumptions": ASSUMPTIONS,
         "tokens_per_prompt": length,
@@ -668,36 +922,86 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         "overlap_hidden_fraction": overlap,
         "memory_from_slice": mem_overheads,
         "backtest": backtest(runs=runs, slice_prefill=slice_prefill, fit=fit, probe_int4=probe_int4),
-        "cross_check": [torchspec_check(fit=fit, capture=capture, trainer_bench=trainer_bench)],
+        "cross_check": torchspec_check(fit=fit, capture=capture, trainer_bench=trainer_bench),
+        "block_trainer": {n: r["block_trainer"] for n, r in recipes.items() if "block_trainer" in r},
         "recipes": project_with(recipes, overlap),
-        "sensitivity": sensitivity(
-            project_with, recipes, overlap, max(-1.0, min(r["_overlap"] for rs in runs.values() for r in rs))
-        ),
-        "torchspec": {**TORCHSPEC, "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600)},
+        "sensitivity": sensitivity(project_with, recipes, _overlaps(runs, overlap), torchspec_with),
+        "torchspec": {
+            **TORCHSPEC,
+            "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600),
+            "figures": torchspec_figures(),
+            "predicted_on_its_layout": torchspec_with(),
+        },
     }
+
+
+def _headline(res: dict) -> list[str]:
+    """The 8xB200 headline: EAGLE-3 and the block draft per transport, TorchSpec's two figures and the model's
+    prediction on TorchSpec's layout."""
+    ts = res["torchspec"]
+    blog, card = ts["figures"]["blog"]["tokens_per_s_per_gpu"], ts["figures"]["model_card"]["tokens_per_s_per_gpu"]
+    out = []
+    for n, r in res["recipes"].items():
+        if "b200" not in n:
+            continue
+        est = " (trainer ESTIMATED: `block_step_vs_flops`)" if r["trainer_estimated"] else ""
+        out.append(
+            f"**8xB200 {n} ({r['family']}{est}), co-located, projected end-to-end trained tok/s per GPU: "
+            + "; ".join(
+                f"{t} {p['end_to_end_tokens_per_s_per_gpu']:,.0f} ({p['end_to_end_tokens_per_s_per_gpu'] / blog:.1f}x "
+                f"TorchSpec's blog figure; {p['end_to_end_no_overlap_tokens_per_s_per_gpu']:,.0f} with the stages' "
+                f"times added; {p['feature_gb_per_s_per_node']:.2f} GB/s of features per node; "
+                f"{p['gpu_hours_per_1b_tokens']:,.0f} GPU-h per 1B tokens)"
+                for t, p in r["transports"].items()
+            )
+            + ".**"
+        )
+        out.append("")
+    pred = ts["predicted_on_its_layout"]
+    out.append(
+        f"TorchSpec's K2.5 run, like for like: this model on TorchSpec's own layout (16 H200 inference GPUs as two "
+        f"TP=8 servers over Mooncake + 16 H200 trainers, no co-location) predicts **{pred['tokens_per_s_per_gpu']:,.0f}** "
+        f"tok/s per GPU (servers {pred['servers_tokens_per_s']:,.0f}, trainers {pred['trainers_tokens_per_s']:,.0f} "
+        f"tok/s: the slower side over 32 GPUs), beside its two published figures: the blog's **{blog:,.0f}** "
+        f"({ts['tokens'] / 1e9:.0f}B tokens in {ts['gpu_hours']:,} GPU-hours) and the model card's **{card:,.0f}** "
+        f"({ts['card']['phases']} phases x ~{ts['card']['hours_per_phase']} h x {ts['card']['gpus']} GPUs = "
+        f"{ts['figures']['model_card']['gpu_hours']:,} GPU-hours; its token count is not published, the blog's "
+        f"{ts['figures']['model_card']['tokens'] / 1e9:.0f}B assumed: `torchspec_card`)."
+    )
+    return out
+
+
+def _sensitivity_table(res: dict) -> list[str]:
+    names = [n for n, r in res["recipes"].items() if "b200" in n]
+    cols = [(n, t) for n in names for t in res["recipes"][n]["transports"]]
+    lines = [
+        "Sensitivity (`sensitivity` in the JSON): one assumption at a time at its pessimistic and optimistic end "
+        "(`assumptions[].ends`, each with its reason), 8xB200 end-to-end trained tok/s per GPU and the TorchSpec "
+        "prediction; the last row sets every pessimistic end at once.",
+        "",
+        "| assumption | end | change | "
+        + " | ".join(
+            f"{n.replace('kimi-k25-8xb200-lowered', 'eagle3').replace('eagle3-dflash', 'dflash')} {t}" for n, t in cols
+        )
+        + " | TorchSpec layout predicted (blog / card figure) |",
+        "| " + " | ".join(["---"] * (len(cols) + 4)) + " |",
+    ]
+    for s in res["sensitivity"]:
+        e = s["end_to_end_tokens_per_s_per_gpu"]
+        f = s["torchspec_figures"]
+        change = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in s["change"].items())
+        lines.append(
+            f"| {s['assumption']} | {s['end']} | {change} | "
+            + " | ".join(f"{e[n][t]:,.0f}" for n, t in cols)
+            + f" | {s['torchspec_predicted']:,.0f} ({f['blog']:,.0f} / {f['model_card']:,.0f}) |"
+        )
+    return lines
 
 
 def table(res: dict) -> str:
     ts = res["torchspec"]["tokens_per_s_per_gpu"]
-    head = [
-        (n, t, p["end_to_end_tokens_per_s_per_gpu"], p["end_to_end_no_overlap_tokens_per_s_per_gpu"])
-        for n, r in res["recipes"].items()
-        if "b200" in n
-        for t, p in r["transports"].items()
-    ]
     lines = [
-        "**8xB200, co-located, projected end-to-end trained tok/s per GPU: "
-        + "; ".join(
-            f"{t} {e:,.0f} ({e / ts:.1f}x TorchSpec's {ts:,.0f}; {f:,.0f} with the stages' times added)"
-            for _, t, e, f in head
-        )
-        + ".** Pessimistic ends of the assumptions, one at a time (`sensitivity`): "
-        + "; ".join(
-            f"{s['what']} " + " / ".join(f"{s[t]:,.0f}" for _, t, _, _ in head)
-            for s in res["sensitivity"]
-            if s["what"] != "as projected"
-        )
-        + f" ({' / '.join(t for _, t, _, _ in head)}).",
+        *_headline(res),
         "",
         "| recipe | GPUs | TP | transport | node prefill tok/s | trainer tok/s per GPU | slowest | "
         "end-to-end tok/s per GPU (times added) | vs TorchSpec 1.1k | features GB/s per node (readers carry) | "
@@ -711,9 +1015,10 @@ def table(res: dict) -> str:
             plan = "" if m["plan_fits"] else ", plan over"
             over = "" if m["fits_with_server_overhead"] else " over"
             mark = " (recipe)" if t == r["recipe_transport"] else ""
+            est = " (est.)" if r["trainer_estimated"] else ""
             lines.append(
                 f"| {name} | {r['gpus']} | {r['tp']} | {t}{mark} | {r['node_prefill_tokens_per_s']:,.0f} | "
-                f"{r['trainer_tokens_per_s_per_gpu']:,.0f} | {r['slowest_stage']} | "
+                f"{r['trainer_tokens_per_s_per_gpu']:,.0f}{est} | {r['slowest_stage']} | "
                 f"**{p['end_to_end_tokens_per_s_per_gpu']:,.0f}** ({p['end_to_end_no_overlap_tokens_per_s_per_gpu']:,.0f}) | "
                 f"{p['end_to_end_tokens_per_s_per_gpu'] / ts:.2f}x | "
                 f"{p['feature_gb_per_s_per_node']:.2f} ({p['transport_readers_gb_per_s_per_node']:,.0f}) | "
@@ -722,12 +1027,27 @@ def table(res: dict) -> str:
                 f"of {m['gpu']:.0f} | "
                 f"{p['wall_hours_per_1b_tokens']:,.1f} | {p['gpu_hours_per_1b_tokens']:,.0f} |"
             )
+    for n, b in res.get("block_trainer", {}).items():
+        mine, theirs = b["flops_per_token"], b["twin_flops_per_token"]
+        lines += [
+            "",
+            f"{n}'s trainer (an estimate, no block step measured): training GFLOP per token "
+            + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in mine.items())
+            + " against its EAGLE-3 twin's "
+            + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in theirs.items())
+            + f" (ratio {mine['total'] / theirs['total']:.2f}): its step is the twin's measured step x that ratio "
+            f"x `block_step_vs_flops`; features {b['feature_bytes_per_token_plan']:,} B per token against "
+            f"{b['twin_feature_bytes_per_token_plan']:,} (the plans'), on the transport, in the pool and in the "
+            "capture tax (`block_capture_tax_vs_eagle3`).",
+        ]
+    lines += ["", *_sensitivity_table(res)]
     f = res["depth_fit"]
     lines += [
         "",
-        f"TorchSpec's K2.5 run: {ts:,.0f} tok/s per GPU ({res['torchspec']['tokens'] / 1e9:.0f}B tokens, "
+        f"TorchSpec's K2.5 run: {ts:,.0f} tok/s per GPU by the blog ({res['torchspec']['tokens'] / 1e9:.0f}B tokens, "
         f"{res['torchspec']['gpu_hours']:,} H200 GPU-hours, {res['torchspec']['gpus']} GPUs), "
-        f"{1e9 / ts / 3600:,.0f} GPU-hours per 1B tokens.",
+        f"{1e9 / ts / 3600:,.0f} GPU-hours per 1B tokens; by the model card "
+        f"{res['torchspec']['figures']['model_card']['tokens_per_s_per_gpu']:,.0f} tok/s per GPU (its tokens assumed).",
         "",
         f"Prefill ({f['method']}; {res['tokens_per_prompt']}-token prompts, one H200): "
         + ", ".join(
