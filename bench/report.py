@@ -1938,7 +1938,7 @@ def _sizing_notes(res: dict, ts) -> list[str]:
         f"{_num((res.get('torchspec') or {}).get('gpu_hours'), '{:,}')} GPU-hours)",
         *[
             f"- assumed, {k}: "
-            + ", ".join(f"{kk} {vv}" for kk, vv in v.items() if kk != "why")
+            + ", ".join(f"{kk} {vv}" for kk, vv in v.items() if kk not in ("why", "ends"))
             + (f" ({v['why']})" if v.get("why") else "")
             for k, v in (res.get("assumptions") or {}).items()
             if isinstance(v, dict)
