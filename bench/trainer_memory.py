@@ -120,7 +120,7 @@ def write_vocab_mapping(recipe, path: Path) -> Path:
     from specforge_kimi.data.vocab_mapping import build_vocab_mapping, save_vocab_mapping
 
     if not path.is_file():
-        n = recipe.trainer.draft["draft_vocab_size"]
+        n = recipe.trainer.draft.draft_vocab_size
         save_vocab_mapping(
             build_vocab_mapping(
                 {i: 1 for i in range(n)}, draft_vocab_size=n, target_vocab_size=recipe.target.vocab_size
@@ -477,7 +477,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
                     length=length,
                     hidden=hidden,
                     vocab=vocab,
-                    draft_vocab=base.trainer.draft["draft_vocab_size"],
+                    draft_vocab=base.trainer.draft.draft_vocab_size,
                     workdir=workdir,
                     cuda=cuda,
                     flops=flops,
@@ -742,7 +742,7 @@ def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float)
         "environment": _environment(),
         "config": {
             "recipe": s.recipe_path,
-            "draft": recipe.trainer.draft,
+            "draft": recipe.trainer.draft.config(),
             "ttt_length": recipe.trainer.ttt_length,
             "target_hidden": recipe.target.hidden_size,
             "target_vocab": recipe.target.vocab_size,
@@ -847,7 +847,7 @@ def measure(s: Settings, recipe) -> dict:
     t = recipe.target
     target = write_standin_target(recipe, s.workdir / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v")
     vocab = write_vocab_mapping(
-        recipe, s.workdir / f"vocab_mapping-{recipe.trainer.draft['draft_vocab_size']}-of-{t.vocab_size}.pt"
+        recipe, s.workdir / f"vocab_mapping-{recipe.trainer.draft.draft_vocab_size}-of-{t.vocab_size}.pt"
     )
     setup_s = time.perf_counter() - t0
     gemm_tflops = measure_gemm_tflops()

@@ -135,9 +135,7 @@ def cpu_plan(
     *others, server = plan.services
     old = list(server.command.argv)
     server_ids = old[old.index("--spec-capture-aux-layer-ids") + 1 :][: len(recipe.capture_ids)]
-    contract = (
-        cfg["model"].get("aux_hidden_state_layer_ids") or recipe.trainer.draft["dflash_config"]["target_layer_ids"]
-    )
+    contract = cfg["model"].get("aux_hidden_state_layer_ids") or recipe.trainer.draft.dflash_config.target_layer_ids
     assert [int(i) for i in server_ids] == contract
     method = old[old.index("--spec-capture-method") + 1]
     assert method == family

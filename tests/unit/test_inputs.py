@@ -77,7 +77,7 @@ def test_target_disagrees_with_recipe(tmp_path, tiny_dir, data):
 
 def test_draft_context_shorter_than_max_length(tiny_dir, data):
     recipe = _recipe(tiny_dir, data)
-    draft = {**recipe.trainer.draft, "max_position_embeddings": 128}
+    draft = recipe.trainer.draft.model_copy(update={"max_position_embeddings": 128})
     recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"draft": draft})})
     assert _problems(recipe) == [
         "trainer.max_length 256 exceeds the draft's max_position_embeddings 128; raise it in trainer.draft or "
@@ -107,7 +107,7 @@ def test_vocab_mapping_for_another_target_or_draft(tmp_path, tiny_dir, data):
     import torch
 
     recipe = _recipe(tiny_dir, data)
-    draft = {**recipe.trainer.draft, "draft_vocab_size": 128}
+    draft = recipe.trainer.draft.model_copy(update={"draft_vocab_size": 128})
     recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"draft": draft})})
     problems = _problems(recipe)
     assert len(problems) == 1 and "maps 256 draft ids but trainer.draft.draft_vocab_size is 128" in problems[0]

@@ -169,7 +169,7 @@ def test_block_recipes_exist_and_name_their_ids_as_positions():
     for name in BLOCK_RECIPES:
         r = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / name)
         assert r.trainer.family == "dflash" and r.bench.algorithm == "DFLASH" and r.bench_block_size == 8
-        ids = r.trainer.draft["dflash_config"]["target_layer_ids"]
+        ids = r.trainer.draft.dflash_config.target_layer_ids
         assert list(r.capture_layers.positions) == [i + 1 for i in ids]
         assert (
             f"positions {[i + 1 for i in ids]}" in (Path(__file__).resolve().parents[2] / "recipes" / name).read_text()
@@ -189,10 +189,19 @@ def _dspark(r, kv=4, **dc):
 @pytest.mark.parametrize(
     "mutate,msg",
     [
-        (lambda r: _dspark(r, kv=8), "dspark draft is GQA by default: num_key_value_heads 8 must be < num_attention"),
-        (lambda r: _dspark(r, kv=3), "num_key_value_heads 3 must divide num_attention_heads 8"),
-        (lambda r: _dspark(r, kv=4, attention_mode="mha"), "attention_mode mha needs num_key_value_heads 4 =="),
-        (lambda r: _dspark(r, kv=4, attention_mode="sliding"), "attention_mode must be gqa or mha"),
+        (
+            lambda r: _dspark(r, kv=8),
+            "trainer.draft.num_key_value_heads: 8 must be < num_attention_heads 8: DSpark is GQA",
+        ),
+        (lambda r: _dspark(r, kv=3), "trainer.draft.num_key_value_heads: 3 must divide num_attention_heads 8"),
+        (
+            lambda r: _dspark(r, kv=4, attention_mode="mha"),
+            "num_key_value_heads: 4 must equal num_attention_heads 8 under",
+        ),
+        (
+            lambda r: _dspark(r, kv=4, attention_mode="sliding"),
+            "trainer.draft.dflash_config.attention_mode: Input should be 'gqa' or 'mha'",
+        ),
     ],
 )
 def test_bad_dspark_heads_are_refused_in_one_line(tmp_path, mutate, msg):
@@ -221,9 +230,9 @@ def test_dspark_heads_specforge_accepts_pass(tmp_path, kv, mode):
         (lambda r: r["trainer"]["draft"].update(num_target_layers=61), "num_target_layers 61 != target.num_layers 8"),
         (lambda r: _dc(r).update(target_layer_ids=[1, 2, 3, 4, 7]), r"takes 0\.\.6"),
         (lambda r: _dc(r).update(target_layer_ids=[1, 2, 2, 4]), "duplicated"),
-        (lambda r: _dc(r).pop("target_layer_ids"), "dflash_config.target_layer_ids is required"),
+        (lambda r: _dc(r).pop("target_layer_ids"), "trainer.draft.dflash_config.target_layer_ids: Field required"),
         (lambda r: _dc(r).update(mask_token_id=163839), r"mask_token_id 163839 != trainer.block.mask_token_id 163824"),
-        (lambda r: _dc(r).pop("mask_token_id"), r"mask_token_id None != trainer.block.mask_token_id"),
+        (lambda r: _dc(r).pop("mask_token_id"), r"trainer.draft.dflash_config.mask_token_id: Field required"),
         (
             lambda r: (_dc(r).update(mask_token_id=163839), r["trainer"]["block"].update(mask_token_id=163839)),
             r"K2.5's \[PAD\], a token in use",
@@ -233,16 +242,25 @@ def test_dspark_heads_specforge_accepts_pass(tmp_path, kv, mode):
             "outside the vocabulary",
         ),
         (lambda r: r["trainer"]["draft"].update(block_size=16), "draft block_size 16 != trainer.block.block_size 8"),
-        (lambda r: r["trainer"]["draft"].update(layer_types=[]), "layer_types has 0 entries for 1 layers"),
-        (lambda r: r["trainer"]["draft"].update(layer_types=10**30), "layer_types must be a list of layer kinds"),
-        (lambda r: r["trainer"]["draft"].update(layer_types=[1]), "layer_types must be a list of layer kinds"),
-        (lambda r: r["trainer"]["draft"].pop("head_dim"), "trainer.draft.head_dim must be a positive integer"),
+        (lambda r: r["trainer"]["draft"].update(layer_types=[]), "trainer.draft.layer_types: 0 entries for 1 layers"),
+        (
+            lambda r: r["trainer"]["draft"].update(layer_types=10**30),
+            "trainer.draft.layer_types: Input should be a valid list",
+        ),
+        (
+            lambda r: r["trainer"]["draft"].update(layer_types=[1]),
+            "trainer.draft.layer_types.0: Input should be 'full_",
+        ),
+        (lambda r: r["trainer"]["draft"].pop("head_dim"), "trainer.draft.head_dim: Field required"),
         (lambda r: r["trainer"]["draft"].update(hidden_size=256), "draft hidden_size 256 != target"),
         (lambda r: r["trainer"].update(step_empty_cache=True), "trainer.step_empty_cache: EAGLE-3 only"),
         (lambda r: r["trainer"].update(step_fewer_host_syncs=False), "trainer.step_fewer_host_syncs: EAGLE-3 only"),
         (lambda r: r["trainer"].update(step_chunked_head_loss=1024), "trainer.step_chunked_head_loss: EAGLE-3 only"),
         (lambda r: r["trainer"].update(ttt_length=7), "trainer.ttt_length: EAGLE-3 only"),
-        (lambda r: r["trainer"]["draft"].update(draft_vocab_size=256), "trainer.draft.draft_vocab_size: EAGLE-3 only"),
+        (
+            lambda r: r["trainer"]["draft"].update(draft_vocab_size=256),
+            "trainer.draft.draft_vocab_size: eagle3 drafts only, not for trainer.family dflash",
+        ),
         (lambda r: r["bench"].update(steps=3), "bench.steps: EAGLE-3 only"),
         (lambda r: r["bench"].update(algorithm="EAGLE3"), "bench.algorithm must be DFLASH"),
         (lambda r: r["bench"].update(block_size=1), "block_size"),
@@ -253,7 +271,7 @@ def test_dspark_heads_specforge_accepts_pass(tmp_path, kv, mode):
         (lambda r: r["trainer"]["block"].update(gamma=4), "block.gamma: Extra inputs are not permitted"),
         (lambda r: r["trainer"]["block"].update(block_size=1), "block_size"),
         (lambda r: r["trainer"].update(family="medusa"), "family"),
-        (lambda r: r["trainer"].update(family="eagle3"), "trainer.block is for block drafts"),
+        (lambda r: r["trainer"].update(family="eagle3"), "trainer.draft.block_size: dflash/dspark drafts only"),
     ],
 )
 def test_bad_block_recipes(tmp_path, mutate, msg):
@@ -291,9 +309,10 @@ def test_block_draft_params_equal_specforges_model():
     from specforge.modeling.draft.dflash import DFlashDraftModel
     from transformers import Qwen3Config
 
+    from specforge_kimi.plan.draft_config import validate_draft
     from specforge_kimi.plan.trainer_terms import block_draft_params
 
     d = _raw_block()["trainer"]["draft"]
     with torch.device("meta"):
         model = DFlashDraftModel(Qwen3Config(**d))
-    assert block_draft_params(d) == sum(p.numel() for p in model.parameters())
+    assert block_draft_params(validate_draft("dflash", d)) == sum(p.numel() for p in model.parameters())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specforge_kimi.plan import recipes, run_plan
+from specforge_kimi.plan import draft_config, run_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src" / "specforge_kimi"
@@ -59,10 +59,10 @@ def test_the_comparison_scan_sees_each_form(tmp_path, line):
 @pytest.fixture
 def counted(monkeypatch):
     """Counts compiles (``run_plan.compile_plan``), transport choices and recipe schema validations (the recipe's
-    whole-model check, through the draft-keys check it calls each time)."""
+    draft, checked once per schema validation by ``plan.draft_config.validate_draft``)."""
     counts = {"compile": 0, "schema": 0, "choose": 0}
     compile_plan, choose = run_plan.compile_plan, run_plan.choose_transport
-    check = recipes._check_draft_keys
+    check = draft_config.validate_draft
 
     def counting_compile(*a, **k):
         counts["compile"] += 1
@@ -72,13 +72,13 @@ def counted(monkeypatch):
         counts["choose"] += 1
         return choose(*a, **k)
 
-    def counting_check(draft, *family):
+    def counting_check(family, draft):
         counts["schema"] += 1
-        return check(draft, *family)
+        return check(family, draft)
 
     monkeypatch.setattr(run_plan, "compile_plan", counting_compile)
     monkeypatch.setattr(run_plan, "choose_transport", counting_choose)
-    monkeypatch.setattr(recipes, "_check_draft_keys", counting_check)
+    monkeypatch.setattr(draft_config, "validate_draft", counting_check)
     return counts
 
 

@@ -85,8 +85,8 @@ def _vocab_mapping(recipe, target_vocab: int) -> list[str]:
         validate_vocab_mapping(mapping, target_vocab_size=target_vocab, source=f"data.vocab_mapping_path {path}")
     except KimiInputError as exc:
         return [str(exc)]
-    want = recipe.trainer.draft.get("draft_vocab_size")
-    if want is not None and mapping.d2t.numel() != want:
+    want = recipe.trainer.draft.draft_vocab_size  # a mapping is EAGLE-3's (data.vocab_mapping_path)
+    if mapping.d2t.numel() != want:
         return [
             f"data.vocab_mapping_path {path} maps {mapping.d2t.numel()} draft ids but trainer.draft.draft_vocab_size "
             f"is {want}; prepare again with --draft-vocab-size {want} or fix the draft"
@@ -144,7 +144,7 @@ def _lengths(recipe, text: dict) -> list[str]:
             f"trainer.max_length {length} + {SERVER_CONTEXT_MARGIN} exceeds the target's max_position_embeddings "
             f"{limit}: the capture server would refuse its context length; lower trainer.max_length"
         )
-    draft = recipe.trainer.draft.get("max_position_embeddings")
+    draft = recipe.trainer.draft.max_position_embeddings
     if draft is not None and length > draft:
         problems.append(
             f"trainer.max_length {length} exceeds the draft's max_position_embeddings {draft}; raise it in "

@@ -12,10 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specforge_kimi.data.tokenizer import K25_SPECIAL_TOKENS
 from specforge_kimi.errors import KimiInputError, validation_summary
+from specforge_kimi.plan import draft_config
+from specforge_kimi.plan.draft_config import DFlashDraft, DSparkDraft, Eagle3Draft
 from specforge_kimi.targets.layer_ids import AuxLayers
 from specforge_kimi.training.step_knobs import check_alloc_conf
 from specforge_kimi.transport import registry
@@ -31,39 +33,11 @@ class _Strict(BaseModel):
 #: the draft families a recipe trains: EAGLE-3 (SpecForge strategy eagle3) and the block drafts (dflash, dspark)
 FAMILIES = ("eagle3", "dflash", "dspark")
 BLOCK_FAMILIES = ("dflash", "dspark")
-#: the draft config keys the memory plan reads, per family (EAGLE-3 Llama; the MLA draft also needs
-#: :data:`_MLA_DRAFT_KEYS`; a block draft is SpecForge's Qwen3-style ``DFlashDraftModel``/``DSparkDraftModel``)
-_DRAFT_KEYS = {
-    "eagle3": ("hidden_size", "intermediate_size", "num_attention_heads", "draft_vocab_size", "vocab_size"),
-    "dflash": (
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "num_hidden_layers",
-        "block_size",
-        "num_target_layers",
-    ),
-}
-_DRAFT_KEYS["dspark"] = _DRAFT_KEYS["dflash"]
-_MLA_DRAFT_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-#: EAGLE-3 draft keys a block draft must not carry (it has no vocabulary of its own and no TTT)
-_EAGLE3_ONLY_DRAFT_KEYS = ("draft_vocab_size", "eagle_config", "ttt_length")
 #: trainer fields only the eagle3 step reads (patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs,
 #: eagle3-chunked-head-loss; TTT)
 EAGLE3_ONLY_TRAINER_FIELDS = ("ttt_length", "step_empty_cache", "step_fewer_host_syncs", "step_chunked_head_loss")
 #: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
 K25_MASK_TOKEN_ID = 163824
-
-
-def _check_draft_keys(d: dict, family: str = "eagle3") -> None:
-    """Each size the memory plan reads from ``trainer.draft`` is there and a positive integer."""
-    keys = _DRAFT_KEYS[family] + (_MLA_DRAFT_KEYS if "kv_lora_rank" in d else ())
-    for key in keys + tuple(k for k in ("num_key_value_heads", "head_dim") if k in d):
-        v = d.get(key)
-        if type(v) is not int or v <= 0:
-            raise ValueError(f"trainer.draft.{key} must be a positive integer, not {v!r}")
 
 
 class TargetSection(_Strict):
@@ -238,9 +212,10 @@ class TrainerSection(_Strict):
         default=None, description="Block size, anchors, losses and mask token; block families only"
     )
     dspark: DSparkSection | None = Field(default=None, description="DSpark loss weights; family dspark only")
-    draft: dict[str, Any] = Field(
+    draft: Eagle3Draft | DFlashDraft | DSparkDraft = Field(
         description="Draft config JSON (LlamaForCausalLMEagle3, the MLA Eagle3DeepseekV2ForCausalLM, or a block "
-        "draft's DFlashDraftModel/DSparkDraftModel), written beside the run"
+        "draft's DFlashDraftModel/DSparkDraftModel), typed by trainer.family (plan.draft_config), written beside "
+        "the run as given"
     )
     max_steps: int = Field(gt=0, description="Optimizer steps")
     num_epochs: int = Field(
@@ -328,6 +303,14 @@ class BenchSection(_Strict):
     min_acceptance_length: float = Field(gt=1, description="Fail the recipe below this mean acceptance length")
     algorithm: Literal["EAGLE3", "DFLASH"] = Field(
         default="EAGLE3",
+    @field_validator("draft", mode="wrap")
+    @classmethod
+    def _draft_of_family(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        """The draft checked as its family's (``plan.draft_config``); not at all when ``trainer.family`` is bad
+        (its own error says so)."""
+        family = info.data.get("family")
+        return value if family is None else draft_config.validate_draft(family, value)
+
         description="--speculative-algorithm: EAGLE3 for trainer.family eagle3, DFLASH for a block draft",
     )
     steps: int = Field(default=3, description="--speculative-num-steps (EAGLE3)")
@@ -425,11 +408,8 @@ class Recipe(_Strict):
         for name in ("block", "dspark"):
             if not self.is_block and getattr(self.trainer, name) is not None:
                 raise ValueError(f"trainer.{name} is for block drafts (trainer.family dflash/dspark), not eagle3")
-        _check_draft_keys(d, self.trainer.family)
-        if d.get("hidden_size") != self.target.hidden_size:
-            raise ValueError(
-                f"draft hidden_size {d.get('hidden_size')} != target hidden_size {self.target.hidden_size}"
-            )
+        if d.hidden_size != self.target.hidden_size:
+            raise ValueError(f"draft hidden_size {d.hidden_size} != target hidden_size {self.target.hidden_size}")
         if self.is_block:
             _check_block(self)
         else:
@@ -455,7 +435,7 @@ class Recipe(_Strict):
                 "a multi-node recipe needs trainer.consumer_state_dir on trainer node 0's local disk "
                 "(output_dir is shared; SpecForge's ledger is SQLite/WAL)"
             )
-        if "kv_lora_rank" in self.trainer.draft and self.trainer.attention_backend != "sdpa":
+        if isinstance(d, Eagle3Draft) and d.is_mla and self.trainer.attention_backend != "sdpa":
             raise ValueError(
                 "the MLA draft (Eagle3DeepseekV2ForCausalLM) trains with trainer.attention_backend: sdpa only"
             )
@@ -475,7 +455,7 @@ class Recipe(_Strict):
         """The ids the capture server and SpecForge get, in the family's convention: EAGLE-3's
         ``target.aux_layer_ids`` (SpecForge ids), or a block draft's ``dflash_config.target_layer_ids`` (DFlash ids)."""
         if self.is_block:
-            return list(self.trainer.draft["dflash_config"]["target_layer_ids"])
+            return list(self.trainer.draft.dflash_config.target_layer_ids)
         return list(self.target.aux_layer_ids or ())
 
     @property
@@ -502,9 +482,9 @@ def _check_eagle3(r: Recipe) -> None:
     if r.bench.algorithm != "EAGLE3" or r.bench.block_size is not None:
         raise ValueError("bench.algorithm DFLASH and bench.block_size are for block drafts; eagle3 benches EAGLE3")
     AuxLayers.from_specforge(t.aux_layer_ids, t.num_layers)
-    if d.get("vocab_size") != t.vocab_size:
-        raise ValueError(f"draft vocab_size {d.get('vocab_size')} != target vocab_size {t.vocab_size}")
-    named = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if d.vocab_size != t.vocab_size:
+        raise ValueError(f"draft vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}")
+    named = d.eagle_config.eagle_aux_hidden_state_layer_ids if d.eagle_config else None
     if named is not None and list(named) != list(t.aux_layer_ids):
         raise ValueError(
             f"draft eagle_config.eagle_aux_hidden_state_layer_ids {list(named)} != "
@@ -528,31 +508,27 @@ def _check_block_fields(r: Recipe) -> None:
     if r.data.vocab_mapping_path is not None:
         raise ValueError(f"data.vocab_mapping_path is EAGLE-3's; a {fam} draft uses the target's vocabulary")
     eagle3_only = [f"trainer.{k}" for k in EAGLE3_ONLY_TRAINER_FIELDS if k in tr.model_fields_set]
-    eagle3_only += [f"trainer.draft.{k}" for k in _EAGLE3_ONLY_DRAFT_KEYS if k in tr.draft]
     eagle3_only += [f"bench.{k}" for k in ("steps", "topk", "draft_tokens") if k in r.bench.model_fields_set]
     if eagle3_only:
         raise ValueError(f"{', '.join(eagle3_only)}: EAGLE-3 only, not for trainer.family {fam}")
     if r.bench.algorithm != "DFLASH":
         raise ValueError(f"bench.algorithm must be DFLASH for trainer.family {fam}")
-    if "kv_lora_rank" in tr.draft:
-        raise ValueError(f"a {fam} draft is Qwen3-style (DFlashDraftModel); kv_lora_rank is the MLA EAGLE-3 draft's")
 
 
 def _check_block(r: Recipe) -> None:
-    """A block recipe: its draft's ids, block size, target layers and mask token agree with the recipe."""
+    """A block recipe: its draft's target layers, block size and mask token agree with the recipe (the draft's own
+    fields and heads are ``plan.draft_config``'s)."""
     _check_block_fields(r)
     t, d, b = r.target, r.trainer.draft, r.trainer.block
-    dc = d.get("dflash_config")
-    if not isinstance(dc, dict) or not dc.get("target_layer_ids"):
-        raise ValueError("trainer.draft.dflash_config.target_layer_ids is required (DFlash ids: position = id + 1)")
-    AuxLayers.from_dflash(dc["target_layer_ids"], t.num_layers)
-    if d["num_target_layers"] != t.num_layers:
-        raise ValueError(f"draft num_target_layers {d['num_target_layers']} != target.num_layers {t.num_layers}")
-    if d["block_size"] != b.block_size:
-        raise ValueError(f"draft block_size {d['block_size']} != trainer.block.block_size {b.block_size}")
-    if dc.get("mask_token_id") != b.mask_token_id:
+    dc = d.dflash_config
+    AuxLayers.from_dflash(dc.target_layer_ids, t.num_layers)
+    if d.num_target_layers != t.num_layers:
+        raise ValueError(f"draft num_target_layers {d.num_target_layers} != target.num_layers {t.num_layers}")
+    if d.block_size != b.block_size:
+        raise ValueError(f"draft block_size {d.block_size} != trainer.block.block_size {b.block_size}")
+    if dc.mask_token_id != b.mask_token_id:
         raise ValueError(
-            f"draft dflash_config.mask_token_id {dc.get('mask_token_id')!r} != trainer.block.mask_token_id "
+            f"draft dflash_config.mask_token_id {dc.mask_token_id} != trainer.block.mask_token_id "
             f"{b.mask_token_id} (SGLang needs the id in the draft; it cannot look up a mask token without a tokenizer)"
         )
     if b.mask_token_id >= t.vocab_size:
@@ -560,33 +536,6 @@ def _check_block(r: Recipe) -> None:
     special = {v: k for k, v in K25_SPECIAL_TOKENS.items()}.get(b.mask_token_id)
     if special is not None:
         raise ValueError(f"trainer.block.mask_token_id {b.mask_token_id} is K2.5's {special}, a token in use")
-    if r.trainer.family == "dspark":
-        _check_dspark_heads(d, dc)
-    types = d.get("layer_types")
-    if types is None:
-        return
-    if not isinstance(types, list) or not all(isinstance(x, str) for x in types):
-        raise ValueError(f"trainer.draft.layer_types must be a list of layer kinds (strings), not {types!r:.80}")
-    if len(types) != d["num_hidden_layers"]:
-        raise ValueError(f"draft layer_types has {len(types)} entries for {d['num_hidden_layers']} layers")
-
-
-def _check_dspark_heads(d: dict, dc: dict) -> None:
-    """What SpecForge's ``DSparkDraftModel`` demands of its heads, refused here instead of in the trainer: kv heads
-    divide the query heads, fewer of them under the default ``attention_mode: gqa``, as many under ``mha``."""
-    heads, kv = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
-    mode = str(dc.get("attention_mode", "gqa")).lower()
-    if mode not in ("gqa", "mha"):
-        raise ValueError(f"draft dflash_config.attention_mode must be gqa or mha, not {mode!r}")
-    if heads % kv:
-        raise ValueError(f"a dspark draft's num_key_value_heads {kv} must divide num_attention_heads {heads}")
-    if mode == "gqa" and kv >= heads:
-        raise ValueError(
-            f"a dspark draft is GQA by default: num_key_value_heads {kv} must be < num_attention_heads {heads} "
-            "(or set trainer.draft.dflash_config.attention_mode: mha)"
-        )
-    if mode == "mha" and kv != heads:
-        raise ValueError(f"attention_mode mha needs num_key_value_heads {kv} == num_attention_heads {heads}")
 
 
 def read_recipe(path: str | Path) -> Recipe:

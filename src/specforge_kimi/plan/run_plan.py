@@ -75,7 +75,8 @@ class RunPlan:
 
     @property
     def draft_config(self) -> dict:
-        return dict(self.recipe.trainer.draft)
+        """The draft config JSON, as the recipe wrote it (``plan.draft_config``)."""
+        return self.recipe.trainer.draft.config()
 
     def sheet(self) -> dict:
         """The launch sheet (``launch.json``): environments, argvs, the memory split, the transport."""
@@ -127,7 +128,7 @@ class RunPlan:
         out = self.rendered()
         self.rendered_dir.mkdir(parents=True, exist_ok=True)
         # each file replaced whole (durable.write_atomic: no half-written file after a crash, links refused)
-        write_atomic(self.rendered_dir / "draft_config.json", json.dumps(self.recipe.trainer.draft, indent=2))
+        write_atomic(self.rendered_dir / "draft_config.json", json.dumps(self.draft_config, indent=2))
         write_atomic(self.rendered_dir / "specforge_run.yaml", yaml.safe_dump(out["specforge_config"], sort_keys=False))
         write_atomic(self.rendered_dir / "launch.json", json.dumps(out["launch"], indent=2))
         return out

@@ -7,38 +7,41 @@ SpecForge. ``bench/trainer_memory.py`` measures the same terms on a GPU with Spe
 
 from __future__ import annotations
 
+from specforge_kimi.plan.draft_config import DFlashDraft, DraftConfig, DSparkConfig
 
-def draft_params(d: dict) -> int:
+
+def draft_params(d: DraftConfig) -> int:
     """Trainable parameters of a draft config (Llama EAGLE-3, the MLA ``Eagle3DeepseekV2ForCausalLM``, or a block
     draft: :func:`block_draft_params`)."""
-    if "dflash_config" in d:
+    if isinstance(d, DFlashDraft):
         return block_draft_params(d)
-    h, inter = d["hidden_size"], d["intermediate_size"]
-    if "kv_lora_rank" in d:  # MLA (Eagle3DeepseekV2ForCausalLM): the down-projections take [emb, hidden] (2h)
-        heads, q, kv = d["num_attention_heads"], d["q_lora_rank"], d["kv_lora_rank"]
-        nope, rope, v = d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+    h, inter = d.hidden_size, d.intermediate_size
+    if d.is_mla:  # Eagle3DeepseekV2ForCausalLM: the down-projections take [emb, hidden] (2h)
+        heads, q, kv = d.num_attention_heads, d.q_lora_rank, d.kv_lora_rank
+        nope, rope, v = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         attn = 2 * h * q + q * heads * (nope + rope) + 2 * h * (kv + rope) + kv * heads * (nope + v) + heads * v * h
-        return 3 * h * h + attn + 3 * h * inter + d["draft_vocab_size"] * h + 4 * h + q + kv
-    heads, kv = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
-    hd = d.get("head_dim", h // heads)
+        return 3 * h * h + attn + 3 * h * inter + d.draft_vocab_size * h + 4 * h + q + kv
+    heads = d.num_attention_heads
+    kv = heads if d.num_key_value_heads is None else d.num_key_value_heads
+    hd = h // heads if d.head_dim is None else d.head_dim
     attn = 2 * h * heads * hd + 2 * 2 * h * kv * hd + heads * hd * h  # q,k,v take [emb, hidden] (2h)
     mlp = 3 * h * inter
-    return 3 * h * h + attn + mlp + d["draft_vocab_size"] * h + 3 * h
+    return 3 * h * h + attn + mlp + d.draft_vocab_size * h + 3 * h
 
 
-def block_draft_params(d: dict) -> int:
+def block_draft_params(d: DFlashDraft) -> int:
     """Trainable parameters of SpecForge's ``DFlashDraftModel`` / ``DSparkDraftModel`` (Qwen3-style layers; no
     embedding or LM head: the target's, frozen). Per layer: q/k/v/o, the MLP, two RMSNorms and the q/k norms; then
     ``fc`` [h, N x h] over the N captured target layers, ``hidden_norm`` and ``norm``. DSpark adds its Markov head
     (2 x vocab x rank) and its confidence head (h, + rank with the Markov input, + 1)."""
-    h, inter, n = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]
-    a, k, hd = d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]
-    dc = d["dflash_config"]
+    h, inter, n = d.hidden_size, d.intermediate_size, d.num_hidden_layers
+    a, k, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    dc = d.dflash_config
     layer = h * a * hd + 2 * h * k * hd + a * hd * h + 3 * h * inter + 2 * h + 2 * hd
-    params = n * layer + len(dc["target_layer_ids"]) * h * h + 2 * h
-    if "markov_rank" in dc:  # DSpark
-        rank = dc["markov_rank"]
-        params += 2 * d["vocab_size"] * rank + h + (rank if dc.get("confidence_head_with_markov") else 0) + 1
+    params = n * layer + len(dc.target_layer_ids) * h * h + 2 * h
+    if isinstance(dc, DSparkConfig) and dc.markov_rank is not None:
+        rank = dc.markov_rank
+        params += 2 * d.vocab_size * rank + h + (rank if dc.confidence_head_with_markov else 0) + 1
     return params
 
 
@@ -57,10 +60,10 @@ def block_trainer_terms(r, *, max_length: int | None = None) -> dict:
     length = tr.max_length if max_length is None else max_length
     h, a, k, hd, inter = (
         t.hidden_size,
-        d["num_attention_heads"],
-        d["num_key_value_heads"],
-        d["head_dim"],
-        d["intermediate_size"],
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.head_dim,
+        d.intermediate_size,
     )
     anchors = min(b.num_anchors, length)  # SpecForge caps anchors at the sample's valid positions
     queries = anchors * b.block_size
@@ -69,7 +72,7 @@ def block_trainer_terms(r, *, max_length: int | None = None) -> dict:
     return {
         "optimizer": block_draft_params(d) * 16,
         "frozen_tables": 2 * t.vocab_size * h * 2,
-        "activations": d["num_hidden_layers"] * per_layer + 2 * length * h * 2,
+        "activations": d.num_hidden_layers * per_layer + 2 * length * h * 2,
         "objective_logits": chunk * b.block_size * t.vocab_size * (16 if tr.family == "dspark" else 10),
         "sdpa_attention": 0,
         "teacher_logits": 0,
@@ -101,8 +104,8 @@ def trainer_terms(r, *, max_length: int | None = None, attention_backend: str | 
     return {
         "optimizer": draft_params(d) * 16,
         "frozen_tables": 2 * t.vocab_size * t.hidden_size * 2,
-        "activations": length * tr.ttt_length * (d["draft_vocab_size"] * 12 + t.hidden_size * 64),
-        "sdpa_attention": 6 * d["num_attention_heads"] * tr.ttt_length * length**2 if backend == "sdpa" else 0,
+        "activations": length * tr.ttt_length * (d.draft_vocab_size * 12 + t.hidden_size * 64),
+        "sdpa_attention": 6 * d.num_attention_heads * tr.ttt_length * length**2 if backend == "sdpa" else 0,
         "teacher_logits": length * t.vocab_size * 10,
     }
 

@@ -394,7 +394,7 @@ def check_block_ids(recipe) -> list[Check]:
         aux = AuxLayers.from_dflash(ids, layers)
     except KimiInputError as exc:
         return [Check(name, "fail", f"{exc} (checkpoint num_hidden_layers)", "fix dflash_config.target_layer_ids")]
-    n = recipe.trainer.draft.get("num_target_layers")
+    n = recipe.trainer.draft.num_target_layers
     if n != layers:
         return [
             Check(
