@@ -289,6 +289,14 @@ class TrainerSection(_Strict):
     def _alloc_conf_form(cls, value: str | None) -> str | None:
         return value if value is None else check_alloc_conf(value)
 
+    @field_validator("draft", mode="wrap")
+    @classmethod
+    def _draft_of_family(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        """The draft checked as its family's (``plan.draft_config``); not at all when ``trainer.family`` is bad
+        (its own error says so)."""
+        family = info.data.get("family")
+        return value if family is None else draft_config.validate_draft(family, value)
+
 
 class DataSection(_Strict):
     prompts_path: str = Field(description="specforge-kimi prepare output prompts.jsonl")
@@ -303,14 +311,6 @@ class BenchSection(_Strict):
     min_acceptance_length: float = Field(gt=1, description="Fail the recipe below this mean acceptance length")
     algorithm: Literal["EAGLE3", "DFLASH"] = Field(
         default="EAGLE3",
-    @field_validator("draft", mode="wrap")
-    @classmethod
-    def _draft_of_family(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
-        """The draft checked as its family's (``plan.draft_config``); not at all when ``trainer.family`` is bad
-        (its own error says so)."""
-        family = info.data.get("family")
-        return value if family is None else draft_config.validate_draft(family, value)
-
         description="--speculative-algorithm: EAGLE3 for trainer.family eagle3, DFLASH for a block draft",
     )
     steps: int = Field(default=3, description="--speculative-num-steps (EAGLE3)")
