@@ -39,7 +39,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -335,59 +334,11 @@ def _group_processes(pgid: int) -> list[dict]:
     return sorted(out, key=lambda p: p["pid"])
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    if proc.poll() is not None and not _group_processes(proc.pid):
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + wait
-        while time.time() < deadline:
-            if proc.poll() is not None and not _group_processes(proc.pid):
-                return
-            time.sleep(0.5)
+def mooncake_master(workdir: Path, ports):
+    """``services.mooncake_master`` on ``ports``, sized for the parity prompts; its log in ``workdir``."""
+    from specforge_kimi.run.services import mooncake_master
 
-
-def _wait_tcp(port: int, timeout_s: float) -> bool:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        with socket.socket() as s:
-            s.settimeout(1.0)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        time.sleep(0.3)
-    return False
-
-
-@contextmanager
-def mooncake_master(workdir: Path, ports=None):
-    from specforge_kimi.servers.capture_server import mooncake_config, mooncake_master_argv
-
-    rpc, meta, metrics = ports or _free_ports(3)
-    mc = mooncake_config(
-        rpc_port=rpc,
-        metadata_port=meta,
-        metrics_port=metrics,
-        global_segment_size_bytes=4 << 30,
-        local_buffer_size_bytes=512 << 20,
-    )
-    log = open(workdir / "mooncake_master.log", "wb")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(
-        mooncake_master_argv(mc), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        ok = _wait_tcp(rpc, 30) and _wait_tcp(meta, 30)
-        if not ok or proc.poll() is not None:
-            raise RuntimeError(
-                f"mooncake master did not come up: {(workdir / 'mooncake_master.log').read_text()[-2000:]}"
-            )
-        yield mc
-    finally:
-        _stop_group(proc, grace_s=5)
-        log.close()
+    return mooncake_master(workdir / "mooncake_master.log", segment_bytes=4 << 30, buffer_bytes=512 << 20, ports=ports)
 
 
 class ServerStartError(RuntimeError):
@@ -440,6 +391,8 @@ def capture_server(
     only while a compiler (a JIT build) runs in the server's process group. On a stall it dumps
     every Python stack into the log (PYTHONFAULTHANDLER + SIGABRT) and raises
     :class:`ServerStartError` with the process samples it took every 30 s."""
+    from specforge_kimi.run.services import stop_group
+
     log = open(log_path, "wb")
     env = {**env, "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
     hard_limit_s = max(timeout_s, hard_limit_s or timeout_s)
@@ -477,7 +430,7 @@ def capture_server(
         startup_s = time.time() - t0
         yield startup_s
     finally:
-        _stop_group(proc)
+        stop_group(proc)
         log.close()
 
 
@@ -517,51 +470,26 @@ def capture_via_specforge(url: str, mc, prompts, aux_ids, *, run_id: str, method
     """Send every prompt through SpecForge's server-capture adapter with the ``method`` strategy's layout (eagle3 or
     dflash) and read the features back with SpecForge's Mooncake store. Returns ``{index: (aux [T,N*H], last [T,H]
     or None)}`` (bf16; dflash captures no last hidden state)."""
-    import importlib
-
-    from specforge.inference.adapters.server_capture import (
-        ServerCaptureFailure,
-        ServerCaptureSchema,
-        SGLangServerCaptureAdapter,
-    )
-    from specforge.inference.capture import CaptureConfig
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
     from specforge.runtime.contracts import PromptTask, SampleRef
-    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
-    from specforge_kimi.servers.capture_server import mooncake_reader_setup_kwargs
+    from specforge_kimi.run.offline_twin import capture_tools
 
-    algorithm = importlib.import_module(f"specforge.algorithms.{method}.providers").create_registration()
-    streaming = algorithm.providers.server_streaming_for("text")
-    layout = streaming.layout
-    schema = ServerCaptureSchema(
-        aux_feature=layout.aux_feature,
-        last_hidden_feature=layout.last_hidden_feature,
-        passthrough=layout.passthrough,
-        attention_mask_feature=layout.attention_mask_feature,
-    )
-    contract = algorithm.spec.feature_contract("streaming", "text")
-    capture_cfg = CaptureConfig.from_strategy(
-        required_features=contract.required_tensors,
-        aux_hidden_state_layer_ids=tuple(aux_ids),
-        target_repr=streaming.target_representation,
-        target_hidden_size=SPEC["hidden"],
-        target_vocab_size=163840,
-    )
-    store = MooncakeFeatureStore(store_id="kimi-parity", setup_kwargs=mooncake_reader_setup_kwargs(mc))
-    adapter = SGLangServerCaptureAdapter(
+    adapter, capture_cfg, store, layout = capture_tools(
         url,
-        store,
+        mc,
+        aux_ids=aux_ids,
+        hidden=SPEC["hidden"],
+        vocab=163840,
         run_id=run_id,
-        algorithm=algorithm.name,
-        schema=schema,
+        method=method,
         timeout_s=300.0,
-        target_model_version="tiny-k25",
     )
     out: dict[int, tuple] = {}
     stats = {
         "requests": [],
         "layout": {"aux": layout.aux_feature, "last": layout.last_hidden_feature},
-        "capture_method": streaming.capture_method,
+        "capture_method": method,
     }
     for group in _batches(prompts):
         tasks = [

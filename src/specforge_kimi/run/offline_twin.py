@@ -86,18 +86,32 @@ def producer_body(adapter, tasks, *, compact: bool) -> dict:
     return body
 
 
-def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vocab: int, run_id: str, store=None):
+def capture_tools(
+    url: str,
+    mooncake,
+    *,
+    aux_ids: Sequence[int],
+    hidden: int,
+    vocab: int,
+    run_id: str,
+    store=None,
+    method: str = "eagle3",
+    timeout_s: float = 1800.0,
+):
     """SpecForge's producer transport for one capture server, as its online producer builds it:
-    ``(SGLangServerCaptureAdapter, CaptureConfig, MooncakeFeatureStore, eagle3 server layout)``; ``store``
-    another feature store in the Mooncake one's place (the cuda_ipc one: ``transport.store``)."""
-    from specforge.algorithms.eagle3.providers import create_registration
+    ``(SGLangServerCaptureAdapter, CaptureConfig, MooncakeFeatureStore, server layout)`` for the ``method``
+    strategy (``eagle3`` or ``dflash``, SpecForge's ``specforge.algorithms.<method>``); ``store`` another feature
+    store in the Mooncake one's place (the cuda_ipc one: ``transport.store``); ``timeout_s`` the adapter's wait for
+    one ``/generate``."""
+    import importlib
+
     from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
     from specforge.inference.capture import CaptureConfig
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
     from specforge_kimi.servers.capture_server import mooncake_reader_setup_kwargs
 
-    algorithm = create_registration()
+    algorithm = importlib.import_module(f"specforge.algorithms.{method}.providers").create_registration()
     streaming = algorithm.providers.server_streaming_for("text")
     layout = streaming.layout
     schema = ServerCaptureSchema(
@@ -122,7 +136,7 @@ def capture_tools(url: str, mooncake, *, aux_ids: Sequence[int], hidden: int, vo
         run_id=run_id,
         algorithm=algorithm.name,
         schema=schema,
-        timeout_s=1800.0,
+        timeout_s=timeout_s,
         target_model_version=run_id,
     )
     return adapter, cfg, store, layout
