@@ -55,7 +55,9 @@ step, foreach AdamW), ``keep_cache`` (SpecForge patch eagle3-keep-allocator-cach
 expandable_segments:True``), ``fewer_syncs`` (``keep_cache_fused_adamw`` + patch eagle3-fewer-host-syncs,
 ``SPECFORGE_EAGLE3_FEWER_SYNCS=1``), ``recipe`` (the recipe's own ``trainer.step_empty_cache`` / ``fused_adamw`` /
 ``step_fewer_host_syncs`` / ``step_chunked_head_loss`` / ``cuda_alloc_conf``) and ``chunked_loss`` (the recipe's own
-with ``trainer.step_chunked_head_loss: 1024``, patch eagle3-chunked-head-loss, ``SPECFORGE_EAGLE3_CHUNKED_LOSS=1024``); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+with ``trainer.step_chunked_head_loss: 1024``, patch eagle3-chunked-head-loss, ``SPECFORGE_EAGLE3_CHUNKED_LOSS=1024``) and
+``compiled`` (the recipe's own with ``trainer.step_compile_elementwise: true``, our seam compile-elementwise,
+``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1``; its first step also compiles, the speed is read after it); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
 script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
@@ -183,12 +185,13 @@ VARIANTS = {
     },
 }
 #: ``--variants`` that are the recipe's own trainer section with these fields changed
-RECIPE_VARIANTS = {"chunked_loss": {"step_chunked_head_loss": 1024}}
+RECIPE_VARIANTS = {"chunked_loss": {"step_chunked_head_loss": 1024}, "compiled": {"step_compile_elementwise": True}}
 STEP_ENV_KEYS = (
     "SPECFORGE_EAGLE3_EMPTY_CACHE",
     "SPECFORGE_ADAMW_FUSED",
     "SPECFORGE_EAGLE3_FEWER_SYNCS",
     "SPECFORGE_EAGLE3_CHUNKED_LOSS",
+    "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
     "PYTORCH_CUDA_ALLOC_CONF",
 )
 
@@ -205,7 +208,14 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
     elif name in RECIPE_VARIANTS:
         v = recipe.trainer.model_copy(update=RECIPE_VARIANTS[name])
     else:
-        v = SimpleNamespace(**{"step_fewer_host_syncs": False, "step_chunked_head_loss": None, **VARIANTS[name]})
+        v = SimpleNamespace(
+            **{
+                "step_fewer_host_syncs": False,
+                "step_chunked_head_loss": None,
+                "step_compile_elementwise": False,
+                **VARIANTS[name],
+            }
+        )
     env = {k: val for k, val in base.items() if k != ALLOC_CONF_ENV}
     env.update(trainer_env(v))
     return env
@@ -374,6 +384,12 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
     # and SPECFORGE_EAGLE3_CHUNKED_LOSS (patch eagle3-chunked-head-loss): tokens per chunk, 0 unchunked
     chunked_loss = int(getattr(eagle3_model, "_chunked_loss_tokens", lambda: 0)())
+    # and SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE (our compile-elementwise seam, installed by register())
+    from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
+
+    from specforge_kimi.drafts.compile_elementwise import installed
+
+    compiled = installed(LlamaDecoderLayer)
     if args.profile_steps:
         step_profile.annotate(target_head=bundle.target_head, backend=backend)
     build_s = time.perf_counter() - t0
@@ -388,6 +404,7 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
         "adamw_fused": adamw_fused,
         "fewer_syncs": fewer_syncs,
         "chunked_loss": chunked_loss,
+        "compile_elementwise": compiled,
         "build_s": build_s,
         "built": built,
         "hidden": hidden,
@@ -421,6 +438,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "adamw_fused": adamw_fused,
         "fewer_host_syncs": fewer_syncs,
         "chunked_head_loss": trainer["chunked_loss"],
+        "compile_elementwise": trainer["compile_elementwise"],
         "backend": args.backend,
         "length": length,
         "fsdp_sharding": sharding,

@@ -60,6 +60,14 @@ CONSUMER_RESTARTABLE = EnvVar(
     writers=("run.keeper",),
     readers=("registration",),
 )
+EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
+    "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
+    "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds "
+    "(recipe trainer step knob)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.compile_elementwise",),
+)
 RESUME_SKIP = EnvVar(
     "SPECFORGE_KIMI_RESUME_SKIP",
     "a file of the task ids a resumed attempt skips (trained before its checkpoint)",

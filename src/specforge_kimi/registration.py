@@ -24,6 +24,10 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
   ``trust_remote_code: false``. Other targets pass through untouched.
 - ``mla-draft``: SpecForge's draft registry and ``eagle3`` algorithm: the MLA EAGLE-3 draft
   (``Eagle3DeepseekV2ForCausalLM``, :func:`specforge_kimi.drafts.mla_eagle3.register_mla_draft`).
+- ``compile-elementwise``: SpecForge's ``LlamaDecoderLayer.forward``, only in a process with
+  ``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1`` (recipe ``trainer.step_compile_elementwise``): the regions around
+  the draft layer's attention (norms, MLP, residual adds) under ``torch.compile``
+  (:mod:`specforge_kimi.drafts.compile_elementwise`). Without the variable SpecForge's forward is untouched.
 - ``outage-wait``: SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
   ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
@@ -500,6 +504,9 @@ def register_all() -> None:
     from specforge_kimi.drafts.mla_eagle3 import register_mla_draft
 
     register_mla_draft()
+    from specforge_kimi.drafts.compile_elementwise import install_compile_elementwise
+
+    install_compile_elementwise()  # only with SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1
     _install_outage_wait()
     _install_restartable_consumer_failure()
     _install_cuda_ipc_transport()

@@ -368,6 +368,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_ADAMW_FUSED": "1",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "1",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "1024",
+        "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     assert step_knobs.patches_needed(env) == [
@@ -382,6 +383,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_ADAMW_FUSED": "0",
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
+        "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
     from specforge_kimi.setup.setup_patches import patch_file

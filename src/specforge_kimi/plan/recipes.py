@@ -35,7 +35,13 @@ FAMILIES = ("eagle3", "dflash", "dspark")
 BLOCK_FAMILIES = ("dflash", "dspark")
 #: trainer fields only the eagle3 step reads (patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs,
 #: eagle3-chunked-head-loss; TTT)
-EAGLE3_ONLY_TRAINER_FIELDS = ("ttt_length", "step_empty_cache", "step_fewer_host_syncs", "step_chunked_head_loss")
+EAGLE3_ONLY_TRAINER_FIELDS = (
+    "ttt_length",
+    "step_empty_cache",
+    "step_fewer_host_syncs",
+    "step_chunked_head_loss",
+    "step_compile_elementwise",
+)
 #: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
 K25_MASK_TOKEN_ID = 163824
 
@@ -277,6 +283,14 @@ class TrainerSection(_Strict):
         "eagle3-chunked-head-loss; the launch refuses to start without it). Same loss, gradients and metrics to fp32 "
         "rounding (tests/unit/test_step_patches.py); costs a second draft-head forward per chunk. Measured by "
         "bench/trainer_memory.py --variants recipe,chunked_loss. None (the default): as SpecForge ships",
+    )
+    step_compile_elementwise: bool = Field(
+        default=False,
+        description="true runs the eagle3 Llama draft layer's norms, MLP and residual adds (the regions around its "
+        "attention) under torch.compile, so their elementwise work is fused, forward and backward "
+        "(SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1; our registration seam compile-elementwise, no patch; the MLA "
+        "draft is left as it is). Same loss and gradients to fp32 rounding (tests/unit/test_compile_elementwise.py); "
+        "the first step compiles. Measured by bench/trainer_memory.py --variants recipe,compiled. Off by default",
     )
     cuda_alloc_conf: str | None = Field(
         default=None,

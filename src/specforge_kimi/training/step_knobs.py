@@ -1,11 +1,12 @@
 """The trainer step's knobs that SpecForge 0.2.0 has no setting for, as environment variables of its processes.
 
 Scope: the names and values only. Each variable is read by one of our SpecForge patches
-(``patches/specforge/0.2.0``) inside SpecForge's own code; without the patch the variable does nothing and
+(``patches/specforge/0.2.0``) inside SpecForge's own code, or, ``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE``, by our
+``compile-elementwise`` registration seam (no patch); without the patch the variable does nothing and
 SpecForge behaves as shipped, so a launch that asks for a non-default value checks the patch first
 (``setup.setup_patches.specforge_patch_gaps``, ``run.launch.trainer_step_preflight``). The recipe fields
 (``trainer.step_empty_cache``, ``trainer.fused_adamw``, ``trainer.step_fewer_host_syncs``,
-``trainer.step_chunked_head_loss``, ``trainer.cuda_alloc_conf``) say why each exists; ``bench/trainer_memory.py --variants`` measures them side by side (bench/REPORT.md,
+``trainer.step_chunked_head_loss``, ``trainer.step_compile_elementwise``, ``trainer.cuda_alloc_conf``) say why each exists; ``bench/trainer_memory.py --variants`` measures them side by side (bench/REPORT.md,
 "One trainer rank at a recipe's sizes").
 """
 
@@ -32,6 +33,9 @@ FEWER_SYNCS_PATCH = "eagle3-fewer-host-syncs"
 #: each chunk recomputed in the backward, so the step's whole [S, draft vocab] logits are never kept; "0": as shipped
 CHUNKED_LOSS_ENV = _env.EAGLE3_CHUNKED_LOSS.name
 CHUNKED_LOSS_PATCH = "eagle3-chunked-head-loss"
+#: the compile-elementwise seam (``drafts.compile_elementwise``, no patch): "1" compiles the regions around the eagle3
+#: Llama draft layer's attention (norms, MLP, residual adds), "0": SpecForge's layer as shipped
+COMPILE_ELEMENTWISE_ENV = _env.EAGLE3_COMPILE_ELEMENTWISE.name
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
@@ -55,10 +59,11 @@ def step_env(
     alloc_conf: str | None,
     fewer_syncs: bool | None = False,
     chunked_loss: int | None = 0,
+    compile_elementwise: bool | None = False,
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
-    chunk, 0 off. ``empty_cache``, ``fewer_syncs`` and ``chunked_loss`` None: the eagle3 step's switches left out
+    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss`` and ``compile_elementwise`` None: the eagle3 step's switches left out
     (a block draft's step reads none of them)."""
     env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
     if empty_cache is not None:
@@ -67,6 +72,8 @@ def step_env(
         env[FEWER_SYNCS_ENV] = "1" if fewer_syncs else "0"
     if chunked_loss is not None:
         env[CHUNKED_LOSS_ENV] = str(int(chunked_loss))
+    if compile_elementwise is not None:
+        env[COMPILE_ELEMENTWISE_ENV] = "1" if compile_elementwise else "0"
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
     return env
@@ -75,9 +82,10 @@ def step_env(
 def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
     ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf``, ``step_fewer_host_syncs`` and
-    ``step_chunked_head_loss``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
+    ``step_chunked_head_loss``, ``step_compile_elementwise``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
     patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs and eagle3-chunked-head-loss change SpecForge's
-    eagle3 step only, so the launch needs none of them."""
+    eagle3 step only, so the launch needs none of them; the compile-elementwise seam changes the eagle3 Llama draft's
+    layer only."""
     eagle3 = getattr(trainer, "family", "eagle3") == "eagle3"
     return step_env(
         empty_cache=trainer.step_empty_cache if eagle3 else None,
@@ -85,6 +93,7 @@ def trainer_env(trainer) -> dict[str, str]:
         alloc_conf=trainer.cuda_alloc_conf,
         fewer_syncs=trainer.step_fewer_host_syncs if eagle3 else None,
         chunked_loss=(trainer.step_chunked_head_loss or 0) if eagle3 else None,
+        compile_elementwise=trainer.step_compile_elementwise if eagle3 else None,
     )
 
 
