@@ -471,7 +471,7 @@ def test_feature_sizing_follows_the_draft_family(tmp_path, family, layers, passt
         raw = _raw("tiny-k25-tp1-h200-dflash.yaml")
         raw["trainer"]["family"] = family
         if family == "dspark":  # SpecForge's DSpark draft is GQA: fewer kv heads than query heads
-            raw["trainer"]["draft"]["num_key_value_heads"] = 4
+            raw["trainer"]["draft"].update(num_key_value_heads=4, architectures=["DSparkDraftModel"])
     r = _load(tmp_path, raw)
     layout = tp.feature_layout(r)
     assert (layout.captured_layers + layout.captures_last_hidden, layout.passthrough_count) == (layers, passthrough)

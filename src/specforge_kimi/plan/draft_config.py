@@ -179,7 +179,7 @@ class DraftConfig(_Ordered):
         arch = (self.architectures or [None])[0]
         if arch is not None and arch not in self.ARCHITECTURES:
             expected = " or ".join(self.ARCHITECTURES)
-            raise _refuse(type(self).__name__, [("architectures", f"a {self.family} draft is {expected}", arch)])
+            raise _refuse(type(self).__name__, [("architectures", f"{self.family} drafts are {expected}", arch)])
         return self
 
 
