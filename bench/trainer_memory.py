@@ -136,15 +136,16 @@ def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int,
     """The recipe the model is built from: its max length and backend, the stand-in paths (validated again)."""
     from specforge_kimi.plan.recipes import Recipe
 
-    raw = recipe.model_dump()
+    # the fields the recipe set (a block-draft recipe refuses EAGLE-3-only fields even at their defaults)
+    raw = recipe.model_dump(exclude_unset=True)
     raw["target"]["path"] = str(target)
-    raw["data"]["vocab_mapping_path"] = str(vocab)
+    raw.setdefault("data", {})["vocab_mapping_path"] = str(vocab)
     raw["data"]["prompts_path"] = str(workdir / "unused-prompts.jsonl")
     raw["output_dir"] = str(workdir / f"run-{backend}-{length}")
-    raw["trainer"]["max_length"] = length
+    raw.setdefault("trainer", {})["max_length"] = length
     raw["trainer"]["attention_backend"] = backend
     raw["trainer"]["reserve_gib"] = 0.0
-    raw["gpus"]["memory_gib"] = 1e6  # the plan's fit check is not this script's question
+    raw.setdefault("gpus", {})["memory_gib"] = 1e6  # the plan's fit check is not this script's question
     return Recipe.model_validate(raw)
 
 

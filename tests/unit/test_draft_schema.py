@@ -220,3 +220,16 @@ def test_model_copy_keeps_the_order_and_adds_new_keys_last():
     moved = draft.model_copy(update={"draft_vocab_size": 128, "target_hidden_size": 512})
     assert list(moved.config()) == [*raw, "target_hidden_size"]
     assert moved.config()["draft_vocab_size"] == 128 and moved["draft_vocab_size"] == 128
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_a_dumped_recipe_validates_back_to_the_same_draft(name):
+    """``Recipe.model_dump()`` then ``model_validate`` (with ``exclude_unset``: what bench/trainer_memory.py's ``row_recipe`` does to vary a recipe) keeps the
+    draft as written: no unset field comes back as an explicit ``None`` (SpecForge's HF config refuses one)."""
+    recipe = read_recipe(RECIPES / name)
+    assert recipe.model_dump()["trainer"]["draft"] == recipe.trainer.draft.config()
+    dumped = recipe.model_dump(exclude_unset=True)
+    assert dumped["trainer"]["draft"] == recipe.trainer.draft.config()
+    again = Recipe.model_validate(dumped)
+    assert again.trainer.draft.config() == recipe.trainer.draft.config()
+    assert None not in again.trainer.draft.config().values()

@@ -23,6 +23,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -72,6 +73,12 @@ class _Ordered(BaseModel):
         if isinstance(data, dict) and model is not data:
             model._order = tuple(data)
         return model
+
+    @model_serializer(mode="plain")
+    def _dump(self) -> dict[str, Any]:
+        """``model_dump`` (and a whole recipe's) is :meth:`config`: a dumped recipe validates back to the same
+        draft, with no unset field turned into an explicit ``None``."""
+        return self.config()
 
     def config(self) -> dict[str, Any]:
         """The JSON object: the keys set, in the order given (any set later by ``model_copy`` after them)."""
