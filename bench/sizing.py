@@ -23,7 +23,7 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   (``step_env``); a (length, step) row is read from the first file that has it. A recipe's trainer rate is the row
   of its own step; a run's trainer-alone rate, the row of the step that run used. A block-draft recipe (DFlash) has
   no measured step: its rate is its EAGLE-3 twin's x the ratio of training FLOPs per token
-  (:func:`train_flops_per_token`) x ``block_step_vs_flops``, an estimate;
+  (``training.step_flops.train_flops_per_token``) x ``block_step_vs_flops``, an estimate;
 - ``prefill_width7168_l6_e16_{bf16,int4}_h200.jsonl``: INT4 vs bf16 experts (the expert-count backtest).
 
 and projects each shipped K2.5 recipe (8xB200 lowered, 8xB300, 2x8 B300; the 8xB200 DFlash twin) per transport that applies to it
@@ -306,39 +306,6 @@ def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tup
     return row["length"], row["tokens_per_s"]
 
 
-def train_flops_per_token(r) -> dict:
-    """Training GEMM + attention FLOPs per trained token of a recipe's draft step, term by term (2 FLOPs per
-    multiply-add; a trained weight costs 3x its forward, a frozen one with its input's gradient 2x, a frozen one
-    without 1x; causal attention over S/2 keys on average). EAGLE-3: the fc over the captured layers, then
-    ``ttt_length`` x (the layer on [emb, hidden] + the draft head), the target head's forward once. A block draft:
-    the fc over its captured layers and each layer's k/v for the S context rows, each layer on anchors x block
-    queries per sample (per token: anchors x block / S), the frozen head on every query with its input's gradient."""
-    t, tr, d = r.target, r.trainer, r.trainer.draft
-    h, s_len = t.hidden_size, tr.max_length
-    a, k = d["num_attention_heads"], d.get("num_key_value_heads", d["num_attention_heads"])
-    hd, inter = d.get("head_dim", h // a), d["intermediate_size"]
-    attn = 4 * (s_len / 2) * a * hd  # scores + values, one query
-    fc = 6 * len(r.capture_ids) * h * h
-    if tr.family == "eagle3":
-        layer = 2 * h * a * hd + 2 * 2 * h * k * hd + a * hd * h + 3 * h * inter
-        per_step = 6 * layer + 3 * attn + 6 * d["draft_vocab_size"] * h
-        return {
-            "fc": fc,
-            "layers": tr.ttt_length * (6 * layer + 3 * attn),
-            "draft_head": tr.ttt_length * 6 * d["draft_vocab_size"] * h,
-            "target_head": 2 * t.vocab_size * h,
-            "total": fc + tr.ttt_length * per_step + 2 * t.vocab_size * h,
-        }
-    b = tr.block
-    q = min(b.num_anchors, s_len) * b.block_size / s_len  # queries per trained token
-    n = d["num_hidden_layers"]
-    query = 2 * h * a * hd + 2 * h * k * hd + 3 * h * inter  # q, o, k/v of the noise, the MLP
-    context = 2 * h * k * hd  # k/v of each context row
-    layers = n * (q * (6 * query + 3 * attn) + 6 * context)
-    head = q * 4 * t.vocab_size * h
-    return {"fc": fc, "layers": layers, "draft_head": 0.0, "target_head": head, "total": fc + layers + head}
-
-
 def _recipe_rates(r: dict, a: dict, fit: dict, trainer_bench: dict) -> dict:
     """One recipe's prefill and trainer tok/s per GPU under the assumptions ``a``; a block draft's trainer from its
     EAGLE-3 twin's measured step x its FLOPs ratio x ``block_step_vs_flops``."""
@@ -518,6 +485,7 @@ def _block_terms(r, twin) -> dict:
     if twin is None or twin.trainer.family != "eagle3":
         raise SystemExit(f"error: {r.name} has no EAGLE-3 twin in RECIPES to scale its trainer step from")
     from specforge_kimi.plan.transport_plan import feature_bytes_per_token
+    from specforge_kimi.training.step_flops import train_flops_per_token
 
     mine, theirs = train_flops_per_token(r), train_flops_per_token(twin)
     return {

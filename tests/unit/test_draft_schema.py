@@ -219,7 +219,7 @@ def test_model_copy_keeps_the_order_and_adds_new_keys_last():
     draft = validate_draft("eagle3", raw)
     moved = draft.model_copy(update={"draft_vocab_size": 128, "target_hidden_size": 512})
     assert list(moved.config()) == [*raw, "target_hidden_size"]
-    assert moved.config()["draft_vocab_size"] == 128 and moved["draft_vocab_size"] == 128
+    assert moved.config()["draft_vocab_size"] == 128 and moved.draft_vocab_size == 128
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))

@@ -371,9 +371,7 @@ def test_a_run_report_naming_its_step_is_paired_by_it(sizing, results, tmp_path)
 def _dflash(sizing, layers: int | None = None, ids: list[int] | None = None):
     """The 8xB200 DFlash recipe as the FLOPs and bytes terms read it, with made-up draft layers / captured ids."""
     r = sizing._recipes().load_recipe(REPO / "recipes" / "kimi-k25-8xb200-lowered-dflash.yaml")
-    keys = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_hidden_layers")
-    d = {k: r.trainer.draft[k] for k in keys}
-    d["num_hidden_layers"] = layers or d["num_hidden_layers"]
+    d = r.trainer.draft.model_copy(update={"num_hidden_layers": layers}) if layers else r.trainer.draft
     trainer = types.SimpleNamespace(family="dflash", draft=d, max_length=r.trainer.max_length, block=r.trainer.block)
     return types.SimpleNamespace(name=r.name, target=r.target, trainer=trainer, capture_ids=ids or r.capture_ids)
 

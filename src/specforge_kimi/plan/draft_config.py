@@ -170,17 +170,6 @@ class DraftConfig(_Ordered):
     def _peers(cls) -> dict[str, type[_Ordered]]:
         return dict(DRAFTS)
 
-    # read-only mapping access to the JSON, for readers shared with a rendered config.json
-    # (training.step_flops.draft_shape, bench/sizing.py); everything else reads the typed fields
-    def __getitem__(self, key: str) -> Any:
-        return self.config()[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.config()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.config().get(key, default)
-
     @model_validator(mode="after")
     def _architecture(self) -> DraftConfig:
         arch = (self.architectures or [None])[0]

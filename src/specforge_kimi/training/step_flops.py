@@ -92,39 +92,50 @@ class DraftShape:
         return self.head_dim if self.kind == "llama" else self.v_head
 
 
-def draft_shape(draft: Mapping, *, target_hidden: int | None = None) -> DraftShape:
-    """Read a draft config dict (a recipe's ``trainer.draft`` or a rendered ``config.json``).
+class _ConfigView:
+    """A draft ``config.json`` read as a dict, seen through the typed draft's field names (an absent key: None)."""
 
-    MLA when the config has ``q_lora_rank`` (our ``Eagle3DeepseekV2ForCausalLM``), else Llama.
+    def __init__(self, config: Mapping) -> None:
+        self._config = config
+
+    def __getattr__(self, key: str):
+        value = self._config.get(key)
+        return _ConfigView(value) if isinstance(value, Mapping) else value
+
+
+def draft_shape(draft, *, target_hidden: int | None = None) -> DraftShape:
+    """The sizes of an EAGLE-3 draft config: a recipe's ``trainer.draft`` (``plan.draft_config.Eagle3Draft``, read
+    by its typed fields), or a rendered ``config.json`` read as a dict (the same field names).
+
+    MLA when the config has the MLA sizes (our ``Eagle3DeepseekV2ForCausalLM``), else Llama.
     """
-    h = int(draft["hidden_size"])
-    heads = int(draft["num_attention_heads"])
+    d = _ConfigView(draft) if isinstance(draft, Mapping) else draft
+    h, heads = d.hidden_size, d.num_attention_heads
     common = {
         "hidden": h,
-        "target_hidden": int(target_hidden or draft.get("target_hidden_size") or h),
+        "target_hidden": int(target_hidden or d.target_hidden_size or h),
         "heads": heads,
-        "intermediate": int(draft["intermediate_size"]),
-        "draft_vocab": int(draft.get("draft_vocab_size") or draft["vocab_size"]),
+        "intermediate": d.intermediate_size,
+        "draft_vocab": d.draft_vocab_size or d.vocab_size,
     }
-    if draft.get("q_lora_rank"):
-        eagle = draft.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or draft.get("eagle_aux_hidden_state_layer_ids")
+    if d.kv_lora_rank is not None:
+        ids = d.eagle_config.eagle_aux_hidden_state_layer_ids if d.eagle_config is not None else None
         return DraftShape(
             kind="mla",
             num_aux=3 if ids is None else len(ids),
-            q_lora=int(draft["q_lora_rank"]),
-            kv_lora=int(draft["kv_lora_rank"]),
-            qk_nope=int(draft["qk_nope_head_dim"]),
-            qk_rope=int(draft["qk_rope_head_dim"]),
-            v_head=int(draft["v_head_dim"]),
+            q_lora=d.q_lora_rank,
+            kv_lora=d.kv_lora_rank,
+            qk_nope=d.qk_nope_head_dim,
+            qk_rope=d.qk_rope_head_dim,
+            v_head=d.v_head_dim,
             **common,
         )
     # LlamaForCausalLMEagle3: fc is always 3 x target_hidden wide; head_dim defaults to H / heads
     return DraftShape(
         kind="llama",
         num_aux=3,
-        kv_heads=int(draft.get("num_key_value_heads") or heads),
-        head_dim=int(draft.get("head_dim") or h // heads),
+        kv_heads=d.num_key_value_heads or heads,
+        head_dim=d.head_dim or h // heads,
         **common,
     )
 
@@ -167,7 +178,7 @@ class StepFlops:
 
 
 def step_flops(
-    draft: Mapping | DraftShape,
+    draft,
     *,
     length: int,
     ttt_length: int,
@@ -226,3 +237,48 @@ def recipe_step_flops(recipe, *, length: int, attention: str = "useful") -> Step
         target_hidden=recipe.target.hidden_size,
         attention=attention,
     )
+
+
+#: :func:`train_flops_per_token`'s terms, ``total`` their sum
+TRAIN_TERMS = ("fc", "layers", "draft_head", "target_head")
+
+
+def train_flops_per_token(recipe, *, length: int | None = None) -> dict:
+    """Training GEMM + attention FLOPs per trained token of a recipe's draft step, term by term (:data:`TRAIN_TERMS`
+    and ``total``), one convention for both families so that their ratio is fair (``bench/sizing.py`` scales a block
+    draft's trainer rate from its EAGLE-3 twin's by it; ``bench/trainer_memory.py`` reads a block step's FLOP/s
+    against it): 2 FLOPs per multiply-add; a trained weight costs 3x its forward, a frozen one with its input's
+    gradient 2x, a frozen one without 1x; causal attention over S/2 keys on average, ``S`` = ``length`` (default
+    ``trainer.max_length``); widths are the target's.
+
+    EAGLE-3: the fc over the captured layers, then ``ttt_length`` x (the layer on [emb, hidden] + the draft head),
+    the target head's forward once (:func:`step_flops` counts the same step exactly, per attention mode). A block
+    draft (DFlash, DSpark: ``trainer.block``): the fc over its captured layers and each layer's k/v for the S context
+    rows, each of the ``num_hidden_layers`` layers on anchors x block queries per sample (per token: anchors x block /
+    S, anchors capped at S), the frozen head on every query with its input's gradient; DSpark's Markov and confidence
+    heads are not counted."""
+    t, tr, d = recipe.target, recipe.trainer, recipe.trainer.draft
+    h, s_len = t.hidden_size, tr.max_length if length is None else length
+    a = d.num_attention_heads
+    k = d.num_key_value_heads or a
+    hd, inter = d.head_dim or h // a, d.intermediate_size
+    attn = 4 * (s_len / 2) * a * hd  # scores + values, one query
+    fc = 6 * len(recipe.capture_ids) * h * h
+    if tr.family == "eagle3":
+        layer = 2 * h * a * hd + 2 * 2 * h * k * hd + a * hd * h + 3 * h * inter
+        per_step = 6 * layer + 3 * attn + 6 * d.draft_vocab_size * h
+        return {
+            "fc": fc,
+            "layers": tr.ttt_length * (6 * layer + 3 * attn),
+            "draft_head": tr.ttt_length * 6 * d.draft_vocab_size * h,
+            "target_head": 2 * t.vocab_size * h,
+            "total": fc + tr.ttt_length * per_step + 2 * t.vocab_size * h,
+        }
+    b = tr.block
+    q = min(b.num_anchors, s_len) * b.block_size / s_len  # queries per trained token
+    n = d.num_hidden_layers
+    query = 2 * h * a * hd + 2 * h * k * hd + 3 * h * inter  # q, o, k/v of the noise, the MLP
+    context = 2 * h * k * hd  # k/v of each context row
+    layers = n * (q * (6 * query + 3 * attn) + 6 * context)
+    head = q * 4 * t.vocab_size * h
+    return {"fc": fc, "layers": layers, "draft_head": 0.0, "target_head": head, "total": fc + layers + head}
