@@ -1,4 +1,5 @@
-"""Peak memory and speed of EAGLE-3 trainer ranks at a recipe's real sizes, against the memory plan.
+"""Peak memory and speed of draft trainer ranks (EAGLE-3 or a block draft) at a recipe's real sizes, against the
+memory plan.
 
 Scope: the consumer side of the online loop only, on one host: one rank (default) or ``--nproc N``
 ranks started by torchrun, one per GPU, as a co-located run's trainer ranks. The K2.5 recipes'
@@ -10,6 +11,18 @@ config, ``OnlineEagle3Model`` with the recipe's TTT length and attention backend
 step strategy, ``TrainerCore.train_step`` -- and feeds it batches shaped like a capture
 (``hidden_state`` [1, L, 3 x hidden], ``target`` = the last hidden state [1, L, hidden],
 ``target_repr: hidden_state``), random but fixed, in memory. No server, Mooncake or data.
+
+A block-draft recipe (``trainer.family`` dflash or dspark) gets the same build with its family's algorithm: the
+draft (``DFlashDraftModel`` / ``DSparkDraftModel``) inside SpecForge's DFlash-family training model (the target's
+frozen embedding and head inside it), ``DFlashTrainStrategy`` / ``DSparkTrainStrategy``, and batches shaped like its
+capture: ``hidden_states`` [1, L, N x hidden] (its N ``dflash_config.target_layer_ids``), ``input_ids``,
+``loss_mask`` (DSpark also ``target_last_hidden_states`` [1, L, hidden]); no vocab mapping. Its rows are read against
+``trainer_terms``' block terms (``plan_bytes``: optimizer, frozen tables, activations, objective logits) and
+``step_flops.train_flops_per_token`` (``flops_per_token``; model = executed); the EAGLE-3-only variants
+(``fewer_syncs``, ``chunked_loss``, ``compiled``) are refused. Each row and the document's config name the family.
+
+    python bench/trainer_memory.py --recipe recipes/kimi-k25-slice-h200-dflash.yaml --backends flex_attention,sdpa \\
+        --lengths 2048,4096 --steps 4 --out bench/results/trainer_memory_k25_slice_dflash_h200.json
 
 The target is a stand-in directory holding only what the consumer reads: the recipe target's
 K2.5 ``config.json`` (wrapper and ``text_config``), its embedding and LM-head tensors (random
@@ -132,14 +145,16 @@ def write_vocab_mapping(recipe, path: Path) -> Path:
     return path
 
 
-def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int, backend: str):
-    """The recipe the model is built from: its max length and backend, the stand-in paths (validated again)."""
+def row_recipe(recipe, *, target: Path, vocab: Path | None, workdir: Path, length: int, backend: str):
+    """The recipe the model is built from: its max length and backend, the stand-in paths (validated again; a block
+    draft has no vocab mapping)."""
     from specforge_kimi.plan.recipes import Recipe
 
     # the fields the recipe set (a block-draft recipe refuses EAGLE-3-only fields even at their defaults)
     raw = recipe.model_dump(exclude_unset=True)
     raw["target"]["path"] = str(target)
-    raw.setdefault("data", {})["vocab_mapping_path"] = str(vocab)
+    if vocab is not None:
+        raw.setdefault("data", {})["vocab_mapping_path"] = str(vocab)
     raw["data"]["prompts_path"] = str(workdir / "unused-prompts.jsonl")
     raw["output_dir"] = str(workdir / f"run-{backend}-{length}")
     raw.setdefault("trainer", {})["max_length"] = length
@@ -149,26 +164,37 @@ def row_recipe(recipe, *, target: Path, vocab: Path, workdir: Path, length: int,
     return Recipe.model_validate(raw)
 
 
-def _batch(length: int, hidden: int, vocab: int, seed: int, device: str | None = None):
-    """One capture-shaped batch, the same for a seed whatever the device; ``device``: built on the host and copied
-    there (and synchronized) before the step, as a cuda_ipc consumer's features are already on its GPU."""
+def _batch(length: int, shape: dict, seed: int, device: str | None = None):
+    """One capture-shaped batch of the draft family's features (``shape``: ``_build_trainer``'s family, hidden,
+    vocab and captured layers), the same for a seed whatever the device; ``device``: built on the host and copied
+    there (and synchronized) before the step, as a cuda_ipc consumer's features are already on its GPU.
+
+    EAGLE-3: ``hidden_state`` [1, L, 3 x hidden] and ``target`` (the last hidden state) [1, L, hidden]; a block
+    draft: ``hidden_states`` [1, L, N x hidden] (its N captured layers, concatenated), DSpark also
+    ``target_last_hidden_states`` [1, L, hidden]."""
     import torch
     from specforge.runtime.contracts import TrainBatch
 
+    family, hidden, vocab = shape["family"], shape["hidden"], shape["vocab"]
     g = torch.Generator().manual_seed(seed)
     tensors = {
         "input_ids": torch.randint(0, vocab, (1, length), generator=g),
         "attention_mask": torch.ones(1, length, dtype=torch.long),
         "loss_mask": torch.ones(1, length, dtype=torch.long),
-        "hidden_state": torch.randn(1, length, 3 * hidden, generator=g).to(torch.bfloat16),
-        "target": torch.randn(1, length, hidden, generator=g).to(torch.bfloat16),
     }
+    if family == "eagle3":
+        tensors["hidden_state"] = torch.randn(1, length, 3 * hidden, generator=g).to(torch.bfloat16)
+        tensors["target"] = torch.randn(1, length, hidden, generator=g).to(torch.bfloat16)
+    else:
+        n = shape["captured_layers"]
+        tensors["hidden_states"] = torch.randn(1, length, n * hidden, generator=g).to(torch.bfloat16)
+        if family == "dspark":
+            tensors["target_last_hidden_states"] = torch.randn(1, length, hidden, generator=g).to(torch.bfloat16)
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
         torch.cuda.synchronize()
-    return TrainBatch(
-        sample_ids=[f"bench-{seed}"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"}
-    )
+    metadata = {"target_repr": "hidden_state"} if family == "eagle3" else {}
+    return TrainBatch(sample_ids=[f"bench-{seed}"], strategy=family, tensors=tensors, metadata=metadata)
 
 
 #: ``--variants``: the trainer-step settings each variant runs with (``training.step_knobs``), SpecForge as
@@ -187,6 +213,8 @@ VARIANTS = {
 }
 #: ``--variants`` that are the recipe's own trainer section with these fields changed
 RECIPE_VARIANTS = {"chunked_loss": {"step_chunked_head_loss": 1024}, "compiled": {"step_compile_elementwise": True}}
+#: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
+EAGLE3_ONLY_VARIANTS = ("fewer_syncs", "chunked_loss", "compiled")
 STEP_ENV_KEYS = (
     "SPECFORGE_EAGLE3_EMPTY_CACHE",
     "SPECFORGE_ADAMW_FUSED",
@@ -211,6 +239,7 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
     else:
         v = SimpleNamespace(
             **{
+                "family": recipe.trainer.family,  # a block draft's step gets no eagle3 switches
                 "step_fewer_host_syncs": False,
                 "step_chunked_head_loss": None,
                 "step_compile_elementwise": False,
@@ -303,10 +332,9 @@ def _throughput(row: dict) -> dict:
     }
 
 
-def _profile(
-    args, core, *, rank: int, length: int, hidden: int, vocab: int, draft_vocab: int, workdir: Path, cuda: bool, flops
-) -> dict:
-    """``--profile-steps`` more steps under torch.profiler: the summary (bench/step_profile.py) and a gzipped trace."""
+def _profile(args, core, *, rank: int, length: int, shape: dict, workdir: Path, cuda: bool, flops) -> dict:
+    """``--profile-steps`` more steps under torch.profiler: the summary (bench/step_profile.py) and a gzipped trace;
+    the TFLOP/s per class against ``step_flops``' terms for an EAGLE-3 step (``flops``), none for a block step."""
     import step_profile
     import torch
 
@@ -316,7 +344,7 @@ def _profile(
     walls = []
     # built (and, with --feed device, copied) before the profiler starts: the trace holds the steps, not the feed
     batches = [
-        _batch(length, hidden, vocab, seed=1000 * (args.steps + step) + rank, device=_feed(args, cuda))
+        _batch(length, shape, seed=1000 * (args.steps + step) + rank, device=_feed(args, cuda))
         for step in range(args.profile_steps)
     ]
     with step_profile.profiling(cuda) as prof:
@@ -329,9 +357,14 @@ def _profile(
     trace = workdir / f"trace-{args.backend}-{length}-rank{rank}.json.gz"
     prof.export_chrome_trace(str(trace))
     summary = step_profile.summarize(
-        prof, steps=args.profile_steps, wall_s=walls, cuda=cuda, target_vocab=vocab, draft_vocab=draft_vocab
+        prof,
+        steps=args.profile_steps,
+        wall_s=walls,
+        cuda=cuda,
+        target_vocab=shape["vocab"],
+        draft_vocab=shape["draft_vocab"],
     )
-    summary["class_tflops"] = step_profile.class_tflops(summary, flops)
+    summary["class_tflops"] = step_profile.class_tflops(summary, flops) if shape["family"] == "eagle3" else None
     summary["trace"] = str(trace)
     if cuda:
         after = torch.cuda.memory_stats()
@@ -339,10 +372,34 @@ def _profile(
     return summary
 
 
+def _step_switches(backend, family: str) -> dict:
+    """What the variant's step environment turned on in the built step: SPECFORGE_ADAMW_FUSED (patch
+    bf16-optimizer-fused-adamw applied or not); for an EAGLE-3 step also SPECFORGE_EAGLE3_FEWER_SYNCS (patch
+    eagle3-fewer-host-syncs), SPECFORGE_EAGLE3_CHUNKED_LOSS (patch eagle3-chunked-head-loss: tokens per chunk, 0
+    unchunked) and SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE (our compile-elementwise seam, installed by register());
+    a block step reads none of those."""
+    adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
+    if family != "eagle3":
+        return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False}
+    import specforge.algorithms.eagle3.model as eagle3_model
+    from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
+
+    from specforge_kimi.drafts.compile_elementwise import installed
+
+    return {
+        "adamw_fused": adamw_fused,
+        "fewer_syncs": bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)()),
+        "chunked_loss": int(getattr(eagle3_model, "_chunked_loss_tokens", lambda: 0)()),
+        "compile_elementwise": installed(LlamaDecoderLayer),
+    }
+
+
 def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
-    """What SpecForge's online consumer builds for the recipe at this backend: the model bundle, the FSDP backend
-    with SpecForge's optimizer factory, the eagle3 step strategy and ``TrainerCore``; with what the variant's
-    step environment turned on, the build time and the memory allocated after it."""
+    """What SpecForge's online consumer builds for the recipe at this backend (``specforge.training.trainer``, as a
+    launched consumer of either family): the model bundle, the FSDP backend with SpecForge's optimizer factory, the
+    family's step strategy (eagle3; ``DFlashTrainStrategy`` / ``DSparkTrainStrategy`` for a block draft) and
+    ``TrainerCore``; with what the variant's step environment turned on, the build time, the memory allocated after
+    it and the batch shape (``_batch``)."""
     import step_profile
     import torch
     from specforge.algorithms.builtin import builtin_algorithm_registry
@@ -358,7 +415,7 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     r = row_recipe(
         base,
         target=Path(args.target),
-        vocab=Path(args.vocab),
+        vocab=Path(args.vocab) if args.vocab else None,
         workdir=workdir,
         length=max(args.lengths),
         backend=args.backend,
@@ -369,7 +426,8 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     sharding = cfg_dict["training"].get("fsdp_sharding", "SHARD_GRAD_OP") if cuda else "NO_SHARD"
     os.environ["FSDP_SHARDING"] = sharding
     cfg = Config.model_validate(cfg_dict)
-    algorithm = builtin_algorithm_registry().resolve("eagle3")
+    family = r.trainer.family
+    algorithm = builtin_algorithm_registry().resolve(family)
     torch.manual_seed(args.seed)  # the same draft init in every variant
     t0 = time.perf_counter()
     bundle = build_model_bundle(cfg, algorithm=algorithm)
@@ -377,39 +435,47 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     wrapped = backend.prepare_model(bundle.model, optimizer_target=bundle.model.draft_model)
     strategy = algorithm.providers.step.build(wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs))
     core = TrainerCore(strategy, backend)
-    # what the variant's SPECFORGE_ADAMW_FUSED did (patch bf16-optimizer-fused-adamw applied or not)
-    adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
-    # what the variant's SPECFORGE_EAGLE3_FEWER_SYNCS did (patch eagle3-fewer-host-syncs applied or not)
-    import specforge.algorithms.eagle3.model as eagle3_model
-
-    fewer_syncs = bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)())
-    # and SPECFORGE_EAGLE3_CHUNKED_LOSS (patch eagle3-chunked-head-loss): tokens per chunk, 0 unchunked
-    chunked_loss = int(getattr(eagle3_model, "_chunked_loss_tokens", lambda: 0)())
-    # and SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE (our compile-elementwise seam, installed by register())
-    from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
-
-    from specforge_kimi.drafts.compile_elementwise import installed
-
-    compiled = installed(LlamaDecoderLayer)
-    if args.profile_steps:
+    switches = _step_switches(backend, family)
+    if args.profile_steps and bundle.target_head is not None:  # a block draft's head is inside its model
         step_profile.annotate(target_head=bundle.target_head, backend=backend)
     build_s = time.perf_counter() - t0
     built = None
     if cuda:
         torch.cuda.synchronize()
         built = torch.cuda.memory_allocated() / GIB
-    hidden, vocab = r.target.hidden_size, r.target.vocab_size
-    return {
-        "core": core,
-        "sharding": sharding,
-        "adamw_fused": adamw_fused,
-        "fewer_syncs": fewer_syncs,
-        "chunked_loss": chunked_loss,
-        "compile_elementwise": compiled,
-        "build_s": build_s,
-        "built": built,
-        "hidden": hidden,
-        "vocab": vocab,
+    eagle3 = family == "eagle3"
+    shape = {
+        "family": family,
+        "hidden": r.target.hidden_size,
+        "vocab": r.target.vocab_size,
+        # a block draft has no head of its own: the target's, frozen
+        "draft_vocab": r.trainer.draft.draft_vocab_size if eagle3 else r.target.vocab_size,
+        "captured_layers": len(r.capture_ids),
+    }
+    return {"core": core, "sharding": sharding, **switches, "build_s": build_s, "built": built, "shape": shape}
+
+
+def _flops(base, length: int, backend: str) -> tuple:
+    """The row's FLOP figures at ``length``: an EAGLE-3 step's ``training.step_flops.step_flops`` (model: the mask's
+    useful pairs; executed: what ``backend`` runs), a block step's ``train_flops_per_token`` (one count, model =
+    executed); and the EAGLE-3 ``StepFlops`` for the profile's classes (None for a block step)."""
+    from specforge_kimi.training.step_flops import TRAIN_TERMS, recipe_step_flops, train_flops_per_token
+
+    if base.trainer.family != "eagle3":
+        per_token = train_flops_per_token(base, length=length)
+        return None, {
+            "flops_per_token": per_token["total"],
+            "flops_per_token_executed": per_token["total"],
+            "flops_executed_attention": "block (causal, S/2 keys per query on average)",
+            "flops_per_token_by_term": {k: per_token[k] for k in TRAIN_TERMS},
+        }
+    flops = recipe_step_flops(base, length=length)
+    executed = recipe_step_flops(base, length=length, attention=EXECUTED[backend])
+    return flops, {
+        "flops_per_token": flops.per_token,
+        "flops_per_token_executed": executed.per_token,
+        "flops_executed_attention": executed.attention,
+        "flops_per_token_by_term": {k: v / length for k, v in flops.by_term.items()},
     }
 
 
@@ -420,37 +486,27 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
     import torch
 
     from specforge_kimi.plan.trainer_terms import trainer_terms
-    from specforge_kimi.training.step_flops import recipe_step_flops
 
-    core, sharding, hidden, vocab = trainer["core"], trainer["sharding"], trainer["hidden"], trainer["vocab"]
-    adamw_fused, fewer_syncs, build_s, built = (
-        trainer["adamw_fused"],
-        trainer["fewer_syncs"],
-        trainer["build_s"],
-        trainer["built"],
-    )
+    core, shape = trainer["core"], trainer["shape"]
     terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
-    flops = recipe_step_flops(base, length=length)
-    executed = recipe_step_flops(base, length=length, attention=EXECUTED[args.backend])
+    flops, flops_row = _flops(base, length, args.backend)
     row = {
         "variant": args.variant,
+        "family": shape["family"],
         "step_env": {k: os.environ.get(k) for k in STEP_ENV_KEYS},
         "feed": _feed(args, cuda) or "host",
-        "adamw_fused": adamw_fused,
-        "fewer_host_syncs": fewer_syncs,
+        "adamw_fused": trainer["adamw_fused"],
+        "fewer_host_syncs": trainer["fewer_syncs"],
         "chunked_head_loss": trainer["chunked_loss"],
         "compile_elementwise": trainer["compile_elementwise"],
         "backend": args.backend,
         "length": length,
-        "fsdp_sharding": sharding,
-        "build_s": build_s,
-        "built_allocated_gib": built,
+        "fsdp_sharding": trainer["sharding"],
+        "build_s": trainer["build_s"],
+        "built_allocated_gib": trainer["built"],
         "plan_bytes": terms,
         "plan_gib": sum(terms.values()) / GIB,
-        "flops_per_token": flops.per_token,
-        "flops_per_token_executed": executed.per_token,
-        "flops_executed_attention": executed.attention,
-        "flops_per_token_by_term": {k: v / length for k, v in flops.by_term.items()},
+        **flops_row,
         "peak_tflops": args.peak_tflops,
         "measured_gemm_tflops": args.gemm_tflops,
     }
@@ -463,7 +519,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         reserved_after: list[float] = []
         for step in range(args.steps):
             # each rank its own sample, the same in every variant
-            batch = _batch(length, hidden, vocab, seed=1000 * step + rank, device=_feed(args, cuda))
+            batch = _batch(length, shape, seed=1000 * step + rank, device=_feed(args, cuda))
             before = torch.cuda.memory_stats() if cuda else {}
             t0 = time.perf_counter()
             out = core.train_step(batch)
@@ -490,16 +546,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         if args.profile_steps:  # a failed profile costs its summary, never the row's timings
             try:
                 row["profile"] = _profile(
-                    args,
-                    core,
-                    rank=rank,
-                    length=length,
-                    hidden=hidden,
-                    vocab=vocab,
-                    draft_vocab=base.trainer.draft.draft_vocab_size,
-                    workdir=workdir,
-                    cuda=cuda,
-                    flops=flops,
+                    args, core, rank=rank, length=length, shape=shape, workdir=workdir, cuda=cuda, flops=flops
                 )
             except Exception as exc:
                 row["profile_error"] = f"{type(exc).__name__}: {exc}"
@@ -689,8 +736,9 @@ def _check_lengths(flag: str, value: str | None) -> None:
         raise KimiInputError(f"{flag}: {value!r} must be positive token counts in ascending order")
 
 
-def parse(args: argparse.Namespace) -> Settings:
-    """The parent's flags as ``Settings``; a bad one is a one-line ``KimiInputError``."""
+def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
+    """The parent's flags as ``Settings`` for a recipe of draft ``family``; a bad one is a one-line
+    ``KimiInputError``."""
     import torch
 
     from specforge_kimi.errors import KimiInputError
@@ -711,6 +759,12 @@ def parse(args: argparse.Namespace) -> Settings:
     for v in variants:
         if v not in VARIANTS and v not in RECIPE_VARIANTS and v != "recipe":
             raise KimiInputError(f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}")
+    refused = [v for v in variants if v in EAGLE3_ONLY_VARIANTS and family != "eagle3"]
+    if refused:
+        raise KimiInputError(
+            f"--variants: {', '.join(refused)} change SpecForge's eagle3 step only; "
+            f"the recipe's draft is {family} (its variants: recipe, {', '.join(v for v in VARIANTS if v not in EAGLE3_ONLY_VARIANTS)})"
+        )
     if len(set(variants)) != len(variants) or not variants:
         raise KimiInputError(f"--variants: {args.variants!r} must name each variant once")
     if "flex_attention" in backends and not torch.cuda.is_available():
@@ -761,8 +815,13 @@ def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float)
         "environment": _environment(),
         "config": {
             "recipe": s.recipe_path,
+            "family": recipe.trainer.family,
             "draft": recipe.trainer.draft.config(),
-            "ttt_length": recipe.trainer.ttt_length,
+            **(
+                {"ttt_length": recipe.trainer.ttt_length}
+                if recipe.trainer.family == "eagle3"
+                else {"block": recipe.trainer.block.model_dump(exclude_unset=True)}
+            ),
             "target_hidden": recipe.target.hidden_size,
             "target_vocab": recipe.target.vocab_size,
             "steps": s.steps,
@@ -784,7 +843,7 @@ def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float)
 
 
 def _child_command(
-    s: Settings, *, variant: str, backend: str, gemm_tflops: float | None, target: Path, vocab: Path
+    s: Settings, *, variant: str, backend: str, gemm_tflops: float | None, target: Path, vocab: Path | None
 ) -> list[str]:
     lengths = s.sdpa_lengths if (backend == "sdpa" and s.sdpa_lengths) else s.lengths
     launcher = (
@@ -822,8 +881,7 @@ def _child_command(
         str(s.workdir),
         "--target",
         str(target),
-        "--vocab",
-        str(vocab),
+        *(("--vocab", str(vocab)) if vocab else ()),
         "--port",
         str(_free_port()),
     ]
@@ -865,8 +923,12 @@ def measure(s: Settings, recipe) -> dict:
     # named by what shapes them, so a workdir reused with another recipe never reads a stale stand-in
     t = recipe.target
     target = write_standin_target(recipe, s.workdir / f"target-{t.num_layers}l-{t.hidden_size}h-{t.vocab_size}v")
-    vocab = write_vocab_mapping(
-        recipe, s.workdir / f"vocab_mapping-{recipe.trainer.draft.draft_vocab_size}-of-{t.vocab_size}.pt"
+    vocab = (  # a block draft predicts over the target's vocabulary: no mapping
+        write_vocab_mapping(
+            recipe, s.workdir / f"vocab_mapping-{recipe.trainer.draft.draft_vocab_size}-of-{t.vocab_size}.pt"
+        )
+        if recipe.trainer.family == "eagle3"
+        else None
     )
     setup_s = time.perf_counter() - t0
     gemm_tflops = measure_gemm_tflops()
@@ -919,7 +981,7 @@ def main(argv=None) -> int:
     from specforge_kimi.plan.run_plan import load_recipe
 
     recipe = load_recipe(args.recipe)
-    settings = parse(args)
+    settings = parse(args, recipe.trainer.family)
     write(settings, measure(settings, recipe))
     return 0
 

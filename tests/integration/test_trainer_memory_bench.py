@@ -7,6 +7,7 @@ are private-ish seams) and checks what it records.
 
 import gzip
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,71 @@ def _check_flops_and_profile(r: dict, workdir: Path) -> None:
     assert Path(p["trace"]) == workdir / f"trace-sdpa-{r['length']}-rank0.json.gz"
     with gzip.open(p["trace"], "rt") as fh:
         assert "traceEvents" in json.load(fh)
+
+
+BLOCK_RECIPE = "recipes/tiny-k25-tp1-h200-dflash.yaml"
+
+
+@pytest.mark.slow
+def test_cpu_run_of_a_block_draft_records_every_length_with_the_block_terms(tmp_path):
+    """A DFlash recipe: SpecForge's own dflash consumer step (DFlashTrainStrategy) trains batches of its captured
+    features; each row names the family and is read against the block trainer terms and the block FLOPs count."""
+    out = tmp_path / "tm.json"
+    res = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--recipe", BLOCK_RECIPE, "--backends", "sdpa", "--lengths", "32,48"),
+            *("--steps", "2", "--profile-steps", "0", "--workdir", str(tmp_path / "work"), "--out", str(out)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    from specforge_kimi.plan.run_plan import load_recipe
+    from specforge_kimi.plan.trainer_terms import trainer_terms
+    from specforge_kimi.training.step_flops import train_flops_per_token
+
+    recipe = load_recipe(REPO / BLOCK_RECIPE)
+    assert doc["config"]["family"] == "dflash" and doc["config"]["block"]["num_anchors"] == 512
+    assert "ttt_length" not in doc["config"]
+    rows = doc["rows"]
+    assert [r["length"] for r in rows] == [32, 48], rows
+    for r in rows:
+        assert "error" not in r, r
+        assert r["family"] == "dflash" and r["fsdp_sharding"] == "NO_SHARD"
+        assert len(r["losses"]) == 2 and all(math.isfinite(x) and x > 0 for x in r["losses"])
+        assert len(r["step_s"]) == 2 and r["tokens_per_s"] == pytest.approx(r["length"] / r["step_s"][1])
+        terms = trainer_terms(recipe, max_length=r["length"], attention_backend="sdpa")
+        assert r["plan_bytes"] == terms and terms["objective_logits"] > 0 and terms["teacher_logits"] == 0
+        assert r["plan_gib"] == pytest.approx(sum(terms.values()) / 2**30)
+        flops = train_flops_per_token(recipe, length=r["length"])
+        assert r["flops_per_token"] == r["flops_per_token_executed"] == flops["total"]
+        assert r["flops_per_token_by_term"] == {k: flops[k] for k in ("fc", "layers", "draft_head", "target_head")}
+        assert r["achieved_tflops"] == pytest.approx(flops["total"] * r["tokens_per_s"] / 1e12)
+        assert (r["fewer_host_syncs"], r["chunked_head_loss"], r["compile_elementwise"]) == (False, 0, False)
+    assert rows[0]["losses"] != rows[1]["losses"]  # each length its own batches
+    assert not list((tmp_path / "work").glob("vocab_mapping-*"))  # a block draft predicts the target's vocabulary
+
+
+def test_eagle3_only_variants_are_refused_for_a_block_draft_in_one_line(tmp_path):
+    res = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--recipe", BLOCK_RECIPE, "--backends", "sdpa"),
+            *("--variants", "recipe,fewer_syncs,compiled", "--workdir", str(tmp_path / "w")),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "error: --variants: fewer_syncs, compiled change SpecForge's eagle3 step only; the recipe's draft is dflash "
+        "(its variants: recipe, specforge, keep_cache, keep_cache_fused_adamw, expandable)"
+    ]
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow

@@ -176,3 +176,43 @@ def test_flop_counter_on_mla_step_equals_the_model(cpu_shims):
     counted = _counted(eagle3_step(draft, length=6, ttt=2, vocab=40, target_hidden=16))
     f = step_flops(MLA, length=6, ttt_length=2, target_vocab=40, attention="sdpa")
     assert counted == f.total
+
+
+def _block_recipe(layers: int | None = None):
+    """The tiny DFlash recipe (h 512, 8/8 heads of 64, MLP 2048, 1 layer, 5 captured layers, 512 anchors x block 8,
+    target vocab 163840, max_length 1024), with ``layers`` draft layers."""
+    from pathlib import Path
+
+    from specforge_kimi.plan.run_plan import load_recipe
+
+    r = load_recipe(Path(__file__).resolve().parents[2] / "recipes/tiny-k25-tp1-h200-dflash.yaml")
+    if layers is None:
+        return r
+    draft = r.trainer.draft.model_copy(update={"num_hidden_layers": layers})
+    return r.model_copy(update={"trainer": r.trainer.model_copy(update={"draft": draft})})
+
+
+def test_block_draft_train_flops_hand_count():
+    from specforge_kimi.training.step_flops import train_flops_per_token
+
+    # S = 1024: 512 anchors x 8 / 1024 = 4 queries per token; attention 4 x 512 keys x 8 x 64 = 1,048,576 per query
+    # a query: q and o 2 x 512 x 512, noise k/v 2 x 512 x 512, MLP 3 x 512 x 2048 = 4,194,304; context k/v 524,288
+    layers = 4 * (6 * 4_194_304 + 3 * 1_048_576) + 6 * 524_288  # 116,391,936
+    fc = 6 * 5 * 512 * 512  # 7,864,320
+    head = 4 * 4 * 163_840 * 512  # frozen head + its input's gradient on 4 queries: 1,342,177,280
+    f = train_flops_per_token(_block_recipe())
+    assert f == {"fc": fc, "layers": layers, "draft_head": 0.0, "target_head": head, "total": fc + layers + head}
+    assert f["total"] == 1_466_433_536
+    # 32 tokens: the anchors are capped at the sample, 32 x 8 / 32 = 8 queries per token, 16 keys on average
+    short = train_flops_per_token(_block_recipe(), length=32)
+    assert short["target_head"] == 8 * 4 * 163_840 * 512
+    assert short["layers"] == 8 * (6 * 4_194_304 + 3 * 4 * 16 * 8 * 64) + 6 * 524_288
+
+
+def test_block_draft_train_flops_layer_term_scales_with_the_draft_layers():
+    from specforge_kimi.training.step_flops import train_flops_per_token
+
+    one, two = train_flops_per_token(_block_recipe()), train_flops_per_token(_block_recipe(layers=2))
+    assert two["layers"] == 2 * one["layers"]
+    assert (two["fc"], two["target_head"], two["draft_head"]) == (one["fc"], one["target_head"], one["draft_head"])
+    assert two["total"] == one["total"] + one["layers"]
