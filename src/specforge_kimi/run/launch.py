@@ -365,9 +365,9 @@ def run(args) -> int:
     import json
     import sys
 
-    from specforge_kimi.plan import run_plan
+    from specforge_kimi.plan.run_plan import compile_plan  # not the module's name: run_plan is this module's runner
 
-    compiled = run_plan.compile_plan(args.recipe)
+    compiled = compile_plan(args.recipe)
     recipe = compiled.recipe
     if args.stop_stale and not args.resume:
         raise KimiInputError("--stop-stale goes with --resume")
