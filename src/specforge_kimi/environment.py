@@ -217,9 +217,9 @@ GLOO_SOCKET_IFNAME = EnvVar(
 )
 NCCL_SOCKET_IFNAME = EnvVar(
     "NCCL_SOCKET_IFNAME",
-    "the interface NCCL's bootstrap listener binds (lo on one node)",
+    "the interface NCCL's bootstrap and proxy listeners bind (lo on one node)",
     LIBRARY,
-    writers=("servers.capture_server",),
+    writers=("servers.capture_server", "plan.roles"),
     outside="NCCL",
 )
 NCCL_NVLS_ENABLE = EnvVar(

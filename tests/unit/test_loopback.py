@@ -68,3 +68,18 @@ def test_single_node_consumer_runs_through_loopback(tmp_path):
         "--local-addr=127.0.0.1",
         consumer[6],
     ] and consumer[6].startswith("--nproc_per_node=")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "loopback"),
+    [("tiny-k25-tp1-h200.yaml", True), ("kimi-k25-8xb200-lowered.yaml", True), ("kimi-k25-2x8xb300.yaml", False)],
+)
+def test_single_node_processes_bind_gloo_and_nccl_to_loopback(recipe, loopback):
+    """A single node's trainer ranks and producer get ``lo`` for gloo's and NCCL's socket listeners (NCCL's
+    bootstrap and proxy listeners otherwise bind the host's first interface: seen on a GPU box as the trainer's
+    listeners off loopback); a multi-node run's ranks must reach each other, so neither is set."""
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    env = dict(compile_plan(Path(__file__).resolve().parents[2] / "recipes" / recipe).process_env)
+    got = {k: env.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    assert got == ({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"} if loopback else dict.fromkeys(got))

@@ -98,7 +98,10 @@ def process_env(r, strategy: Transport) -> dict[str, str]:
     """The environment of every SpecForge process the launch starts (producer, trainer ranks)."""
     env = {**PLUGINS, **strategy.process_env(r)}
     if r.gpus.nnodes == 1:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds the address the host name resolves to, not always loopback
+        # gloo binds the address the host name resolves to, not always loopback; NCCL's bootstrap and proxy
+        # listeners bind the first interface NCCL finds, loopback last (one node's ranks need no other)
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env["NCCL_SOCKET_IFNAME"] = "lo"
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
     env.update(trainer_env(r.trainer))
