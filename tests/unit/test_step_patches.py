@@ -436,6 +436,7 @@ def test_block_drafts_get_no_eagle3_step_switches(family):
 
     raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered-dflash.yaml"))
     raw["trainer"]["family"] = family
+    raw["trainer"]["draft"]["architectures"] = ["DSparkDraftModel" if family == "dspark" else "DFlashDraftModel"]
     plan = compile_plan(raw)
     assert plan.recipe.trainer.step_empty_cache is False  # the field's default, which the eagle3 step would read
     env = dict(plan.process_env)
