@@ -11,7 +11,12 @@
 #      EAGLE3 steps/topk/draft tokens or DFLASH block size; acceptance length, decode tok/s, speedup).
 # TAG=NAME names the results as bench/results/ keeps them: OUT/online_run_NAME.json (run-report) and
 # OUT/acceptance_NAME.json (the bench's bench_result.json).
-# usage: RECIPE=recipes/...yaml [OUT=/tmp/draft-run] [TAG=NAME] bash scripts/gpu_draft_run.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
+# STAGE=launch runs step 1 only, STAGE=bench step 2 only on what a launch stage left in RUN (a tiny target's bench
+# decodes four sets without CUDA graphs: minutes; the two fit separate device calls). MAX_STEPS=N runs a copy of
+# the recipe (OUT/recipe-run.yaml) with trainer.max_steps N (both drafts of a comparison the same). BENCH_ARGS is
+# appended to the bench's command line (e.g. "--num-prompts 8").
+# usage: RECIPE=recipes/...yaml [OUT=/tmp/draft-run] [TAG=NAME] [STAGE=all|launch|bench] [MAX_STEPS=N] [BENCH_ARGS=...]
+#        bash scripts/gpu_draft_run.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/draft-run}"
@@ -21,16 +26,41 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 [ -n "${RECIPE:-}" ] || { echo "RECIPE=recipes/...yaml is required" >&2; exit 2; }
 T="${1:-420}"
 TB="${2:-300}"
+STAGE="${STAGE:-all}"
+case "$STAGE" in all | launch | bench) ;; *) echo "STAGE must be all, launch or bench, not $STAGE" >&2; exit 2 ;; esac
+if [ -n "${MAX_STEPS:-}" ]; then # the same recipe with another step count, validated before anything starts
+  python3 - "$RECIPE" "$MAX_STEPS" "$OUT/recipe-run.yaml" <<'PY' || exit 2
+import sys, yaml
+from specforge_kimi.errors import KimiInputError
+from specforge_kimi.plan.run_plan import compile_plan
+raw = yaml.safe_load(open(sys.argv[1]))
+if not sys.argv[2].isdigit() or int(sys.argv[2]) < 1:
+    sys.exit(f"MAX_STEPS must be a positive integer, not {sys.argv[2]!r}")
+raw["trainer"]["max_steps"] = int(sys.argv[2])
+try:
+    compile_plan(raw)
+except KimiInputError as e:
+    sys.exit(str(e))
+with open(sys.argv[3], "w") as f:
+    yaml.safe_dump(raw, f, sort_keys=False)
+PY
+  RECIPE="$OUT/recipe-run.yaml"
+fi
 read -r NAME RUN _ _ < <(recipe_fields "$RECIPE") || { echo "cannot load $RECIPE" >&2; exit 2; }
-echo "draft run: $NAME ($RECIPE) -> $RUN; results in $OUT"
-rm -rf "$RUN" # one run at a time on the box's disk
-python3 tests/listeners_during.py --out "$OUT/listeners.json" --interval 0.5 -- \
-  bash -c '. scripts/gpu_common.sh && launch_measured "$0" "$1" "$2" "$3"' "$RECIPE" "$RUN" "$OUT" "$T"
-tail -1 "$OUT/launch.out"
-timeout --signal=INT "$TB" python3 -m specforge_kimi bench --recipe "$RECIPE" --draft "$RUN/export-sglang" \
-  --out "$OUT/bench" > "$OUT/bench.out" 2>&1
-echo "bench rc=$?" | tee -a "$OUT/bench.out"
-tail -3 "$OUT/bench.out"
+echo "draft run: $NAME ($RECIPE, stage $STAGE) -> $RUN; results in $OUT"
+if [ "$STAGE" != bench ]; then
+  rm -rf "$RUN" # one run at a time on the box's disk
+  python3 tests/listeners_during.py --out "$OUT/listeners.json" --interval 0.5 -- \
+    bash -c '. scripts/gpu_common.sh && launch_measured "$0" "$1" "$2" "$3"' "$RECIPE" "$RUN" "$OUT" "$T"
+  tail -1 "$OUT/launch.out"
+fi
+if [ "$STAGE" != launch ]; then
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+  timeout --signal=INT "$TB" python3 -m specforge_kimi bench --recipe "$RECIPE" --draft "$RUN/export-sglang" \
+    --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.out" 2>&1
+  echo "bench rc=$?" | tee -a "$OUT/bench.out"
+  tail -3 "$OUT/bench.out"
+fi
 if [ -n "${TAG:-}" ]; then
   [ -f "$OUT/online_run.json" ] && mv "$OUT/online_run.json" "$OUT/online_run_${TAG}.json"
   [ -f "$OUT/bench/bench_result.json" ] && cp "$OUT/bench/bench_result.json" "$OUT/acceptance_${TAG}.json"

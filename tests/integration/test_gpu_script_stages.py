@@ -340,3 +340,46 @@ def test_draft_run_launches_with_its_listeners_listed_then_benches(tmp_path):
     assert (out / "capture-server-node0.log").is_file() and not (out / "online_run.json").exists()
     assert (out / "online_run_tiny_dflash.json").is_file()
     assert (out / "acceptance_tiny_dflash.json").read_bytes() == (out / "bench" / "bench_result.json").read_bytes()
+
+
+def test_draft_run_in_two_stages_with_its_step_count_and_bench_flags(tmp_path):
+    """STAGE=launch launches only (listeners listed), STAGE=bench benches only what it left, with BENCH_ARGS on
+    the bench's command line; MAX_STEPS runs a validated copy of the recipe whose only change is the step count; a
+    bad STAGE or MAX_STEPS starts nothing."""
+    import yaml
+
+    box, env = _sandbox(tmp_path)
+    (box / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "listeners_during.py", box / "tests")
+    out = tmp_path / "out"
+    recipe = "recipes/tiny-k25-tp1-h200.yaml"
+    env.update(RECIPE=recipe, OUT=str(out), MAX_STEPS="1500", SHIM_RUN=str(box / "runs/tiny-k25-tp1"))
+
+    def run(**extra):
+        return subprocess.run(
+            ["bash", "scripts/gpu_draft_run.sh", "60", "60"],
+            cwd=box, env={**env, **extra}, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    res = run(STAGE="launch")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [c["cmd"] for c in _calls(tmp_path)] == ["launch", "launch", "run-report"]
+    assert json.loads((out / "listeners.json").read_text())["returncode"] == 0
+    copy = yaml.safe_load((out / "recipe-run.yaml").read_text())
+    orig = yaml.safe_load((box / recipe).read_text())
+    assert copy["trainer"].pop("max_steps") == 1500 and orig["trainer"].pop("max_steps") == 3000
+    assert copy == orig
+    res = run(STAGE="bench", BENCH_ARGS="--num-prompts 8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = _calls(tmp_path)
+    assert [c["cmd"] for c in calls] == ["launch", "launch", "run-report", "bench"]
+    assert calls[-1]["args"] == [
+        "--recipe", f"{out}/recipe-run.yaml", "--draft", "runs/tiny-k25-tp1/export-sglang",
+        "--out", f"{out}/bench", "--num-prompts", "8",
+    ]  # fmt: skip
+    assert (box / "runs" / "tiny-k25-tp1" / "export-sglang").is_dir()  # the bench stage removed nothing
+    for bad, message in ((dict(STAGE="train"), "STAGE must be all, launch or bench"),
+                         (dict(STAGE="launch", MAX_STEPS="0"), "MAX_STEPS must be a positive integer")):  # fmt: skip
+        res = run(**bad)
+        assert res.returncode == 2 and message in res.stderr, res.stdout + res.stderr
+    assert len(_calls(tmp_path)) == 4  # nothing started
