@@ -12,6 +12,7 @@ scheduler would count.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -505,6 +506,26 @@ def test_recipe_settings(tmp_path):
     assert (s.tp, s.attention_backend, s.disable_allreduce_fusion) == (2, "triton", True)
     assert s.out_dir == str(tmp_path / "run" / "bench")
     s.validate()
+    # the bench decodes with CUDA graphs although the capture server (which never decodes) runs without them
+    assert recipe.server.disable_cuda_graph and not s.disable_cuda_graph
+    raw["bench"]["cuda_graph"] = False
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    assert bench.recipe_settings(load_recipe(tmp_path / "r.yaml"), draft).disable_cuda_graph
+
+
+def test_recipe_bench_cuda_graphs_off_from_the_command_line(tmp_path):
+    import yaml
+
+    target, draft = _dirs(tmp_path)
+    raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
+    raw["target"]["path"] = str(target)
+    raw["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for flags, off in (([], False), (["--disable-cuda-graph"], True)):
+        args = parser.parse_args(["--recipe", str(tmp_path / "r.yaml"), "--draft", str(draft), *flags])
+        assert bench.settings_from_args(args).disable_cuda_graph is off
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1282,7 +1303,7 @@ def test_recipe_bench_section_picks_dflash(tmp_path):
     recipe = SimpleNamespace(
         target=SimpleNamespace(path=str(target)),
         bench=SimpleNamespace(min_acceptance_length=2.0, algorithm="DFLASH", block_size=None, steps=3, topk=1,
-                              draft_tokens=4),
+                              draft_tokens=4, cuda_graph=True),
         server=srv, gpus=SimpleNamespace(per_node=1), output_dir=str(tmp_path / "run"),
     )  # fmt: skip
     s = bench.recipe_settings(recipe, draft)

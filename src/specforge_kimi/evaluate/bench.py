@@ -962,7 +962,8 @@ def _label(run: dict) -> str:
 # recipes
 # --------------------------------------------------------------------------------------------
 def recipe_settings(recipe, draft_dir: str | os.PathLike, *, out_dir: str | None = None) -> BenchSettings:
-    """Bench settings for a recipe's draft: its target, server flags and ``bench:`` section.
+    """Bench settings for a recipe's draft: its target, server flags and ``bench:`` section (CUDA graphs per
+    ``bench.cuda_graph``, not the capture server's ``server.disable_cuda_graph``).
 
     One node, TP = GPUs per node (serving alone needs no co-located trainer room). Prompt sets:
     ``structured`` for a tiny target (it only learned the synthetic corpus), else chat, math, code.
@@ -982,7 +983,7 @@ def recipe_settings(recipe, draft_dir: str | os.PathLike, *, out_dir: str | None
         tp=recipe.gpus.per_node,
         attention_backend=srv.attention_backend,
         mem_fraction_static=srv.mem_fraction_static,
-        disable_cuda_graph=srv.disable_cuda_graph,
+        disable_cuda_graph=not b.cuda_graph,
         disable_allreduce_fusion=not srv.allreduce_fusion,
         extra_server_args=list(srv.extra_args),
         port=srv.port,
@@ -1094,6 +1095,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         s = recipe_settings(load_recipe(args.recipe), args.draft, out_dir=args.out)
         if args.num_prompts is not None:
             s.num_prompts = args.num_prompts
+        s.disable_cuda_graph = s.disable_cuda_graph or args.disable_cuda_graph
         return s
     if not args.target:
         raise KimiInputError("pass --target DIR (or --recipe)")

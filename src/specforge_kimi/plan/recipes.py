@@ -335,6 +335,11 @@ class BenchSection(_Strict):
         ge=2,
         description="--speculative-dflash-block-size (DFLASH); unset: trainer.block.block_size",
     )
+    cuda_graph: bool = Field(
+        default=True,
+        description="Serve both bench servers with SGLang's CUDA graphs, as a deployment decodes (the capture "
+        "server's server.disable_cuda_graph does not apply: it never decodes); false adds --disable-cuda-graph",
+    )
 
 
 class TrackingSection(_Strict):
