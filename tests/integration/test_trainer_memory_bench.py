@@ -19,27 +19,14 @@ SCRIPT = REPO / "bench" / "trainer_memory.py"
 RECIPE = "recipes/tiny-k25-tp1-h200.yaml"
 
 
-@pytest.mark.slow
-def test_cpu_run_records_every_length_with_the_plan(tmp_path):
+def _cpu_run(tmp_path: Path, recipe: str, *, profile_steps: int) -> dict:
+    """The script on the CPU at lengths 32 and 48, two steps each, sdpa; its JSON document."""
     out = tmp_path / "tm.json"
     res = subprocess.run(
         [
-            sys.executable,
-            str(SCRIPT),
-            "--recipe",
-            RECIPE,
-            "--backends",
-            "sdpa",
-            "--lengths",
-            "32,48",
-            "--steps",
-            "2",
-            "--profile-steps",
-            "1",
-            "--workdir",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
+            *(sys.executable, str(SCRIPT), "--recipe", recipe, "--backends", "sdpa", "--lengths", "32,48"),
+            *("--steps", "2", "--profile-steps", str(profile_steps), "--workdir", str(tmp_path / "work")),
+            *("--out", str(out)),
         ],
         cwd=REPO,
         capture_output=True,
@@ -47,7 +34,12 @@ def test_cpu_run_records_every_length_with_the_plan(tmp_path):
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_cpu_run_records_every_length_with_the_plan(tmp_path):
+    doc = _cpu_run(tmp_path, RECIPE, profile_steps=1)
     assert doc["config"]["peak_tflops"] == 989.0 and doc["config"]["profile_steps"] == 1
     assert doc["benchmark"] == "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan"
     rows = doc["rows"]
@@ -118,19 +110,7 @@ BLOCK_RECIPE = "recipes/tiny-k25-tp1-h200-dflash.yaml"
 def test_cpu_run_of_a_block_draft_records_every_length_with_the_block_terms(tmp_path):
     """A DFlash recipe: SpecForge's own dflash consumer step (DFlashTrainStrategy) trains batches of its captured
     features; each row names the family and is read against the block trainer terms and the block FLOPs count."""
-    out = tmp_path / "tm.json"
-    res = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), "--recipe", BLOCK_RECIPE, "--backends", "sdpa", "--lengths", "32,48"),
-            *("--steps", "2", "--profile-steps", "0", "--workdir", str(tmp_path / "work"), "--out", str(out)),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    doc = _cpu_run(tmp_path, BLOCK_RECIPE, profile_steps=0)
     from specforge_kimi.plan.run_plan import load_recipe
     from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.training.step_flops import train_flops_per_token

@@ -488,17 +488,26 @@ def test_server_that_dies_at_start_fails_with_its_log(tmp_path, fake_server, mon
         bench.run_bench(s, launcher=fake_server)
 
 
+def _recipe_on(tmp_path: Path, name: str, target: Path) -> tuple[dict, Path]:
+    """A shipped recipe's YAML with its target at ``target`` and its output under ``tmp_path``: (raw, path)."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "recipes" / name).read_text())
+    raw["target"]["path"] = str(target)
+    raw["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return raw, path
+
+
 def test_recipe_settings(tmp_path):
     import yaml
 
     from specforge_kimi.plan.run_plan import load_recipe
 
     target, draft = _dirs(tmp_path)
-    raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp2-h200x2.yaml").read_text())
-    raw["target"]["path"] = str(target)
-    raw["output_dir"] = str(tmp_path / "run")
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
-    recipe = load_recipe(tmp_path / "r.yaml")
+    raw, path = _recipe_on(tmp_path, "tiny-k25-tp2-h200x2.yaml", target)
+    recipe = load_recipe(path)
     s = bench.recipe_settings(recipe, draft)
     assert s.configs == [SpecConfig(recipe.bench.steps, recipe.bench.topk, recipe.bench.draft_tokens)]
     assert s.min_acceptance_length == recipe.bench.min_acceptance_length
@@ -509,22 +518,17 @@ def test_recipe_settings(tmp_path):
     # the bench decodes with CUDA graphs although the capture server (which never decodes) runs without them
     assert recipe.server.disable_cuda_graph and not s.disable_cuda_graph
     raw["bench"]["cuda_graph"] = False
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
-    assert bench.recipe_settings(load_recipe(tmp_path / "r.yaml"), draft).disable_cuda_graph
+    path.write_text(yaml.safe_dump(raw))
+    assert bench.recipe_settings(load_recipe(path), draft).disable_cuda_graph
 
 
 def test_recipe_bench_cuda_graphs_off_from_the_command_line(tmp_path):
-    import yaml
-
     target, draft = _dirs(tmp_path)
-    raw = yaml.safe_load((REPO / "recipes" / "tiny-k25-tp1-h200.yaml").read_text())
-    raw["target"]["path"] = str(target)
-    raw["output_dir"] = str(tmp_path / "run")
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    _, path = _recipe_on(tmp_path, "tiny-k25-tp1-h200.yaml", target)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     for flags, off in (([], False), (["--disable-cuda-graph"], True)):
-        args = parser.parse_args(["--recipe", str(tmp_path / "r.yaml"), "--draft", str(draft), *flags])
+        args = parser.parse_args(["--recipe", str(path), "--draft", str(draft), *flags])
         assert bench.settings_from_args(args).disable_cuda_graph is off
 
 
