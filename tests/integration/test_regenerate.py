@@ -444,9 +444,10 @@ def test_a_slow_reply_within_the_timeout_is_kept(tmp_path, server):
     assert counts["written"] == 1 and read(tmp_path / "out.jsonl")[0]["messages"][1]["content"] == "ok"
 
 
-def _holding_run(tmp_path: Path, server: FakeServer, rows: int, answered: int):
+def _holding_run(tmp_path: Path, server: FakeServer, rows: int, answered: int, preexec_fn=None):
     """A ``regenerate`` subprocess whose first ``answered`` rows are answered and the rest stall; returns
-    (process, source, out) once ``answered`` lines are in OUT."""
+    (process, source, out) once ``answered`` lines are in OUT. ``preexec_fn`` runs in the child before
+    the exec (a signal disposition or mask set there is what the run inherits)."""
     import subprocess
     import sys
     import time
@@ -464,7 +465,7 @@ def _holding_run(tmp_path: Path, server: FakeServer, rows: int, answered: int):
     out = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "specforge_kimi", "regenerate", str(source), "--server", server.url,
             "--out", str(out), "--concurrency", "4", "--no-progress", "--max-retries", "3"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + 60
     errors = tmp_path / "out.jsonl.errors.jsonl"
     while not (out.exists() and out.read_text().count("\n") >= answered and errors.exists() and errors.read_text()):
@@ -512,6 +513,38 @@ def test_ctrl_c_abandons_requests_in_flight_and_resume_completes(tmp_path, serve
     assert [r["regenerate"]["source_line"] for r in read(out)] == list(range(2, 14))  # each row once, in order
     assert len(server.requests) - asked_before == 9  # only the rows not yet written were asked
     assert [e["line"] for e in read(errors_path)] == [1]
+
+
+def _start_with_sigint_ignored():
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_with_sigint_blocked():
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+@pytest.mark.parametrize("start", [_start_with_sigint_ignored, _start_with_sigint_blocked], ids=["ignored", "blocked"])
+def test_kill_int_stops_a_run_started_with_sigint_ignored_or_blocked(tmp_path, server, start):
+    """A run inherits SIGINT ignored when a shell script starts it in the background (and a parent can
+    leave it blocked): the test above, run from a pytest started that way, hung for the stalled requests.
+    The run takes SIGINT for itself: ``kill -INT``, which the lock's refusal names, stops it at once."""
+    import signal
+    import time
+
+    process, _, out = _holding_run(tmp_path, server, rows=8, answered=2, preexec_fn=start)
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=10)
+    finally:
+        process.kill()
+    assert time.monotonic() - started < 2.0
+    assert process.returncode == 130 and stderr.startswith("interrupted: 2 rows written this run")
+    assert [r["regenerate"]["source_line"] for r in read(out)] == [2, 3]
 
 
 def test_second_run_on_a_held_output_refuses_at_once(tmp_path, server, capsys):
@@ -670,6 +703,30 @@ def test_abort_ends_requests_in_flight_at_once(server):
     assert len(server.requests) == 3  # none retried
     with pytest.raises(RequestFailed, match="abandoned"):  # and nothing later is sent
         client.get("/models")
+
+
+def test_abort_before_a_request_registers_its_socket_ends_that_request(server, monkeypatch):
+    """An abort() that lands after a request started but before its socket is registered (so the abort
+    cannot shut it down) ends that request at once, abandoned like the others, not after the server's
+    reply."""
+    import time
+
+    from specforge_kimi.data.chat_client import ChatClient, RequestFailed
+
+    server.chat_reply = lambda payload: RawReply(200, _reply_ok(), delay_s=5)
+    client = ChatClient(server.url, timeout_s=60, max_retries=5, retry_delay_s=0.01)
+    track = client._track
+
+    def abort_then_track(sock):
+        client.abort()  # as a Ctrl-C between the request's start and its socket's registration
+        track(sock)
+
+    monkeypatch.setattr(client, "_track", abort_then_track)
+    started = time.monotonic()
+    with pytest.raises(RequestFailed, match=r"abandoned \(interrupted\)"):
+        client.post("/chat/completions", {"messages": []})
+    assert time.monotonic() - started < 1.0
+    assert server.requests == []  # nothing was sent
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hard link", "fifo"])

@@ -147,13 +147,13 @@ class ChatClient:
 
     def abort(self) -> None:
         """End every request in flight now and fail every later one (Ctrl-C: nothing waits for the server)."""
-        self._stop.set()
-        with self._lock:
+        with self._lock:  # the lock _track takes: a socket is either in this list or refused there
+            self._stop.set()
             live = list(self._live)
         for sock in live:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a connect or read blocked on it
-            except OSError:
+            except OSError:  # not connected yet: Linux still marks it shut, so its connect's send fails
                 pass
 
     def request(self, method: str, path: str, payload: Mapping[str, Any] | None) -> Any:
@@ -168,6 +168,8 @@ class ChatClient:
                 break
             try:
                 status, body = self._attempt(method, path, data)
+            except _Aborted:  # abort() came before its socket was registered: refused there
+                break
             except TimeoutError:
                 last_error = f"no whole reply from {url} within --timeout {self.timeout_s:g} s"
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, IncompleteRead: a body cut short

@@ -43,7 +43,9 @@ link, a directory, anything but a regular file, or a directory that is missing o
 refused in one line. ``OUT.lock`` is held for the whole run: a second run on the same ``--out``
 (with ``--resume`` or not) refuses at once, naming the holder's pid. Ctrl-C abandons the requests
 in flight at once, keeps only whole lines in ``OUT`` and the errors file, and exits 130 with one
-line; ``--resume`` then finishes the file, each row once.
+line; ``--resume`` then finishes the file, each row once. ``kill -INT`` does the same, also for a run
+started with SIGINT ignored or blocked (a shell script's background command is started with it
+ignored): the run takes SIGINT for itself while it holds ``OUT.lock``.
 
 Reproducibility is the server's: with SGLang's default kernels, greedy generations depend on what
 else is in the batch, so two runs of the same rows differ in a few; a server started with
@@ -57,10 +59,12 @@ all-reduce off for NCCL's tree algorithm: weigh that cost at TP=8 before choosin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
 import reprlib
+import signal
 import sys
 import threading
 from collections import deque
@@ -141,7 +145,8 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
     (one line) for bad input, a server that cannot be used, or an output another run holds."""
     _check_options(options)
     out = options.out_path
-    with OutputLock(_lock_path(out), out):  # before anything is read or written: one run per output
+    # before anything is read or written: one run per output, and the Ctrl-C its message names works
+    with _sigint_interrupts(), OutputLock(_lock_path(out), out):
         if out.exists() and not (options.resume or options.overwrite):
             raise KimiInputError(f"{out} exists; pass --resume to continue it or --overwrite")
         client = ChatClient(
@@ -156,6 +161,30 @@ def regenerate(options: RegenerateOptions) -> dict[str, Any]:
             raise KimiInputError(f"cannot list the server's models ({exc}); check --server") from None
         done, keep = _resume_state(options)
         return _Run(options, client, model, done).rows(keep)
+
+
+@contextlib.contextmanager
+def _sigint_interrupts() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in the main thread while entered, however the process was
+    started: a run started with SIGINT ignored (what a shell does to a script's background command) or
+    blocked would otherwise let a Ctrl-C or ``kill -INT`` pass unnoticed while its requests stall.
+    Restores the disposition and the mask on exit; a handler of the caller's own, and a call from
+    another thread (only the main thread takes signals), are left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    replace_handler = previous in (signal.SIG_IGN, signal.SIG_DFL)
+    if replace_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    was_blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if was_blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if replace_handler:
+            signal.signal(signal.SIGINT, previous)
 
 
 class _Run:
