@@ -478,3 +478,19 @@ def test_line_cap_boundary_and_flag(tmp_path, tok, capsys):
     capsys.readouterr()
     code = main([str(source), "--out", str(tmp_path / "o2"), "--standin-tokenizer", "--max-line-bytes", "1"])
     assert code == 2 and capsys.readouterr().err == "error: --max-line-bytes must be at least 2, got 1\n"
+
+
+def test_a_record_without_messages_names_its_keys_on_one_line():
+    """The record's key names are the input's own strings: quoted, so a key holding a newline keeps the error on one
+    line (found by the generated-input suite), and capped, so ten thousand keys do not make a ten-thousand-key
+    message."""
+    from specforge_kimi.data.conversation import conversation_from_record
+
+    with pytest.raises(KimiInputError) as err:
+        conversation_from_record({"a\nb": 1, "text": 2})
+    assert str(err.value) == "record has neither 'messages' nor 'conversations' (keys: 'a\\nb', 'text')"
+    with pytest.raises(KimiInputError) as err:
+        conversation_from_record({f"k{i:05d}": i for i in range(10_000)})
+    assert str(err.value).endswith("'k00007', ... (10000 keys))") and len(str(err.value)) < 200
+    with pytest.raises(KimiInputError, match=r"\(keys: none\)"):
+        conversation_from_record({})

@@ -113,7 +113,9 @@ def conversation_from_record(record: Any) -> Conversation:
         raw_messages = record["conversations"]
         source = "conversations"
     else:
-        keys = ", ".join(sorted(record)) or "none"
+        names = sorted(record)  # the input's own strings: quoted (a newline stays on the error's one line), capped
+        keys = ", ".join(repr(k) for k in names[:8]) + (f", ... ({len(names)} keys)" if len(names) > 8 else "")
+        keys = keys or "none"
         raise KimiInputError(f"record has neither 'messages' nor 'conversations' (keys: {keys})")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise KimiInputError(f"'{source}' must be a non-empty list")
