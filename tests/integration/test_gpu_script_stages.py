@@ -49,19 +49,28 @@ elif cmd == "capture-features":
 elif cmd == "bench":
     out = Path(opt("--out"))
     out.mkdir(parents=True)
-    run = {{"config": {{"steps": 3, "topk": 1, "draft_tokens": 4}}, "overall": {{"acceptance_length": 2.5}},
-           "sets": {{"chat": {{"acceptance_length": 2.5}}}}}}
-    (out / "bench_result.json").write_text(json.dumps({{"speculative": [run]}}))
+    block = "dflash" in opt("--draft")  # a block draft's bench serves DFLASH at its block size
+    al = 4.0 if block else 2.5
+    run = {{"config": {{"steps": 3, "topk": 1, "draft_tokens": 4}}, "overall": {{"acceptance_length": al}},
+           "sets": {{"chat": {{"acceptance_length": al}}}}, "algorithm": "DFLASH" if block else "EAGLE3"}}
+    (out / "bench_result.json").write_text(json.dumps({{
+        "benchmark": "acceptance", "speculative": [run], "target": {{"path": "runs/tiny-k25", "config_sha256": "ab"}},
+        "prompt_sets": {{"chat": {{"prompts": 8}}}}, "settings": {{"max_new_tokens": 256}},
+        "draft": {{"path": opt("--draft")}}}}))
 elif cmd == "launch" and "--plan" in rest:
     print("{{}}")
 elif cmd == "launch" and os.environ.get("SHIM_RUN"):
     run = Path(os.environ["SHIM_RUN"])
+    if os.environ["SHIM_RUN"] == "recipe":  # the recipe's own output_dir (scripts that launch several recipes)
+        import yaml
+        run = Path(yaml.safe_load(open(rest[0]))["output_dir"])
     (run / "export-sglang").mkdir(parents=True)
     (run / "export-sglang" / "config.json").write_text("{{}}")
     (run / "logs").mkdir()
     (run / "logs" / "capture-server-node0.log").write_text("up\n")
 elif cmd == "run-report":
-    Path(opt("--out")).write_text("{{}}")
+    Path(opt("--out")).write_text(json.dumps({{"run_id": rest[0], "last_step": 1500,
+                                               "ledger": {{"trained_tokens": 1000, "duplicates": 0}}}}))
 elif cmd == "train-offline":
     out = Path(opt("--out"))
     (out / "export-sglang").mkdir(parents=True)
@@ -383,3 +392,51 @@ def test_draft_run_in_two_stages_with_its_step_count_and_bench_flags(tmp_path):
         res = run(**bad)
         assert res.returncode == 2 and message in res.stderr, res.stdout + res.stderr
     assert len(_calls(tmp_path)) == 4  # nothing started
+
+
+def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
+    """scripts/gpu_tiny_compare.sh: STAGE=launch launches the EAGLE-3 recipe, then its DFlash twin, each with the same
+    step count; STAGE=bench benches both with BENCH_ARGS and writes the comparison, every file named after the card
+    nvidia-smi names; a bad STAGE or MAX_STEPS starts nothing."""
+    import yaml
+
+    box, env = _sandbox(tmp_path)
+    (box / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "listeners_during.py", box / "tests")
+    (box / "bench").mkdir()
+    shutil.copy(ROOT / "bench" / "draft_comparison.py", box / "bench")
+    out = tmp_path / "out"
+    env.update(OUT=str(out), MAX_STEPS="1200", SHIM_RUN="recipe")
+
+    def run(**extra):
+        return subprocess.run(
+            ["bash", "scripts/gpu_tiny_compare.sh", "60", "60"],
+            cwd=box, env={**env, **extra}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    res = run(STAGE="launch")
+    assert res.returncode == 0, res.stdout + res.stderr
+    launches = [c["args"][0] for c in _calls(tmp_path) if c["cmd"] == "launch" and c["args"][-1] == "--no-bench"]
+    assert launches == [f"{out}/eagle3/recipe-run.yaml", f"{out}/dflash/recipe-run.yaml"]
+    for family in ("eagle3", "dflash"):
+        assert yaml.safe_load((out / family / "recipe-run.yaml").read_text())["trainer"]["max_steps"] == 1200
+        assert (out / family / f"online_run_tiny_{family}_tp1_h200.json").is_file()
+        assert json.loads((out / family / "listeners.json").read_text())["returncode"] == 0
+    res = run(STAGE="bench", BENCH_ARGS="--num-prompts 8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    benches = [c["args"] for c in _calls(tmp_path) if c["cmd"] == "bench"]
+    assert [b[b.index("--draft") + 1] for b in benches] == [
+        "runs/tiny-k25-tp1/export-sglang",
+        "runs/tiny-k25-tp1-dflash/export-sglang",
+    ]
+    assert all(b[-2:] == ["--num-prompts", "8"] for b in benches)
+    comparison = json.loads((out / "draft_comparison_tiny_tp1_h200.json").read_text())
+    assert comparison["block_vs_eagle3_acceptance_length"] == 4.0 / 2.5 and comparison["goal"]["met"] is True
+    assert comparison["training"]["block_vs_eagle3_trained_tokens"] == 1.0
+    assert "comparison rc=0" in res.stdout
+    n = len(_calls(tmp_path))
+    for bad, message in ((dict(STAGE="train"), "STAGE must be all, launch or bench"),
+                         (dict(MAX_STEPS="0"), "MAX_STEPS must be a positive integer")):  # fmt: skip
+        res = run(**bad)
+        assert res.returncode == 2 and message in res.stderr, res.stdout + res.stderr
+    assert len(_calls(tmp_path)) == n  # nothing started

@@ -1,0 +1,241 @@
+"""Two draft families side by side on one target: an EAGLE-3 draft and a block draft (DFlash or DSpark), each
+served by SGLang and measured by ``specforge-kimi bench``, compared from the two acceptance JSONs it wrote and,
+when given, the two run reports (``specforge-kimi run-report``) of the co-located runs that trained them.
+
+Like for like first: the pair must share the target (path and ``config.json`` hash), the prompt sets (source,
+count, mean prompt tokens per set) and the generation settings (new tokens, thinking, concurrency, warm-up, TP,
+CUDA graphs, attention backend); a pair that differs is refused in one line naming what differs. The EAGLE-3 file
+must hold an EAGLE3 config and the block file a DFLASH one.
+
+ONE JSON then holds: the command and environment; each side's source files, config and draft; per prompt set and
+overall, each side's acceptance length (SGLang's token-weighted ``acceptance_length``, the bench's headline), the
+ratio block / EAGLE-3, each side's decode tok/s and its speedup over its own baseline server (when the bench ran
+one); from the run reports, each run's steps, trained target tokens (SpecForge's ledger), end-to-end trained tok/s
+and the ratio of trained tokens (a like-for-like training budget is the same number of target tokens); and
+``goal``: the block draft's overall acceptance length against ``--goal`` x EAGLE-3's (issue 44: 1.3), stated as met
+or not. The numbers are read, never judged here: timing and acceptance are results, not pass/fail.
+
+    python bench/draft_comparison.py --eagle3 OUT_E/acceptance_tiny_eagle3_tp1_h100.json \
+        --block OUT_D/acceptance_tiny_dflash_tp1_h100.json \
+        --eagle3-run OUT_E/online_run_tiny_eagle3_tp1_h100.json --block-run OUT_D/online_run_tiny_dflash_tp1_h100.json \
+        --out bench/results/draft_comparison_tiny_tp1_h100.json
+
+(``scripts/gpu_tiny_compare.sh STAGE=bench`` runs it after both benches.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the bench settings both sides must share (the rest: which draft, its config, where it wrote)
+SHARED_SETTINGS = (
+    "max_new_tokens",
+    "thinking",
+    "concurrency",
+    "warmup",
+    "tp",
+    "attention_backend",
+    "disable_cuda_graph",
+    "num_prompts",
+)
+
+
+class ComparisonError(ValueError):
+    """A pair that cannot be compared like for like, or a file that is not a bench result (one line)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    eagle3: Path
+    block: Path
+    eagle3_run: Path | None
+    block_run: Path | None
+    goal: float
+    out: Path
+
+
+def parse(argv: list[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--eagle3", required=True, help="the EAGLE-3 draft's bench_result.json")
+    p.add_argument("--block", required=True, help="the block draft's bench_result.json (DFLASH)")
+    p.add_argument("--eagle3-run", default=None, help="run-report JSON of the run that trained the EAGLE-3 draft")
+    p.add_argument("--block-run", default=None, help="run-report JSON of the run that trained the block draft")
+    p.add_argument("--goal", type=float, default=1.3, help="block AL / EAGLE-3 AL the comparison states (default 1.3)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if (a.eagle3_run is None) != (a.block_run is None):
+        p.error("give both --eagle3-run and --block-run, or neither")
+    if a.goal <= 0:
+        p.error("--goal must be positive")
+    return Settings(
+        Path(a.eagle3), Path(a.block), a.eagle3_run and Path(a.eagle3_run), a.block_run and Path(a.block_run),
+        a.goal, Path(a.out),
+    )  # fmt: skip
+
+
+# -- read ---------------------------------------------------------------------------------------------------------
+def load(path: Path, what: str) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ComparisonError(f"{what} {path}: cannot read it ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ComparisonError(f"{what} {path}: not a JSON object")
+    return doc
+
+
+def spec_run(doc: dict, path: Path, algorithm: str) -> dict:
+    """The bench result's first speculative run, which must be ``algorithm`` (EAGLE3 or DFLASH)."""
+    if doc.get("benchmark") != "acceptance" or not isinstance(doc.get("speculative"), list) or not doc["speculative"]:
+        raise ComparisonError(f"{path}: not a `specforge-kimi bench` result (no speculative runs)")
+    run = doc["speculative"][0]
+    found = run.get("algorithm", "EAGLE3")
+    if found != algorithm:
+        raise ComparisonError(f"{path}: its first config is {found}, expected {algorithm}")
+    if not isinstance(run.get("overall"), dict) or not isinstance(run.get("sets"), dict):
+        raise ComparisonError(f"{path}: its {algorithm} run has no overall/sets counters")
+    return run
+
+
+def like_for_like(e: dict, b: dict) -> None:
+    """Raise ComparisonError naming the first thing the two bench results do not share."""
+    te, tb = e.get("target") or {}, b.get("target") or {}
+    if te.get("config_sha256") != tb.get("config_sha256") or Path(str(te.get("path"))) != Path(str(tb.get("path"))):
+        raise ComparisonError(
+            f"different targets: {te.get('path')} ({str(te.get('config_sha256'))[:12]}) vs "
+            f"{tb.get('path')} ({str(tb.get('config_sha256'))[:12]})"
+        )
+    pe, pb = e.get("prompt_sets") or {}, b.get("prompt_sets") or {}
+    if pe != pb:
+        diff = sorted(k for k in set(pe) | set(pb) if pe.get(k) != pb.get(k))
+        raise ComparisonError(f"different prompt sets: {', '.join(diff)} differ (source, count or prompt tokens)")
+    se, sb = e.get("settings") or {}, b.get("settings") or {}
+    for key in SHARED_SETTINGS:
+        if se.get(key) != sb.get(key):
+            raise ComparisonError(f"different bench settings: {key} {se.get(key)!r} vs {sb.get(key)!r}")
+
+
+# -- compare ------------------------------------------------------------------------------------------------------
+def _side(doc: dict, run: dict, path: Path) -> dict:
+    return {
+        "file": str(path),
+        "algorithm": run.get("algorithm", "EAGLE3"),
+        "config": run.get("config"),
+        "draft": {k: (doc.get("draft") or {}).get(k) for k in ("path", "architectures")},
+        "acceptance_length": run["overall"].get("acceptance_length"),
+        "output_tok_per_s": run["overall"].get("output_tok_per_s"),
+        "speedup": (run.get("speedup") or {}).get("overall"),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+
+def per_set(e_run: dict, b_run: dict) -> dict:
+    """Per prompt set: both acceptance lengths and speedups, and the block / EAGLE-3 ratio."""
+    rows = {}
+    for name in e_run["sets"]:
+        es, bs = e_run["sets"][name], b_run["sets"].get(name) or {}
+        ae, ab = es.get("acceptance_length"), bs.get("acceptance_length")
+        rows[name] = {
+            "eagle3_acceptance_length": ae,
+            "block_acceptance_length": ab,
+            "block_vs_eagle3": _ratio(ab, ae),
+            "eagle3_speedup": (e_run.get("speedup") or {}).get(name),
+            "block_speedup": (b_run.get("speedup") or {}).get(name),
+        }
+    return rows
+
+
+def training(report: dict, path: Path) -> dict:
+    """What a run report says of the training budget: steps, trained target tokens, rate, duplicates."""
+    ledger = report.get("ledger") or {}
+    if not isinstance(ledger.get("trained_tokens"), int):
+        raise ComparisonError(f"{path}: not a run report with a ledger (no ledger.trained_tokens)")
+    perf = report.get("perf") or {}
+    return {
+        "file": str(path),
+        "run_id": report.get("run_id"),
+        "transport": report.get("transport"),
+        "steps": report.get("last_step"),
+        "trained_tokens": ledger["trained_tokens"],
+        "duplicates": ledger.get("duplicates"),
+        "end_to_end_tokens_per_s": perf.get("end_to_end_tokens_per_s"),
+        "loss_last_mean": report.get("loss_last_mean"),
+    }
+
+
+def compare(s: Settings) -> dict:
+    e, b = load(s.eagle3, "--eagle3"), load(s.block, "--block")
+    e_run, b_run = spec_run(e, s.eagle3, "EAGLE3"), spec_run(b, s.block, "DFLASH")
+    like_for_like(e, b)
+    eagle3, block = _side(e, e_run, s.eagle3), _side(b, b_run, s.block)
+    ratio = _ratio(block["acceptance_length"], eagle3["acceptance_length"])
+    doc = {
+        "target": {k: (e.get("target") or {}).get(k) for k in ("path", "config_sha256")},
+        "prompt_sets": e.get("prompt_sets"),
+        "settings": {k: (e.get("settings") or {}).get(k) for k in SHARED_SETTINGS},
+        "eagle3": eagle3,
+        "block": block,
+        "block_vs_eagle3_acceptance_length": ratio,
+        "sets": per_set(e_run, b_run),
+        "goal": {
+            "block_vs_eagle3_at_least": s.goal,
+            "met": None if ratio is None else ratio >= s.goal,
+        },
+    }
+    if s.eagle3_run is not None and s.block_run is not None:
+        te = training(load(s.eagle3_run, "--eagle3-run"), s.eagle3_run)
+        tb = training(load(s.block_run, "--block-run"), s.block_run)
+        doc["training"] = {
+            "eagle3": te,
+            "block": tb,
+            "block_vs_eagle3_trained_tokens": _ratio(tb["trained_tokens"], te["trained_tokens"]),
+        }
+    return doc
+
+
+# -- write --------------------------------------------------------------------------------------------------------
+def document(argv: list[str], body: dict) -> dict:
+    return {
+        "bench": "draft_comparison",
+        "command": [sys.executable, *argv],
+        "environment": {"host": platform.node(), "python": platform.python_version()},
+        **body,
+    }
+
+
+def write(doc: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(out)
+    e, b, r = doc["eagle3"], doc["block"], doc["block_vs_eagle3_acceptance_length"]
+    print(
+        f"EAGLE-3 {e['config']}: AL {e['acceptance_length']}; block {b['config']}: AL {b['acceptance_length']}; "
+        f"block / EAGLE-3 {r if r is None else round(r, 3)} (goal {doc['goal']['block_vs_eagle3_at_least']}: "
+        f"{'met' if doc['goal']['met'] else 'not met'}); wrote {out}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    s = parse(argv)
+    try:
+        body = compare(s)
+    except ComparisonError as exc:
+        print(f"draft_comparison: {exc}", file=sys.stderr)
+        return 2
+    write(document([str(Path(__file__).relative_to(ROOT)), *argv], body), s.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

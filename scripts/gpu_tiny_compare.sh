@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 44's tiny comparison on one GPU: an EAGLE-3 draft and its DFlash twin, each trained co-located for the same
+# MAX_STEPS on the same tiny target and prepared data (scripts/gpu_online_run.sh's target and data stages with
+# recipes/tiny-k25-tp1-h200.yaml), each served by SGLang and benched on the same prompts, then compared by
+# bench/draft_comparison.py (like for like checked; acceptance length side by side, block / EAGLE-3, speedups, the
+# trained target tokens of each run). With the pinned stack on PYTHONPATH (`. scripts/gpu_box.sh`).
+#   STAGE=launch  both launches, one after the other (scripts/gpu_draft_run.sh STAGE=launch: listeners listed)
+#   STAGE=bench   both benches (gpu_draft_run.sh STAGE=bench, BENCH_ARGS passed on), then the comparison
+#   STAGE=all     both
+# The two stages fit separate device calls. Results: OUT/eagle3/ and OUT/dflash/ (gpu_draft_run.sh's files, named
+# with TAG tiny_<family>_tp1_<card>) and OUT/draft_comparison_tiny_tp1_<card>.json, where <card> is the GPU's model
+# as nvidia-smi names it (h100, h200; else "gpu"), so every file says which card measured it.
+# EAGLE3_RECIPE / BLOCK_RECIPE replace the two recipes (both must name the same target and data).
+# usage: [OUT=/tmp/tiny-compare] [MAX_STEPS=1500] [STAGE=all|launch|bench] [BENCH_ARGS=...]
+#        bash scripts/gpu_tiny_compare.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/tiny-compare}"
+STAGE="${STAGE:-all}"
+MAX_STEPS="${MAX_STEPS:-1500}"
+EAGLE3_RECIPE="${EAGLE3_RECIPE:-recipes/tiny-k25-tp1-h200.yaml}"
+BLOCK_RECIPE="${BLOCK_RECIPE:-recipes/tiny-k25-tp1-h200-dflash.yaml}"
+case "$STAGE" in all | launch | bench) ;; *) echo "STAGE must be all, launch or bench, not $STAGE" >&2; exit 2 ;; esac
+[[ "$MAX_STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "MAX_STEPS must be a positive integer, not $MAX_STEPS" >&2; exit 2; }
+for r in "$EAGLE3_RECIPE" "$BLOCK_RECIPE"; do [ -f "$r" ] || { echo "no recipe $r" >&2; exit 2; }; done
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9][0-9][0-9]' | head -1 | tr 'A-Z' 'a-z')
+CARD="${CARD:-gpu}"
+mkdir -p "$OUT"
+echo "tiny comparison on $CARD: stage $STAGE, $MAX_STEPS steps each -> $OUT"
+
+one() { # family recipe stage
+  OUT="$OUT/$1" RECIPE="$2" TAG="tiny_$1_tp1_$CARD" STAGE="$3" MAX_STEPS="$MAX_STEPS" \
+    bash scripts/gpu_draft_run.sh "${LAUNCH_T:-420}" "${BENCH_T:-300}"
+}
+LAUNCH_T="${1:-420}"
+BENCH_T="${2:-300}"
+if [ "$STAGE" != bench ]; then
+  one eagle3 "$EAGLE3_RECIPE" launch
+  one dflash "$BLOCK_RECIPE" launch
+fi
+if [ "$STAGE" != launch ]; then
+  one eagle3 "$EAGLE3_RECIPE" bench
+  one dflash "$BLOCK_RECIPE" bench
+  e="$OUT/eagle3/acceptance_tiny_eagle3_tp1_$CARD.json"
+  d="$OUT/dflash/acceptance_tiny_dflash_tp1_$CARD.json"
+  runs=()
+  re="$OUT/eagle3/online_run_tiny_eagle3_tp1_$CARD.json"
+  rd="$OUT/dflash/online_run_tiny_dflash_tp1_$CARD.json"
+  [ -f "$re" ] && [ -f "$rd" ] && runs=(--eagle3-run "$re" --block-run "$rd")
+  if [ -f "$e" ] && [ -f "$d" ]; then
+    python3 bench/draft_comparison.py --eagle3 "$e" --block "$d" "${runs[@]}" \
+      --out "$OUT/draft_comparison_tiny_tp1_$CARD.json"
+    echo "comparison rc=$?"
+  else
+    echo "comparison skipped: a bench result is missing ($e, $d)"
+  fi
+fi
+exit 0

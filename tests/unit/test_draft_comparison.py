@@ -1,0 +1,153 @@
+"""bench/draft_comparison.py on the CPU: the EAGLE-3 / block-draft pair compared only like for like (target, prompt
+sets, generation settings; each side's algorithm), the ratios per set and overall, the training budget from the run
+reports, and a refused pair ending in one line and exit 2."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "draft_comparison.py"
+
+
+@pytest.fixture(scope="module")
+def dc():
+    spec = importlib.util.spec_from_file_location("bench_draft_comparison", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench(algorithm: str, al: dict[str, float], overall: float, speedup: float | None = None) -> dict:
+    config = (
+        {"steps": 1, "topk": 1, "draft_tokens": 8}
+        if algorithm == "DFLASH"
+        else {"steps": 3, "topk": 1, "draft_tokens": 4}
+    )
+    run = {
+        "config": config,
+        "overall": {"acceptance_length": overall, "output_tok_per_s": 500.0},
+        "sets": {k: {"acceptance_length": v} for k, v in al.items()},
+    }
+    if algorithm == "DFLASH":
+        run["algorithm"] = "DFLASH"  # an EAGLE-3 result may omit it (older files)
+    if speedup is not None:
+        run["speedup"] = {"overall": speedup, **{k: speedup for k in al}}
+    return {
+        "benchmark": "acceptance",
+        "target": {"path": "runs/tiny-k25", "config_sha256": "de7b8bf4"},
+        "draft": {"path": f"runs/{algorithm.lower()}/export-sglang", "architectures": [algorithm]},
+        "prompt_sets": {"structured": {"source": "corpus seed 20000", "prompts": 8, "prompt_tokens_mean": 58.1}},
+        "settings": {"max_new_tokens": 256, "thinking": True, "concurrency": 1, "warmup": 2, "tp": 1,
+                     "attention_backend": "triton", "disable_cuda_graph": False, "num_prompts": 8},
+        "speculative": [run],
+    }  # fmt: skip
+
+
+def _report(tokens: int) -> dict:
+    return {
+        "run_id": "r",
+        "transport": "cuda_ipc",
+        "last_step": 1500,
+        "ledger": {"trained_tokens": tokens, "duplicates": 0},
+        "perf": {"end_to_end_tokens_per_s": 4000.0},
+        "loss_last_mean": 1.5,
+    }
+
+
+def _write(tmp_path: Path, name: str, doc: dict) -> Path:
+    p = tmp_path / name
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def _settings(dc, tmp_path, e: dict, b: dict, *, runs=None, goal=1.3):
+    ep, bp = _write(tmp_path, "e.json", e), _write(tmp_path, "b.json", b)
+    er = br = None
+    if runs:
+        er, br = _write(tmp_path, "er.json", runs[0]), _write(tmp_path, "br.json", runs[1])
+    return dc.Settings(ep, bp, er, br, goal, tmp_path / "out.json")
+
+
+def test_ratios_per_set_and_overall_and_the_training_budget(dc, tmp_path):
+    e = _bench("EAGLE3", {"structured": 3.0}, 3.0, speedup=1.8)
+    b = _bench("DFLASH", {"structured": 4.5}, 4.5, speedup=2.4)
+    doc = dc.compare(_settings(dc, tmp_path, e, b, runs=(_report(1000), _report(1100))))
+    assert doc["block_vs_eagle3_acceptance_length"] == pytest.approx(1.5)
+    assert doc["goal"] == {"block_vs_eagle3_at_least": 1.3, "met": True}
+    assert doc["sets"]["structured"]["block_vs_eagle3"] == pytest.approx(1.5)
+    assert (doc["eagle3"]["speedup"], doc["block"]["speedup"]) == (1.8, 2.4)
+    assert doc["eagle3"]["algorithm"] == "EAGLE3" and doc["block"]["config"]["draft_tokens"] == 8
+    assert doc["training"]["block_vs_eagle3_trained_tokens"] == pytest.approx(1.1)
+    below = dc.compare(_settings(dc, tmp_path, e, _bench("DFLASH", {"structured": 3.3}, 3.3), goal=1.3))
+    assert below["goal"]["met"] is False and "training" not in below
+    assert below["block"]["speedup"] is None  # no baseline server in that bench
+
+
+@pytest.mark.parametrize(
+    ("where", "change", "message"),
+    [
+        ("target", {"config_sha256": "0000"}, "different targets"),
+        ("target", {"path": "runs/other"}, "different targets"),
+        ("prompt_sets", {"structured": {"source": "corpus seed 1", "prompts": 8, "prompt_tokens_mean": 58.1}},
+         "different prompt sets: structured"),
+        ("settings", {"max_new_tokens": 128}, "different bench settings: max_new_tokens"),
+        ("settings", {"disable_cuda_graph": True}, "different bench settings: disable_cuda_graph"),
+    ],
+)  # fmt: skip
+def test_a_pair_that_is_not_like_for_like_is_refused(dc, tmp_path, where, change, message):
+    e = _bench("EAGLE3", {"structured": 3.0}, 3.0)
+    b = _bench("DFLASH", {"structured": 4.5}, 4.5)
+    b[where] = {**copy.deepcopy(b[where]), **change}
+    with pytest.raises(dc.ComparisonError, match=message):
+        dc.compare(_settings(dc, tmp_path, e, b))
+
+
+def test_each_side_must_be_its_algorithm_and_a_bench_result(dc, tmp_path):
+    e = _bench("EAGLE3", {"structured": 3.0}, 3.0)
+    with pytest.raises(dc.ComparisonError, match="expected DFLASH"):
+        dc.compare(_settings(dc, tmp_path, e, copy.deepcopy(e)))
+    with pytest.raises(dc.ComparisonError, match="expected EAGLE3"):
+        dc.compare(_settings(dc, tmp_path, _bench("DFLASH", {"s": 4.0}, 4.0), _bench("DFLASH", {"s": 4.0}, 4.0)))
+    with pytest.raises(dc.ComparisonError, match="not a `specforge-kimi bench` result"):
+        dc.compare(_settings(dc, tmp_path, {"benchmark": "overlap_rates"}, e))
+    with pytest.raises(dc.ComparisonError, match="no ledger.trained_tokens"):
+        dc.compare(_settings(dc, tmp_path, e, _bench("DFLASH", {"structured": 4.0}, 4.0), runs=({}, _report(1))))
+
+
+def test_the_command_line_refuses_in_one_line_and_writes_the_json(tmp_path):
+    e = _write(tmp_path, "e.json", _bench("EAGLE3", {"structured": 3.0}, 3.0))
+    b_doc = _bench("DFLASH", {"structured": 4.2}, 4.2)
+    b = _write(tmp_path, "b.json", b_doc)
+    out = tmp_path / "cmp.json"
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--eagle3", str(e), "--block", str(b), "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "draft_comparison" and doc["command"][1:3] == ["bench/draft_comparison.py", "--eagle3"]
+    assert doc["block_vs_eagle3_acceptance_length"] == pytest.approx(1.4)
+    b_doc["settings"]["tp"] = 2
+    b.write_text(json.dumps(b_doc))
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--eagle3", str(e), "--block", str(b), "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == ["draft_comparison: different bench settings: tp 1 vs 2"]
+    assert not (tmp_path / "x.json").exists()
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--eagle3", str(tmp_path / "missing.json"), "--block", str(b), "--out",
+         str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "cannot read it" in res.stderr
