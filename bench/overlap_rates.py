@@ -13,15 +13,17 @@ subprocess; nothing re-implemented here):
 
 and writes ONE JSON: the command, the environment, the two stage rates with their source files, the serial sum
 ``1 / (1/prefill + 1/trainer)`` (the two stages taking turns) and one row per option (``baseline`` = the recipe's
-own ``overlap:``, ``mps``, ``mps+split``, ``batching``, ``mps+batching``) with its co-located rate and
-``overlap_vs_serial`` = co-located / serial (1.0: they take turns; the issue's goal is >= 1.15). A launch that fails
-(an MPS daemon the box refuses included) is a row with its exit code and the launch's last lines, not a crash.
+own ``overlap:``, ``mps``, ``mps+split``, ``mps+trainer-low`` / ``mps+server-low``: that side's MPS clients at
+BELOW_NORMAL priority, ``overlap.below_normal_priority``; ``batching``, ``mps+batching``) with its co-located rate
+and ``overlap_vs_serial`` = co-located / serial (1.0: they take turns; the issue's goal is >= 1.15). A launch that
+fails (an MPS daemon the box refuses included) is a row with its exit code and the launch's last lines, not a crash.
 ``--dry-run`` writes the same JSON from canned sub-results without a GPU (tests/unit/test_overlap_rates.py).
 
 The GPU command (the slice's target and prompts from scripts/gpu_real_width.sh STAGE=target and STAGE=data):
 
     python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --steps 60 \
-        --options baseline,mps,mps+split,batching,mps+batching --split 50,50 --concurrency 2 \
+        --options baseline,mps,mps+split,mps+trainer-low,mps+server-low,batching,mps+batching \
+        --split 50,50 --concurrency 2 \
         --out bench/results/overlap_rates_k25_slice_h200.json
 """
 
@@ -39,7 +41,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = ("baseline", "mps", "mps+split", "batching", "mps+batching")
+OPTIONS = ("baseline", "mps", "mps+split", "mps+trainer-low", "mps+server-low", "batching", "mps+batching")
+LOW_PRIORITY = {"mps+trainer-low": "trainer", "mps+server-low": "server"}  # overlap.below_normal_priority
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ def overlap_of(option: str, s: Settings) -> dict:
         out["mps"] = True
     if option == "mps+split":
         out.update(server_sm_percent=s.split[0], trainer_sm_percent=s.split[1])
+    if option in LOW_PRIORITY:
+        out["below_normal_priority"] = LOW_PRIORITY[option]
     if "batching" in option:
         out["producer_concurrency"] = s.concurrency
     return out
@@ -216,7 +221,8 @@ def dry_results(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
     """Canned sub-results (made-up rates, marked as such): the arithmetic and the JSON's shape without a GPU."""
     prefill = {"tokens_per_s": 50000.0, "plain_tokens_per_s": 50500.0, "shape": s.shape, "source": "dry-run"}
     trainer = {"tokens_per_s": 12500.0, "length": 4096, "source": "dry-run"}
-    canned = {"baseline": 10000.0, "mps": 11500.0, "mps+split": 12000.0, "batching": 10200.0}
+    canned = {"baseline": 10000.0, "mps": 11500.0, "mps+split": 12000.0, "mps+trainer-low": 11800.0,
+              "mps+server-low": 10800.0, "batching": 10200.0}  # fmt: skip
     runs = {o: {"tokens_per_s": canned.get(o), "source": "dry-run"} for o in s.options}
     if "mps+batching" in runs:
         runs["mps+batching"] = {"error": "launch failed", "rc": 1, "log_tail": ["dry-run: a refused MPS daemon"]}

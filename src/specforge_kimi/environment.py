@@ -343,6 +343,14 @@ CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = EnvVar(
     writers=("plan.roles",),
     outside="CUDA MPS",
 )
+CUDA_MPS_CLIENT_PRIORITY = EnvVar(
+    "CUDA_MPS_CLIENT_PRIORITY",
+    "an MPS client's scheduling priority, read at CUDA init: 0 NORMAL, 1 BELOW_NORMAL (recipe "
+    "overlap.below_normal_priority names the side that gets 1)",
+    LIBRARY,
+    writers=("plan.roles",),
+    outside="CUDA MPS",
+)
 PYTORCH_CUDA_ALLOC_CONF = EnvVar(
     "PYTORCH_CUDA_ALLOC_CONF",
     "torch's caching-allocator settings of the trainer ranks (recipe trainer step knob)",

@@ -1,11 +1,15 @@
-"""The recipe's ``overlap:`` options (CUDA MPS, its SM split, producer batching) compiled into each role's
-environment and SpecForge's config, their refusals, and the launch's MPS daemon lifecycle with a fake
-``nvidia-cuda-mps-control`` on PATH around SpecForge's real supervisor (``run_commands``)."""
+"""The recipe's ``overlap:`` options (CUDA MPS, its SM split, its client priority, producer batching) compiled into
+each role's environment and SpecForge's config, their refusals, bench/overlap_rates.py's rows for them, and the
+launch's MPS daemon lifecycle with a fake ``nvidia-cuda-mps-control`` on PATH around SpecForge's real supervisor
+(``run_commands``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from specforge_kimi.plan.run_plan import compile_plan
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "kimi-k25-slice-h200.yaml"
 PIPE, PCT = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PRIO = "CUDA_MPS_CLIENT_PRIORITY"
 
 
 def _raw(tmp_path: Path, **overlap) -> dict:
@@ -31,7 +36,7 @@ def _raw(tmp_path: Path, **overlap) -> dict:
 def test_overlap_off_by_default_adds_nothing(tmp_path):
     plan = compile_plan(_raw(tmp_path), rendered_dir=tmp_path / "r")
     for env in (plan.server_env, plan.process_env):
-        assert PIPE not in env and PCT not in env
+        assert PIPE not in env and PCT not in env and PRIO not in env
     assert plan.mps_dirs is None and "mps" not in plan.sheet()
     assert "producer_concurrency" not in plan.specforge_config["runtime"]
 
@@ -45,6 +50,15 @@ def test_mps_gives_every_role_the_private_pipe_and_its_sm_share(tmp_path):
     assert plan.sheet()["mps"] == {"pipe_dir": pipe, "log_dir": log}
     only_mps = compile_plan(_raw(tmp_path, mps=True), rendered_dir=tmp_path / "m")
     assert only_mps.server_env[PIPE] == only_mps.process_env[PIPE] and PCT not in only_mps.process_env
+    assert PRIO not in only_mps.server_env and PRIO not in only_mps.process_env
+
+
+@pytest.mark.parametrize(("low", "server", "trainer"), [("trainer", "0", "1"), ("server", "1", "0")])
+def test_below_normal_priority_lowers_the_named_side_only(tmp_path, low, server, trainer):
+    plan = compile_plan(_raw(tmp_path, mps=True, below_normal_priority=low), rendered_dir=tmp_path)
+    # process_env: the producer and every trainer rank (the set trainer_sm_percent reaches)
+    assert (plan.server_env[PRIO], plan.process_env[PRIO]) == (server, trainer)
+    assert PCT not in plan.server_env and PCT not in plan.process_env  # independent of the SM split
 
 
 def test_mps_pipe_moves_under_tmp_when_the_run_dir_is_too_long(tmp_path):
@@ -72,6 +86,8 @@ def test_producer_concurrency_reaches_specforge_and_the_watermarks(tmp_path):
     [
         ({"server_sm_percent": 50}, 1, "need overlap.mps: true"),
         ({"trainer_sm_percent": 50}, 1, "need overlap.mps: true"),
+        ({"below_normal_priority": "trainer"}, 1, "below_normal_priority needs overlap.mps: true"),
+        ({"mps": True, "below_normal_priority": "low"}, 1, "below_normal_priority"),
         ({"mps": True, "server_sm_percent": 0}, 1, "server_sm_percent"),
         ({"mps": True, "trainer_sm_percent": 101}, 1, "trainer_sm_percent"),
         ({"producer_concurrency": 0}, 1, "producer_concurrency"),
@@ -89,6 +105,21 @@ def test_overlap_refusals_are_one_line(tmp_path, overlap, nnodes, says):
     with pytest.raises(KimiInputError) as err:
         compile_plan(raw, rendered_dir=tmp_path)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_overlap_rates_measures_each_side_at_low_priority(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_overlap_rates", ROOT / "bench" / "overlap_rates.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "o.json"
+    assert bench.main(["--dry-run", "--out", str(out), "--options", "mps+trainer-low,mps+server-low"]) == 0
+    rows = {r["option"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["mps+trainer-low"]["overlap"] == {"mps": True, "below_normal_priority": "trainer"}
+    assert rows["mps+server-low"]["overlap"] == {"mps": True, "below_normal_priority": "server"}
+    assert all(r["colocated_tokens_per_s"] and r["overlap_vs_serial"] for r in rows.values())
+    for option, row in rows.items():  # each row's overlap section is one the recipe schema accepts
+        compile_plan(_raw(tmp_path, **row["overlap"]), rendered_dir=tmp_path / option)
 
 
 # -- the daemon's lifecycle, a fake nvidia-cuda-mps-control on PATH ------------------------------------------

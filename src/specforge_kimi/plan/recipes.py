@@ -388,6 +388,13 @@ class OverlapSection(_Strict):
         le=100,
         description="With mps: the producer's and trainer ranks' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; unset: all",
     )
+    below_normal_priority: Literal["server", "trainer"] | None = Field(
+        default=None,
+        description="With mps: the side whose MPS clients get CUDA_MPS_CLIENT_PRIORITY=1, BELOW_NORMAL (server: the "
+        "capture server; trainer: the producer and trainer ranks), the other side 0, NORMAL: a hint to the MPS "
+        "server to favour the other side's work when both have some, per process, not per stream; unset: both at "
+        "the daemon's default",
+    )
     producer_concurrency: int = Field(
         default=1,
         ge=1,
@@ -398,9 +405,11 @@ class OverlapSection(_Strict):
     )
 
     @model_validator(mode="after")
-    def _split_needs_mps(self) -> OverlapSection:
+    def _client_options_need_mps(self) -> OverlapSection:
         if not self.mps and (self.server_sm_percent is not None or self.trainer_sm_percent is not None):
             raise ValueError("overlap.server_sm_percent / overlap.trainer_sm_percent need overlap.mps: true")
+        if not self.mps and self.below_normal_priority is not None:
+            raise ValueError("overlap.below_normal_priority needs overlap.mps: true (an MPS client priority)")
         return self
 
 

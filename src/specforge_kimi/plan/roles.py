@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specforge_kimi.environment import (
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+    CUDA_MPS_CLIENT_PRIORITY,
     CUDA_MPS_PIPE_DIRECTORY,
     SPECFORGE_PLUGINS,
 )
@@ -91,7 +92,7 @@ def server_env(r, strategy: Transport, sizing: FeatureSizing) -> dict[str, str]:
     if r.mooncake.host != "127.0.0.1":
         env["MOONCAKE_METADATA_SERVER"] = f"http://{r.mooncake.host}:{r.mooncake.metadata_port}/metadata"
         env["MOONCAKE_MASTER_SERVER_ADDR"] = f"{r.mooncake.host}:{r.mooncake.rpc_port}"
-    return {**env, **strategy.server_env(r, sizing), **PLUGINS, **mps_env(r, r.overlap.server_sm_percent)}
+    return {**env, **strategy.server_env(r, sizing), **PLUGINS, **mps_env(r, "server")}
 
 
 def process_env(r, strategy: Transport) -> dict[str, str]:
@@ -105,7 +106,7 @@ def process_env(r, strategy: Transport) -> dict[str, str]:
     if r.server.compact_passthrough:
         env[COMPACT_PASSTHROUGH_ENV] = "1"
     env.update(trainer_env(r.trainer))
-    env.update(mps_env(r, r.overlap.trainer_sm_percent))
+    env.update(mps_env(r, "trainer"))
     return env
 
 
@@ -123,15 +124,20 @@ def mps_dirs(r) -> tuple[str, str] | None:
     return str(base / "pipe"), str(base / "log")
 
 
-def mps_env(r, sm_percent: int | None) -> dict[str, str]:
-    """A role's CUDA MPS variables with ``overlap.mps``: the pipe directory, and its SM share when the recipe
-    sets one."""
+def mps_env(r, side: str) -> dict[str, str]:
+    """A side's CUDA MPS variables with ``overlap.mps`` (``side``: ``server`` for the capture server, ``trainer``
+    for the producer and trainer ranks): the pipe directory, its SM share when the recipe sets one, and with
+    ``overlap.below_normal_priority`` its client priority (1, BELOW_NORMAL, on the side named; 0, NORMAL, set
+    explicitly on the other, so a priority inherited from the launching shell cannot lower both)."""
     dirs = mps_dirs(r)
     if dirs is None:
         return {}
     env = {CUDA_MPS_PIPE_DIRECTORY.name: dirs[0]}
+    sm_percent = r.overlap.server_sm_percent if side == "server" else r.overlap.trainer_sm_percent
     if sm_percent is not None:
         env[CUDA_MPS_ACTIVE_THREAD_PERCENTAGE.name] = str(sm_percent)
+    if r.overlap.below_normal_priority is not None:
+        env[CUDA_MPS_CLIENT_PRIORITY.name] = "1" if r.overlap.below_normal_priority == side else "0"
     return env
 
 
