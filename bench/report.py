@@ -55,6 +55,10 @@ measurement lands, edit those two places. A file is recognised by its content:
 - offline twin (``scripts/gpu_offline_twin.sh``'s ``offline_twin.json``: ``online`` + ``offline``);
 - MLA vs Llama-style through SGLang (``scripts/gpu_mla_vs_llama.sh``'s ``mla_vs_llama_engine.json``:
   ``mla`` + ``llama``);
+- two draft families side by side on one target (``bench/draft_comparison.py``: ``"bench": "draft_comparison"``):
+  acceptance length of the EAGLE-3 and the block draft, their ratio against the goal, speedups, trained tokens;
+- the co-located stages' three rates and each overlap option (``bench/overlap_rates.py``: ``"bench":
+  "overlap_rates"``): prefill alone, trainer alone, their serial sum and ``overlap_vs_serial`` per option;
 - capture overhead, pipeline efficiency, trainer memory written by anything else:
   ``{"benchmark": "capture_overhead" | "pipeline_efficiency" | "trainer_memory", "command": "...",
   "rows": [{flat key: value}, ...]}``, shown as a table of their rows.
@@ -462,6 +466,8 @@ def classify(data: Any) -> str:
     bench = data.get("benchmark")
     if bench == "acceptance":
         return "acceptance"
+    if data.get("bench") in ("draft_comparison", "overlap_rates"):
+        return data["bench"]
     if bench in PLANNED:
         return bench
     if bench == "prepare peak RSS vs input size":
@@ -1457,6 +1463,77 @@ def section_fault_drills(files: list[tuple[str, dict]]) -> list[str]:
     )
 
 
+def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
+    def cfg(side: dict) -> str:
+        c = side.get("config") or {}
+        if side.get("algorithm") == "DFLASH":
+            return f"DFLASH block {c.get('draft_tokens')}"
+        return f"EAGLE3 {c.get('steps')}/{c.get('topk')}/{c.get('draft_tokens')}"
+
+    def rows(n, r):
+        e, b, goal = r.get("eagle3") or {}, r.get("block") or {}, r.get("goal") or {}
+        tokens = (r.get("training") or {}).get("block_vs_eagle3_trained_tokens")
+        met = {True: "met", False: "not met"}.get(goal.get("met"), "-")
+        return [
+            [
+                n,
+                cfg(e),
+                _fmt(e.get("acceptance_length")),
+                cfg(b),
+                _fmt(b.get("acceptance_length")),
+                f"**{_fmt(r.get('block_vs_eagle3_acceptance_length'))}**",
+                f"{goal.get('block_vs_eagle3_at_least')}x: {met}",
+                f"{_fmt(e.get('speedup'), 2)} / {_fmt(b.get('speedup'), 2)}",
+                _fmt(tokens),
+            ]
+        ]
+
+    return _tabled(
+        "Draft families side by side",
+        "`bench/draft_comparison.py`: an EAGLE-3 draft and a block draft (DFlash) trained co-located on the same "
+        "target and data, served by SGLang on the same prompts and settings (checked), SGLang's token-weighted "
+        "acceptance length each and block / EAGLE-3; speedup over each bench's own baseline server; trained "
+        "target tokens block / EAGLE-3 from the two run reports.",
+        files,
+        "`scripts/gpu_tiny_compare.sh` (STAGE=launch, then STAGE=bench) on the tiny target and data of "
+        "`scripts/gpu_online_run.sh` STAGE=target and STAGE=data.",
+        ["file", "EAGLE-3", "AL", "block draft", "AL", "block / EAGLE-3", "goal", "speedup E / B", "tokens B / E"],
+        rows,
+    )
+
+
+def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
+    def rows(n, r):
+        p, t = (r.get("prefill_alone") or {}).get("tokens_per_s"), (r.get("trainer_alone") or {}).get("tokens_per_s")
+        name = f"{n} (dry run: canned)" if r.get("dry_run") else n
+        return [
+            [
+                name,
+                row.get("option"),
+                _num(p, "{:,.0f}"),
+                _num(t, "{:,.0f}"),
+                _num(r.get("serial_tokens_per_s"), "{:,.0f}"),
+                _num(row.get("colocated_tokens_per_s"), "{:,.0f}"),
+                f"**{_fmt(row.get('overlap_vs_serial'))}**" if row.get("overlap_vs_serial") else row.get("error", "-"),
+            ]
+            for row in r.get("rows") or []
+        ]
+
+    return _tabled(
+        "Co-located stages: the three rates and the overlap options",
+        "`bench/overlap_rates.py`: the capture server's prefill alone, the trainer alone on the recipe's batches, "
+        "their serial sum 1 / (1/prefill + 1/trainer) (the two taking turns on the GPU), and one co-located run per "
+        "`overlap:` option; `overlap_vs_serial` = co-located / serial (1.0: they take turns). A launch that failed "
+        "shows its error.",
+        files,
+        "`python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --out "
+        "bench/results/overlap_rates_k25_slice_h200.json` (its docstring has the options).",
+        ["file", "option", "prefill alone tok/s", "trainer alone tok/s", "serial tok/s", "co-located tok/s",
+         "overlap_vs_serial"],
+        rows,
+    )  # fmt: skip
+
+
 def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         cfg, gil = r.get("config") or {}, [g.get("main_thread_progress") for g in r.get("gil") or []]
@@ -2030,11 +2107,13 @@ def _sections(plots: Path | None) -> list[tuple[str, tuple[str, ...], Callable[.
     """The report's sections in order: (section id, the kinds whose files it shows, renderer of those lists)."""
     return [
         ("acceptance", ("acceptance",), lambda a: section_acceptance(a, plots)),
+        ("draft_comparison", ("draft_comparison",), section_draft_comparison),
         *[
             (k, (k, "online_pipeline"), lambda f, o, k=k: section_planned(k, f, o))
             for k in ("capture_overhead", "pipeline_efficiency", "trainer_memory")
         ],
         ("k25_pipeline", ("online_pipeline_k25",), section_k25_pipeline),
+        ("overlap_rates", ("overlap_rates",), section_overlap_rates),
         ("prefill_depth", ("prefill_depth",), section_prefill_depth),
         ("sizing", ("sizing",), section_sizing),
         ("capture_parity", ("capture_parity",), lambda a: section_capture_parity(a, plots)),
