@@ -33,9 +33,11 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 #: an int or a float, kept as written (so the draft config renders as the recipe wrote it)
 Positive = Annotated[StrictInt | StrictFloat, Field(gt=0)]
 NonNegative = Annotated[StrictInt | StrictFloat, Field(ge=0)]
+#: a refused field: ``(field, message, value)``
+Bad = tuple[str, str, Any]
 
 
-def _refuse(title: str, errors: list[tuple[str, str, Any]]) -> ValidationError:
+def _refuse(title: str, errors: list[Bad]) -> ValidationError:
     """A ValidationError whose errors are ``(field, message, value)``: pydantic puts the field on the error's path
     (``trainer.draft.<field>``), so the one-line summary names it."""
     details = [
@@ -171,12 +173,23 @@ class DraftConfig(_Ordered):
         return dict(DRAFTS)
 
     @model_validator(mode="after")
-    def _architecture(self) -> DraftConfig:
+    def _checked(self) -> DraftConfig:
+        """Each class's own :meth:`_bad` in turn, this one's first, a family's after its parent's: the first to
+        name a bad field refuses the draft."""
+        for cls in reversed(type(self).__mro__):
+            bad = vars(cls)["_bad"](self) if "_bad" in vars(cls) else []
+            if bad:
+                raise _refuse(type(self).__name__, bad)
+        return self
+
+    def _bad(self) -> list[Bad]:
+        """The ``(field, message, value)`` this class's own check refuses (none: ``[]``). A family states its own
+        check only, no ``super()`` call (:meth:`_checked` runs each class's). Every draft names an architecture of
+        its family."""
         arch = (self.architectures or [None])[0]
         if arch is not None and arch not in self.ARCHITECTURES:
-            expected = " or ".join(self.ARCHITECTURES)
-            raise _refuse(type(self).__name__, [("architectures", f"{self.family} drafts are {expected}", arch)])
-        return self
+            return [("architectures", f"{self.family} drafts are {' or '.join(self.ARCHITECTURES)}", arch)]
+        return []
 
 
 #: the MLA draft's attention sizes: all of them or none
@@ -211,15 +224,12 @@ class Eagle3Draft(DraftConfig):
         """Whether this is the MLA draft (``Eagle3DeepseekV2ForCausalLM``)."""
         return self.kv_lora_rank is not None
 
-    @model_validator(mode="after")
-    def _mla_sizes(self) -> Eagle3Draft:
+    def _bad(self) -> list[Bad]:
+        """The MLA sizes: all of them or none."""
         given = [k for k in MLA_FIELDS if getattr(self, k) is not None]
-        if given and len(given) < len(MLA_FIELDS):
-            missing = [
-                (k, f"the MLA draft ({', '.join(given)} set) needs it", None) for k in MLA_FIELDS if k not in given
-            ]
-            raise _refuse(type(self).__name__, missing)
-        return self
+        if not given:
+            return []
+        return [(k, f"the MLA draft ({', '.join(given)} set) needs it", None) for k in MLA_FIELDS if k not in given]
 
 
 class DFlashDraft(DraftConfig):
@@ -243,12 +253,12 @@ class DFlashDraft(DraftConfig):
     max_window_layers: Count | None = Field(default=None, description="HF max_window_layers")
     auto_map: dict[str, str] | None = Field(default=None, description="HF auto_map (export drops it)")
 
-    @model_validator(mode="after")
-    def _layer_types(self) -> DFlashDraft:
+    def _bad(self) -> list[Bad]:
+        """One layer type per layer."""
         types, n = self.layer_types, self.num_hidden_layers
-        if types is not None and len(types) != n:
-            raise _refuse(type(self).__name__, [("layer_types", f"{len(types)} entries for {n} layers", types)])
-        return self
+        if types is None or len(types) == n:
+            return []
+        return [("layer_types", f"{len(types)} entries for {n} layers", types)]
 
 
 class DSparkDraft(DFlashDraft):
@@ -259,8 +269,7 @@ class DSparkDraft(DFlashDraft):
     vocab_size: Count = Field(description="The target's vocabulary (the Markov head's width)")
     dflash_config: DSparkConfig = Field(description="The target layers read, the mask token and DSpark's heads")
 
-    @model_validator(mode="after")
-    def _heads(self) -> DSparkDraft:
+    def _bad(self) -> list[Bad]:
         """What ``DSparkDraftModel`` demands of its heads: kv heads divide the query heads, fewer of them under
         the default ``attention_mode: gqa``, as many under ``mha``."""
         heads, kv, mode = self.num_attention_heads, self.num_key_value_heads, self.dflash_config.attention_mode
@@ -273,8 +282,8 @@ class DSparkDraft(DFlashDraft):
                 f"{kv} must be < num_attention_heads {heads}: DSpark is GQA unless dflash_config.attention_mode is mha"
             )
         else:
-            return self
-        raise _refuse(type(self).__name__, [("num_key_value_heads", why, kv)])
+            return []
+        return [("num_key_value_heads", why, kv)]
 
 
 #: the draft config model of each ``trainer.family``
