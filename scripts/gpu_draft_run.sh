@@ -14,7 +14,9 @@
 # STAGE=launch runs step 1 only, STAGE=bench step 2 only on what a launch stage left in RUN (a tiny target's bench
 # decodes four sets without CUDA graphs: minutes; the two fit separate device calls). MAX_STEPS=N runs a copy of
 # the recipe (OUT/recipe-run.yaml) with trainer.max_steps N (both drafts of a comparison the same). BENCH_ARGS is
-# appended to the bench's command line (e.g. "--num-prompts 8").
+# appended to the bench's command line: the flags about how to run the measurement (e.g. "--num-prompts 8
+# --no-baseline", --sets, --max-new-tokens, --concurrency, --disable-cuda-graph, --server-arg=...; bench --help's
+# --recipe lists them); a flag the recipe sets (--config, --tp, --target, ...) stops the bench with one error line.
 # usage: RECIPE=recipes/...yaml [OUT=/tmp/draft-run] [TAG=NAME] [STAGE=all|launch|bench] [MAX_STEPS=N] [BENCH_ARGS=...]
 #        bash scripts/gpu_draft_run.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
 set -uo pipefail

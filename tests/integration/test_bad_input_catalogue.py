@@ -341,6 +341,11 @@ CASES = {
         "is not a SpecForge checkout",
         None,
     ),
+    "bench: a flag the recipe fixes beside --recipe": (
+        lambda t, d: ["bench", "--recipe", str(TINY_RECIPE), "--draft", str(t / "draft"), "--config", "3,1,4"],
+        "--config does not apply with --recipe: the recipe's bench section sets the speculative config",
+        "runs",
+    ),
 }
 
 

@@ -522,14 +522,88 @@ def test_recipe_settings(tmp_path):
     assert bench.recipe_settings(load_recipe(path), draft).disable_cuda_graph
 
 
-def test_recipe_bench_cuda_graphs_off_from_the_command_line(tmp_path):
+def _recipe_bench_args(tmp_path: Path):
+    """A parse function for ``bench --recipe R --draft D ...`` on the tiny recipe, whose server has an extra arg."""
+    import yaml
+
     target, draft = _dirs(tmp_path)
-    _, path = _recipe_on(tmp_path, "tiny-k25-tp1-h200.yaml", target)
+    raw, path = _recipe_on(tmp_path, "tiny-k25-tp1-h200.yaml", target)
+    raw["server"]["extra_args"] = ["--log-level", "info"]
+    path.write_text(yaml.safe_dump(raw))
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    for flags, off in (([], False), (["--disable-cuda-graph"], True)):
-        args = parser.parse_args(["--recipe", str(path), "--draft", str(draft), *flags])
-        assert bench.settings_from_args(args).disable_cuda_graph is off
+    return lambda *flags: parser.parse_args(["--recipe", str(path), "--draft", str(draft), *flags])
+
+
+def test_every_bench_flag_is_honored_or_refused_beside_a_recipe():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    dests = {a.dest for a in parser._actions} - {"help", "draft", "recipe"}
+    run, fixed = set(bench.RECIPE_RUN_FLAGS), set(bench.RECIPE_FIXED_FLAGS)
+    assert not run & fixed and run | fixed == dests
+    assert set(bench.FLAG_FIELDS) == dests - {"target", "config"}
+
+
+def test_recipe_bench_honors_the_flags_about_how_to_run(tmp_path):
+    from dataclasses import asdict
+
+    parse = _recipe_bench_args(tmp_path)
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "hi"}\n')
+    base = bench.settings_from_args(parse())
+    assert base.sets == ["structured"] and base.extra_server_args == ["--log-level", "info"]
+    cases = [
+        (["--num-prompts", "3"], "num_prompts", 3),
+        (["--out", str(tmp_path / "o")], "out_dir", str(tmp_path / "o")),
+        (["--disable-cuda-graph"], "disable_cuda_graph", True),
+        (["--no-baseline"], "baseline", False),
+        (["--max-new-tokens", "64"], "max_new_tokens", 64),
+        (["--concurrency", "4"], "concurrency", 4),
+        (["--warmup", "0"], "warmup", 0),
+        (["--no-thinking"], "thinking", False),
+        (["--context-length", "2048"], "context_length", 2048),
+        (["--port", "31234"], "port", 31234),
+        (["--start-timeout", "60"], "start_timeout_s", 60.0),
+        (["--request-timeout", "30"], "request_timeout_s", 30.0),
+        (["--skip-draft-check"], "check_draft", False),
+        (["--server-arg=--enable-metrics"], "extra_server_args", ["--log-level", "info", "--enable-metrics"]),
+        (["--sets", "chat,math"], "sets", ["chat", "math"]),
+        (["--sets", ""], "sets", []),
+        (["--sets", ",".join(bench.BUILTIN_SETS)], "sets", list(bench.BUILTIN_SETS)),  # all, as typed
+        (["--prompts-file", str(tmp_path / "mine.jsonl")], "prompt_files", [str(tmp_path / "mine.jsonl")]),
+    ]
+    for flags, name, want in cases:
+        s = asdict(bench.settings_from_args(parse(*flags)))
+        assert s[name] == want != asdict(base)[name], flags
+        assert {k: v for k, v in s.items() if k != name} == {k: v for k, v in asdict(base).items() if k != name}
+
+
+@pytest.mark.parametrize(
+    "flags,section",
+    [
+        (["--target", "elsewhere"], "target section sets the target checkpoint"),
+        (["--config", "7,1,8"], "bench section sets the speculative config"),
+        (["--tp", "2"], "gpus section sets the TP size"),
+        (["--attention-backend", "flashinfer"], "server section sets the attention backend"),
+        (["--mem-fraction-static", "0.5"], "server section sets the static memory fraction"),
+        (["--disable-allreduce-fusion"], "server section sets allreduce fusion"),
+        (["--tokenizer", "tok"], "target section sets the tokenizer"),
+        (["--standin-tokenizer"], "target section sets the tokenizer"),
+        (["--min-acceptance-length", "1.5"], "bench section sets the threshold"),
+        (["--threshold-sets", "chat"], "bench section sets the threshold"),
+    ],
+)
+def test_recipe_bench_refuses_the_flags_the_recipe_fixes(tmp_path, flags, section):
+    parse = _recipe_bench_args(tmp_path)
+    with pytest.raises(KimiInputError) as exc:
+        bench.settings_from_args(parse(*flags, "--num-prompts", "2"))
+    msg = str(exc.value)
+    assert msg.startswith(f"{flags[0]} does not apply with --recipe: the recipe's {section}") and "\n" not in msg
+
+
+def test_recipe_bench_names_every_refused_flag_at_once(tmp_path):
+    parse = _recipe_bench_args(tmp_path)
+    with pytest.raises(KimiInputError, match=r"^--config, --tp do not apply with --recipe: .*bench.*; .*gpus"):
+        bench.settings_from_args(parse("--config", "7,1,8", "--tp", "2", "--no-baseline"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,14 @@ counters incremented per verify step in ``scheduler_components/batch_result_proc
   the ``steps`` chain positions for EAGLE-3, the B-1 drafted block positions for DFLASH (the
   same counters: ``batch_result_processor.py`` counts both).
 
+With ``--recipe`` the recipe fixes what is measured: the target (and its tokenizer), the server
+flags (TP, attention backend, memory fraction, allreduce fusion, ``server.extra_args``), the
+speculative config and the threshold (``bench.min_acceptance_length`` over every measured set).
+The flags about how to run the measurement still apply (:data:`RECIPE_RUN_FLAGS`: prompt sets and
+files, prompt count, tokens, concurrency, warmup, thinking, baseline, context length, CUDA graphs,
+``--server-arg`` after the recipe's extra args, port, timeouts, draft check, output); a flag the
+recipe fixes is refused in one line (:data:`RECIPE_FIXED_FLAGS`).
+
 Limits: one node (``--tp``), no multi-node servers; throughput is output tokens over the wall
 time of a set at ``--concurrency`` (default 1, where speculation helps most); both servers use
 the same flags apart from speculation, CUDA graphs on unless ``--disable-cuda-graph``.
@@ -40,11 +48,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -1012,8 +1021,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", required=True, help="exported SGLang draft directory")
     p.add_argument(
         "--recipe",
-        help="take target, server flags, config and threshold from a recipe (then only "
-        "--draft, --num-prompts and --out apply); exits 1 below its bench.min_acceptance_length",
+        help="take target, tokenizer, server flags, config and threshold from a recipe; the flags about how to "
+        "run the measurement still apply (sets, prompts, tokens, concurrency, warmup, thinking, baseline, context "
+        "length, CUDA graphs, --server-arg after the recipe's extra args, port, timeouts, draft check, --out), "
+        "a flag the recipe sets is refused; exits 1 below its bench.min_acceptance_length",
     )
     p.add_argument(
         "--config",
@@ -1024,8 +1035,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sets",
-        default=",".join(BUILTIN_SETS),
-        help=f"built-in prompt sets, comma-separated ({', '.join(BUILTIN_SETS)}); '' for none",
+        default=None,
+        help=f"built-in prompt sets, comma-separated ({', '.join(BUILTIN_SETS)}); '' for none "
+        "(default: all; with --recipe: structured for a tiny target, else chat, math, code)",
     )
     p.add_argument("--prompts-file", action="append", default=[], help="extra JSONL prompt set (name = file stem)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set")
@@ -1088,46 +1100,125 @@ def _default_configs(draft: str) -> tuple[str, ...]:
     return ("DFLASH",) if block else DEFAULT_CONFIGS
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+#: How each flag (argparse dest) lands in :class:`BenchSettings`: (field, value from the flag's value).
+#: ``--target``, ``--draft``, ``--config`` and ``--recipe`` are resolved on their own.
+FLAG_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "sets": ("sets", lambda v: list(BUILTIN_SETS) if v is None else _names(v)),
+    "prompts_file": ("prompt_files", list),
+    "num_prompts": ("num_prompts", _same),
+    "max_new_tokens": ("max_new_tokens", _same),
+    "concurrency": ("concurrency", _same),
+    "warmup": ("warmup", _same),
+    "no_thinking": ("thinking", operator.not_),
+    "no_baseline": ("baseline", operator.not_),
+    "tp": ("tp", _same),
+    "attention_backend": ("attention_backend", _same),
+    "mem_fraction_static": ("mem_fraction_static", _same),
+    "context_length": ("context_length", _same),
+    "disable_cuda_graph": ("disable_cuda_graph", _same),
+    "disable_allreduce_fusion": ("disable_allreduce_fusion", _same),
+    "server_arg": ("extra_server_args", list),
+    "port": ("port", _same),
+    "start_timeout": ("start_timeout_s", _same),
+    "request_timeout": ("request_timeout_s", _same),
+    "tokenizer": ("tokenizer", _same),
+    "standin_tokenizer": ("standin_tokenizer", _same),
+    "skip_draft_check": ("check_draft", operator.not_),
+    "min_acceptance_length": ("min_acceptance_length", _same),
+    "threshold_sets": ("threshold_sets", lambda v: _names(v) if v else None),
+    "out": ("out_dir", lambda v: v or "runs/bench"),
+}
+
+#: Beside ``--recipe``: the flags about how to run the measurement, which override the recipe's
+#: settings (``--server-arg`` goes after the recipe's ``server.extra_args``; ``--sets`` replaces
+#: the recipe target's sets).
+RECIPE_RUN_FLAGS = (
+    "sets",
+    "prompts_file",
+    "num_prompts",
+    "max_new_tokens",
+    "concurrency",
+    "warmup",
+    "no_thinking",
+    "no_baseline",
+    "context_length",
+    "disable_cuda_graph",
+    "server_arg",
+    "port",
+    "start_timeout",
+    "request_timeout",
+    "skip_draft_check",
+    "out",
+)
+
+_TOKENIZER = "target section sets the tokenizer (the target's own; a stand-in for a tiny target without one)"
+_THRESHOLD = "bench section sets the threshold (bench.min_acceptance_length, over every measured set)"
+#: Beside ``--recipe``: the flags the recipe fixes, refused; each with the recipe section that sets it.
+RECIPE_FIXED_FLAGS = {
+    "target": "target section sets the target checkpoint (target.path)",
+    "config": "bench section sets the speculative config (bench.algorithm, steps, topk, draft_tokens, block_size)",
+    "tp": "gpus section sets the TP size (gpus.per_node)",
+    "attention_backend": "server section sets the attention backend (server.attention_backend)",
+    "mem_fraction_static": "server section sets the static memory fraction (server.mem_fraction_static)",
+    "disable_allreduce_fusion": "server section sets allreduce fusion (server.allreduce_fusion)",
+    "tokenizer": _TOKENIZER,
+    "standin_tokenizer": _TOKENIZER,
+    "min_acceptance_length": _THRESHOLD,
+    "threshold_sets": _THRESHOLD,
+}
+
+
+def _given_beside_recipe(args: argparse.Namespace) -> list[str]:
+    """The run and fixed flags whose value differs from the parser's default. argparse keeps no record of
+    what was typed, so a flag typed with its default value counts as not given: for a run flag that is the
+    value the recipe's bench gets anyway (``--sets``, ``--port``, ``--server-arg`` and ``--out``, which the
+    recipe sets otherwise, default to what no typed value equals); a fixed flag typed with its default value
+    (e.g. ``--tp 1``) is not refused, and the recipe's value holds."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return [d for d in (*RECIPE_RUN_FLAGS, *RECIPE_FIXED_FLAGS) if getattr(args, d) != parser.get_default(d)]
+
+
+def _refuse_fixed_flags(given: Sequence[str]) -> None:
+    fixed = [d for d in given if d in RECIPE_FIXED_FLAGS]
+    if not fixed:
+        return
+    flags = ", ".join("--" + d.replace("_", "-") for d in fixed)
+    why = "; ".join(dict.fromkeys(f"the recipe's {RECIPE_FIXED_FLAGS[d]}" for d in fixed))
+    raise KimiInputError(f"{flags} {'does' if len(fixed) == 1 else 'do'} not apply with --recipe: {why}")
+
+
+def recipe_settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """``--recipe``'s settings with the run flags given beside it; a flag the recipe fixes is refused."""
+    from specforge_kimi.plan.run_plan import load_recipe
+
+    given = _given_beside_recipe(args)
+    _refuse_fixed_flags(given)
+    s = recipe_settings(load_recipe(args.recipe), args.draft)
+    recipe_extra_args = list(s.extra_server_args)
+    for dest in given:
+        name, value = FLAG_FIELDS[dest]
+        setattr(s, name, value(getattr(args, dest)))
+    s.extra_server_args = recipe_extra_args + list(args.server_arg)  # after the recipe's, not instead
+    return s
+
+
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if args.recipe:
-        from specforge_kimi.plan.run_plan import load_recipe
-
-        s = recipe_settings(load_recipe(args.recipe), args.draft, out_dir=args.out)
-        if args.num_prompts is not None:
-            s.num_prompts = args.num_prompts
-        s.disable_cuda_graph = s.disable_cuda_graph or args.disable_cuda_graph
-        return s
+        return recipe_settings_from_args(args)
     if not args.target:
         raise KimiInputError("pass --target DIR (or --recipe)")
-    return BenchSettings(
-        target=args.target,
-        draft=args.draft,
-        configs=[parse_spec_config(c) for c in (args.config or _default_configs(args.draft))],
-        sets=[x.strip() for x in args.sets.split(",") if x.strip()],
-        prompt_files=list(args.prompts_file),
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        concurrency=args.concurrency,
-        warmup=args.warmup,
-        thinking=not args.no_thinking,
-        baseline=not args.no_baseline,
-        tp=args.tp,
-        attention_backend=args.attention_backend,
-        mem_fraction_static=args.mem_fraction_static,
-        context_length=args.context_length,
-        disable_cuda_graph=args.disable_cuda_graph,
-        disable_allreduce_fusion=args.disable_allreduce_fusion,
-        extra_server_args=list(args.server_arg),
-        port=args.port,
-        start_timeout_s=args.start_timeout,
-        request_timeout_s=args.request_timeout,
-        tokenizer=args.tokenizer,
-        standin_tokenizer=args.standin_tokenizer,
-        check_draft=not args.skip_draft_check,
-        min_acceptance_length=args.min_acceptance_length,
-        threshold_sets=[x.strip() for x in args.threshold_sets.split(",")] if args.threshold_sets else None,
-        out_dir=args.out or "runs/bench",
-    )
+    fields = {name: value(getattr(args, dest)) for dest, (name, value) in FLAG_FIELDS.items()}
+    configs = [parse_spec_config(c) for c in (args.config or _default_configs(args.draft))]
+    return BenchSettings(target=args.target, draft=args.draft, configs=configs, **fields)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1170,6 +1261,7 @@ __all__ = [
     "serving",
     "run_bench",
     "recipe_settings",
+    "recipe_settings_from_args",
     "run_recipe_bench",
     "check_threshold",
     "plot_result",
