@@ -63,11 +63,16 @@ def _ranged(name: str, fn):
 
 
 def annotate(*, target_head, backend) -> None:
-    """Name the teacher and the optimizer step in traces (instance/module wrappers, this process only)."""
+    """Name the optimizer step and, for an EAGLE-3 step, the teacher in traces (instance/module wrappers, this
+    process only). A block draft's step (``target_head`` None) holds the target's LM head inside its model and
+    computes its objective there, so only the optimizer is named; its head and loss kernels fall to the shape
+    rules of ``classify``."""
+    backend.step = _ranged(OPTIMIZER, backend.step)
+    if target_head is None:
+        return
     import specforge.algorithms.eagle3.model as eagle3_model
 
     target_head.forward = _ranged(TEACHER, target_head.forward)
-    backend.step = _ranged(OPTIMIZER, backend.step)
     if not getattr(eagle3_model._compute_target_p_padded, "__wrapped__", None):
         eagle3_model._compute_target_p_padded = _ranged(TEACHER, eagle3_model._compute_target_p_padded)
 

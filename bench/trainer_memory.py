@@ -436,7 +436,7 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
     strategy = algorithm.providers.step.build(wrapped, target_head=bundle.target_head, **dict(bundle.strategy_kwargs))
     core = TrainerCore(strategy, backend)
     switches = _step_switches(backend, family)
-    if args.profile_steps and bundle.target_head is not None:  # a block draft's head is inside its model
+    if args.profile_steps:  # a block draft (target_head None): the optimizer named, no teacher
         step_profile.annotate(target_head=bundle.target_head, backend=backend)
     build_s = time.perf_counter() - t0
     built = None

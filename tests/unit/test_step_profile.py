@@ -132,3 +132,21 @@ def test_class_tflops_maps_model_terms_onto_classes():
     assert out["gemm"]["tflops"] == pytest.approx(out["gemm"]["model_flops"] / 1e-3 / 1e12)
     assert out["attention"]["tflops"] is None  # no time measured: no rate
     assert out["target_head_teacher"]["model_flops"] == t["target_head"]
+
+
+def test_annotate_names_the_optimizer_of_a_block_step_without_a_teacher():
+    """A block draft's step has no separate teacher head (``target_head`` None): the optimizer is still named in
+    the trace, and nothing else is wrapped."""
+    import torch
+
+    sp = _module()
+    calls = []
+    backend = SimpleNamespace(step=lambda: calls.append("step") or torch.ones(4).mul_(2.0))
+    sp.annotate(target_head=None, backend=backend)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        backend.step()
+    assert calls == ["step"]
+    ranges = [e for e in prof.events() if e.name == sp.OPTIMIZER]
+    assert len(ranges) == 1
+    inside = [e.name for e in prof.events() if e.cpu_parent is ranges[0]]
+    assert "aten::mul_" in inside or "aten::ones" in inside
