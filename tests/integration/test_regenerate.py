@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from openai_server import FakeServer, RawReply
+from openai_server import FakeServer, RawReply, respond
 
-from specforge_kimi.data.regenerate import RegenerateOptions, regenerate
+from specforge_kimi.data.regenerate import Interrupted, RegenerateOptions, regenerate
 from specforge_kimi.errors import KimiInputError
 
 
@@ -484,28 +484,37 @@ def test_ctrl_c_abandons_requests_in_flight_and_resume_completes(tmp_path, serve
     import signal
     import subprocess
     import sys
-    import time
 
     process, source, out = _holding_run(tmp_path, server, rows=12, answered=3)
-    errors_path = tmp_path / "out.jsonl.errors.jsonl"
     second = subprocess.run(
         [sys.executable, "-m", "specforge_kimi", "regenerate", str(source), "--server", server.url,
          "--out", str(out), "--resume"], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert second.returncode == 2 and second.stderr.count("\n") == 1
     assert f"being written by another regenerate (pid {process.pid}," in second.stderr
+    _stop_then_resume(server, process, source, out, signal.SIGINT, 130, "interrupted: 3 rows written this run")
+
+
+def _stop_then_resume(server, process, source: Path, out: Path, signum: int, code: int, line_start: str) -> None:
+    """Send ``signum`` to a ``_holding_run(rows=12, answered=3)``: it ends at once with exit ``code`` and
+    one line starting ``line_start`` (no traceback), OUT holds whole lines only, the errors file is untouched,
+    the lock is gone; ``--resume`` then finishes the file with every row once, asking only for the rest."""
+    import time
+
+    errors_path = out.with_name(out.name + ".errors.jsonl")
     errors_before = errors_path.read_text()
     started = time.monotonic()
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=30)
+    process.send_signal(signum)
+    try:
+        _, stderr = process.communicate(timeout=10)
+    finally:
+        process.kill()
     assert time.monotonic() - started < 2.0
-    assert process.returncode == 130
-    assert stderr.count("\n") == 1 and stderr.startswith("interrupted: 3 rows written this run")
-    assert "Traceback" not in stderr
-    text = out.read_text()
-    assert text.endswith("\n") and [r["regenerate"]["source_line"] for r in read(out)] == [2, 3, 4]
+    assert process.returncode == code, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith(line_start) and "Traceback" not in stderr
+    assert out.read_text().endswith("\n") and [r["regenerate"]["source_line"] for r in read(out)] == [2, 3, 4]
     assert errors_path.read_text() == errors_before and [e["line"] for e in read(errors_path)] == [1]
-    assert not (tmp_path / "out.jsonl.lock").exists()
+    assert not out.with_name(out.name + ".lock").exists()
 
     server.chat_reply = None  # the server answers everything now
     asked_before = len(server.requests)
@@ -545,6 +554,81 @@ def test_kill_int_stops_a_run_started_with_sigint_ignored_or_blocked(tmp_path, s
     assert time.monotonic() - started < 2.0
     assert process.returncode == 130 and stderr.startswith("interrupted: 2 rows written this run")
     assert [r["regenerate"]["source_line"] for r in read(out)] == [2, 3]
+
+
+def _start_with_sigterm_blocked():
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+@pytest.mark.parametrize("start", [None, _start_with_sigterm_blocked], ids=["default", "blocked"])
+def test_sigterm_stops_a_run_like_ctrl_c_and_resume_completes(tmp_path, server, start):
+    """SIGTERM (``kill``, ``timeout``, systemd, Slurm, container runtimes) killed the run mid-write with no
+    word. Now it stops like Ctrl-C: requests in flight abandoned at once, OUT and the errors file keep
+    whole lines only, one line naming the signal, exit 143 (128 + 15), the lock released, and ``--resume``
+    finishes the file with every row once. A run started with SIGTERM blocked takes it too."""
+    import signal
+
+    process, source, out = _holding_run(tmp_path, server, rows=12, answered=3, preexec_fn=start)
+    line = f"terminated (SIGTERM): 3 rows written this run, {out} holds whole lines only"
+    _stop_then_resume(server, process, source, out, signal.SIGTERM, 143, line)
+
+
+def _main_thread_blocks(signum: int) -> bool:
+    """Whether the main thread blocks ``signum`` (its mask, read from any thread through /proc)."""
+    import threading
+
+    status = Path(f"/proc/self/task/{threading.main_thread().native_id}/status").read_text()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+def _own_sigterm_handler(signum, frame):
+    raise AssertionError("the caller's own handler, never called here")
+
+
+@pytest.mark.parametrize("start", ["default", "ignored", "own handler", "blocked"])
+def test_sigterm_disposition_during_a_run_and_restored_after(tmp_path, server, start):
+    """While the run holds OUT.lock, SIGTERM at the default action is the run's (it would kill a write
+    half done) and a blocked one is unblocked; an ignored one stays ignored, the parent's choice (a
+    SIGTERM sent then changes nothing: every row is written), and a handler of the caller's own is left
+    alone. After the run the disposition and the mask are what they were."""
+    import signal
+    import threading
+
+    previous = {"ignored": signal.SIG_IGN, "own handler": _own_sigterm_handler}.get(start, signal.SIG_DFL)
+    seen = []
+    one_kill = threading.Lock()  # one SIGTERM, sent while the run holds OUT.lock: a later one, from a request
+    # the run abandoned, could land after SIG_DFL is back and end pytest instead of failing this test
+
+    def reply(payload):  # in the server's thread: the disposition is the process's, the mask the main thread's
+        seen.append((signal.getsignal(signal.SIGTERM), _main_thread_blocks(signal.SIGTERM)))
+        if start == "ignored" and one_kill.acquire(blocking=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return RawReply(200, json.dumps(respond(payload)).encode())
+
+    server.chat_reply = reply
+    source = _one_row_input(tmp_path / "in.jsonl", rows=3)
+    saved = signal.signal(signal.SIGTERM, previous)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK if start == "blocked" else signal.SIG_UNBLOCK, {signal.SIGTERM})
+    try:
+        try:
+            counts = regenerate(options(source, tmp_path / "out.jsonl", server))
+        except Interrupted as exc:  # a KeyboardInterrupt: uncaught, it would end the whole pytest session
+            pytest.fail(f"a SIGTERM the run was started with ignored stopped it: {exc}")
+        after = signal.getsignal(signal.SIGTERM), _main_thread_blocks(signal.SIGTERM)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGTERM, saved)
+    assert counts["written"] == 3 and len(seen) == 3
+    during = {handler for handler, _ in seen}
+    if start in ("default", "blocked"):
+        assert len(during) == 1 and callable(*during) and during != {_own_sigterm_handler}
+    else:
+        assert during == {previous}
+    assert not any(blocked for _, blocked in seen)
+    assert after == (previous, start == "blocked")
 
 
 def test_second_run_on_a_held_output_refuses_at_once(tmp_path, server, capsys):

@@ -45,7 +45,11 @@ refused in one line. ``OUT.lock`` is held for the whole run: a second run on the
 in flight at once, keeps only whole lines in ``OUT`` and the errors file, and exits 130 with one
 line; ``--resume`` then finishes the file, each row once. ``kill -INT`` does the same, also for a run
 started with SIGINT ignored or blocked (a shell script's background command is started with it
-ignored): the run takes SIGINT for itself while it holds ``OUT.lock``.
+ignored): the run takes SIGINT for itself while it holds ``OUT.lock``. SIGTERM (``kill``,
+``timeout``, systemd, Slurm, container runtimes) stops the run the same way, with one line naming
+it and exit 143 (128 + the signal's number); a run started with SIGTERM ignored leaves it ignored
+(the parent's choice). Killed outright (SIGKILL), a run can leave a torn last line: ``--resume``
+cuts it off and asks for that row again.
 
 Reproducibility is the server's: with SGLang's default kernels, greedy generations depend on what
 else is in the batch, so two runs of the same rows differ in a few; a server started with
@@ -68,7 +72,7 @@ import signal
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -135,56 +139,96 @@ class _Result:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: requests in flight abandoned, OUT cut back to its last whole line; one line."""
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM: requests in flight abandoned, OUT cut back to its last
+    whole line; one line. ``signum``: the signal; the CLI exits ``128 + signum``, the shell's convention."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class _Stopped(KeyboardInterrupt):
+    """Raised in the main thread by a stop signal the run took for itself (:func:`_signals_interrupt`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The signals that stop a run, each with whether a run started with it ignored takes it anyway: a shell
+# ignores SIGINT in a script's background command without anyone asking; SIGTERM ignored is the parent's
+# own choice (it wants the run to outlive it) and stays ignored.
+_STOP_SIGNALS: dict[int, bool] = {signal.SIGINT: True, signal.SIGTERM: False}
 
 
 def regenerate(options: RegenerateOptions) -> dict[str, Any]:
     """Run the regeneration; returns counts (rows written, skipped, failed, truncated).
 
-    Raises :class:`Interrupted` on Ctrl-C (``--resume`` finishes the file) and ``KimiInputError``
+    Raises :class:`Interrupted` on Ctrl-C or SIGTERM (``--resume`` finishes the file) and ``KimiInputError``
     (one line) for bad input, a server that cannot be used, or an output another run holds."""
     _check_options(options)
     out = options.out_path
-    # before anything is read or written: one run per output, and the Ctrl-C its message names works
-    with _sigint_interrupts(), OutputLock(_lock_path(out), out):
-        if out.exists() and not (options.resume or options.overwrite):
-            raise KimiInputError(f"{out} exists; pass --resume to continue it or --overwrite")
-        client = ChatClient(
-            options.server,
-            timeout_s=options.timeout_s,
-            max_retries=options.max_retries,
-            retry_delay_s=options.retry_delay_s,
-        )
-        try:  # before OUT is created: an unreachable server leaves nothing a retry would have to --resume
-            model = options.model or _model_name(client)
-        except RequestFailed as exc:
-            raise KimiInputError(f"cannot list the server's models ({exc}); check --server") from None
-        done, keep = _resume_state(options)
-        return _Run(options, client, model, done).rows(keep)
+    job: _Run | None = None
+    try:
+        # before anything is read or written: one run per output, and the signals its message names work
+        with _signals_interrupt(_STOP_SIGNALS), OutputLock(_lock_path(out), out):
+            if out.exists() and not (options.resume or options.overwrite):
+                raise KimiInputError(f"{out} exists; pass --resume to continue it or --overwrite")
+            client = ChatClient(
+                options.server,
+                timeout_s=options.timeout_s,
+                max_retries=options.max_retries,
+                retry_delay_s=options.retry_delay_s,
+            )
+            try:  # before OUT is created: an unreachable server leaves nothing a retry would have to --resume
+                model = options.model or _model_name(client)
+            except RequestFailed as exc:
+                raise KimiInputError(f"cannot list the server's models ({exc}); check --server") from None
+            done, keep = _resume_state(options)
+            job = _Run(options, client, model, done)
+            return job.rows(keep)
+    except KeyboardInterrupt as exc:  # rows(), once begun, has cut OUT and the errors file to whole lines
+        signum = getattr(exc, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
+        written = job.counts["written"] if job else 0
+        raise Interrupted(
+            f"{how}: {written} rows written this run, {out} holds whole lines only; rerun with --resume to finish it",
+            signum,
+        ) from None
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
 
 
 @contextlib.contextmanager
-def _sigint_interrupts() -> Iterator[None]:
-    """SIGINT raises ``KeyboardInterrupt`` in the main thread while entered, however the process was
-    started: a run started with SIGINT ignored (what a shell does to a script's background command) or
-    blocked would otherwise let a Ctrl-C or ``kill -INT`` pass unnoticed while its requests stall.
-    Restores the disposition and the mask on exit; a handler of the caller's own, and a call from
-    another thread (only the main thread takes signals), are left alone."""
+def _signals_interrupt(signals: Mapping[int, bool]) -> Iterator[None]:
+    """Each of ``signals`` raises ``KeyboardInterrupt`` in the main thread while entered, however the
+    process was started: one it was started with at the default action would kill the run mid-write
+    (SIGTERM), and one ignored (``signals[signum]`` true: SIGINT, which a shell ignores in a script's
+    background command) or blocked would let a Ctrl-C or ``kill`` pass unnoticed while its requests stall.
+    Restores the dispositions and the mask on exit. A handler of the caller's own, a signal the caller
+    ignored that ``signals`` leaves ignored (disposition and mask alike), and a call from another thread
+    (only the main thread takes signals) are left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
-    replace_handler = previous in (signal.SIG_IGN, signal.SIG_DFL)
-    if replace_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    was_blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    replaced: dict[int, Any] = {}
+    blocked: set[int] = set()
     try:
+        taken = {s for s, take_ignored in signals.items() if take_ignored or signal.getsignal(s) != signal.SIG_IGN}
+        for signum in taken:
+            previous = signal.getsignal(signum)
+            if previous in (signal.SIG_IGN, signal.SIG_DFL):
+                replaced[signum] = previous
+                signal.signal(signum, _raise_stopped)
+        blocked = taken & signal.pthread_sigmask(signal.SIG_UNBLOCK, taken)
         yield
     finally:
-        if was_blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        if replace_handler:
-            signal.signal(signal.SIGINT, previous)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        for signum, previous in replaced.items():
+            signal.signal(signum, previous)
 
 
 class _Run:
@@ -217,12 +261,7 @@ class _Run:
                     self._drain(window, options.concurrency * 4, out, errors, bar.update)
                 self._drain(window, 0, out, errors, bar.update)
             whole = True
-        except KeyboardInterrupt:
-            raise Interrupted(
-                f"interrupted: {self.counts['written']} rows written this run, {options.out_path} holds whole "
-                "lines only; rerun with --resume to finish it"
-            ) from None
-        finally:
+        finally:  # on a stop signal too (regenerate() words it): nothing waits, OUT keeps whole lines only
             self.client.abort()  # a run that stops early waits for no request in flight
             for future in window:
                 future.cancel()
@@ -340,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         counts = regenerate(options)
     except Interrupted as exc:
         print(exc, file=sys.stderr)
-        return 130
+        return 128 + exc.signum
     print(
         f"regenerated {counts['written']} rows -> {options.out_path} "
         f"({counts['already_done']} already done, {counts['truncated']} truncated at a tool call, "
