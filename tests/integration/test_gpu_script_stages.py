@@ -103,6 +103,17 @@ def _sandbox(tmp_path: Path) -> tuple[Path, dict]:
     return box, env
 
 
+def _script(box: Path, env: dict, *argv: str, timeout: int = 180):
+    """A runner of ``bash argv`` in the sandbox whose keyword arguments are added to ``env``."""
+
+    def run(**extra):
+        return subprocess.run(
+            ["bash", *argv], cwd=box, env={**env, **extra}, capture_output=True, text=True, timeout=timeout
+        )
+
+    return run
+
+
 def _calls(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
 
@@ -364,11 +375,7 @@ def test_draft_run_in_two_stages_with_its_step_count_and_bench_flags(tmp_path):
     recipe = "recipes/tiny-k25-tp1-h200.yaml"
     env.update(RECIPE=recipe, OUT=str(out), MAX_STEPS="1500", SHIM_RUN=str(box / "runs/tiny-k25-tp1"))
 
-    def run(**extra):
-        return subprocess.run(
-            ["bash", "scripts/gpu_draft_run.sh", "60", "60"],
-            cwd=box, env={**env, **extra}, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+    run = _script(box, env, "scripts/gpu_draft_run.sh", "60", "60")
 
     res = run(STAGE="launch")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -408,11 +415,7 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     out = tmp_path / "out"
     env.update(OUT=str(out), MAX_STEPS="1200", SHIM_RUN="recipe")
 
-    def run(**extra):
-        return subprocess.run(
-            ["bash", "scripts/gpu_tiny_compare.sh", "60", "60"],
-            cwd=box, env={**env, **extra}, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+    run = _script(box, env, "scripts/gpu_tiny_compare.sh", "60", "60", timeout=300)
 
     res = run(STAGE="launch")
     assert res.returncode == 0, res.stdout + res.stderr
