@@ -2,7 +2,8 @@
 
 Issue 5: until the engine bench can run, compare the two draft architectures by simulated
 acceptance length on the demo's pretrained tiny K2.5 target. Both drafts are trained by
-SpecForge 0.2.0's own trainer, in this process (:func:`specforge_kimi.training.offline.train_offline`),
+SpecForge 0.2.0's own trainer, in this process, as the demo trains its draft
+(:func:`specforge_kimi.demo.draft_steps.train_draft`; SpecForge's output in ``<work>/train-<draft>.log``),
 on the SAME captured features with the same steps, seed, learning rate, TTT length and vocab
 mapping:
 
@@ -194,12 +195,16 @@ def _acc(r) -> dict:
 
 
 def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
+    """One draft evaluated untrained, trained as the demo trains its draft (:func:`specforge_kimi.demo.draft_steps.
+    train_draft`: SpecForge's output in ``<work>/train-<name>.log``, its steps on a bar) and evaluated again."""
     import torch
     from specforge.export.checkpoint_io import resolve_training_state
 
+    from specforge_kimi import console
+    from specforge_kimi.demo.draft_steps import loss_means, train_draft
     from specforge_kimi.demo.pipeline import _load_draft
     from specforge_kimi.evaluate.simulate import simulated_acceptance
-    from specforge_kimi.training.offline import train_offline
+    from specforge_kimi.run.progress import StepLines
 
     times = {}
     t = time.monotonic()
@@ -211,26 +216,25 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     times["eval_before"] = round(time.monotonic() - t, 2)
     say(
         f"[{name}] untrained: AL {before.mean_acceptance_length:.3f}, held-out loss {before.heldout_loss:.3f}; "
-        f"{params['trainable']:,} trainable parameters; training {a.steps} steps"
+        f"{params['trainable']:,} trainable parameters"
     )
 
     t = time.monotonic()
-    result = train_offline(
-        target_dir=str(inp.target_dir),
-        draft_config_path=str(cfg_path),
-        hidden_states_path=str(inp.feat_dir),
-        vocab_mapping_path=str(inp.vm_path),
-        output_dir=str(work / f"train-{name}"),
-        max_steps=a.steps,
-        ttt_length=a.ttt_length,
-        learning_rate=a.learning_rate,
-        max_length=2048,
-        seed=a.seed,
-        embedding_key=inp.info.embedding_key,
-        lm_head_key=inp.info.lm_head_key,
-        chat_template="kimi-k2.5",
-        extra_overrides={"model.torch_dtype": str(inp.feat_dtype).replace("torch.", "")},
-    )
+    log, steps = work / f"train-{name}.log", StepLines()
+    with console.output_to_log(log, on_line=steps):
+        result = train_draft(
+            a,
+            inp,
+            say,
+            log,
+            steps,
+            family="EAGLE-3",
+            detail=f"TTT length {a.ttt_length}",
+            draft_config_path=cfg_path,
+            vocab_mapping_path=str(inp.vm_path),
+            output_dir=work / f"train-{name}",
+            stage=f"[{name}]",
+        )
     times["train"] = round(time.monotonic() - t, 2)
 
     t = time.monotonic()
@@ -240,8 +244,7 @@ def run_draft(name: str, cfg_path: Path, inp, a, work: Path, say) -> dict:
     times["eval_after"] = round(time.monotonic() - t, 2)
 
     losses = result["losses"]
-    k = max(1, min(50, len(losses) // 5))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    k, first, last = loss_means(losses)
     say(
         f"[{name}] trained: AL {after.mean_acceptance_length:.3f}, held-out loss {after.heldout_loss:.3f}, "
         f"training loss {first:.3f} -> {last:.3f}, {times['train']:.0f}s"
@@ -314,6 +317,11 @@ class Settings:
     train_conversations: int
     heldout_conversations: int
     no_progress: bool
+
+    @property
+    def progress(self) -> bool:
+        """Whether to show progress (``train_draft`` reads it as the demo's settings)."""
+        return not self.no_progress
 
 
 def parse(argv=None) -> Settings:
@@ -473,7 +481,10 @@ def print_summary(a: Settings, m: Measured, summary: dict) -> None:
 def main(argv=None) -> int:
     a = parse(argv)
     t0 = time.monotonic()
-    say = (lambda *x, **k: None) if a.no_progress else (lambda *x, **k: print(*x, **k, flush=True))
+    from specforge_kimi import console
+
+    # console.say: the lines reach the console also while SpecForge's output goes to a draft's training log
+    say = (lambda *x, **k: None) if a.no_progress else console.say
     m = measure(a, say)
     summary = write(a, m, t0)
     print_summary(a, m, summary)

@@ -47,15 +47,17 @@ def train_draft(
     output_dir: Path,
     strategy: str = "eagle3",
     extra_overrides: dict | None = None,
+    stage: str = "[5/6]",
 ) -> dict:
     """Step 5: SpecForge's own training (:func:`specforge_kimi.training.offline.train_offline`, ``strategy``) of the
     draft ``draft_config_path`` on the demo's captured features (``inp``, a ``DemoInputs``), ``s.steps`` steps with
-    the settings ``s``; its steps shown on ``steps.bar``; the features' dtype is the draft's."""
+    the settings ``s``; its steps shown on ``steps.bar``; the features' dtype is the draft's. ``stage`` heads the
+    console line and the bar (the demo's step number; a study that trains as the demo does names its own)."""
     from specforge_kimi.console import Progress
     from specforge_kimi.training.offline import train_offline
 
-    say(f"[5/6] SpecForge {family} training, {s.steps} steps ({detail}); its log: {log}")
-    steps.bar = Progress("[5/6] train", s.steps, unit="step", enabled=s.progress)
+    say(f"{stage} SpecForge {family} training, {s.steps} steps ({detail}); its log: {log}")
+    steps.bar = Progress(f"{stage} train", s.steps, unit="step", enabled=s.progress)
     try:
         return train_offline(
             target_dir=str(inp.target_dir),
