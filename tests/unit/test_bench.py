@@ -169,6 +169,35 @@ def test_server_argv_is_text_only_launcher_without_capture(tmp_path):
     assert "--mem-fraction-static" in bench.server_argv(s, None, port=1, context=4096)
 
 
+def test_server_argv_sizes_cuda_graphs_to_the_bench(tmp_path):
+    """With CUDA graphs on, both servers capture decode graphs up to --concurrency and no prefill graph; with
+    --disable-cuda-graph neither flag; --server-arg comes after and overrides."""
+    target, draft = _dirs(tmp_path)
+    s = BenchSettings(
+        target=str(target), draft=str(draft), concurrency=3, extra_server_args=["--cuda-graph-max-bs-decode=8"]
+    )
+    for spec in (None, SpecConfig(3, 1, 4)):
+        argv = bench.server_argv(s, spec, port=1, context=4096, python="python")
+        assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "3"
+        assert "--disable-prefill-cuda-graph" in argv and "--disable-cuda-graph" not in argv
+        assert argv[-1] == "--cuda-graph-max-bs-decode=8"
+    s.disable_cuda_graph = True
+    argv = bench.server_argv(s, None, port=1, context=4096, python="python")
+    assert "--disable-cuda-graph" in argv and "--cuda-graph-max-bs-decode" not in argv
+    assert "--disable-prefill-cuda-graph" not in argv
+
+
+@pytest.mark.slow
+def test_cuda_graph_flags_parse_with_sglangs_own_parser(tmp_path):
+    """The CUDA graph flags exist in SGLang 0.5.14 and land where meant (imports sglang: ~10 s)."""
+    from specforge_kimi.servers.capture_server import parse_text_only_args
+
+    target, draft = _dirs(tmp_path)
+    s = BenchSettings(target=str(target), draft=str(draft), concurrency=2)
+    ns = parse_text_only_args(bench.server_argv(s, SpecConfig(3, 1, 4), port=30001, context=4096)[3:])
+    assert (ns.cuda_graph_max_bs_decode, ns.disable_prefill_cuda_graph, ns.disable_cuda_graph) == (2, True, False)
+
+
 @pytest.mark.slow
 def test_server_argv_parses_with_sglangs_own_parser_through_our_launcher(tmp_path):
     """Every flag exists in SGLang 0.5.14 and lands where meant (imports sglang: ~10 s)."""

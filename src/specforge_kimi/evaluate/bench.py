@@ -41,7 +41,8 @@ recipe fixes is refused in one line (:data:`RECIPE_FIXED_FLAGS`).
 
 Limits: one node (``--tp``), no multi-node servers; throughput is output tokens over the wall
 time of a set at ``--concurrency`` (default 1, where speculation helps most); both servers use
-the same flags apart from speculation, CUDA graphs on unless ``--disable-cuda-graph``.
+the same flags apart from speculation, CUDA graphs on unless ``--disable-cuda-graph`` (sized to the bench:
+:func:`cuda_graph_argv`).
 """
 
 from __future__ import annotations
@@ -528,13 +529,26 @@ def server_argv(
         sglang_context_length=context,
     )
     argv += _sglang_argv(model, overrides={"sglang_mem_fraction_static": settings.mem_fraction_static})
-    if settings.disable_cuda_graph:
-        argv.append("--disable-cuda-graph")
+    argv += ["--disable-cuda-graph"] if settings.disable_cuda_graph else cuda_graph_argv(settings.concurrency)
     if settings.disable_allreduce_fusion:
         argv.append("--enforce-disable-flashinfer-allreduce-fusion")
     if spec is not None:
         argv += ["--speculative-draft-model-path", str(settings.draft), *spec.argv()]
     return argv + list(settings.extra_server_args)
+
+
+def cuda_graph_argv(concurrency: int) -> list[str]:
+    """SGLang's CUDA graphs sized to the bench: decode graphs up to ``concurrency`` requests, no prefill graph.
+
+    SGLang otherwise captures decode graphs for every batch size up to a maximum it picks from the GPU's memory
+    (``server_args.py`` ``_handle_gpu_memory_settings``), each one a capture of the target and, with EAGLE-3, of
+    the draft's decode and draft-extend steps: start-up time for batches the bench never forms (at most
+    ``concurrency`` requests are in flight; a larger batch would run eagerly). The prefill graph (``tc_piecewise``,
+    a torch.compile trace and a capture per token count) is off on both servers because SGLang runs an EAGLE
+    target's prefill eagerly under that backend anyway (``ModelRunner.init_prefill_cuda_graph``): on only the
+    baseline it would make the two servers' prefill differ. ``--server-arg`` comes after these and overrides them.
+    """
+    return ["--cuda-graph-max-bs-decode", str(concurrency), "--disable-prefill-cuda-graph"]
 
 
 @contextmanager
@@ -1258,6 +1272,7 @@ __all__ = [
     "summarize",
     "per_position_acceptance",
     "server_argv",
+    "cuda_graph_argv",
     "serving",
     "run_bench",
     "recipe_settings",
