@@ -316,3 +316,24 @@ def test_block_recipe_asks_for_no_eagle3_patch(monkeypatch):
             assert block[name].status == "ok" and not block[name].fix and "not needed" in block[name].detail
         else:
             assert block[name].status == "warn", block[name]
+
+
+def test_gpu_budget_replans_the_split_on_a_smaller_card():
+    """Free memory below gpus.memory_gib is not failed outright: the recipe's split is planned again at the card's
+    free memory. The tiny H200 recipe still fits an H100's ~79 GiB (a warning naming the figure to plan with); the
+    K2.5-width slice does not (a failure naming what no longer fits); a card with the recipe's memory is ok."""
+    from specforge_kimi.plan.run_plan import load_recipe
+
+    repo = Path(__file__).resolve().parents[2]
+    tiny = load_recipe(repo / "recipes/tiny-k25-tp1-h200.yaml")
+    slice_ = load_recipe(repo / "recipes/kimi-k25-slice-h200.yaml")
+    c = doctor.budget_check(tiny, [79.2])
+    assert c.status == "warn" and "still fits at 79.2 GiB" in c.detail and "server pool 23.76 GiB" in c.detail
+    assert c.fix.startswith("set gpus.memory_gib: 79.2")
+    c = doctor.budget_check(slice_, [79.2])
+    assert c.status == "fail" and "server needs 41.9 GiB weights" in c.detail and "0.36 x 79.2 GiB" in c.detail
+    assert "until recipe validate passes" in c.fix
+    assert doctor.budget_check(slice_, [139.0]).status == "ok"
+    c = doctor.budget_check(tiny, [139.0, 10.0])  # the smallest free GPU decides
+    assert c.status == "fail" and "GPU 1: 10.0 GiB free" in c.detail and "GPU 0" not in c.detail
+    assert "trainer peak ~8.3 GiB > 7.0 GiB" in c.detail

@@ -477,15 +477,42 @@ def check_gpu_budget(recipe) -> list[Check]:
             )
         ]
     free = [torch.cuda.mem_get_info(i)[0] / 2**30 for i in range(recipe.gpus.per_node)]
-    low = [f"GPU {i}: {f:.1f} GiB free" for i, f in enumerate(free) if f < recipe.gpus.memory_gib * 0.97]
-    return [
-        Check(
+    return [budget_check(recipe, free)]
+
+
+def budget_check(recipe, free_gib: list[float]) -> Check:
+    """The recipe's GPU budget against the free memory of each of a node's GPUs. Below ``gpus.memory_gib`` the
+    recipe's memory split is planned again at the smallest free memory: if it still fits, a warning that names
+    the figure to plan with (the server's pool is a fraction of the card, so it shrinks with it); if not, a
+    failure naming what no longer fits."""
+    from specforge_kimi.plan.memory import memory_plan
+
+    want, least = recipe.gpus.memory_gib, min(free_gib)
+    if least >= want * 0.97:
+        return Check("gpu budget", "ok", f"min free {least:.1f} GiB >= recipe {want} GiB")
+    low = "; ".join(f"GPU {i}: {f:.1f} GiB free" for i, f in enumerate(free_gib) if f < want * 0.97)
+    here = recipe.model_copy(update={"gpus": recipe.gpus.model_copy(update={"memory_gib": round(least, 1)})})
+    plan = memory_plan(here)
+    split = (
+        f"server pool {plan['server_pool_gib']} GiB for {plan['server_weights_gib'] + plan['server_kv_gib']:.1f}, "
+        f"trainer ~{plan['trainer_peak_gib']} of {plan['trainer_room_gib']} GiB"
+    )
+    if plan["fits"]:
+        return Check(
             "gpu budget",
-            "fail" if low else "ok",
-            "; ".join(low) if low else f"min free {min(free):.1f} GiB >= recipe {recipe.gpus.memory_gib} GiB",
-            "free the GPUs (nvidia-smi) or lower gpus.memory_gib and re-check the memory split" if low else "",
+            "warn",
+            f"{low}, below the recipe's gpus.memory_gib {want}; its memory split still fits at {least:.1f} GiB "
+            f"({split})",
+            f"set gpus.memory_gib: {least:.1f} so the plan is this card's, or free the GPUs (nvidia-smi)",
         )
-    ]
+    return Check(
+        "gpu budget",
+        "fail",
+        f"{low}, below the recipe's gpus.memory_gib {want}; at {least:.1f} GiB: {plan['why']}",
+        "free the GPUs (nvidia-smi), run on cards with gpus.memory_gib free, or fit the recipe to this card "
+        "(gpus.memory_gib, then server.mem_fraction_static, server.kv_tokens, trainer.max_length) until recipe "
+        "validate passes",
+    )
 
 
 def run_checks(recipe_path: str | None) -> list[Check]:
