@@ -119,6 +119,9 @@ def test_launch_plan_writes_nothing_and_prints_one_json_document(tmp_path, capsy
     producer = next(c for c in doc["plan"]["commands"] if c["label"] == "producer")
     assert str(out / "rendered" / "specforge_run.yaml") in " ".join(producer["argv"])
     assert doc["specforge_config"]["tracking"]["report_to"] == "tensorboard" and doc["memory_plan"]["fits"]
+    disk = doc["disk"]  # max_steps 3000, save_interval 1000: three saves, all kept
+    assert disk["checkpoints_kept"] == 3 and disk["estimate"].startswith("3 checkpoint(s) x ")
+    assert disk["total_bytes"] == 3 * disk["checkpoint_bytes"] + disk["export_bytes"] > 0
 
 
 def test_eval_draft_states_its_scope():

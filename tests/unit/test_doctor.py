@@ -78,6 +78,7 @@ def test_every_non_ok_check_has_a_fix(tiny_dir, tmp_path):
         "target tensors",
         "mooncake master",
         "gpu budget",
+        "disk",
     ):
         assert expected in names
     for c in checks:
@@ -337,3 +338,19 @@ def test_gpu_budget_replans_the_split_on_a_smaller_card():
     c = doctor.budget_check(tiny, [139.0, 10.0])  # the smallest free GPU decides
     assert c.status == "fail" and "GPU 1: 10.0 GiB free" in c.detail and "GPU 0" not in c.detail
     assert "trainer peak ~8.3 GiB > 7.0 GiB" in c.detail
+
+
+def test_disk_check_against_the_output_dirs_free_space():
+    """ok with the estimate and the free space when the run's checkpoints and export fit; a failure naming both, with
+    the fixes, when they do not; measured on the output_dir's filesystem when no figure is given."""
+    from specforge_kimi.plan import disk
+    from specforge_kimi.plan.run_plan import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes/kimi-k25-slice-h200.yaml")
+    need = disk.run_disk_bytes(recipe)
+    c = doctor.disk_check(recipe, need)
+    assert c.status == "ok" and disk.estimate(recipe) in c.detail and f"{need / 1e9:.1f} GB free" in c.detail
+    c = doctor.disk_check(recipe, need - 1)
+    assert c.status == "fail" and disk.estimate(recipe) in c.detail and " free" in c.detail
+    assert "trainer.save_interval" in c.fix and "trainer.max_checkpoints" in c.fix
+    assert doctor.disk_check(recipe).status == ("ok" if disk.free_bytes(recipe.output_dir) >= need else "fail")

@@ -235,6 +235,14 @@ class TrainerSection(_Strict):
     max_length: int = Field(gt=0, description="Max tokens per sample")
     batch_size: Literal[1] = Field(default=1, description="Online disaggregated runs use batch 1")
     save_interval: int = Field(default=1000, ge=0, description="Checkpoint every N steps")
+    max_checkpoints: int = Field(
+        default=0,
+        ge=0,
+        description="SpecForge's training.max_checkpoints: keep the newest N step checkpoints, older ones are "
+        "removed as new ones land; 0 keeps all. SpecForge removes the older ones before our seam checkpoint-save "
+        "marks the new one complete, so keep 2 or more for --resume. The launch refuses a run whose kept "
+        "checkpoints and export do not fit the output_dir's free disk (plan.disk)",
+    )
     seed: int = Field(default=0, description="Seed")
     reserve_gib: float = Field(default=6.0, ge=0, description="Per-GPU headroom (CUDA context, NCCL, fragmentation)")
     consumer_state_dir: str | None = Field(

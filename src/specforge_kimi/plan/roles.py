@@ -191,6 +191,8 @@ def specforge_config(r, draft_config_path: str, runtime: dict) -> dict:
             "strategy": tr.family,
             **{k: getattr(tr, k) for k in training},
             **family_training(r),
+            # omitted at 0 (SpecForge's default, keep all): configs of recipes without it render as before
+            **({"max_checkpoints": tr.max_checkpoints} if tr.max_checkpoints else {}),
             "attention_backend": tr.attention_backend,
             # console metrics (loss, acc, perf/*) every 10 steps; SpecForge's default is 50
             "log_interval": 10,

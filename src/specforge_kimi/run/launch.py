@@ -14,9 +14,10 @@ finish the newest checkpoint is exported for SGLang and the recipe's acceptance 
 (``bench:`` section); below its ``min_acceptance_length`` the command exits 1. With
 ``server.transport: cuda_ipc`` no Mooncake master starts (the features go through the server's GPU pool),
 the preflight also wants SGLang patch spec-capture-cuda-ipc and, at TP > 1, peer access from every GPU to GPU 0, and what a
-killed server's pool left behind is removed when the run ends. The recipe's input files are checked first (:mod:`inputs`); an output_dir an earlier launch used is
-refused unless ``--resume`` continues that run (:mod:`resume`, which also restarts a failed attempt under
-``resilience.run_restarts``).
+killed server's pool left behind is removed when the run ends. The recipe's input files are checked first (:mod:`inputs`),
+then the free disk of its output_dir against the checkpoints and export the run keeps (:mod:`disk`: a fresh run is
+refused, ``--resume`` warns); an output_dir an earlier launch used is refused unless ``--resume`` continues that
+run (:mod:`resume`, which also restarts a failed attempt under ``resilience.run_restarts``).
 """
 
 from __future__ import annotations
@@ -203,6 +204,19 @@ def preflight(plan) -> None:
     trainer_step_preflight(plan)
 
 
+def disk_preflight(recipe, *, resume: bool) -> None:
+    """Refuse a fresh run whose kept checkpoints and export (:mod:`plan.disk`) exceed the free disk of its
+    output_dir; on ``--resume`` only warn, since the checkpoints already written are on that disk."""
+    from specforge_kimi.plan import disk
+
+    short = disk.shortfall(recipe)
+    if short is None:
+        return
+    if not resume:
+        raise KimiInputError(f"{short}: {disk.FIXES}")
+    print(f"warning: {short}; {disk.FIXES}", flush=True)
+
+
 def transport_preflight(plan) -> None:
     """Refuse to start when the host lacks what the capture server's transport needs (its strategy's
     ``preflight``: the SGLang patch it names, and for cuda_ipc peer access from every GPU to GPU 0)."""
@@ -346,8 +360,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_document(plan: RunPlan, launch_plan) -> dict:
     """What ``launch --plan`` prints: the supervisor's plan, the SpecForge and draft configs and the
-    memory split, with the directory ``launch`` would render them into (nothing is written)."""
+    memory split and the disk estimate, with the directory ``launch`` would render them into (nothing is written)."""
     import json
+
+    from specforge_kimi.plan import disk
 
     return {
         "recipe": plan.name,
@@ -358,6 +374,7 @@ def plan_document(plan: RunPlan, launch_plan) -> dict:
         "specforge_config": plan.rendered()["specforge_config"],
         "draft_config": plan.draft_config,
         "memory_plan": dict(plan.memory),
+        "disk": disk.as_dict(plan.recipe),
     }
 
 
@@ -375,6 +392,7 @@ def run(args) -> int:
         from specforge_kimi.plan.inputs import require_inputs
 
         require_inputs(recipe)  # target, tokenizer, prompts, vocab mapping, lengths: one line each, nothing started
+        disk_preflight(recipe, resume=args.resume)
         compiled.write()
     plan = build_colocated_plan(compiled, node_rank=args.node_rank, python=sys.executable, local_host=args.local_host)
     if args.plan:

@@ -353,12 +353,15 @@ def _train_and_export(recipe, features: str, out: str, draft_config: str, max_st
         lm_head_key=recipe.target.lm_head_key,
         save_interval=recipe.trainer.save_interval or None,
         accumulation_steps=recipe.gpus.per_node * recipe.gpus.nnodes,
-        # the recipe's attention backend on a GPU; sdpa on the CPU (flex has no CPU backward)
-        extra_overrides=(
-            {"training.attention_backend": recipe.trainer.attention_backend}
-            if _cuda_available()
-            else {"model.torch_dtype": "float32"}
-        ),
+        extra_overrides={
+            "training.max_checkpoints": recipe.trainer.max_checkpoints,
+            # the recipe's attention backend on a GPU; sdpa on the CPU (flex has no CPU backward)
+            **(
+                {"training.attention_backend": recipe.trainer.attention_backend}
+                if _cuda_available()
+                else {"model.torch_dtype": "float32"}
+            ),
+        },
     )
     export_dir = os.path.join(out, "export-sglang")
     export_run_draft(

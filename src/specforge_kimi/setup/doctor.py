@@ -5,7 +5,8 @@ SpecForge's SGLang capture patch (with file hashes); CUDA and NCCL; with a recip
 target checkpoint (config vs recipe, tensor names and shapes against the config), its data files
 (tokenizer, prompts, vocab mapping, lengths: :mod:`specforge_kimi.plan.inputs`), Mooncake
 reachability (or, with ``server.transport: cuda_ipc``, SGLang patch spec-capture-cuda-ipc and peer access to
-GPU 0) and GPU count/memory against the recipe's budget; for a block-draft recipe (``trainer.family`` dflash or
+GPU 0), GPU count/memory against the recipe's budget and the output_dir's free disk against the checkpoints and
+export it keeps (:mod:`specforge_kimi.plan.disk`); for a block-draft recipe (``trainer.family`` dflash or
 dspark) also its DFlash ids against the checkpoint, the dflash capture method in SGLang's patched capture code and
 SGLang's DFLASH algorithm (and no eagle3-only SpecForge patch asked for). Nothing is started or written.
 Exit code 0 when every check passes, 1 otherwise (warnings do not fail).
@@ -515,6 +516,18 @@ def budget_check(recipe, free_gib: list[float]) -> Check:
     )
 
 
+def disk_check(recipe, free: int | None = None) -> Check:
+    """The disk the run's kept checkpoints and export take (:mod:`specforge_kimi.plan.disk`) against the free
+    space of the filesystem that holds its output_dir (``free`` in bytes, measured there when None)."""
+    from specforge_kimi.plan import disk
+
+    free = disk.free_bytes(recipe.output_dir) if free is None else free
+    short = disk.shortfall(recipe, free)
+    if short is None:
+        return Check("disk", "ok", f"{recipe.output_dir}: ~{disk.estimate(recipe)}, {free / 1e9:.1f} GB free")
+    return Check("disk", "fail", short, disk.FIXES)
+
+
 def run_checks(recipe_path: str | None) -> list[Check]:
     plan = bad = None
     if recipe_path:
@@ -538,6 +551,7 @@ def run_checks(recipe_path: str | None) -> list[Check]:
             + check_inputs(recipe)
             + check_transport(plan)
             + check_gpu_budget(recipe)
+            + [disk_check(recipe)]
             + check_tracking(recipe)
         )
         if recipe.is_block:
