@@ -38,8 +38,10 @@ def test_estimate_for_a_shipped_recipe():
     assert disk.checkpoint_bytes(recipe) == 14 * n and disk.export_bytes(recipe) == 2 * n
     three = _trainer(recipe, max_steps=3000, save_interval=1000)
     assert disk.kept_checkpoints(three) == 3 and disk.run_disk_bytes(three) == 3 * 14 * n + 2 * n
-    assert disk.kept_checkpoints(_trainer(three, max_checkpoints=1)) == 1
-    assert disk.run_disk_bytes(_trainer(three, max_checkpoints=1)) == 14 * n + 2 * n
+    # the newest N, plus the one being written before the oldest is rotated out
+    assert disk.kept_checkpoints(_trainer(three, max_checkpoints=1)) == 2
+    assert disk.run_disk_bytes(_trainer(three, max_checkpoints=1)) == 2 * 14 * n + 2 * n
+    assert disk.kept_checkpoints(_trainer(three, max_checkpoints=2)) == 3
     assert disk.kept_checkpoints(_trainer(three, max_checkpoints=5)) == 3  # fewer saves than it would keep
     assert disk.kept_checkpoints(_trainer(recipe, max_steps=200, save_interval=1000)) == 1
     assert disk.estimate(three).startswith("3 checkpoint(s) x ")

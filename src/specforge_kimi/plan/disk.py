@@ -4,7 +4,7 @@ A SpecForge step checkpoint (``<run_id>-step<N>``, ``training.checkpoint.Checkpo
 parameter: its bf16 weight in the shared payload (2 bytes), the fp32 master copy (4) and AdamW's two fp32 moments
 (8): ``checkpoint_bytes = draft parameters x 14``. The SGLang export is the bf16 weights: ``draft parameters x 2``.
 SpecForge's trainer saves every ``trainer.save_interval`` steps and, when the last step is not one of those, once
-more at the end (``save_interval`` 0: only that final save); ``trainer.max_checkpoints`` N > 0 keeps the newest N.
+more at the end (``save_interval`` 0: only that final save); ``trainer.max_checkpoints`` N > 0 keeps the newest N (N + 1 while the next is written).
 
 Scope: an estimate from the draft config (:func:`plan.trainer_terms.draft_params`), sized for a run that reaches
 ``trainer.max_steps``; the frozen embedding, logs, the consumer ledger and the rendered configs are left out.
@@ -47,10 +47,11 @@ def saves(max_steps: int, save_interval: int) -> int:
 
 
 def kept_checkpoints(recipe) -> int:
-    """Step checkpoints on disk at the end of the run: every save, or the newest ``trainer.max_checkpoints``."""
+    """Step checkpoints on disk at once, at most: every save, or with ``trainer.max_checkpoints`` N the newest N
+    plus the one being written (``CheckpointManager.save`` writes the new step before it rotates the oldest out)."""
     tr = recipe.trainer
     n = saves(tr.max_steps, tr.save_interval)
-    return min(n, tr.max_checkpoints) if tr.max_checkpoints > 0 else n
+    return min(n, tr.max_checkpoints + 1) if tr.max_checkpoints > 0 else n
 
 
 def run_disk_bytes(recipe) -> int:
