@@ -213,10 +213,10 @@ def document(argv: list[str], body: dict) -> dict:
 
 
 def write(doc: dict, out: Path) -> None:
+    from specforge_kimi.durable import write_atomic
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(out)
+    write_atomic(out, json.dumps(doc, indent=2) + "\n")
     e, b, r = doc["eagle3"], doc["block"], doc["block_vs_eagle3_acceptance_length"]
     print(
         f"EAGLE-3 {e['config']}: AL {e['acceptance_length']}; block {b['config']}: AL {b['acceptance_length']}; "
@@ -228,12 +228,13 @@ def write(doc: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse(argv)
+    from specforge_kimi.errors import KimiInputError
+
     try:
-        body = compare(s)
-    except ComparisonError as exc:
+        write(document([str(Path(__file__).relative_to(ROOT)), *argv], compare(s)), s.out)
+    except (ComparisonError, KimiInputError) as exc:  # a pair not like for like; --out a link or a directory
         print(f"draft_comparison: {exc}", file=sys.stderr)
         return 2
-    write(document([str(Path(__file__).relative_to(ROOT)), *argv], body), s.out)
     return 0
 
 

@@ -16,6 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tiny-compare}"
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"  # bench/draft_comparison.py writes through specforge_kimi.durable
 STAGE="${STAGE:-all}"
 MAX_STEPS="${MAX_STEPS:-1500}"
 EAGLE3_RECIPE="${EAGLE3_RECIPE:-recipes/tiny-k25-tp1-h200.yaml}"
@@ -28,12 +29,12 @@ CARD="${CARD:-gpu}"
 mkdir -p "$OUT"
 echo "tiny comparison on $CARD: stage $STAGE, $MAX_STEPS steps each -> $OUT"
 
-one() { # family recipe stage
-  OUT="$OUT/$1" RECIPE="$2" TAG="tiny_$1_tp1_$CARD" STAGE="$3" MAX_STEPS="$MAX_STEPS" \
-    bash scripts/gpu_draft_run.sh "${LAUNCH_T:-420}" "${BENCH_T:-300}"
-}
 LAUNCH_T="${1:-420}"
 BENCH_T="${2:-300}"
+one() { # family recipe stage
+  OUT="$OUT/$1" RECIPE="$2" TAG="tiny_$1_tp1_$CARD" STAGE="$3" MAX_STEPS="$MAX_STEPS" \
+    bash scripts/gpu_draft_run.sh "$LAUNCH_T" "$BENCH_T"
+}
 if [ "$STAGE" != bench ]; then
   one eagle3 "$EAGLE3_RECIPE" launch
   one dflash "$BLOCK_RECIPE" launch

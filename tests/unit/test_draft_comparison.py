@@ -151,3 +151,19 @@ def test_the_command_line_refuses_in_one_line_and_writes_the_json(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "cannot read it" in res.stderr
+
+
+def test_an_out_that_is_a_link_is_refused_in_one_line(tmp_path):
+    """The JSON goes through the project's atomic writer, which refuses to follow a link at --out."""
+    e = _write(tmp_path, "e.json", _bench("EAGLE3", {"structured": 3.0}, 3.0))
+    b = _write(tmp_path, "b.json", _bench("DFLASH", {"structured": 4.2}, 4.2))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    link = tmp_path / "cmp.json"
+    link.symlink_to(victim)
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--eagle3", str(e), "--block", str(b), "--out", str(link)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert victim.read_text() == "keep me\n"
