@@ -47,6 +47,14 @@ def _refuse(title: str, errors: list[Bad]) -> ValidationError:
     return ValidationError.from_exception_data(title, details)
 
 
+def _checked(draft, bad: list[Bad]):
+    """``draft`` when ``bad`` is empty, else the one-line refusal naming each bad field (an after-validator's
+    return)."""
+    if bad:
+        raise _refuse(type(draft).__name__, bad)
+    return draft
+
+
 class _Ordered(BaseModel):
     """A strict JSON object that remembers the order of its keys, so :meth:`config` writes it back as given."""
 
@@ -173,23 +181,15 @@ class DraftConfig(_Ordered):
         return dict(DRAFTS)
 
     @model_validator(mode="after")
-    def _checked(self) -> DraftConfig:
-        """Each class's own :meth:`_bad` in turn, this one's first, a family's after its parent's: the first to
-        name a bad field refuses the draft."""
-        for cls in reversed(type(self).__mro__):
-            bad = vars(cls)["_bad"](self) if "_bad" in vars(cls) else []
-            if bad:
-                raise _refuse(type(self).__name__, bad)
-        return self
-
-    def _bad(self) -> list[Bad]:
-        """The ``(field, message, value)`` this class's own check refuses (none: ``[]``). A family states its own
-        check only, no ``super()`` call (:meth:`_checked` runs each class's). Every draft names an architecture of
-        its family."""
+    def _architecture(self) -> DraftConfig:
+        """Every draft names an architecture of its family. (pydantic runs a family's own after-validators after
+        its parent's: each states its check and hands what it refuses to :func:`_checked`.)"""
         arch = (self.architectures or [None])[0]
-        if arch is not None and arch not in self.ARCHITECTURES:
-            return [("architectures", f"{self.family} drafts are {' or '.join(self.ARCHITECTURES)}", arch)]
-        return []
+        bad = arch is not None and arch not in self.ARCHITECTURES
+        return _checked(
+            self,
+            [("architectures", f"{self.family} drafts are {' or '.join(self.ARCHITECTURES)}", arch)] if bad else [],
+        )
 
 
 #: the MLA draft's attention sizes: all of them or none
@@ -224,12 +224,12 @@ class Eagle3Draft(DraftConfig):
         """Whether this is the MLA draft (``Eagle3DeepseekV2ForCausalLM``)."""
         return self.kv_lora_rank is not None
 
-    def _bad(self) -> list[Bad]:
+    @model_validator(mode="after")
+    def _mla_sizes(self) -> Eagle3Draft:
         """The MLA sizes: all of them or none."""
         given = [k for k in MLA_FIELDS if getattr(self, k) is not None]
-        if not given:
-            return []
-        return [(k, f"the MLA draft ({', '.join(given)} set) needs it", None) for k in MLA_FIELDS if k not in given]
+        missing = [k for k in MLA_FIELDS if given and k not in given]
+        return _checked(self, [(k, f"the MLA draft ({', '.join(given)} set) needs it", None) for k in missing])
 
 
 class DFlashDraft(DraftConfig):
@@ -253,12 +253,12 @@ class DFlashDraft(DraftConfig):
     max_window_layers: Count | None = Field(default=None, description="HF max_window_layers")
     auto_map: dict[str, str] | None = Field(default=None, description="HF auto_map (export drops it)")
 
-    def _bad(self) -> list[Bad]:
+    @model_validator(mode="after")
+    def _layer_types(self) -> DFlashDraft:
         """One layer type per layer."""
         types, n = self.layer_types, self.num_hidden_layers
-        if types is None or len(types) == n:
-            return []
-        return [("layer_types", f"{len(types)} entries for {n} layers", types)]
+        bad = types is not None and len(types) != n
+        return _checked(self, [("layer_types", f"{len(types)} entries for {n} layers", types)] if bad else [])
 
 
 class DSparkDraft(DFlashDraft):
@@ -269,7 +269,8 @@ class DSparkDraft(DFlashDraft):
     vocab_size: Count = Field(description="The target's vocabulary (the Markov head's width)")
     dflash_config: DSparkConfig = Field(description="The target layers read, the mask token and DSpark's heads")
 
-    def _bad(self) -> list[Bad]:
+    @model_validator(mode="after")
+    def _heads(self) -> DSparkDraft:
         """What ``DSparkDraftModel`` demands of its heads: kv heads divide the query heads, fewer of them under
         the default ``attention_mode: gqa``, as many under ``mha``."""
         heads, kv, mode = self.num_attention_heads, self.num_key_value_heads, self.dflash_config.attention_mode
@@ -282,8 +283,8 @@ class DSparkDraft(DFlashDraft):
                 f"{kv} must be < num_attention_heads {heads}: DSpark is GQA unless dflash_config.attention_mode is mha"
             )
         else:
-            return []
-        return [("num_key_value_heads", why, kv)]
+            return self
+        return _checked(self, [("num_key_value_heads", why, kv)])
 
 
 #: the draft config model of each ``trainer.family``
