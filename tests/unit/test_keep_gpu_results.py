@@ -29,6 +29,8 @@ def test_results_logs_and_binaries(tmp_path):
     (src / "rw" / "server.log").write_text("x" * 300_000 + "tail\n")
     (src / "rw" / "weights.safetensors").write_bytes(b"\0" * 64)
     (src / "rw" / "soak_cuda_ipc_tp1_h200.json").write_text(json.dumps({"verdicts": {}}))
+    (src / "rw" / "draft_comparison_tiny_tp1_h100.json").write_text(json.dumps({"pairs": []}))
+    (src / "rw" / "overlap_rates_k25_slice_h200.json").write_text(json.dumps({"rows": []}))
     (src / "rw" / "soak_cuda_ipc_tp1_h200.png").write_bytes(b"\x89PNG\r\n\x1a\n\0plot")
     (src / "rw" / "huge.png").write_bytes(b"\x89PNG\0" + b"x" * (4 << 20))
     res = _keep(src, root, "2026-12-03-real-width")
@@ -36,6 +38,8 @@ def test_results_logs_and_binaries(tmp_path):
     assert json.loads((root / "bench/results/online_pipeline_k25_slice_h200.json").read_text()) == {"runs": []}
     logs = root / "archive/gpu-runs/logs/2026-12-03-real-width/rw"
     assert json.loads((root / "bench/results/soak_cuda_ipc_tp1_h200.json").read_text()) == {"verdicts": {}}
+    for name in ("draft_comparison_tiny_tp1_h100.json", "overlap_rates_k25_slice_h200.json"):  # the newer benches
+        assert (root / "bench/results" / name).is_file(), name
     assert sorted(p.name for p in logs.iterdir()) == [
         "online_run_broken.json",
         "server.log",
