@@ -11,8 +11,9 @@
 #      EAGLE3 steps/topk/draft tokens or DFLASH block size; acceptance length, decode tok/s, speedup).
 # TAG=NAME names the results as bench/results/ keeps them: OUT/online_run_NAME.json (run-report) and
 # OUT/acceptance_NAME.json (the bench's bench_result.json).
-# STAGE=launch runs step 1 only, STAGE=bench step 2 only on what a launch stage left in RUN (a tiny target's bench
-# decodes four sets without CUDA graphs: minutes; the two fit separate device calls). MAX_STEPS=N runs a copy of
+# STAGE=launch runs step 1 only, STAGE=bench step 2 only on what a launch stage left in RUN (the two fit separate
+# device calls). A launch cut after a checkpoint but before its export (its time limit) is exported by the bench
+# stage first (`specforge-kimi export --recipe`, OUT/export.out), and its run report written if the cut took it. MAX_STEPS=N runs a copy of
 # the recipe (OUT/recipe-run.yaml) with trainer.max_steps N (both drafts of a comparison the same). BENCH_ARGS is
 # appended to the bench's command line: the flags about how to run the measurement (e.g. "--num-prompts 8
 # --no-baseline", --sets, --max-new-tokens, --concurrency, --disable-cuda-graph, --server-arg=...; bench --help's
@@ -57,6 +58,16 @@ if [ "$STAGE" != bench ]; then
   tail -1 "$OUT/launch.out"
 fi
 if [ "$STAGE" != launch ]; then
+  if [ ! -f "$RUN/export-sglang/config.json" ] && [ -d "$RUN" ]; then
+    # a launch cut after a checkpoint (its time limit, a kill) left no export: export its newest checkpoint as
+    # launch would (`export --recipe`); the run report's last_step says how far it trained
+    python3 -m specforge_kimi export --recipe "$RECIPE" > "$OUT/export.out" 2>&1
+    echo "export rc=$? (the launch left no export; its newest checkpoint exported)" | tee -a "$OUT/export.out"
+  fi
+  if [ ! -f "$OUT/online_run.json" ] && [ ! -f "$OUT/online_run_${TAG:-}.json" ] && [ -d "$RUN" ]; then
+    samples=(); [ -f "$OUT/gpu_mem_samples.csv" ] && samples=(--gpu-samples "$OUT/gpu_mem_samples.csv")
+    python3 -m specforge_kimi run-report "$RUN" "${samples[@]}" --out "$OUT/online_run.json" > "$OUT/run_report.out" 2>&1
+  fi
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
   timeout --signal=INT "$TB" python3 -m specforge_kimi bench --recipe "$RECIPE" --draft "$RUN/export-sglang" \
     --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.out" 2>&1

@@ -573,7 +573,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "bench",
         _K + "evaluate.bench:run",
-        "acceptance length + speedup of a draft through SGLang EAGLE-3 speculation",
+        "acceptance length + speedup of a draft through SGLang speculation (EAGLE3, or DFLASH for a block draft)",
         _K + "evaluate.bench:add_arguments",
     ),
     Command(
@@ -642,7 +642,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     p = _Parser(
         prog="specforge-kimi",
-        description="Kimi-K2.5 EAGLE-3 drafts with SpecForge: data, the online run, evaluation and export.",
+        description="Kimi-K2.5 speculative drafts (EAGLE-3, DFlash, DSpark) with SpecForge: data, the online run, evaluation and export.",
     )
     p.add_argument("--version", action="version", version=f"specforge-kimi {__version__}")
     sub = p.add_subparsers(

@@ -68,6 +68,11 @@ elif cmd == "launch" and os.environ.get("SHIM_RUN"):
     (run / "export-sglang" / "config.json").write_text("{{}}")
     (run / "logs").mkdir()
     (run / "logs" / "capture-server-node0.log").write_text("up\n")
+elif cmd == "export" and opt("--recipe"):
+    import yaml
+    run = Path(yaml.safe_load(open(opt("--recipe")))["output_dir"])
+    (run / "export-sglang").mkdir(parents=True)
+    (run / "export-sglang" / "config.json").write_text("{{}}")
 elif cmd == "run-report":
     Path(opt("--out")).write_text(json.dumps({{"run_id": rest[0], "last_step": 1500,
                                                "ledger": {{"trained_tokens": 1000, "duplicates": 0}}}}))
@@ -399,6 +404,32 @@ def test_draft_run_in_two_stages_with_its_step_count_and_bench_flags(tmp_path):
         res = run(**bad)
         assert res.returncode == 2 and message in res.stderr, res.stdout + res.stderr
     assert len(_calls(tmp_path)) == 4  # nothing started
+
+
+def test_draft_run_bench_exports_a_launch_cut_before_its_export(tmp_path):
+    """A launch cut by its time limit after its last checkpoint left no export and no run report: STAGE=bench
+    exports the newest checkpoint as launch would, writes the run report, then benches; with an export in place it
+    exports nothing."""
+    box, env = _sandbox(tmp_path)
+    out = tmp_path / "out"
+    recipe = "recipes/tiny-k25-tp1-h200-dflash.yaml"
+    run_dir = box / "runs" / "tiny-k25-tp1-dflash"
+    (run_dir / "tiny-k25-tp1-dflash-step1200").mkdir(parents=True)  # what the cut launch left
+    env.update(RECIPE=recipe, OUT=str(out), TAG="tiny_dflash")
+    run = _script(box, env, "scripts/gpu_draft_run.sh", "60", "60")
+
+    res = run(STAGE="bench")
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = _calls(tmp_path)
+    assert [c["cmd"] for c in calls] == ["export", "run-report", "bench"]
+    assert calls[0]["args"] == ["--recipe", recipe]
+    assert calls[1]["args"] == ["runs/tiny-k25-tp1-dflash", "--out", f"{out}/online_run.json"]
+    assert "export rc=0" in (out / "export.out").read_text()
+    assert (out / "online_run_tiny_dflash.json").is_file() and (out / "acceptance_tiny_dflash.json").is_file()
+
+    res = run(STAGE="bench")  # the export and the report are there now: the bench alone
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [c["cmd"] for c in _calls(tmp_path)][3:] == ["bench"]
 
 
 def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
