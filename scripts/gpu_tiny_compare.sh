@@ -7,11 +7,14 @@
 #   STAGE=launch  both launches, one after the other (scripts/gpu_draft_run.sh STAGE=launch: listeners listed)
 #   STAGE=bench   both benches (gpu_draft_run.sh STAGE=bench, BENCH_ARGS passed on), then the comparison
 #   STAGE=all     both
-# The two stages fit separate device calls. Results: OUT/eagle3/ and OUT/dflash/ (gpu_draft_run.sh's files, named
+#   FAMILIES="eagle3 dflash" (the default) the launches STAGE=launch runs, in that order: one family per device
+#                 call when a fresh box's launch (~260 s for 1,500 tiny steps with its start and export) leaves no
+#                 room for the second
+# The stages fit separate device calls. Results: OUT/eagle3/ and OUT/dflash/ (gpu_draft_run.sh's files, named
 # with TAG tiny_<family>_tp1_<card>) and OUT/draft_comparison_tiny_tp1_<card>.json, where <card> is the GPU's model
 # as nvidia-smi names it (h100, h200; else "gpu"), so every file says which card measured it.
 # EAGLE3_RECIPE / BLOCK_RECIPE replace the two recipes (both must name the same target and data).
-# usage: [OUT=/tmp/tiny-compare] [MAX_STEPS=1500] [STAGE=all|launch|bench] [BENCH_ARGS=...]
+# usage: [OUT=/tmp/tiny-compare] [MAX_STEPS=1500] [STAGE=all|launch|bench] [FAMILIES="eagle3 dflash"] [BENCH_ARGS=...]
 #        bash scripts/gpu_tiny_compare.sh [LAUNCH_TIMEOUT_S] [BENCH_TIMEOUT_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +25,9 @@ MAX_STEPS="${MAX_STEPS:-1500}"
 EAGLE3_RECIPE="${EAGLE3_RECIPE:-recipes/tiny-k25-tp1-h200.yaml}"
 BLOCK_RECIPE="${BLOCK_RECIPE:-recipes/tiny-k25-tp1-h200-dflash.yaml}"
 case "$STAGE" in all | launch | bench) ;; *) echo "STAGE must be all, launch or bench, not $STAGE" >&2; exit 2 ;; esac
+FAMILIES="${FAMILIES:-eagle3 dflash}"
+for f in $FAMILIES; do case "$f" in eagle3 | dflash) ;; *) echo "FAMILIES holds eagle3 and/or dflash, not $f" >&2; exit 2 ;; esac; done
+[ -n "${FAMILIES// /}" ] || { echo "FAMILIES is empty" >&2; exit 2; }
 [[ "$MAX_STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "MAX_STEPS must be a positive integer, not $MAX_STEPS" >&2; exit 2; }
 for r in "$EAGLE3_RECIPE" "$BLOCK_RECIPE"; do [ -f "$r" ] || { echo "no recipe $r" >&2; exit 2; }; done
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9][0-9][0-9]' | head -1 | tr 'A-Z' 'a-z')
@@ -36,8 +42,9 @@ one() { # family recipe stage
     bash scripts/gpu_draft_run.sh "$LAUNCH_T" "$BENCH_T"
 }
 if [ "$STAGE" != bench ]; then
-  one eagle3 "$EAGLE3_RECIPE" launch
-  one dflash "$BLOCK_RECIPE" launch
+  for f in $FAMILIES; do
+    if [ "$f" = eagle3 ]; then one eagle3 "$EAGLE3_RECIPE" launch; else one dflash "$BLOCK_RECIPE" launch; fi
+  done
 fi
 if [ "$STAGE" != launch ]; then
   one eagle3 "$EAGLE3_RECIPE" bench

@@ -434,8 +434,8 @@ def test_draft_run_bench_exports_a_launch_cut_before_its_export(tmp_path):
 
 def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     """scripts/gpu_tiny_compare.sh: STAGE=launch launches the EAGLE-3 recipe, then its DFlash twin, each with the same
-    step count; STAGE=bench benches both with BENCH_ARGS and writes the comparison, every file named after the card
-    nvidia-smi names; a bad STAGE or MAX_STEPS starts nothing."""
+    step count (FAMILIES one of them); STAGE=bench benches both with BENCH_ARGS and writes the comparison, every file
+    named after the card nvidia-smi names; a bad STAGE, MAX_STEPS or FAMILIES starts nothing."""
     import yaml
 
     box, env = _sandbox(tmp_path)
@@ -452,6 +452,10 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     launches = [c["args"][0] for c in _calls(tmp_path) if c["cmd"] == "launch" and c["args"][-1] == "--no-bench"]
     assert launches == [f"{out}/eagle3/recipe-run.yaml", f"{out}/dflash/recipe-run.yaml"]
+    res = run(STAGE="launch", FAMILIES="dflash")  # one family per device call
+    assert res.returncode == 0, res.stdout + res.stderr
+    launches = [c["args"][0] for c in _calls(tmp_path) if c["cmd"] == "launch" and c["args"][-1] == "--no-bench"]
+    assert launches[2:] == [f"{out}/dflash/recipe-run.yaml"]
     for family in ("eagle3", "dflash"):
         assert yaml.safe_load((out / family / "recipe-run.yaml").read_text())["trainer"]["max_steps"] == 1200
         assert (out / family / f"online_run_tiny_{family}_tp1_h200.json").is_file()
@@ -470,7 +474,9 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     assert "comparison rc=0" in res.stdout
     n = len(_calls(tmp_path))
     for bad, message in ((dict(STAGE="train"), "STAGE must be all, launch or bench"),
-                         (dict(MAX_STEPS="0"), "MAX_STEPS must be a positive integer")):  # fmt: skip
+                         (dict(MAX_STEPS="0"), "MAX_STEPS must be a positive integer"),
+                         (dict(STAGE="launch", FAMILIES="eagle3 medusa"), "FAMILIES holds eagle3 and/or dflash"),
+                         (dict(STAGE="launch", FAMILIES=" "), "FAMILIES is empty")):  # fmt: skip
         res = run(**bad)
         assert res.returncode == 2 and message in res.stderr, res.stdout + res.stderr
     assert len(_calls(tmp_path)) == n  # nothing started
