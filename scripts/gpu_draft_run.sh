@@ -13,9 +13,9 @@
 # OUT/acceptance_NAME.json (the bench's bench_result.json).
 # STAGE=launch runs step 1 only, STAGE=bench step 2 only on what a launch stage left in RUN (the two fit separate
 # device calls). A launch cut after a checkpoint but before its export (its time limit) is exported by the bench
-# stage first (`specforge-kimi export --recipe`, OUT/export.out), and its run report written if the cut took it. MAX_STEPS=N runs a copy of
-# the recipe (OUT/recipe-run.yaml) with trainer.max_steps N (both drafts of a comparison the same). BENCH_ARGS is
-# appended to the bench's command line: the flags about how to run the measurement (e.g. "--num-prompts 8
+# stage first (`specforge-kimi export --recipe`, OUT/export.out), and its run report written if the cut took it.
+# MAX_STEPS=N runs a copy of the recipe (OUT/recipe-run.yaml) with trainer.max_steps N (both drafts of a comparison
+# the same). BENCH_ARGS is appended to the bench's command line: the flags about how to run the measurement (e.g. "--num-prompts 8
 # --no-baseline", --sets, --max-new-tokens, --concurrency, --disable-cuda-graph, --server-arg=...; bench --help's
 # --recipe lists them); a flag the recipe sets (--config, --tp, --target, ...) stops the bench with one error line.
 # usage: RECIPE=recipes/...yaml [OUT=/tmp/draft-run] [TAG=NAME] [STAGE=all|launch|bench] [MAX_STEPS=N] [BENCH_ARGS=...]

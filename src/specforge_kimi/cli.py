@@ -642,7 +642,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     p = _Parser(
         prog="specforge-kimi",
-        description="Kimi-K2.5 speculative drafts (EAGLE-3, DFlash, DSpark) with SpecForge: data, the online run, evaluation and export.",
+        description="Kimi-K2.5 speculative drafts (EAGLE-3, DFlash, DSpark) with SpecForge: data, the online run, "
+        "evaluation and export.",
     )
     p.add_argument("--version", action="version", version=f"specforge-kimi {__version__}")
     sub = p.add_subparsers(
