@@ -10,6 +10,14 @@ print(r.name, r.output_dir, r.gpus.per_node, ','.join(map(str, r.target.aux_laye
 # eval-draft takes every regenerated held-out row (48 corpus; with MIX + 48 prompt-mix + 48 bench prompts), else 48 corpus
 held_out_rows() { if [ -s runs/heldout-regen.jsonl ]; then wc -l < runs/heldout-regen.jsonl; else echo 48; fi; }
 
+# run_report RUN OUT: `specforge-kimi run-report RUN` -> OUT/online_run.json (its output in OUT/run_report.out), with
+# the per-process GPU memory samples of OUT/gpu_mem_samples.csv when there are any
+run_report() {
+  local RUN="$1" OUT="$2" samples=()
+  [ -f "$OUT/gpu_mem_samples.csv" ] && samples=(--gpu-samples "$OUT/gpu_mem_samples.csv")
+  python3 -m specforge_kimi run-report "$RUN" "${samples[@]}" --out "$OUT/online_run.json" > "$OUT/run_report.out" 2>&1
+}
+
 # launch_measured RECIPE RUN OUT TIMEOUT_S: `specforge-kimi launch RECIPE --no-bench` with the GPU memory of every
 # process sampled every 2 s (OUT/gpu_mem_samples.csv), then what is left on the GPUs and in the process table
 # (gpu_after.csv, procs_after.txt), the run's logs, `run-report` (OUT/online_run.json) and the export's
@@ -38,8 +46,7 @@ launch_measured() {
   { ls "$RUN/ipc" 2>/dev/null; ls /dev/shm 2>/dev/null | grep '^sfk-ipc-'; } > "$OUT/ipc_after.txt"
   for f in "$RUN"/logs/*.log; do tail -c 30000 "$f" > "$OUT/$(basename "$f")"; done
   ls -laR "$RUN" > "$OUT/run_tree.txt" 2>&1
-  python3 -m specforge_kimi run-report "$RUN" --gpu-samples "$OUT/gpu_mem_samples.csv" --out "$OUT/online_run.json" \
-    > "$OUT/run_report.out" 2>&1
+  run_report "$RUN" "$OUT"
   cp -r "$RUN/export-sglang" "$OUT/" 2>/dev/null; rm -f "$OUT"/export-sglang/*.safetensors
   return 0
 }

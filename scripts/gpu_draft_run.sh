@@ -65,8 +65,7 @@ if [ "$STAGE" != launch ]; then
     echo "export rc=$? (the launch left no export; its newest checkpoint exported)" | tee -a "$OUT/export.out"
   fi
   if [ ! -f "$OUT/online_run.json" ] && [ ! -f "$OUT/online_run_${TAG:-}.json" ] && [ -d "$RUN" ]; then
-    samples=(); [ -f "$OUT/gpu_mem_samples.csv" ] && samples=(--gpu-samples "$OUT/gpu_mem_samples.csv")
-    python3 -m specforge_kimi run-report "$RUN" "${samples[@]}" --out "$OUT/online_run.json" > "$OUT/run_report.out" 2>&1
+    run_report "$RUN" "$OUT"
   fi
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
   timeout --signal=INT "$TB" python3 -m specforge_kimi bench --recipe "$RECIPE" --draft "$RUN/export-sglang" \
