@@ -5,11 +5,12 @@
 # bench/draft_comparison.py (like for like checked; acceptance length side by side, block / EAGLE-3, speedups, the
 # trained target tokens of each run). With the pinned stack on PYTHONPATH (`. scripts/gpu_box.sh`).
 #   STAGE=launch  both launches, one after the other (scripts/gpu_draft_run.sh STAGE=launch: listeners listed)
-#   STAGE=bench   both benches (gpu_draft_run.sh STAGE=bench, BENCH_ARGS passed on), then the comparison
+#   STAGE=bench   both benches (gpu_draft_run.sh STAGE=bench, BENCH_ARGS passed on), then the comparison once
+#                 both acceptance files are in OUT (this call's or an earlier call's)
 #   STAGE=all     both
-#   FAMILIES="eagle3 dflash" (the default) the launches STAGE=launch runs, in that order: one family per device
-#                 call when a fresh box's launch (~260 s for 1,500 tiny steps with its start and export) leaves no
-#                 room for the second
+#   FAMILIES="eagle3 dflash" (the default) the families either stage runs, in that order: one family per device
+#                 call when a fresh box's launch (~260 s for 1,500 tiny steps with its start and export) or a bench
+#                 (two SGLang servers each) leaves no room for the second
 # The stages fit separate device calls. Results: OUT/eagle3/ and OUT/dflash/ (gpu_draft_run.sh's files, named
 # with TAG tiny_<family>_tp1_<card>) and OUT/draft_comparison_tiny_tp1_<card>.json, where <card> is the GPU's model
 # as nvidia-smi names it (h100, h200; else "gpu"), so every file says which card measured it.
@@ -47,8 +48,9 @@ if [ "$STAGE" != bench ]; then
   done
 fi
 if [ "$STAGE" != launch ]; then
-  one eagle3 "$EAGLE3_RECIPE" bench
-  one dflash "$BLOCK_RECIPE" bench
+  for f in $FAMILIES; do
+    if [ "$f" = eagle3 ]; then one eagle3 "$EAGLE3_RECIPE" bench; else one dflash "$BLOCK_RECIPE" bench; fi
+  done
   e="$OUT/eagle3/acceptance_tiny_eagle3_tp1_$CARD.json"
   d="$OUT/dflash/acceptance_tiny_dflash_tp1_$CARD.json"
   runs=()

@@ -434,8 +434,9 @@ def test_draft_run_bench_exports_a_launch_cut_before_its_export(tmp_path):
 
 def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     """scripts/gpu_tiny_compare.sh: STAGE=launch launches the EAGLE-3 recipe, then its DFlash twin, each with the same
-    step count (FAMILIES one of them); STAGE=bench benches both with BENCH_ARGS and writes the comparison, every file
-    named after the card nvidia-smi names; a bad STAGE, MAX_STEPS or FAMILIES starts nothing."""
+    step count (FAMILIES one of them); STAGE=bench benches both with BENCH_ARGS (FAMILIES one per call) and writes the
+    comparison once both acceptance files are there, every file named after the card nvidia-smi names; a bad STAGE,
+    MAX_STEPS or FAMILIES starts nothing."""
     import yaml
 
     box, env = _sandbox(tmp_path)
@@ -460,7 +461,11 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
         assert yaml.safe_load((out / family / "recipe-run.yaml").read_text())["trainer"]["max_steps"] == 1200
         assert (out / family / f"online_run_tiny_{family}_tp1_h200.json").is_file()
         assert json.loads((out / family / "listeners.json").read_text())["returncode"] == 0
-    res = run(STAGE="bench", BENCH_ARGS="--num-prompts 8")
+    res = run(STAGE="bench", FAMILIES="eagle3", BENCH_ARGS="--num-prompts 8")  # one bench per device call
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "comparison skipped: a bench result is missing" in res.stdout
+    assert not (out / "draft_comparison_tiny_tp1_h200.json").exists()
+    res = run(STAGE="bench", FAMILIES="dflash", BENCH_ARGS="--num-prompts 8")
     assert res.returncode == 0, res.stdout + res.stderr
     benches = [c["args"] for c in _calls(tmp_path) if c["cmd"] == "bench"]
     assert [b[b.index("--draft") + 1] for b in benches] == [
