@@ -14,6 +14,7 @@
 # STAGE=launch runs step 1 only, STAGE=bench step 2 only on what a launch stage left in RUN (the two fit separate
 # device calls). A launch cut after a checkpoint but before its export (its time limit) is exported by the bench
 # stage first (`specforge-kimi export --recipe`, OUT/export.out), and its run report written if the cut took it.
+# An earlier bench's OUT/bench (and its acceptance JSON) moves to OUT/bench-before-N first.
 # MAX_STEPS=N runs a copy of the recipe (OUT/recipe-run.yaml) with trainer.max_steps N (both drafts of a comparison
 # the same). BENCH_ARGS is appended to the bench's command line: the flags about how to run the measurement (e.g. "--num-prompts 8
 # --no-baseline", --sets, --max-new-tokens, --concurrency, --disable-cuda-graph, --server-arg=...; bench --help's
@@ -66,6 +67,11 @@ if [ "$STAGE" != launch ]; then
   fi
   if [ ! -f "$OUT/online_run.json" ] && [ ! -f "$OUT/online_run_${TAG:-}.json" ] && [ -d "$RUN" ]; then
     run_report "$RUN" "$OUT"
+  fi
+  if [ -e "$OUT/bench" ]; then # an earlier bench's files (a cut or refused one) kept aside, never taken for this one's
+    n=1; while [ -e "$OUT/bench-before-$n" ]; do n=$((n + 1)); done
+    mv "$OUT/bench" "$OUT/bench-before-$n"
+    [ -z "${TAG:-}" ] || [ ! -f "$OUT/acceptance_${TAG}.json" ] || mv "$OUT/acceptance_${TAG}.json" "$OUT/bench-before-$n/"
   fi
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
   timeout --signal=INT "$TB" python3 -m specforge_kimi bench --recipe "$RECIPE" --draft "$RUN/export-sglang" \

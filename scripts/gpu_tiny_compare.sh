@@ -6,7 +6,9 @@
 # trained target tokens of each run). With the pinned stack on PYTHONPATH (`. scripts/gpu_box.sh`).
 #   STAGE=launch  both launches, one after the other (scripts/gpu_draft_run.sh STAGE=launch: listeners listed)
 #   STAGE=bench   both benches (gpu_draft_run.sh STAGE=bench, BENCH_ARGS passed on), then the comparison once
-#                 both acceptance files are in OUT (this call's or an earlier call's)
+#                 both acceptance files are in OUT (this call's or an earlier call's); the DFlash bench takes the
+#                 EAGLE-3 bench's baseline (`bench --baseline-from`, checked like for like) when there is one, and
+#                 serves its own if that is refused
 #   STAGE=all     both
 #   FAMILIES="eagle3 dflash" (the default) the families either stage runs, in that order: one family per device
 #                 call when a fresh box's launch (~260 s for 1,500 tiny steps with its start and export) or a bench
@@ -38,9 +40,19 @@ echo "tiny comparison on $CARD: stage $STAGE, $MAX_STEPS steps each -> $OUT"
 
 LAUNCH_T="${1:-420}"
 BENCH_T="${2:-300}"
-one() { # family recipe stage
+one() { # family recipe stage [extra bench flags]
   OUT="$OUT/$1" RECIPE="$2" TAG="tiny_$1_tp1_$CARD" STAGE="$3" MAX_STEPS="$MAX_STEPS" \
-    bash scripts/gpu_draft_run.sh "$LAUNCH_T" "$BENCH_T"
+    BENCH_ARGS="${BENCH_ARGS:-}${4:+ $4}" bash scripts/gpu_draft_run.sh "$LAUNCH_T" "$BENCH_T"
+}
+bench_block() { # the DFlash bench, on the EAGLE-3 bench's baseline when it has one (one server start less)
+  local eb="$OUT/eagle3/bench/bench_result.json"
+  if python3 -c "import json, sys; sys.exit(not json.load(open(sys.argv[1])).get('baseline'))" "$eb" 2>/dev/null; then
+    one dflash "$BLOCK_RECIPE" bench "--baseline-from $OUT/eagle3/bench"
+    [ -f "$OUT/dflash/acceptance_tiny_dflash_tp1_$CARD.json" ] && return
+    mv "$OUT/dflash/bench.out" "$OUT/dflash/bench-shared-baseline.out" 2>/dev/null
+    echo "the EAGLE-3 bench's baseline was not taken (OUT/dflash/bench-shared-baseline.out): its own baseline"
+  fi
+  one dflash "$BLOCK_RECIPE" bench
 }
 if [ "$STAGE" != bench ]; then
   for f in $FAMILIES; do
@@ -49,7 +61,7 @@ if [ "$STAGE" != bench ]; then
 fi
 if [ "$STAGE" != launch ]; then
   for f in $FAMILIES; do
-    if [ "$f" = eagle3 ]; then one eagle3 "$EAGLE3_RECIPE" bench; else one dflash "$BLOCK_RECIPE" bench; fi
+    if [ "$f" = eagle3 ]; then one eagle3 "$EAGLE3_RECIPE" bench; else bench_block; fi
   done
   e="$OUT/eagle3/acceptance_tiny_eagle3_tp1_$CARD.json"
   d="$OUT/dflash/acceptance_tiny_dflash_tp1_$CARD.json"

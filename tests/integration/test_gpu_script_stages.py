@@ -47,8 +47,11 @@ elif cmd == "capture-features":
     part.rename(out)
     out.with_name(out.name + ".json").write_text("{{}}")
 elif cmd == "bench":
+    if opt("--baseline-from") and os.environ.get("SHIM_REFUSE_BASELINE"):
+        print("error: --baseline-from " + opt("--baseline-from") + ": not like for like", file=sys.stderr)
+        sys.exit(2)
     out = Path(opt("--out"))
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     block = "dflash" in opt("--draft")  # a block draft's bench serves DFLASH at its block size
     al = 4.0 if block else 2.5
     run = {{"config": {{"steps": 3, "topk": 1, "draft_tokens": 4}}, "overall": {{"acceptance_length": al}},
@@ -56,6 +59,8 @@ elif cmd == "bench":
     (out / "bench_result.json").write_text(json.dumps({{
         "benchmark": "acceptance", "speculative": [run], "target": {{"path": "runs/tiny-k25", "config_sha256": "ab"}},
         "prompt_sets": {{"chat": {{"prompts": 8}}}}, "settings": {{"max_new_tokens": 256}},
+        "baseline": None if "--no-baseline" in rest else {{"reused_from": opt("--baseline-from") and
+                                                           {{"path": opt("--baseline-from")}}}},
         "draft": {{"path": opt("--draft")}}}}))
 elif cmd == "launch" and "--plan" in rest:
     print("{{}}")
@@ -472,11 +477,28 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
         "runs/tiny-k25-tp1/export-sglang",
         "runs/tiny-k25-tp1-dflash/export-sglang",
     ]
-    assert all(b[-2:] == ["--num-prompts", "8"] for b in benches)
+    assert benches[0][-2:] == ["--num-prompts", "8"]
+    # the DFlash bench takes the EAGLE-3 bench's baseline (one server start less)
+    assert benches[1][-4:] == ["--num-prompts", "8", "--baseline-from", f"{out}/eagle3/bench"]
     comparison = json.loads((out / "draft_comparison_tiny_tp1_h200.json").read_text())
     assert comparison["block_vs_eagle3_acceptance_length"] == 4.0 / 2.5 and comparison["goal"]["met"] is True
     assert comparison["training"]["block_vs_eagle3_trained_tokens"] == 1.0
+    assert (comparison["eagle3"]["baseline_from"], comparison["block"]["baseline_from"]) == (
+        None,
+        f"{out}/eagle3/bench",
+    )
     assert "comparison rc=0" in res.stdout
+    # a baseline the bench refuses to take (not like for like): the DFlash bench serves its own
+    res = run(STAGE="bench", FAMILIES="dflash", BENCH_ARGS="--num-prompts 8", SHIM_REFUSE_BASELINE="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    retried = [c["args"] for c in _calls(tmp_path) if c["cmd"] == "bench"][2:]
+    assert [b[-2:] for b in retried] == [["--baseline-from", f"{out}/eagle3/bench"], ["--num-prompts", "8"]]
+    assert "its own baseline" in res.stdout and (out / "dflash" / "acceptance_tiny_dflash_tp1_h200.json").is_file()
+    assert "not like for like" in (out / "dflash" / "bench-shared-baseline.out").read_text()
+    # the earlier bench's files were kept aside, not taken for the refused one's
+    assert (out / "dflash" / "bench-before-1" / "acceptance_tiny_dflash_tp1_h200.json").is_file()
+    reused = json.loads((out / "dflash" / "acceptance_tiny_dflash_tp1_h200.json").read_text())["baseline"]
+    assert reused == {"reused_from": None}  # its own baseline
     n = len(_calls(tmp_path))
     for bad, message in ((dict(STAGE="train"), "STAGE must be all, launch or bench"),
                          (dict(MAX_STEPS="0"), "MAX_STEPS must be a positive integer"),

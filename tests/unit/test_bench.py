@@ -585,6 +585,7 @@ def test_recipe_bench_honors_the_flags_about_how_to_run(tmp_path):
         (["--out", str(tmp_path / "o")], "out_dir", str(tmp_path / "o")),
         (["--disable-cuda-graph"], "disable_cuda_graph", True),
         (["--no-baseline"], "baseline", False),
+        (["--baseline-from", str(tmp_path / "e")], "baseline_from", str(tmp_path / "e")),
         (["--max-new-tokens", "64"], "max_new_tokens", 64),
         (["--concurrency", "4"], "concurrency", 4),
         (["--warmup", "0"], "warmup", 0),
@@ -1465,3 +1466,147 @@ def test_report_colocated_row_divides_by_the_stages_measured_alone():
         ],
     )
     assert any("**0.80** of the trainer alone" in line for line in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# --baseline-from: an earlier bench's baseline, like for like
+# ---------------------------------------------------------------------------------------------
+def _pair_settings(tmp_path: Path, **over) -> tuple[dict, Path, Path]:
+    target, eagle = _dirs(tmp_path)
+    common = dict(
+        target=str(target),
+        sets=["structured"],
+        num_prompts=3,
+        max_new_tokens=64,
+        warmup=1,
+        standin_tokenizer=True,
+        check_draft=False,
+        start_timeout_s=60,
+    )
+    return {**common, **over}, eagle, _dflash_draft(tmp_path)
+
+
+def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake_server):
+    """The EAGLE-3 bench serves the baseline and leaves its greedy outputs; the DFlash bench of the same target
+    takes that baseline (no baseline server of its own) and divides by its tok/s, outputs checked against it."""
+    common, eagle, dflash = _pair_settings(tmp_path)
+    e = bench.run_bench(
+        BenchSettings(draft=str(eagle), configs=[SpecConfig(3, 1, 4)], out_dir=str(tmp_path / "e"), **common),
+        launcher=fake_server,
+    )
+    outputs = json.loads((tmp_path / "e" / "baseline_outputs.json").read_text())
+    assert [len(r["output_ids"]) > 0 for r in outputs["sets"]["structured"]] == [True] * 3
+    served = len((tmp_path / "pids").read_text().split())
+    d = bench.run_bench(
+        BenchSettings(
+            draft=str(dflash),
+            configs=[bench.DFlashConfig(8)],
+            baseline_from=str(tmp_path / "e"),
+            out_dir=str(tmp_path / "d"),
+            **common,
+        ),
+        launcher=fake_server,
+    )
+    assert len((tmp_path / "pids").read_text().split()) == served + 1  # the DFlash server only
+    assert {p.name for p in (tmp_path / "d" / "logs").iterdir()} == {"dflash-8.log"}
+    assert not (tmp_path / "d" / "baseline_outputs.json").exists()
+    reused = d["baseline"].pop("reused_from")
+    assert d["baseline"] == e["baseline"]
+    assert reused["path"] == str((tmp_path / "e" / "bench_result.json").resolve()) and len(reused["sha256"]) == 64
+    assert reused["date_utc"] == e["date_utc"] and reused["outputs"].endswith("baseline_outputs.json")
+    (run,) = d["speculative"]
+    base = e["baseline"]["sets"]["structured"]["output_tok_per_s"]
+    assert run["speedup"]["structured"] == pytest.approx(run["sets"]["structured"]["output_tok_per_s"] / base)
+    assert run["output_match"]["structured"] == {"identical": 3, "different": 0, "first_different": []}
+    # a baseline that left no outputs (an older bench) still gives the speedup, without the output check
+    (tmp_path / "e" / "baseline_outputs.json").unlink()
+    d2 = bench.run_bench(
+        BenchSettings(
+            draft=str(dflash),
+            configs=[bench.DFlashConfig(8)],
+            baseline_from=str(tmp_path / "e" / "bench_result.json"),
+            out_dir=str(tmp_path / "d2"),
+            **common,
+        ),
+        launcher=fake_server,
+    )
+    (run2,) = d2["speculative"]
+    assert run2["output_match"] is None and run2["speedup"]["overall"] is not None
+    assert d2["baseline"]["reused_from"]["outputs"] is None
+
+
+def test_baseline_from_refuses_what_is_not_like_for_like_before_serving(tmp_path, fake_server, monkeypatch):
+    common, eagle, dflash = _pair_settings(tmp_path)
+    bench.run_bench(
+        BenchSettings(draft=str(eagle), configs=[SpecConfig(3, 1, 4)], out_dir=str(tmp_path / "e"), **common),
+        launcher=fake_server,
+    )
+    bench.run_bench(
+        BenchSettings(
+            draft=str(eagle), configs=[SpecConfig(3, 1, 4)], baseline=False, out_dir=str(tmp_path / "nb"), **common
+        ),
+        launcher=fake_server,
+    )
+    (tmp_path / "junk.json").write_text('{"benchmark": "trainer_memory"}')
+    served = len((tmp_path / "pids").read_text().split())
+
+    def attempt(source, **over):
+        s = BenchSettings(
+            draft=str(dflash),
+            configs=[bench.DFlashConfig(8)],
+            baseline_from=str(source),
+            out_dir=str(tmp_path / "d"),
+            **{**common, **over},
+        )
+        with pytest.raises(KimiInputError) as exc:
+            bench.run_bench(s, launcher=fake_server)
+        msg = str(exc.value)
+        assert msg.startswith(f"--baseline-from {source}") and "\n" not in msg, msg
+        return msg
+
+    assert "settings: its max_new_tokens 64 is not this bench's 32" in attempt(tmp_path / "e", max_new_tokens=32)
+    assert "settings: its num_prompts 3 is not this bench's 2" in attempt(tmp_path / "e", num_prompts=2)
+    assert "settings: its extra_server_args [] is not" in attempt(tmp_path / "e", extra_server_args=["--x"])
+    assert "holds no baseline" in attempt(tmp_path / "nb")
+    assert "is not a bench result" in attempt(tmp_path / "junk.json")
+    assert "cannot read" in attempt(tmp_path / "missing")
+    monkeypatch.setattr(bench, "_devices", lambda: ["NVIDIA H200, 143771 MiB"])
+    assert "not like for like: its devices" in attempt(tmp_path / "e")
+    monkeypatch.undo()
+    cfg = json.loads((Path(common["target"]) / "config.json").read_text())
+    (Path(common["target"]) / "config.json").write_text(json.dumps({**cfg, "retrained": 1}))
+    assert "target: its config_sha256" in attempt(tmp_path / "e")
+    assert len((tmp_path / "pids").read_text().split()) == served  # nothing was served for a refused reuse
+    with pytest.raises(KimiInputError, match="--no-baseline runs none: pick one"):
+        BenchSettings(
+            draft=str(dflash),
+            configs=[bench.DFlashConfig(8)],
+            baseline=False,
+            baseline_from=str(tmp_path / "e"),
+            **common,
+        ).validate()
+
+
+def test_the_tiny_recipe_and_its_dflash_twin_can_share_one_baseline(tmp_path):
+    """The tiny comparison's second bench takes the first's baseline: the two recipes agree on every setting
+    the baseline depends on, and on its server's command line (port aside)."""
+    from dataclasses import asdict
+
+    from specforge_kimi.evaluate import baseline_reuse
+    from specforge_kimi.plan.run_plan import load_recipe
+
+    target, eagle = _dirs(tmp_path)
+    dflash = _dflash_draft(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, ea = _recipe_on(tmp_path / "a", "tiny-k25-tp1-h200.yaml", target)
+    _, da = _recipe_on(tmp_path / "b", "tiny-k25-tp1-h200-dflash.yaml", target)
+    es = bench.recipe_settings(load_recipe(ea), eagle)
+    ds = bench.recipe_settings(load_recipe(da), dflash)
+    es.validate()
+    ds.validate()
+    keys = baseline_reuse.BASELINE_SETTINGS
+    assert {k: asdict(es)[k] for k in keys} == {k: asdict(ds)[k] for k in keys}
+    ctx_e, ctx_d = bench.context_length(es, 100), bench.context_length(ds, 100)
+    assert ctx_e == ctx_d
+    assert bench.server_argv(es, None, port=1, context=ctx_e) == bench.server_argv(ds, None, port=1, context=ctx_d)

@@ -9,7 +9,8 @@ tokens; default 3/1/4 and 7/1/8; or ``--speculative-algorithm DFLASH --speculati
 block draft, which SGLang serves with steps and topk forced to 1 and B draft tokens, recorded as
 ``1/1/B`` in the same ``config`` shape) one server is started, the prompt sets are run greedily
 (temperature 0), and the server is stopped; the same is done once without speculation for the
-speedup. Readiness, timeouts and teardown are SpecForge's own supervisor pieces
+speedup, or an earlier bench's baseline on the same card, stack, target, prompts and server flags is taken
+(``--baseline-from``, :mod:`specforge_kimi.evaluate.baseline_reuse`). Readiness, timeouts and teardown are SpecForge's own supervisor pieces
 (``specforge.launch_plan``: ``/health`` readiness, process-group SIGTERM then SIGKILL).
 
 Metrics come only from the engine's counters in ``meta_info`` of each finished request
@@ -62,6 +63,7 @@ from typing import Any, ClassVar
 
 from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
+from specforge_kimi.evaluate import baseline_reuse
 
 SCHEMA_VERSION = 1
 BUILTIN_SETS = ("chat", "math", "code", "structured")
@@ -401,6 +403,7 @@ class BenchSettings:
     warmup: int = 2
     thinking: bool = True
     baseline: bool = True
+    baseline_from: str | None = None
     tp: int = 1
     attention_backend: str = "triton"
     mem_fraction_static: float | None = None
@@ -442,6 +445,8 @@ class BenchSettings:
             raise KimiInputError("--min-acceptance-length below 1 can never fail; drop it or raise it")
         if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise KimiInputError("timeouts must be positive")
+        if self.baseline_from is not None and not self.baseline:
+            raise KimiInputError("--baseline-from takes an earlier baseline, --no-baseline runs none: pick one")
 
     def _check_algorithm(self) -> None:
         """Each config's algorithm serves this draft; a DFLASH block size left open becomes the draft's."""
@@ -790,6 +795,44 @@ def _serve_and_measure(
     return run, rows
 
 
+def _prompt_sets_info(sets: Sequence[PromptSet], encoded: dict) -> dict:
+    return {
+        ps.name: {
+            "source": ps.source,
+            "prompts": len(ps.prompts),
+            "prompt_tokens_mean": sum(len(i) for _, i in encoded[ps.name]) / len(ps.prompts),
+        }
+        for ps in sets
+    }
+
+
+def _reused_baseline(
+    settings: BenchSettings,
+    encoded: dict,
+    sets: Sequence[PromptSet],
+    context: int,
+    launcher: Sequence[str] | None,
+) -> tuple:
+    """``--baseline-from``'s baseline, checked like for like against this bench (:mod:`.baseline_reuse`)."""
+    from specforge_kimi.provenance import versions
+
+    s = asdict(settings)
+    argv = server_argv(settings, None, port=0, context=context)
+    if launcher is not None:  # as _serve_and_measure records it
+        argv = [*launcher, *argv[3:]]
+    expected = {
+        "schema_version": SCHEMA_VERSION,
+        "devices": _devices(),
+        "versions": versions(),
+        "target": _target_info(settings),
+        "prompt_sets": _prompt_sets_info(sets, encoded),
+        "context_length": context,
+        "settings": {k: s[k] for k in baseline_reuse.BASELINE_SETTINGS},
+        "server_argv": argv,
+    }
+    return baseline_reuse.load(settings.baseline_from, expected=expected)
+
+
 def check_threshold(result: dict, minimum: float | None) -> dict | None:
     """The first config's acceptance length over ``threshold_sets`` against ``minimum``."""
     if minimum is None:
@@ -834,6 +877,10 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
     first = next(iter(encoded.values()))
     warm = [(f"warmup-{i}", first[i % len(first)][1]) for i in range(settings.warmup)]
 
+    reused = None
+    if settings.baseline_from is not None:  # checked before any server starts
+        reused = _reused_baseline(settings, encoded, sets, context, launcher)
+
     previous = None
     if threading.current_thread() is threading.main_thread():
 
@@ -844,10 +891,14 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
     t0 = time.monotonic()
     try:
         baseline, base_rows = (None, {})
-        if settings.baseline:
+        if reused is not None:
+            baseline, base_rows, source = reused
+            baseline = {**baseline, "reused_from": source}
+        elif settings.baseline:
             baseline, base_rows = _serve_and_measure(
                 "baseline", settings, None, encoded, warm, context=context, out=out, launcher=launcher
             )
+            write_atomic(out / baseline_reuse.OUTPUTS_FILE, json.dumps(baseline_reuse.outputs_doc(base_rows)))
         runs = []
         for spec in settings.configs:
             label = spec.run_label
@@ -865,7 +916,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
                 }
                 b_all = baseline["overall"]["output_tok_per_s"]
                 run["speedup"]["overall"] = run["overall"]["output_tok_per_s"] / b_all if b_all else None
-                run["output_match"] = _output_match(base_rows, rows)
+                run["output_match"] = _output_match(base_rows, rows) if base_rows else None
             runs.append(run)
     finally:
         if previous is not None:
@@ -888,14 +939,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
         "tokenizer": tok_source,
         "settings": s,
         "context_length": context,
-        "prompt_sets": {
-            ps.name: {
-                "source": ps.source,
-                "prompts": len(ps.prompts),
-                "prompt_tokens_mean": sum(len(i) for _, i in encoded[ps.name]) / len(ps.prompts),
-            }
-            for ps in sets
-        },
+        "prompt_sets": _prompt_sets_info(sets, encoded),
         "baseline": baseline,
         "speculative": runs,
         "wall_s": round(time.monotonic() - t0, 2),
@@ -1060,6 +1104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per server before measuring")
     p.add_argument("--no-thinking", action="store_true", help="generation prompt <think></think> (instant mode)")
     p.add_argument("--no-baseline", action="store_true", help="skip the server without speculation (no speedup)")
+    p.add_argument(
+        "--baseline-from",
+        default=None,
+        metavar="DIR|JSON",
+        help="take the baseline of an earlier bench (its --out folder or bench_result.json) instead of serving "
+        "the target without speculation again: refused in one line unless the card, stack, target, prompts, "
+        "context and baseline server flags are the same",
+    )
     p.add_argument("--tp", type=int, default=1, help="SGLang --tp-size of both servers")
     p.add_argument("--attention-backend", default="triton", help="SGLang --attention-backend")
     p.add_argument(
@@ -1133,6 +1185,7 @@ FLAG_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "warmup": ("warmup", _same),
     "no_thinking": ("thinking", operator.not_),
     "no_baseline": ("baseline", operator.not_),
+    "baseline_from": ("baseline_from", _same),
     "tp": ("tp", _same),
     "attention_backend": ("attention_backend", _same),
     "mem_fraction_static": ("mem_fraction_static", _same),
@@ -1163,6 +1216,7 @@ RECIPE_RUN_FLAGS = (
     "warmup",
     "no_thinking",
     "no_baseline",
+    "baseline_from",
     "context_length",
     "disable_cuda_graph",
     "server_arg",
