@@ -274,6 +274,7 @@ class DSparkDraft(DFlashDraft):
         """What ``DSparkDraftModel`` demands of its heads: kv heads divide the query heads, fewer of them under
         the default ``attention_mode: gqa``, as many under ``mha``."""
         heads, kv, mode = self.num_attention_heads, self.num_key_value_heads, self.dflash_config.attention_mode
+        why = None
         if heads % kv:
             why = f"{kv} must divide num_attention_heads {heads}"
         elif mode == "mha" and kv != heads:
@@ -282,9 +283,7 @@ class DSparkDraft(DFlashDraft):
             why = (
                 f"{kv} must be < num_attention_heads {heads}: DSpark is GQA unless dflash_config.attention_mode is mha"
             )
-        else:
-            return self
-        return _checked(self, [("num_key_value_heads", why, kv)])
+        return _checked(self, [("num_key_value_heads", why, kv)] if why else [])
 
 
 #: the draft config model of each ``trainer.family``
