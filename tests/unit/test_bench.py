@@ -1360,25 +1360,13 @@ def test_dflash_per_position_is_over_the_block_minus_one():
 
 
 def test_dflash_bench_against_a_stand_in_server_has_eagle3s_shape(tmp_path, fake_server):
-    target, eagle = _dirs(tmp_path)
-    common = dict(
-        target=str(target),
-        sets=["structured"],
-        num_prompts=3,
-        max_new_tokens=64,
-        warmup=1,
-        standin_tokenizer=True,
-        check_draft=False,
-        start_timeout_s=60,
-    )
+    common, eagle, dflash = _pair_settings(tmp_path)
     e = bench.run_bench(
         BenchSettings(draft=str(eagle), configs=[SpecConfig(3, 1, 4)], out_dir=str(tmp_path / "e"), **common),
         launcher=fake_server,
     )
     d = bench.run_bench(
-        BenchSettings(
-            draft=str(_dflash_draft(tmp_path)), configs=[bench.DFlashConfig(8)], out_dir=str(tmp_path / "d"), **common
-        ),
+        BenchSettings(draft=str(dflash), configs=[bench.DFlashConfig(8)], out_dir=str(tmp_path / "d"), **common),
         launcher=fake_server,
     )
     assert set(d) == set(e)
@@ -1471,7 +1459,8 @@ def test_report_colocated_row_divides_by_the_stages_measured_alone():
 # ---------------------------------------------------------------------------------------------
 # --baseline-from: an earlier bench's baseline, like for like
 # ---------------------------------------------------------------------------------------------
-def _pair_settings(tmp_path: Path, **over) -> tuple[dict, Path, Path]:
+def _pair_settings(tmp_path: Path) -> tuple[dict, Path, Path]:
+    """Bench settings shared by an EAGLE-3 draft and a DFlash draft of one tiny target: (settings, eagle, dflash)."""
     target, eagle = _dirs(tmp_path)
     common = dict(
         target=str(target),
@@ -1483,7 +1472,7 @@ def _pair_settings(tmp_path: Path, **over) -> tuple[dict, Path, Path]:
         check_draft=False,
         start_timeout_s=60,
     )
-    return {**common, **over}, eagle, _dflash_draft(tmp_path)
+    return common, eagle, _dflash_draft(tmp_path)
 
 
 def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake_server):
