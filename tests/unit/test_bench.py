@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
 import textwrap
 import tomllib
@@ -1498,11 +1499,28 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
     )
     assert len((tmp_path / "pids").read_text().split()) == served + 1  # the DFlash server only
     assert {p.name for p in (tmp_path / "d" / "logs").iterdir()} == {"dflash-8.log"}
-    assert not (tmp_path / "d" / "baseline_outputs.json").exists()
+    assert json.loads((tmp_path / "d" / "baseline_outputs.json").read_text()) == outputs  # passed on
     reused = d["baseline"].pop("reused_from")
     assert d["baseline"] == e["baseline"]
     assert reused["path"] == str((tmp_path / "e" / "bench_result.json").resolve()) and len(reused["sha256"]) == 64
     assert reused["date_utc"] == e["date_utc"] and reused["outputs"].endswith("baseline_outputs.json")
+    assert reused["reused_from"] is None  # measured there, not taken in turn
+    # a third bench takes it from the second: the chain names both, the outputs still checked
+    d3 = bench.run_bench(
+        BenchSettings(
+            draft=str(dflash),
+            configs=[bench.DFlashConfig(8)],
+            baseline_from=str(tmp_path / "d"),
+            out_dir=str(tmp_path / "d3"),
+            **common,
+        ),
+        launcher=fake_server,
+    )
+    chain = d3["baseline"].pop("reused_from")
+    assert d3["baseline"] == e["baseline"]
+    assert chain["path"].endswith("/d/bench_result.json") and chain["reused_from"]["path"] == reused["path"]
+    assert d3["speculative"][0]["output_match"]["structured"]["identical"] == 3
+    served = len((tmp_path / "pids").read_text().split())
     (run,) = d["speculative"]
     base = e["baseline"]["sets"]["structured"]["output_tok_per_s"]
     assert run["speedup"]["structured"] == pytest.approx(run["sets"]["structured"]["output_tok_per_s"] / base)
@@ -1522,6 +1540,7 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
     (run2,) = d2["speculative"]
     assert run2["output_match"] is None and run2["speedup"]["overall"] is not None
     assert d2["baseline"]["reused_from"]["outputs"] is None
+    assert len((tmp_path / "pids").read_text().split()) == served + 1  # the DFlash server only, again
 
 
 def test_baseline_from_refuses_what_is_not_like_for_like_before_serving(tmp_path, fake_server, monkeypatch):
@@ -1558,6 +1577,8 @@ def test_baseline_from_refuses_what_is_not_like_for_like_before_serving(tmp_path
     assert "settings: its extra_server_args [] is not" in attempt(tmp_path / "e", extra_server_args=["--x"])
     assert "holds no baseline" in attempt(tmp_path / "nb")
     assert "is not a bench result" in attempt(tmp_path / "junk.json")
+    shutil.copytree(tmp_path / "e", tmp_path / "d", dirs_exist_ok=True)
+    assert "is this bench's own --out, which it would overwrite" in attempt(tmp_path / "d")
     assert "cannot read" in attempt(tmp_path / "missing")
     monkeypatch.setattr(bench, "_devices", lambda: ["NVIDIA H200, 143771 MiB"])
     assert "not like for like: its devices" in attempt(tmp_path / "e")

@@ -124,7 +124,9 @@ def load(given: str | Path, *, expected: Mapping[str, Any]) -> tuple[dict, dict[
         "sha256": hashlib.sha256(raw).hexdigest(),
         "date_utc": earlier.get("date_utc"),
         "outputs": str((path.parent / OUTPUTS_FILE).resolve()) if rows else None,
+        "reused_from": baseline.get("reused_from"),  # where that bench took it, when it did: the chain stays whole
     }
+    baseline = {k: v for k, v in baseline.items() if k != "reused_from"}
     return baseline, rows, source
 
 

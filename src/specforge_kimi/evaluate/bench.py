@@ -10,8 +10,9 @@ block draft, which SGLang serves with steps and topk forced to 1 and B draft tok
 ``1/1/B`` in the same ``config`` shape) one server is started, the prompt sets are run greedily
 (temperature 0), and the server is stopped; the same is done once without speculation for the
 speedup, or an earlier bench's baseline on the same card, stack, target, prompts and server flags is taken
-(``--baseline-from``, :mod:`specforge_kimi.evaluate.baseline_reuse`). Readiness, timeouts and teardown are SpecForge's own supervisor pieces
-(``specforge.launch_plan``: ``/health`` readiness, process-group SIGTERM then SIGKILL).
+(``--baseline-from``, :mod:`specforge_kimi.evaluate.baseline_reuse`). Readiness, timeouts and teardown are
+SpecForge's own supervisor pieces (``specforge.launch_plan``: ``/health`` readiness, process-group SIGTERM then
+SIGKILL).
 
 Metrics come only from the engine's counters in ``meta_info`` of each finished request
 (``sglang/srt/managers/tokenizer_manager.py`` ``_calculate_spec_decoding_metrics``;
@@ -447,6 +448,13 @@ class BenchSettings:
             raise KimiInputError("timeouts must be positive")
         if self.baseline_from is not None and not self.baseline:
             raise KimiInputError("--baseline-from takes an earlier baseline, --no-baseline runs none: pick one")
+        if self.baseline_from is not None and (
+            baseline_reuse.result_path(self.baseline_from).parent.resolve() == Path(self.out_dir).resolve()
+        ):
+            raise KimiInputError(
+                f"--baseline-from {self.baseline_from} is this bench's own --out, which it would overwrite: "
+                "bench into another folder"
+            )
 
     def _check_algorithm(self) -> None:
         """Each config's algorithm serves this draft; a DFLASH block size left open becomes the draft's."""
@@ -893,11 +901,12 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
         baseline, base_rows = (None, {})
         if reused is not None:
             baseline, base_rows, source = reused
-            baseline = {**baseline, "reused_from": source}
+            baseline = {**baseline, "reused_from": source}  # source names the one it took in turn, if any
         elif settings.baseline:
             baseline, base_rows = _serve_and_measure(
                 "baseline", settings, None, encoded, warm, context=context, out=out, launcher=launcher
             )
+        if base_rows:  # beside the result, so a later bench can take this baseline with its outputs
             write_atomic(out / baseline_reuse.OUTPUTS_FILE, json.dumps(baseline_reuse.outputs_doc(base_rows)))
         runs = []
         for spec in settings.configs:
