@@ -18,9 +18,18 @@ run_report() {
   python3 -m specforge_kimi run-report "$RUN" "${samples[@]}" --out "$OUT/online_run.json" > "$OUT/run_report.out" 2>&1
 }
 
+# head_tail FILE DEST: FILE whole up to 60,000 bytes, else its first and last 30,000 bytes with one line between
+# saying how much was left out (a server log's start-up and its end both matter)
+head_tail() {
+  local size
+  size=$(stat -c %s "$1")
+  if [ "$size" -le 60000 ]; then cat "$1" > "$2"; return; fi
+  { head -c 30000 "$1"; printf '\n[... %d bytes left out ...]\n' $((size - 60000)); tail -c 30000 "$1"; } > "$2"
+}
+
 # launch_measured RECIPE RUN OUT TIMEOUT_S: `specforge-kimi launch RECIPE --no-bench` with the GPU memory of every
 # process sampled every 2 s (OUT/gpu_mem_samples.csv), then what is left on the GPUs and in the process table
-# (gpu_after.csv, procs_after.txt), the run's logs, `run-report` (OUT/online_run.json) and the export's
+# (gpu_after.csv, procs_after.txt), the run's logs (head_tail), `run-report` (OUT/online_run.json) and the export's
 # config (OUT/export-sglang/). Writes "launch rc=N" into OUT/launch.out. T0 (if set): the script's start.
 launch_measured() {
   local RECIPE="$1" RUN="$2" OUT="$3" T="$4" T1 T2 RC SAMPLER
@@ -44,7 +53,7 @@ launch_measured() {
   ps -eo pid,cmd | grep -E "sglang|specforge_kimi (train|launch)|specforge_kimi.capture_server|mooncake.cli|torch.distributed.run" | grep -v grep > "$OUT/procs_after.txt"
   # cuda_ipc: what a pool leaves (pool files under the run's ipc/, slot tables in /dev/shm) must be gone
   { ls "$RUN/ipc" 2>/dev/null; ls /dev/shm 2>/dev/null | grep '^sfk-ipc-'; } > "$OUT/ipc_after.txt"
-  for f in "$RUN"/logs/*.log; do tail -c 30000 "$f" > "$OUT/$(basename "$f")"; done
+  for f in "$RUN"/logs/*.log; do head_tail "$f" "$OUT/$(basename "$f")"; done
   ls -laR "$RUN" > "$OUT/run_tree.txt" 2>&1
   run_report "$RUN" "$OUT"
   cp -r "$RUN/export-sglang" "$OUT/" 2>/dev/null; rm -f "$OUT"/export-sglang/*.safetensors

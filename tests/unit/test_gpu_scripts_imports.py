@@ -52,3 +52,21 @@ def test_recipe_fields_reads_the_tiny_recipes(recipe):
     assert proc.returncode == 0, proc.stderr[-2000:]
     name, output_dir, per_node, *_ = proc.stdout.split()
     assert output_dir.startswith("runs/") and per_node == "1" and name.startswith("tiny-k25-tp1")
+
+
+def test_head_tail_keeps_a_long_logs_start_and_end(tmp_path):
+    """gpu_common.sh's head_tail: a server log's start-up (its head) and its end both come back from the box."""
+    big = tmp_path / "server.log"
+    big.write_bytes(b"START up\n" + b"x" * 100_000 + b"\nEND ready\n")
+    small = tmp_path / "small.log"
+    small.write_bytes(b"whole\n" * 10)
+    script = (
+        f'. scripts/gpu_common.sh && head_tail "{big}" "{tmp_path}/b.out" && head_tail "{small}" "{tmp_path}/s.out"'
+    )
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cut = (tmp_path / "b.out").read_bytes()
+    assert cut.startswith(b"START up\n") and cut.endswith(b"\nEND ready\n")
+    size = big.stat().st_size
+    assert f"\n[... {size - 60000} bytes left out ...]\n".encode() in cut and len(cut) < 60_100
+    assert (tmp_path / "s.out").read_bytes() == small.read_bytes()
