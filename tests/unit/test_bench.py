@@ -1540,7 +1540,19 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
     (run2,) = d2["speculative"]
     assert run2["output_match"] is None and run2["speedup"]["overall"] is not None
     assert d2["baseline"]["reused_from"]["outputs"] is None
-    assert len((tmp_path / "pids").read_text().split()) == served + 1  # the DFlash server only, again
+    # d now holds a baseline taken without outputs: the outputs d's first bench left there are gone with it
+    d2b = bench.run_bench(
+        BenchSettings(
+            draft=str(dflash),
+            configs=[bench.DFlashConfig(8)],
+            baseline_from=str(tmp_path / "e"),
+            out_dir=str(tmp_path / "d"),
+            **common,
+        ),
+        launcher=fake_server,
+    )
+    assert d2b["speculative"][0]["output_match"] is None and not (tmp_path / "d" / "baseline_outputs.json").exists()
+    assert len((tmp_path / "pids").read_text().split()) == served + 2  # the DFlash servers only, again
 
 
 def test_baseline_from_refuses_what_is_not_like_for_like_before_serving(tmp_path, fake_server, monkeypatch):

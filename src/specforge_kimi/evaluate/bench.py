@@ -908,6 +908,8 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
             )
         if base_rows:  # beside the result, so a later bench can take this baseline with its outputs
             write_atomic(out / baseline_reuse.OUTPUTS_FILE, json.dumps(baseline_reuse.outputs_doc(base_rows)))
+        else:  # an earlier bench's outputs in this folder must not pass for this baseline's
+            (out / baseline_reuse.OUTPUTS_FILE).unlink(missing_ok=True)
         runs = []
         for spec in settings.configs:
             label = spec.run_label
