@@ -841,6 +841,33 @@ def _reused_baseline(
     return baseline_reuse.load(settings.baseline_from, expected=expected)
 
 
+def _baseline(
+    settings: BenchSettings,
+    reused: tuple | None,
+    encoded: dict,
+    warm: list,
+    *,
+    context: int,
+    out: Path,
+    launcher: Sequence[str] | None,
+) -> tuple[dict | None, dict]:
+    """The baseline run and its rows: taken (``reused``), served, or none; its greedy outputs written beside the
+    result so a later bench can take it with them."""
+    baseline, base_rows = (None, {})
+    if reused is not None:
+        baseline, base_rows, source = reused
+        baseline = {**baseline, "reused_from": source}  # source names the one it took in turn, if any
+    elif settings.baseline:
+        baseline, base_rows = _serve_and_measure(
+            "baseline", settings, None, encoded, warm, context=context, out=out, launcher=launcher
+        )
+    if base_rows:
+        write_atomic(out / baseline_reuse.OUTPUTS_FILE, json.dumps(baseline_reuse.outputs_doc(base_rows)))
+    else:  # an earlier bench's outputs in this folder must not pass for this baseline's
+        (out / baseline_reuse.OUTPUTS_FILE).unlink(missing_ok=True)
+    return baseline, base_rows
+
+
 def check_threshold(result: dict, minimum: float | None) -> dict | None:
     """The first config's acceptance length over ``threshold_sets`` against ``minimum``."""
     if minimum is None:
@@ -898,18 +925,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
         previous = signal.signal(signal.SIGTERM, _term)  # SIGTERM tears the servers down like Ctrl-C
     t0 = time.monotonic()
     try:
-        baseline, base_rows = (None, {})
-        if reused is not None:
-            baseline, base_rows, source = reused
-            baseline = {**baseline, "reused_from": source}  # source names the one it took in turn, if any
-        elif settings.baseline:
-            baseline, base_rows = _serve_and_measure(
-                "baseline", settings, None, encoded, warm, context=context, out=out, launcher=launcher
-            )
-        if base_rows:  # beside the result, so a later bench can take this baseline with its outputs
-            write_atomic(out / baseline_reuse.OUTPUTS_FILE, json.dumps(baseline_reuse.outputs_doc(base_rows)))
-        else:  # an earlier bench's outputs in this folder must not pass for this baseline's
-            (out / baseline_reuse.OUTPUTS_FILE).unlink(missing_ok=True)
+        baseline, base_rows = _baseline(settings, reused, encoded, warm, context=context, out=out, launcher=launcher)
         runs = []
         for spec in settings.configs:
             label = spec.run_label
