@@ -8,7 +8,7 @@
 #   STAGE=bench   both benches (gpu_draft_run.sh STAGE=bench, BENCH_ARGS passed on), then the comparison once
 #                 both acceptance files are in OUT (this call's or an earlier call's); the DFlash bench takes the
 #                 EAGLE-3 bench's baseline (`bench --baseline-from`, checked like for like) when there is one, and
-#                 serves its own if that is refused
+#                 serves its own if that is refused (rc 2), not after a failure or a cut
 #   STAGE=all     both
 #   FAMILIES="eagle3 dflash" (the default) the families either stage runs, in that order: one family per device
 #                 call when a fresh box's launch (~260 s for 1,500 tiny steps with its start and export) or a bench
@@ -50,7 +50,11 @@ bench_block() { # the DFlash bench, on the EAGLE-3 bench's baseline when it has 
     one dflash "$BLOCK_RECIPE" bench "--baseline-from $OUT/eagle3/bench"
     [ -f "$OUT/dflash/acceptance_tiny_dflash_tp1_$CARD.json" ] && return
     mv "$OUT/dflash/bench.out" "$OUT/dflash/bench-shared-baseline.out" 2>/dev/null
-    echo "the EAGLE-3 bench's baseline was not taken (OUT/dflash/bench-shared-baseline.out): its own baseline"
+    if ! grep -q "^bench rc=2$" "$OUT/dflash/bench-shared-baseline.out" 2>/dev/null; then
+      echo "the DFlash bench failed or was cut (OUT/dflash/bench-shared-baseline.out): not retried"
+      return
+    fi
+    echo "the EAGLE-3 bench's baseline was refused (OUT/dflash/bench-shared-baseline.out): its own baseline"
   fi
   one dflash "$BLOCK_RECIPE" bench
 }

@@ -49,7 +49,7 @@ elif cmd == "capture-features":
 elif cmd == "bench":
     if opt("--baseline-from") and os.environ.get("SHIM_REFUSE_BASELINE"):
         print("error: --baseline-from " + opt("--baseline-from") + ": not like for like", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(int(os.environ["SHIM_REFUSE_BASELINE"]))
     out = Path(opt("--out"))
     out.mkdir(parents=True, exist_ok=True)
     block = "dflash" in opt("--draft")  # a block draft's bench serves DFLASH at its block size
@@ -489,7 +489,7 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     )
     assert "comparison rc=0" in res.stdout
     # a baseline the bench refuses to take (not like for like): the DFlash bench serves its own
-    res = run(STAGE="bench", FAMILIES="dflash", BENCH_ARGS="--num-prompts 8", SHIM_REFUSE_BASELINE="1")
+    res = run(STAGE="bench", FAMILIES="dflash", BENCH_ARGS="--num-prompts 8", SHIM_REFUSE_BASELINE="2")
     assert res.returncode == 0, res.stdout + res.stderr
     retried = [c["args"] for c in _calls(tmp_path) if c["cmd"] == "bench"][2:]
     assert [b[-2:] for b in retried] == [["--baseline-from", f"{out}/eagle3/bench"], ["--num-prompts", "8"]]
@@ -499,6 +499,10 @@ def test_tiny_compare_launches_both_then_benches_both_and_compares(tmp_path):
     assert (out / "dflash" / "bench-before-1" / "acceptance_tiny_dflash_tp1_h200.json").is_file()
     reused = json.loads((out / "dflash" / "acceptance_tiny_dflash_tp1_h200.json").read_text())["baseline"]
     assert reused == {"reused_from": None}  # its own baseline
+    # a bench that failed or was cut otherwise (here rc 124) is not run again: its call's time is spent
+    res = run(STAGE="bench", FAMILIES="dflash", BENCH_ARGS="--num-prompts 8", SHIM_REFUSE_BASELINE="124")
+    assert res.returncode == 0 and "not retried" in res.stdout, res.stdout + res.stderr
+    assert len([c for c in _calls(tmp_path) if c["cmd"] == "bench"]) == 5  # one more, no retry
     n = len(_calls(tmp_path))
     for bad, message in ((dict(STAGE="train"), "STAGE must be all, launch or bench"),
                          (dict(MAX_STEPS="0"), "MAX_STEPS must be a positive integer"),
