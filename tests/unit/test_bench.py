@@ -1487,16 +1487,20 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
     outputs = json.loads((tmp_path / "e" / "baseline_outputs.json").read_text())
     assert [len(r["output_ids"]) > 0 for r in outputs["sets"]["structured"]] == [True] * 3
     served = len((tmp_path / "pids").read_text().split())
-    d = bench.run_bench(
-        BenchSettings(
-            draft=str(dflash),
-            configs=[bench.DFlashConfig(8)],
-            baseline_from=str(tmp_path / "e"),
-            out_dir=str(tmp_path / "d"),
-            **common,
-        ),
-        launcher=fake_server,
-    )
+
+    def dflash_bench(source, out):  # the DFlash bench on a baseline taken from source, written to out
+        return bench.run_bench(
+            BenchSettings(
+                draft=str(dflash),
+                configs=[bench.DFlashConfig(8)],
+                baseline_from=str(source),
+                out_dir=str(tmp_path / out),
+                **common,
+            ),
+            launcher=fake_server,
+        )
+
+    d = dflash_bench(tmp_path / "e", "d")
     assert len((tmp_path / "pids").read_text().split()) == served + 1  # the DFlash server only
     assert {p.name for p in (tmp_path / "d" / "logs").iterdir()} == {"dflash-8.log"}
     assert json.loads((tmp_path / "d" / "baseline_outputs.json").read_text()) == outputs  # passed on
@@ -1506,16 +1510,7 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
     assert reused["date_utc"] == e["date_utc"] and reused["outputs"].endswith("baseline_outputs.json")
     assert reused["reused_from"] is None  # measured there, not taken in turn
     # a third bench takes it from the second: the chain names both, the outputs still checked
-    d3 = bench.run_bench(
-        BenchSettings(
-            draft=str(dflash),
-            configs=[bench.DFlashConfig(8)],
-            baseline_from=str(tmp_path / "d"),
-            out_dir=str(tmp_path / "d3"),
-            **common,
-        ),
-        launcher=fake_server,
-    )
+    d3 = dflash_bench(tmp_path / "d", "d3")
     chain = d3["baseline"].pop("reused_from")
     assert d3["baseline"] == e["baseline"]
     assert chain["path"].endswith("/d/bench_result.json") and chain["reused_from"]["path"] == reused["path"]
@@ -1527,30 +1522,12 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
     assert run["output_match"]["structured"] == {"identical": 3, "different": 0, "first_different": []}
     # a baseline that left no outputs (an older bench) still gives the speedup, without the output check
     (tmp_path / "e" / "baseline_outputs.json").unlink()
-    d2 = bench.run_bench(
-        BenchSettings(
-            draft=str(dflash),
-            configs=[bench.DFlashConfig(8)],
-            baseline_from=str(tmp_path / "e" / "bench_result.json"),
-            out_dir=str(tmp_path / "d2"),
-            **common,
-        ),
-        launcher=fake_server,
-    )
+    d2 = dflash_bench(tmp_path / "e" / "bench_result.json", "d2")
     (run2,) = d2["speculative"]
     assert run2["output_match"] is None and run2["speedup"]["overall"] is not None
     assert d2["baseline"]["reused_from"]["outputs"] is None
     # d now holds a baseline taken without outputs: the outputs d's first bench left there are gone with it
-    d2b = bench.run_bench(
-        BenchSettings(
-            draft=str(dflash),
-            configs=[bench.DFlashConfig(8)],
-            baseline_from=str(tmp_path / "e"),
-            out_dir=str(tmp_path / "d"),
-            **common,
-        ),
-        launcher=fake_server,
-    )
+    d2b = dflash_bench(tmp_path / "e", "d")
     assert d2b["speculative"][0]["output_match"] is None and not (tmp_path / "d" / "baseline_outputs.json").exists()
     assert len((tmp_path / "pids").read_text().split()) == served + 2  # the DFlash servers only, again
 

@@ -814,26 +814,16 @@ def _prompt_sets_info(sets: Sequence[PromptSet], encoded: dict) -> dict:
     }
 
 
-def _reused_baseline(
-    settings: BenchSettings,
-    encoded: dict,
-    sets: Sequence[PromptSet],
-    context: int,
-    launcher: Sequence[str] | None,
-) -> tuple:
-    """``--baseline-from``'s baseline, checked like for like against this bench (:mod:`.baseline_reuse`)."""
-    from specforge_kimi.provenance import versions
-
+def _reused_baseline(settings: BenchSettings, recorded: dict, context: int, launcher: Sequence[str] | None) -> tuple:
+    """``--baseline-from``'s baseline, checked like for like against this bench (:mod:`.baseline_reuse`):
+    ``recorded`` holds the devices, versions, target and prompt sets this bench's result will record."""
     s = asdict(settings)
     argv = server_argv(settings, None, port=0, context=context)
     if launcher is not None:  # as _serve_and_measure records it
         argv = [*launcher, *argv[3:]]
     expected = {
         "schema_version": SCHEMA_VERSION,
-        "devices": _devices(),
-        "versions": versions(),
-        "target": _target_info(settings),
-        "prompt_sets": _prompt_sets_info(sets, encoded),
+        **{k: recorded[k] for k in ("devices", "versions", "target", "prompt_sets")},
         "context_length": context,
         "settings": {k: s[k] for k in baseline_reuse.BASELINE_SETTINGS},
         "server_argv": argv,
@@ -912,9 +902,15 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
     first = next(iter(encoded.values()))
     warm = [(f"warmup-{i}", first[i % len(first)][1]) for i in range(settings.warmup)]
 
+    recorded = {  # read once: what a taken baseline is checked against is what the result records
+        "devices": _devices(),
+        "versions": versions(),
+        "target": _target_info(settings),
+        "prompt_sets": _prompt_sets_info(sets, encoded),
+    }
     reused = None
     if settings.baseline_from is not None:  # checked before any server starts
-        reused = _reused_baseline(settings, encoded, sets, context, launcher)
+        reused = _reused_baseline(settings, recorded, context, launcher)
 
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -957,16 +953,16 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
         "command": sys.argv,
         "environment": {
             "platform": platform.platform(),
-            "devices": _devices(),
-            "versions": versions(),
+            "devices": recorded["devices"],
+            "versions": recorded["versions"],
             "specforge_kimi_git_commit": git_commit(),
         },
-        "target": _target_info(settings),
+        "target": recorded["target"],
         "draft": draft,
         "tokenizer": tok_source,
         "settings": s,
         "context_length": context,
-        "prompt_sets": _prompt_sets_info(sets, encoded),
+        "prompt_sets": recorded["prompt_sets"],
         "baseline": baseline,
         "speculative": runs,
         "wall_s": round(time.monotonic() - t0, 2),
