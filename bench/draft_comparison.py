@@ -9,11 +9,14 @@ must hold an EAGLE3 config and the block file a DFLASH one.
 
 ONE JSON then holds: the command and environment; each side's source files, config and draft; per prompt set and
 overall, each side's acceptance length (SGLang's token-weighted ``acceptance_length``, the bench's headline), the
-ratio block / EAGLE-3, each side's decode tok/s and its speedup over its baseline server (when the bench ran one,
-or took an earlier bench's: ``bench --baseline-from``, so both sides can share one; ``baseline_from`` names it); from the run reports, each run's steps, trained target tokens (SpecForge's ledger), end-to-end trained tok/s
-and the ratio of trained tokens (a like-for-like training budget is the same number of target tokens); and
-``goal``: the block draft's overall acceptance length against ``--goal`` x EAGLE-3's (issue 44: 1.3), stated as met
-or not. The numbers are read, never judged here: timing and acceptance are results, not pass/fail.
+ratio block / EAGLE-3, each side's per-position acceptance (the share of verify steps that accepted the j-th drafted
+token, overall: equal first positions and a longer tail say the block draft gains only from the positions EAGLE-3
+does not propose), each side's decode tok/s and its speedup over its baseline server (when the bench ran one, or
+took an earlier bench's: ``bench --baseline-from``, so both sides can share one; ``baseline_from`` names it); from
+the run reports, each run's steps, trained target tokens (SpecForge's ledger), end-to-end trained tok/s and the
+ratio of trained tokens (a like-for-like training budget is the same number of target tokens); and ``goal``: the
+block draft's overall acceptance length against ``--goal`` x EAGLE-3's (issue 44: 1.3), stated as met or not. The
+numbers are read, never judged here: timing and acceptance are results, not pass/fail.
 
     python bench/draft_comparison.py --eagle3 OUT_E/acceptance_tiny_eagle3_tp1_h100.json \
         --block OUT_D/acceptance_tiny_dflash_tp1_h100.json \
@@ -131,6 +134,8 @@ def _side(doc: dict, run: dict, path: Path) -> dict:
         "acceptance_length": run["overall"].get("acceptance_length"),
         "output_tok_per_s": run["overall"].get("output_tok_per_s"),
         "speedup": (run.get("speedup") or {}).get("overall"),
+        # share of verify steps that accepted the j-th drafted token: where one family's extra length comes from
+        "per_position_at_least": (run["overall"].get("per_position") or {}).get("at_least"),
         "baseline_from": ((doc.get("baseline") or {}).get("reused_from") or {}).get("path"),
     }
 

@@ -87,6 +87,12 @@ def test_ratios_per_set_and_overall_and_the_training_budget(dc, tmp_path):
     assert (doc["eagle3"]["speedup"], doc["block"]["speedup"]) == (1.8, 2.4)
     assert doc["eagle3"]["algorithm"] == "EAGLE3" and doc["block"]["config"]["draft_tokens"] == 8
     assert doc["training"]["block_vs_eagle3_trained_tokens"] == pytest.approx(1.1)
+    assert doc["eagle3"]["per_position_at_least"] is None  # a bench without the histogram
+    e["speculative"][0]["overall"]["per_position"] = {"at_least": [0.56, 0.41, 0.32], "conditional": [0.56, 0.74, 0.77]}
+    b["speculative"][0]["overall"]["per_position"] = {"at_least": [0.56, 0.38, 0.27, 0.22, 0.19, 0.17, 0.12]}
+    doc = dc.compare(_settings(dc, tmp_path, e, b))
+    assert doc["eagle3"]["per_position_at_least"] == [0.56, 0.41, 0.32]
+    assert doc["block"]["per_position_at_least"] == [0.56, 0.38, 0.27, 0.22, 0.19, 0.17, 0.12]
     below = dc.compare(_settings(dc, tmp_path, e, _bench("DFLASH", {"structured": 3.3}, 3.3), goal=1.3))
     assert below["goal"]["met"] is False and "training" not in below
     assert below["block"]["speedup"] is None  # no baseline server in that bench
