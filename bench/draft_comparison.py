@@ -49,6 +49,10 @@ SHARED_SETTINGS = (
 )
 
 
+#: the ratio's interval: level, resamples and seed (fixed, so the same files give the same interval)
+LEVEL, RESAMPLES, SEED = 0.95, 10_000, 0
+
+
 class ComparisonError(ValueError):
     """A pair that cannot be compared like for like, or a file that is not a bench result (one line)."""
 
@@ -160,6 +164,78 @@ def per_set(e_run: dict, b_run: dict) -> dict:
     return rows
 
 
+def paired_prompts(e_run: dict, b_run: dict) -> list[tuple[int, int, int, int]] | None:
+    """Per prompt, (EAGLE-3 completion tokens, its verify steps, block completion tokens, its verify steps), paired
+    by prompt id within each set; None when a side has no ``per_request`` counters (a bench before them) or the two
+    benches' prompt ids differ."""
+    pairs = []
+    for name, es in e_run["sets"].items():
+        er, br = es.get("per_request"), (b_run["sets"].get(name) or {}).get("per_request")
+        if not isinstance(er, list) or not isinstance(br, list):
+            return None
+        by_id = {r.get("id"): r for r in br}
+        if None in by_id or len(by_id) != len(br) or set(by_id) != {r.get("id") for r in er} or len(er) != len(br):
+            return None
+        for r in er:
+            o = by_id[r["id"]]
+            pairs.append((r["completion_tokens"], r["spec_verify_ct"], o["completion_tokens"], o["spec_verify_ct"]))
+    return pairs or None
+
+
+def ratio_interval(e_run: dict, b_run: dict) -> dict | None:
+    """A LEVEL interval of block / EAGLE-3 acceptance length by bootstrap: over prompts, both benches' prompts
+    resampled together, when both carry per-prompt counters; otherwise over verify steps drawn from each side's
+    correct-drafts histogram, which treats the steps as independent (steps of one prompt are not), so that interval
+    is narrower than the truth. None when neither is there."""
+    import numpy as np
+
+    rng = np.random.default_rng(SEED)
+    pairs = paired_prompts(e_run, b_run)
+    if pairs is not None:
+        a = np.asarray(pairs, dtype=float)
+        s = a[rng.integers(0, len(a), size=(RESAMPLES, len(a)))].sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = (s[:, 2] / s[:, 3]) / (s[:, 0] / s[:, 1])
+        unit, n = "prompts", {"eagle3": len(a), "block": len(a)}
+        method = "paired bootstrap over prompts; acceptance length = completion tokens / verify steps of the resample"
+    else:
+        hists = [r["overall"].get("correct_drafts_histogram") for r in (e_run, b_run)]
+        if not all(isinstance(h, list) and sum(h) > 0 for h in hists):
+            return None
+        means = []
+        for h in hists:  # acceptance_length_decode = 1 + accepted drafts per verify step
+            p = np.asarray(h, dtype=float)
+            counts = rng.multinomial(int(p.sum()), p / p.sum(), size=RESAMPLES)
+            means.append(1 + counts @ np.arange(len(p)) / p.sum())
+        ratios = means[1] / means[0]
+        unit, n = "verify steps", {"eagle3": sum(hists[0]), "block": sum(hists[1])}
+        method = (
+            "verify steps resampled from each side's correct-drafts histogram (acceptance_length_decode); steps "
+            "treated as independent, so narrower than an interval over prompts"
+        )
+    ratios = ratios[np.isfinite(ratios)]
+    low, high = np.quantile(ratios, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return {
+        "low": float(low),
+        "high": float(high),
+        "level": LEVEL,
+        "unit": unit,
+        "n": n,
+        "resamples": RESAMPLES,
+        "seed": SEED,
+        "method": method,
+    }
+
+
+def by_interval(interval: dict | None, goal: float) -> str | None:
+    """What the interval says of the goal: met (it lies above), not met (below), or undecided (it holds the goal)."""
+    if interval is None:
+        return None
+    if interval["low"] >= goal:
+        return "met"
+    return "not met" if interval["high"] < goal else "undecided: the interval holds the goal"
+
+
 def training(report: dict, path: Path) -> dict:
     """What a run report says of the training budget: steps, trained target tokens, rate, duplicates."""
     ledger = report.get("ledger") or {}
@@ -184,6 +260,7 @@ def compare(s: Settings) -> dict:
     like_for_like(e, b)
     eagle3, block = _side(e, e_run, s.eagle3), _side(b, b_run, s.block)
     ratio = _ratio(block["acceptance_length"], eagle3["acceptance_length"])
+    interval = ratio_interval(e_run, b_run)
     doc = {
         "target": {k: (e.get("target") or {}).get(k) for k in ("path", "config_sha256")},
         "prompt_sets": e.get("prompt_sets"),
@@ -191,10 +268,12 @@ def compare(s: Settings) -> dict:
         "eagle3": eagle3,
         "block": block,
         "block_vs_eagle3_acceptance_length": ratio,
+        "block_vs_eagle3_interval": interval,
         "sets": per_set(e_run, b_run),
         "goal": {
             "block_vs_eagle3_at_least": s.goal,
-            "met": None if ratio is None else ratio >= s.goal,
+            "met": None if ratio is None else ratio >= s.goal,  # the point estimate
+            "by_interval": by_interval(interval, s.goal),
         },
     }
     if s.eagle3_run is not None and s.block_run is not None:
@@ -223,11 +302,12 @@ def write(doc: dict, out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(doc, indent=2) + "\n")
-    e, b, r = doc["eagle3"], doc["block"], doc["block_vs_eagle3_acceptance_length"]
+    e, b, r, iv = doc["eagle3"], doc["block"], doc["block_vs_eagle3_acceptance_length"], doc["block_vs_eagle3_interval"]
+    span = "" if iv is None else f", {iv['level']:.0%} interval {iv['low']:.3f}-{iv['high']:.3f} over {iv['unit']}"
     print(
         f"EAGLE-3 {e['config']}: AL {e['acceptance_length']}; block {b['config']}: AL {b['acceptance_length']}; "
-        f"block / EAGLE-3 {r if r is None else round(r, 3)} (goal {doc['goal']['block_vs_eagle3_at_least']}: "
-        f"{'met' if doc['goal']['met'] else 'not met'}); wrote {out}"
+        f"block / EAGLE-3 {r if r is None else round(r, 3)}{span} (goal {doc['goal']['block_vs_eagle3_at_least']}: "
+        f"{'met' if doc['goal']['met'] else 'not met'}; by the interval: {doc['goal']['by_interval']}); wrote {out}"
     )
 
 

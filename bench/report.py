@@ -450,6 +450,12 @@ SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     "target_select_step1200_h200.json": f"superseded by {_ECHO_SELECT}: the step-bounded target",
     "target_select_step1200_rebuild_h200.json": f"superseded by {_ECHO_SELECT}: the step-bounded target, rebuilt",
     "target_select_rules_h200.json": f"superseded by {_ECHO_SELECT}: the words-rule target",
+    # draft families: the same pair, its interval added by bench/draft_comparison.py from the same files
+    "draft_comparison_tiny_tp1_h100_compare1000.json": "superseded by "
+    "draft_comparison_tiny_tp1_h100_compare1000_interval.json: the same acceptance files compared on the box, "
+    "before the comparison had its interval",
+    "draft_comparison_tiny_tp1_h100_compare1000_rerun.json": "the second bench of both drafts (no baseline): the "
+    "same acceptance to the last digit (archive/gpu-runs/RUNS.md 2026-12-05 (fourth))",
     # capture overhead: the capture/plain rows only; its breakdown stays current
     "online_pipeline_tp1_h200_compact.json": (
         "superseded by online_pipeline_tp1_h200_compact_headline.json on 2026-12-01: its capture / plain rows "
@@ -1474,6 +1480,9 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
         e, b, goal = r.get("eagle3") or {}, r.get("block") or {}, r.get("goal") or {}
         tokens = (r.get("training") or {}).get("block_vs_eagle3_trained_tokens")
         met = {True: "met", False: "not met"}.get(goal.get("met"), "-")
+        iv = r.get("block_vs_eagle3_interval")
+        span = "-" if not iv else f"{_fmt(iv['low'], 2)}-{_fmt(iv['high'], 2)} over {iv['unit']}"
+        by = goal.get("by_interval")
         return [
             [
                 n,
@@ -1482,7 +1491,8 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
                 cfg(b),
                 _fmt(b.get("acceptance_length")),
                 f"**{_fmt(r.get('block_vs_eagle3_acceptance_length'))}**",
-                f"{goal.get('block_vs_eagle3_at_least')}x: {met}",
+                span,
+                f"{goal.get('block_vs_eagle3_at_least')}x: {met}" + (f"; by the interval {by}" if by else ""),
                 f"{_fmt(e.get('speedup'), 2)} / {_fmt(b.get('speedup'), 2)}",
                 _fmt(tokens),
             ]
@@ -1492,12 +1502,25 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
         "Draft families side by side",
         "`bench/draft_comparison.py`: an EAGLE-3 draft and a block draft (DFlash) trained co-located on the same "
         "target and data, served by SGLang on the same prompts and settings (checked), SGLang's token-weighted "
-        "acceptance length each and block / EAGLE-3; speedup over each bench's own baseline server; trained "
-        "target tokens block / EAGLE-3 from the two run reports.",
+        "acceptance length each and block / EAGLE-3 with its 95% bootstrap interval (over prompts when both benches "
+        "kept per-prompt counters; else over verify steps from the histograms, which treats steps as independent and "
+        "so is narrower than the truth); speedup over each bench's own baseline server; trained target tokens block "
+        "/ EAGLE-3 from the two run reports.",
         files,
         "`scripts/gpu_tiny_compare.sh` (STAGE=launch, then STAGE=bench) on the tiny target and data of "
         "`scripts/gpu_online_run.sh` STAGE=target and STAGE=data.",
-        ["file", "EAGLE-3", "AL", "block draft", "AL", "block / EAGLE-3", "goal", "speedup E / B", "tokens B / E"],
+        [
+            "file",
+            "EAGLE-3",
+            "AL",
+            "block draft",
+            "AL",
+            "block / EAGLE-3",
+            "95% interval",
+            "goal",
+            "speedup E / B",
+            "tokens B / E",
+        ],
         rows,
     )
 

@@ -322,9 +322,16 @@ def test_metrics_from_sglang_meta_info():
         "e2e_latency": 0.01,
     }  # no verify step: no spec keys
     m = bench.summarize(
-        [{"meta_info": a}, {"meta_info": b}, {"meta_info": short}], wall_s=2.0, spec=SpecConfig(3, 1, 4)
+        [{"id": "p0", "meta_info": a}, {"id": "p1", "meta_info": b}, {"id": "p2", "meta_info": short}],
+        wall_s=2.0,
+        spec=SpecConfig(3, 1, 4),
     )
     assert (m["completion_tokens"], m["spec_verify_ct"], m["spec_num_correct_drafts"]) == (23, 7, 13)
+    assert m["per_request"] == [
+        {"id": "p0", "completion_tokens": 10, "spec_verify_ct": 4},
+        {"id": "p1", "completion_tokens": 12, "spec_verify_ct": 3},
+        {"id": "p2", "completion_tokens": 1, "spec_verify_ct": 0},
+    ]
     assert m["acceptance_length"] == pytest.approx(23 / 7)
     assert m["acceptance_length_decode"] == pytest.approx(20 / 7)
     assert m["acceptance_length_mean_per_request"] == pytest.approx((10 / 4 + 12 / 3) / 2)

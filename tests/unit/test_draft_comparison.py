@@ -82,7 +82,8 @@ def test_ratios_per_set_and_overall_and_the_training_budget(dc, tmp_path):
     b = _bench("DFLASH", {"structured": 4.5}, 4.5, speedup=2.4)
     doc = dc.compare(_settings(dc, tmp_path, e, b, runs=(_report(1000), _report(1100))))
     assert doc["block_vs_eagle3_acceptance_length"] == pytest.approx(1.5)
-    assert doc["goal"] == {"block_vs_eagle3_at_least": 1.3, "met": True}
+    assert doc["goal"] == {"block_vs_eagle3_at_least": 1.3, "met": True, "by_interval": None}
+    assert doc["block_vs_eagle3_interval"] is None  # neither per-prompt counters nor histograms
     assert doc["sets"]["structured"]["block_vs_eagle3"] == pytest.approx(1.5)
     assert (doc["eagle3"]["speedup"], doc["block"]["speedup"]) == (1.8, 2.4)
     assert doc["eagle3"]["algorithm"] == "EAGLE3" and doc["block"]["config"]["draft_tokens"] == 8
@@ -173,3 +174,52 @@ def test_an_out_that_is_a_link_is_refused_in_one_line(tmp_path):
     )  # fmt: skip
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert victim.read_text() == "keep me\n"
+
+
+def _per_request(run: dict, rows: list[tuple[str, int, int]]) -> None:
+    """Give a bench run per-prompt counters (id, completion tokens, verify steps) in its one set and overall."""
+    reqs = [{"id": i, "completion_tokens": c, "spec_verify_ct": v} for i, c, v in rows]
+    run["sets"]["structured"]["per_request"] = reqs
+    run["overall"]["per_request"] = reqs
+
+
+def test_the_ratio_interval_over_prompts_decides_the_goal_only_when_it_lies_clear_of_it(dc, tmp_path):
+    """Paired by prompt id: every prompt at 1.5x gives a point interval (the goal met by it); prompts at 1.0x and
+    2.0x give an interval that holds 1.3 (undecided); a pair whose prompt ids differ has no interval over prompts."""
+    e = _bench("EAGLE3", {"structured": 2.0}, 2.0)
+    b = _bench("DFLASH", {"structured": 3.0}, 3.0)
+    _per_request(e["speculative"][0], [("p0", 100, 50), ("p1", 60, 30), ("p2", 80, 40)])
+    _per_request(b["speculative"][0], [("p2", 80, 80 / 3), ("p0", 100, 100 / 3), ("p1", 60, 20)])  # 3.0 each
+    doc = dc.compare(_settings(dc, tmp_path, e, b))
+    iv = doc["block_vs_eagle3_interval"]
+    assert iv["unit"] == "prompts" and iv["n"] == {"eagle3": 3, "block": 3} and iv["level"] == 0.95
+    assert (iv["low"], iv["high"]) == (pytest.approx(1.5), pytest.approx(1.5))
+    assert doc["goal"] == {"block_vs_eagle3_at_least": 1.3, "met": True, "by_interval": "met"}
+    # half the prompts at 1.0x, half at 2.0x: the point estimate meets 1.3, the interval does not decide it
+    rows_e = [(f"p{i}", 100, 50) for i in range(8)]
+    rows_b = [(f"p{i}", 100, 50 if i % 2 else 25) for i in range(8)]
+    _per_request(e["speculative"][0], rows_e)
+    _per_request(b["speculative"][0], rows_b)
+    doc = dc.compare(_settings(dc, tmp_path, e, b))
+    iv = doc["block_vs_eagle3_interval"]
+    assert iv["low"] < 1.3 < iv["high"] and iv["low"] >= 1.0 and iv["high"] <= 2.0
+    assert doc["goal"]["by_interval"] == "undecided: the interval holds the goal"
+    assert dc.compare(_settings(dc, tmp_path, e, b)) == doc  # a fixed seed: the same files, the same interval
+    _per_request(b["speculative"][0], [(f"q{i}", 100, 50) for i in range(8)])
+    assert dc.compare(_settings(dc, tmp_path, e, b))["block_vs_eagle3_interval"] is None  # no histograms either
+
+
+def test_without_per_prompt_counters_the_interval_comes_from_the_histograms_and_says_so(dc, tmp_path):
+    e = _bench("EAGLE3", {"structured": 2.29}, 2.29)
+    b = _bench("DFLASH", {"structured": 2.93}, 2.93)
+    e["speculative"][0]["overall"]["correct_drafts_histogram"] = [166, 54, 36, 119]
+    b["speculative"][0]["overall"]["correct_drafts_histogram"] = [129, 52, 33, 15, 8, 8, 14, 35]
+    doc = dc.compare(_settings(dc, tmp_path, e, b))
+    iv = doc["block_vs_eagle3_interval"]
+    assert iv["unit"] == "verify steps" and iv["n"] == {"eagle3": 375, "block": 294}
+    assert "independent" in iv["method"]
+    decode = (1 + 564 / 294) / (1 + 483 / 375)  # the two histograms' acceptance_length_decode
+    assert iv["low"] < decode < iv["high"] and iv["high"] - iv["low"] < 0.5
+    assert doc["goal"]["by_interval"] == "undecided: the interval holds the goal"
+    assert dc.by_interval({"low": 1.0, "high": 1.2}, 1.3) == "not met"
+    assert dc.by_interval(None, 1.3) is None

@@ -29,7 +29,8 @@ def _comparison() -> dict:
         "block": {"algorithm": "DFLASH", "config": {"steps": 1, "topk": 1, "draft_tokens": 8},
                   "acceptance_length": 4.34, "speedup": 2.6},
         "block_vs_eagle3_acceptance_length": 1.4,
-        "goal": {"block_vs_eagle3_at_least": 1.3, "met": True},
+        "block_vs_eagle3_interval": {"low": 1.21, "high": 1.58, "level": 0.95, "unit": "prompts"},
+        "goal": {"block_vs_eagle3_at_least": 1.3, "met": True, "by_interval": "undecided: the interval holds the goal"},
         "training": {"block_vs_eagle3_trained_tokens": 1.0},
     }  # fmt: skip
 
@@ -40,6 +41,9 @@ def test_both_sections_tabulate_their_files(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     (results / "draft_comparison_tiny_tp1_h100.json").write_text(json.dumps(_comparison()))
+    older = {k: v for k, v in _comparison().items() if k != "block_vs_eagle3_interval"}  # before the interval
+    older["goal"] = {"block_vs_eagle3_at_least": 1.3, "met": True}
+    (results / "draft_comparison_older.json").write_text(json.dumps(older))
     out = results / "overlap_rates_dry.json"
     assert rates.main(["--dry-run", "--recipe", str(REPO / "recipes/kimi-k25-slice-h200.yaml"), "--out", str(out)]) == 0
     md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
@@ -47,8 +51,11 @@ def test_both_sections_tabulate_their_files(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| draft_comparison_tiny_tp1_h100.json"))
     assert row == (
         "| draft_comparison_tiny_tp1_h100.json | EAGLE3 3/1/4 | 3.100 | DFLASH block 8 | 4.340 | **1.400** "
-        "| 1.3x: met | 1.90 / 2.60 | 1.000 |"
+        "| 1.21-1.58 over prompts | 1.3x: met; by the interval undecided: the interval holds the goal | 1.90 / 2.60 "
+        "| 1.000 |"
     )
+    row = next(line for line in md.splitlines() if line.startswith("| draft_comparison_older.json"))
+    assert row.endswith("| **1.400** | - | 1.3x: met | 1.90 / 2.60 | 1.000 |")
     doc = json.loads(out.read_text())
     rows = [line for line in md.splitlines() if line.startswith("| overlap_rates_dry.json (dry run: canned)")]
     assert len(rows) == len(doc["rows"]) >= 2

@@ -381,6 +381,15 @@ def summarize(responses: Sequence[dict], *, wall_s: float, spec: SpecConfig | DF
             # the histogram must account for every verify step and every accepted draft token
             "histogram_consistent": sum(hist) == verify and sum(k * c for k, c in enumerate(hist)) == correct,
             "per_position": per_position_acceptance(hist, spec.drafted_positions),
+            # per prompt, so a comparison can resample prompts (bench/draft_comparison.py's interval)
+            "per_request": [
+                {
+                    "id": r.get("id"),
+                    "completion_tokens": int(m.get("completion_tokens", 0)),
+                    "spec_verify_ct": int(m.get("spec_verify_ct", 0)),
+                }
+                for r, m in zip(responses, metas, strict=True)
+            ],
         }
     )
     return out
@@ -985,6 +994,7 @@ METRIC_DEFINITIONS = {
     "per_position.at_least[j-1]": "share of verify steps that accepted the j-th drafted token, from "
     "meta_info.spec_correct_drafts_histogram",
     "per_position.conditional[j-1]": "at_least[j-1] / at_least[j-2]: acceptance of position j given j-1",
+    "per_request": "each prompt's completion_tokens and spec_verify_ct (meta_info), by prompt id",
     "output_tok_per_s": "completion tokens / wall seconds of the set at the given concurrency",
     "speedup": "output_tok_per_s with speculation / without, same prompts, same server flags otherwise",
 }
