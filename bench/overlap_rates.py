@@ -9,7 +9,9 @@ subprocess; nothing re-implemented here):
   trainer alone   bench/trainer_memory.py on the recipe's own step and batches (its attention backend, its
                   ``max_length``, the batch already on the GPU as both transports hand it over)
   co-located      ``specforge-kimi launch`` of the recipe with each option's ``overlap:`` section (``--no-bench``),
-                  then ``specforge-kimi run-report``: its ``perf.end_to_end_tokens_per_s`` (trained tok/s)
+                  then ``specforge-kimi run-report``: its ``perf.end_to_end_tokens_per_s`` (trained tok/s); the
+                  run's checkpoints and export are removed once the report is read, so the next option's run
+                  finds the disk as the first did (logs, ledger and report stay)
 
 and writes ONE JSON: the command, the environment, the two stage rates with their source files, the serial sum
 ``1 / (1/prefill + 1/trainer)`` (the two stages taking turns) and one row per option (``baseline`` = the recipe's
@@ -33,6 +35,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -176,10 +180,27 @@ def measure_trainer(recipe, s: Settings) -> dict:
     return {"tokens_per_s": rows[0]["tokens_per_s"], "length": rows[0].get("length"), "source": str(out)}
 
 
+def drop_heavy(run_dir: Path) -> list[str]:
+    """Remove what a rate run leaves that only fills the disk: its step checkpoints (``<name>-step<N>``, with the
+    optimizer state) and its export, tens of GB at K2.5's width, where the box's disk holds the slice and one
+    checkpoint; the logs, ledger, rendered configs and run report stay. Returns the removed folders' names."""
+    removed = []
+    if run_dir.is_dir():
+        for p in sorted(run_dir.iterdir()):
+            heavy = re.fullmatch(r".+-step\d+", p.name) or p.name.startswith("export-")
+            if heavy and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+                removed.append(p.name)
+    return removed
+
+
 def measure_colocated(raw: dict, option: str, s: Settings) -> dict:
-    """``specforge-kimi launch`` of the recipe with the option's overlap section, then its run-report."""
+    """``specforge-kimi launch`` of the recipe with the option's overlap section, then its run-report; the run's
+    checkpoints and export are removed after it (:func:`drop_heavy`), so every option's run finds the disk free."""
     name = option.replace("+", "-")
     run_dir = (s.workdir / f"run-{name}").absolute()
+    if run_dir.exists():  # an earlier call's run of this option, in this bench's own workdir
+        shutil.rmtree(run_dir)
     variant = {**raw, "output_dir": str(run_dir), "overlap": {**raw.get("overlap", {}), **overlap_of(option, s)}}
     variant["trainer"] = {**raw["trainer"], "max_steps": s.steps}
     path = s.workdir / f"recipe-{name}.yaml"
@@ -188,13 +209,15 @@ def measure_colocated(raw: dict, option: str, s: Settings) -> dict:
     log = s.workdir / f"launch-{name}.log"
     rc = _run([sys.executable, "-m", "specforge_kimi", "launch", str(path), "--no-bench", "--no-progress"], log)
     if rc:
-        return {"error": "launch failed", "rc": rc, "log_tail": _tail(log), "source": str(log)}
+        return {"error": "launch failed", "rc": rc, "log_tail": _tail(log), "source": str(log),
+                "removed": drop_heavy(run_dir)}  # fmt: skip
     report = run_dir / "run-report" / "run_report.json"
     _run([sys.executable, "-m", "specforge_kimi", "run-report", str(run_dir), "--no-plots", "--out", str(report)],
          s.workdir / f"run-report-{name}.log")  # fmt: skip
     perf = _load(report).get("perf", {})
     rate = perf.get("end_to_end_tokens_per_s")
-    out = {"tokens_per_s": rate, "source": str(report), "gpu_memory": _load(report).get("gpu_memory")}
+    out = {"tokens_per_s": rate, "source": str(report), "gpu_memory": _load(report).get("gpu_memory"),
+           "removed": drop_heavy(run_dir)}  # fmt: skip
     return out if rate else {**out, "error": "run-report has no end_to_end_tokens_per_s"}
 
 
@@ -230,8 +253,10 @@ def dry_results(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
 
 
 def write(doc: dict, out: Path) -> None:
+    from specforge_kimi.durable import write_atomic
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_atomic(out, json.dumps(doc, indent=2) + "\n")
     for r in doc["rows"]:
         ratio = r["overlap_vs_serial"]
         said = f"{ratio:.3f}" if ratio else r.get("error")

@@ -56,9 +56,19 @@ def test_colocated_runs_the_recipe_with_the_option_and_reads_run_report(bench, t
     raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
     calls = []
 
+    stale = tmp_path / "run-mps-split" / "from-an-earlier-call"
+    stale.mkdir(parents=True)
+
     def fake_run(argv, log, env=None):  # the process boundary: launch and run-report
         calls.append(argv)
+        if "launch" in argv:  # what a run leaves: checkpoints and export (heavy), logs and ledger (kept)
+            assert not stale.exists()  # an earlier call's run of this option is gone before the launch
+            run = tmp_path / "run-mps-split"
+            for d in ("slice-step7", "slice-step5", "export-sglang", "logs", "consumer-state", "slice-steps"):
+                (run / d).mkdir(parents=True)
+                (run / d / "f").write_text("x")
         if "run-report" in argv:
+            assert (tmp_path / "run-mps-split" / "slice-step7").is_dir()  # the report reads the checkpoints
             out = Path(argv[argv.index("--out") + 1])
             out.parent.mkdir(parents=True)
             out.write_text(json.dumps({"perf": {"end_to_end_tokens_per_s": 11000.0}, "gpu_memory": {"x": 1}}))
@@ -72,6 +82,9 @@ def test_colocated_runs_the_recipe_with_the_option_and_reads_run_report(bench, t
     assert launched["overlap"] == {"mps": True, "server_sm_percent": 30, "trainer_sm_percent": 70}
     assert launched["trainer"]["max_steps"] == 7 and launched["output_dir"] == str(tmp_path / "run-mps-split")
     assert "--no-bench" in calls[0] and calls[1][calls[1].index("run-report") + 1] == str(tmp_path / "run-mps-split")
+    assert res["removed"] == ["export-sglang", "slice-step5", "slice-step7"]
+    left = sorted(p.name for p in (tmp_path / "run-mps-split").iterdir())
+    assert left == ["consumer-state", "logs", "run-report", "slice-steps"]
 
 
 def test_a_failed_launch_is_a_row_with_its_reason(bench, tmp_path, monkeypatch):
@@ -79,10 +92,12 @@ def test_a_failed_launch_is_a_row_with_its_reason(bench, tmp_path, monkeypatch):
 
     def refused(argv, log, env=None):
         log.write_text("overlap.mps: nvidia-cuda-mps-control -d did not start (exit code 1: refused)\n")
+        (tmp_path / "run-mps" / "slice-step3").mkdir(parents=True)  # a failure after a save leaves one too
         return 1
 
     monkeypatch.setattr(bench, "_run", refused)
     res = bench.measure_colocated(raw, "mps", bench.parse(["--out", "x", "--workdir", str(tmp_path)]))
     assert res["rc"] == 1 and "did not start" in res["log_tail"][-1] and "tokens_per_s" not in res
+    assert res["removed"] == ["slice-step3"] and not (tmp_path / "run-mps" / "slice-step3").exists()
     r = bench.row("mps", {"mps": True}, res, 10000.0)
     assert r["overlap_vs_serial"] is None and r["error"] == "launch failed"
