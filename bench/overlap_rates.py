@@ -21,17 +21,28 @@ and ``overlap_vs_serial`` = co-located / serial (1.0: they take turns; the issue
 fails (an MPS daemon the box refuses included) is a row with its exit code and the launch's last lines, not a crash.
 ``--dry-run`` writes the same JSON from canned sub-results without a GPU (tests/unit/test_overlap_rates.py).
 
-The GPU command (the slice's target and prompts from scripts/gpu_real_width.sh STAGE=target and STAGE=data):
+The options need more than one device call at K2.5's width (each is a whole co-located launch). ``--stages-from
+EARLIER.json`` takes the two stage rates, and the rows of options not named in ``--options``, from an earlier call's
+JSON and measures only the named options; it is refused in one line, before anything runs, unless the earlier file is
+this bench's, of the same recipe (path and sha256), the same settings (steps, shape, trainer steps, split,
+concurrency), dry run or not alike, on the same GPUs, with both stage rates measured. The new JSON holds every row and
+names the file it took them from (``stages_from``).
 
-    python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --steps 60 \
-        --options baseline,mps,mps+split,mps+trainer-low,mps+server-low,batching,mps+batching \
-        --split 50,50 --concurrency 2 \
-        --out bench/results/overlap_rates_k25_slice_h200.json
+The GPU commands (the slice's target and prompts from scripts/gpu_real_width.sh STAGE=target and STAGE=data), one
+per device call:
+
+    python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --steps 60 --split 50,50 \
+        --concurrency 2 --options baseline,mps --out $OUT/overlap_rates_1.json
+    python bench/overlap_rates.py ... --options mps+split,mps+trainer-low \
+        --stages-from $OUT/overlap_rates_1.json --out $OUT/overlap_rates_2.json
+    python bench/overlap_rates.py ... --options mps+server-low,batching,mps+batching \
+        --stages-from $OUT/overlap_rates_2.json --out bench/results/overlap_rates_k25_slice_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -61,6 +72,11 @@ class Settings:
     workdir: Path
     out: Path
     dry_run: bool
+    stages_from: Path | None = None
+
+
+class StagesRefused(ValueError):
+    """``--stages-from`` names a file whose stage rates cannot stand for this call's (one line)."""
 
 
 def parse(argv: list[str] | None = None) -> Settings:
@@ -75,6 +91,11 @@ def parse(argv: list[str] | None = None) -> Settings:
     p.add_argument("--workdir", default="runs/overlap-rates")
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true", help="canned sub-results: the arithmetic and JSON, no GPU")
+    p.add_argument(
+        "--stages-from",
+        default=None,
+        help="an earlier call's JSON: its stage rates and the rows of options not in --options (like for like)",
+    )
     a = p.parse_args(argv)
     options = tuple(o for o in a.options.split(",") if o)
     unknown = [o for o in options if o not in OPTIONS]
@@ -83,8 +104,56 @@ def parse(argv: list[str] | None = None) -> Settings:
         p.error(f"--options of {', '.join(OPTIONS)}; --split two percentages 1-100; --concurrency >= 1")
     return Settings(
         Path(a.recipe), options, split, a.concurrency, a.steps, a.shape, a.trainer_steps, Path(a.workdir),
-        Path(a.out), a.dry_run,
+        Path(a.out), a.dry_run, a.stages_from and Path(a.stages_from),
     )  # fmt: skip
+
+
+def settings_of(s: Settings) -> dict:
+    """The settings every row and both stage rates depend on: a later call must share them all."""
+    return {"steps": s.steps, "shape": s.shape, "trainer_steps": s.trainer_steps, "split": list(s.split),
+            "concurrency": s.concurrency}  # fmt: skip
+
+
+def recipe_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def devices() -> list[str] | None:
+    """The GPUs as nvidia-smi names them (None without one)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] or None
+
+
+def stages_from(s: Settings) -> tuple[dict, dict, list[dict], dict]:
+    """The earlier call's stage rates, its rows of options this call does not measure, and where they came from;
+    StagesRefused when the file cannot stand for this call (checked before anything runs)."""
+    path = s.stages_from
+    doc = _load(path)
+    if doc.get("bench") != "overlap_rates":
+        raise StagesRefused(f"--stages-from {path}: not an overlap_rates JSON (or unreadable)")
+    expected = {
+        "recipe": str(s.recipe),
+        "recipe_sha256": recipe_sha256(s.recipe),
+        "settings": settings_of(s),
+        "dry_run": s.dry_run,
+        "devices": None if s.dry_run else devices(),
+    }
+    for key, want in expected.items():
+        if doc.get(key) != want:
+            raise StagesRefused(f"--stages-from {path}: its {key} {doc.get(key)!r} is not this call's {want!r}")
+    prefill, trainer = doc.get("prefill_alone") or {}, doc.get("trainer_alone") or {}
+    if not prefill.get("tokens_per_s") or not trainer.get("tokens_per_s"):
+        raise StagesRefused(f"--stages-from {path}: a stage rate there failed; measure both again (no --stages-from)")
+    kept = [r for r in doc.get("rows", []) if r.get("option") not in s.options]
+    source = {"path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return prefill, trainer, kept, source
 
 
 def overlap_of(option: str, s: Settings) -> dict:
@@ -119,10 +188,21 @@ def row(option: str, overlap: dict, colocated: dict, serial: float | None) -> di
     }
 
 
-def document(s: Settings, argv: list[str], prefill: dict, trainer: dict, runs: dict[str, dict]) -> dict:
-    """The JSON: command, environment, each stage rate with its source, the serial sum, one row per option."""
+def document(
+    s: Settings,
+    argv: list[str],
+    prefill: dict,
+    trainer: dict,
+    runs: dict[str, dict],
+    kept: list[dict] | None = None,
+    source: dict | None = None,
+) -> dict:
+    """The JSON: command, environment, each stage rate with its source, the serial sum, one row per option (``kept``:
+    rows an earlier call measured, taken with its stage rates through ``--stages-from``, named by ``source``)."""
     p, t = prefill.get("tokens_per_s"), trainer.get("tokens_per_s")
     serial = serial_rate(p, t) if p and t else None
+    rows = [*(kept or []), *(row(o, overlap_of(o, s), runs[o], serial) for o in s.options)]
+    rows.sort(key=lambda r: OPTIONS.index(r["option"]) if r["option"] in OPTIONS else len(OPTIONS))
     return {
         "bench": "overlap_rates",
         "command": [sys.executable, *argv],
@@ -132,12 +212,16 @@ def document(s: Settings, argv: list[str], prefill: dict, trainer: dict, runs: d
             "python": platform.python_version(),
             **{k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ},
         },
+        "devices": None if s.dry_run else devices(),
         "recipe": str(s.recipe),
+        "recipe_sha256": recipe_sha256(s.recipe),
+        "settings": settings_of(s),
+        "stages_from": source,
         "prefill_alone": prefill,
         "trainer_alone": trainer,
         "serial_tokens_per_s": serial,
         "serial_is": "1 / (1/prefill_alone + 1/trainer_alone): the two stages taking turns on the GPU",
-        "rows": [row(o, overlap_of(o, s), runs[o], serial) for o in s.options],
+        "rows": rows,
     }
 
 
@@ -228,15 +312,17 @@ def _load(path: Path) -> dict:
         return {}
 
 
-def measure(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
-    """The two stages alone, then one co-located run per option (each stage alone before any run: a clean GPU)."""
+def measure(s: Settings, stages: tuple[dict, dict] | None = None) -> tuple[dict, dict, dict[str, dict]]:
+    """The two stages alone (or ``stages``, an earlier call's), then one co-located run per option (each stage alone
+    before any run: a clean GPU)."""
     if s.dry_run:
-        return dry_results(s)
+        prefill, trainer, runs = dry_results(s)
+        return (*(stages or (prefill, trainer)), runs)
     from specforge_kimi.plan.run_plan import compile_plan
 
     recipe = compile_plan(s.recipe).recipe  # the transport resolved as launch resolves it
     raw = yaml.safe_load(s.recipe.read_text())
-    prefill, trainer = measure_prefill(recipe, s), measure_trainer(recipe, s)
+    prefill, trainer = stages or (measure_prefill(recipe, s), measure_trainer(recipe, s))
     return prefill, trainer, {o: measure_colocated(raw, o, s) for o in s.options}
 
 
@@ -267,8 +353,16 @@ def write(doc: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse(argv)
-    prefill, trainer, runs = measure(s)
-    write(document(s, [str(Path(__file__).relative_to(ROOT)), *argv], prefill, trainer, runs), s.out)
+    kept, source, stages = None, None, None
+    if s.stages_from is not None:
+        try:
+            prefill, trainer, kept, source = stages_from(s)
+        except StagesRefused as exc:
+            print(f"overlap_rates: {exc}", file=sys.stderr)
+            return 2
+        stages = (prefill, trainer)
+    prefill, trainer, runs = measure(s, stages)
+    write(document(s, [str(Path(__file__).relative_to(ROOT)), *argv], prefill, trainer, runs, kept, source), s.out)
     return 0
 
 

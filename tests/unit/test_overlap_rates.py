@@ -101,3 +101,78 @@ def test_a_failed_launch_is_a_row_with_its_reason(bench, tmp_path, monkeypatch):
     assert res["removed"] == ["slice-step3"] and not (tmp_path / "run-mps" / "slice-step3").exists()
     r = bench.row("mps", {"mps": True}, res, 10000.0)
     assert r["overlap_vs_serial"] is None and r["error"] == "launch failed"
+
+
+def test_a_later_call_takes_the_stage_rates_and_rows_of_an_earlier_one_like_for_like(bench, tmp_path, capsys):
+    """--stages-from: the second call measures only its options, keeps the first call's stage rates and other rows,
+    replaces a row it measures again, names its source; an earlier file that differs in recipe, settings or dry run,
+    or whose stage rates failed, or that is not this bench's, is refused in one line and nothing is written."""
+    recipe = tmp_path / "slice.yaml"
+    recipe.write_text((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
+    common = ["--dry-run", "--recipe", str(recipe), "--split", "40,60", "--workdir", str(tmp_path / "w")]
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    assert bench.main([*common, "--options", "baseline,mps", "--out", str(first)]) == 0
+    d1 = json.loads(first.read_text())
+    d1["prefill_alone"]["tokens_per_s"] = 48000.0  # as if measured: the later call must carry it, not re-measure
+    d1["serial_tokens_per_s"] = bench.serial_rate(48000.0, d1["trainer_alone"]["tokens_per_s"])
+    first.write_text(json.dumps(d1))
+    args = [*common, "--options", "mps+split,mps", "--stages-from", str(first), "--out", str(second)]
+    assert bench.main(args) == 0
+    d2 = json.loads(second.read_text())
+    assert [r["option"] for r in d2["rows"]] == ["baseline", "mps", "mps+split"]
+    assert d2["rows"][0] == d1["rows"][0]  # baseline: the first call's row, as it was
+    assert d2["prefill_alone"] == d1["prefill_alone"] and d2["trainer_alone"] == d1["trainer_alone"]
+    mps = next(r for r in d2["rows"] if r["option"] == "mps")
+    assert mps["overlap_vs_serial"] == pytest.approx(11500.0 / d2["serial_tokens_per_s"])  # measured again
+    assert d2["stages_from"]["path"] == str(first.resolve()) and len(d2["stages_from"]["sha256"]) == 64
+    capsys.readouterr()
+
+    def refused(extra: list[str], expected: str, source: Path = first) -> None:
+        out = tmp_path / "refused.json"
+        argv = [*common, "--options", "batching", "--stages-from", str(source), "--out", str(out), *extra]
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"overlap_rates: --stages-from {source}") and expected in err and "\n" not in err, err
+        assert not out.exists()
+
+    refused(["--steps", "90"], "its settings")
+    refused(["--concurrency", "3"], "its settings")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**d1, "prefill_alone": {"error": "bench/online_pipeline.py failed", "rc": 1}}))
+    refused([], "a stage rate there failed", bad)
+    bad.write_text(json.dumps({"bench": "trainer_memory"}))
+    refused([], "not an overlap_rates JSON", bad)
+    assert (
+        bench.main(
+            [
+                "--recipe",
+                str(recipe),
+                "--split",
+                "40,60",
+                "--stages-from",
+                str(first),
+                "--out",
+                str(tmp_path / "x.json"),
+            ]
+        )
+        == 2
+    )
+    assert "its dry_run True is not this call's False" in capsys.readouterr().err  # canned rates stand for no GPU's
+    recipe.write_text(recipe.read_text() + "\n# edited\n")
+    refused([], "its recipe_sha256")
+    assert (
+        bench.main(
+            [
+                "--recipe",
+                str(recipe),
+                "--split",
+                "40,60",
+                "--stages-from",
+                str(first),
+                "--out",
+                str(tmp_path / "x.json"),
+            ]
+        )
+        == 2
+    )
+    assert "its recipe_sha256" in capsys.readouterr().err  # checked before anything runs, a real call too
