@@ -9,14 +9,17 @@ must hold an EAGLE3 config and the block file a DFLASH one.
 
 ONE JSON then holds: the command and environment; each side's source files, config and draft; per prompt set and
 overall, each side's acceptance length (SGLang's token-weighted ``acceptance_length``, the bench's headline), the
-ratio block / EAGLE-3, each side's per-position acceptance (the share of verify steps that accepted the j-th drafted
-token, overall: equal first positions and a longer tail say the block draft gains only from the positions EAGLE-3
-does not propose), each side's decode tok/s and its speedup over its baseline server (when the bench ran one, or
-took an earlier bench's: ``bench --baseline-from``, so both sides can share one; ``baseline_from`` names it); from
-the run reports, each run's steps, trained target tokens (SpecForge's ledger), end-to-end trained tok/s and the
-ratio of trained tokens (a like-for-like training budget is the same number of target tokens); and ``goal``: the
-block draft's overall acceptance length against ``--goal`` x EAGLE-3's (issue 44: 1.3), stated as met or not. The
-numbers are read, never judged here: timing and acceptance are results, not pass/fail.
+ratio block / EAGLE-3 and its 95% bootstrap interval (``block_vs_eagle3_interval``: over prompts, paired, when both
+benches kept per-prompt counters, else over verify steps; ``ratio_interval`` says how each is drawn), each side's
+per-position acceptance (the share of verify steps that accepted the j-th drafted token, overall: equal first
+positions and a longer tail say the block draft gains only from the positions EAGLE-3 does not propose), each side's
+decode tok/s and its speedup over its baseline server (when the bench ran one, or took an earlier bench's: ``bench
+--baseline-from``, so both sides can share one; ``baseline_from`` names it); from the run reports, each run's steps,
+trained target tokens (SpecForge's ledger), end-to-end trained tok/s and the ratio of trained tokens (a
+like-for-like training budget is the same number of target tokens); and ``goal``: the block draft's overall
+acceptance length against ``--goal`` x EAGLE-3's (issue 44: 1.3), stated as met or not, and what the interval says
+of it (``by_interval``: met, not met, or undecided). The numbers are read, never judged here: timing and acceptance
+are results, not pass/fail.
 
     python bench/draft_comparison.py --eagle3 OUT_E/acceptance_tiny_eagle3_tp1_h100.json \
         --block OUT_D/acceptance_tiny_dflash_tp1_h100.json \
@@ -164,40 +167,56 @@ def per_set(e_run: dict, b_run: dict) -> dict:
     return rows
 
 
-def paired_prompts(e_run: dict, b_run: dict) -> list[tuple[int, int, int, int]] | None:
-    """Per prompt, (EAGLE-3 completion tokens, its verify steps, block completion tokens, its verify steps), paired
-    by prompt id within each set; None when a side has no ``per_request`` counters (a bench before them) or the two
-    benches' prompt ids differ."""
-    pairs = []
+def paired_prompts(e_run: dict, b_run: dict) -> dict[str, list[tuple[int, int, int, int]]] | None:
+    """Per prompt set, per prompt: (EAGLE-3 completion tokens, its verify steps, block completion tokens, its verify
+    steps), paired by prompt id; None when a side has no ``per_request`` counters (a bench before them).
+    ComparisonError when both have them and the prompt ids differ or repeat (the benches did not ask the same
+    prompts, whatever their sets' names and counts say)."""
+    pairs: dict[str, list[tuple[int, int, int, int]]] = {}
     for name, es in e_run["sets"].items():
         er, br = es.get("per_request"), (b_run["sets"].get(name) or {}).get("per_request")
         if not isinstance(er, list) or not isinstance(br, list):
             return None
-        by_id = {r.get("id"): r for r in br}
-        if None in by_id or len(by_id) != len(br) or set(by_id) != {r.get("id") for r in er} or len(er) != len(br):
-            return None
-        for r in er:
-            o = by_id[r["id"]]
-            pairs.append((r["completion_tokens"], r["spec_verify_ct"], o["completion_tokens"], o["spec_verify_ct"]))
+        e_ids, b_ids = [r.get("id") for r in er], [r.get("id") for r in br]
+        if None in e_ids or len(set(e_ids)) != len(e_ids) or sorted(map(str, e_ids)) != sorted(map(str, b_ids)):
+            raise ComparisonError(f"different prompts in set {name}: the two benches' prompt ids differ or repeat")
+        by_id = {r["id"]: r for r in br}
+        pairs[name] = [
+            (r["completion_tokens"], r["spec_verify_ct"], by_id[r["id"]]["completion_tokens"],
+             by_id[r["id"]]["spec_verify_ct"])
+            for r in er
+        ]  # fmt: skip
     return pairs or None
 
 
+def _bootstrap_prompts(pairs: dict[str, list[tuple[int, int, int, int]]], rng) -> tuple:
+    """RESAMPLES sums of (EAGLE-3 completion, verify, block completion, verify) with each set's prompts resampled
+    within the set (the sets are the design: a resample keeps their sizes), both sides' prompts together."""
+    import numpy as np
+
+    total = np.zeros((RESAMPLES, 4))
+    for rows in pairs.values():
+        a = np.asarray(rows, dtype=float)
+        total += rng.multinomial(len(a), np.full(len(a), 1 / len(a)), size=RESAMPLES) @ a
+    return total, sum(len(r) for r in pairs.values())
+
+
 def ratio_interval(e_run: dict, b_run: dict) -> dict | None:
-    """A LEVEL interval of block / EAGLE-3 acceptance length by bootstrap: over prompts, both benches' prompts
-    resampled together, when both carry per-prompt counters; otherwise over verify steps drawn from each side's
-    correct-drafts histogram, which treats the steps as independent (steps of one prompt are not), so that interval
-    is narrower than the truth. None when neither is there."""
+    """A LEVEL interval of block / EAGLE-3 acceptance length by percentile bootstrap. Over prompts, paired (both
+    benches' prompts resampled together, within each set), when both carry per-prompt counters. Otherwise over
+    verify steps drawn from each side's correct-drafts histogram (acceptance_length_decode): that treats a prompt's
+    steps as independent, which narrows it, and the two sides as unpaired, which widens it; likely narrower than an
+    interval over prompts. A resample in which a side has no verify step has no ratio: under 99 % of them with one,
+    and with either side's verify steps or tokens at 0, there is no interval (None)."""
     import numpy as np
 
     rng = np.random.default_rng(SEED)
     pairs = paired_prompts(e_run, b_run)
     if pairs is not None:
-        a = np.asarray(pairs, dtype=float)
-        s = a[rng.integers(0, len(a), size=(RESAMPLES, len(a)))].sum(axis=1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = (s[:, 2] / s[:, 3]) / (s[:, 0] / s[:, 1])
-        unit, n = "prompts", {"eagle3": len(a), "block": len(a)}
-        method = "paired bootstrap over prompts; acceptance length = completion tokens / verify steps of the resample"
+        s, n_prompts = _bootstrap_prompts(pairs, rng)
+        num, den = s[:, 2] * s[:, 1], s[:, 3] * s[:, 0]  # (block tokens / steps) / (EAGLE-3 tokens / steps)
+        unit, n = "prompts", {"eagle3": n_prompts, "block": n_prompts}
+        method = "paired bootstrap over prompts within each set; acceptance length = completion tokens / verify steps"
     else:
         hists = [r["overall"].get("correct_drafts_histogram") for r in (e_run, b_run)]
         if not all(isinstance(h, list) and sum(h) > 0 for h in hists):
@@ -207,14 +226,17 @@ def ratio_interval(e_run: dict, b_run: dict) -> dict | None:
             p = np.asarray(h, dtype=float)
             counts = rng.multinomial(int(p.sum()), p / p.sum(), size=RESAMPLES)
             means.append(1 + counts @ np.arange(len(p)) / p.sum())
-        ratios = means[1] / means[0]
+        num, den = means[1], means[0]
         unit, n = "verify steps", {"eagle3": sum(hists[0]), "block": sum(hists[1])}
         method = (
-            "verify steps resampled from each side's correct-drafts histogram (acceptance_length_decode); steps "
-            "treated as independent, so narrower than an interval over prompts"
+            "verify steps resampled from each side's correct-drafts histogram, acceptance_length_decode; steps "
+            "treated as independent (narrows it) and the sides as unpaired (widens it): likely narrower than over "
+            "prompts"
         )
-    ratios = ratios[np.isfinite(ratios)]
-    low, high = np.quantile(ratios, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    valid = (num > 0) & (den > 0)
+    if valid.mean() < 0.99:
+        return None
+    low, high = np.quantile(num[valid] / den[valid], [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return {
         "low": float(low),
         "high": float(high),
@@ -222,6 +244,7 @@ def ratio_interval(e_run: dict, b_run: dict) -> dict | None:
         "unit": unit,
         "n": n,
         "resamples": RESAMPLES,
+        "resamples_with_a_ratio": int(valid.sum()),
         "seed": SEED,
         "method": method,
     }
@@ -304,10 +327,11 @@ def write(doc: dict, out: Path) -> None:
     write_atomic(out, json.dumps(doc, indent=2) + "\n")
     e, b, r, iv = doc["eagle3"], doc["block"], doc["block_vs_eagle3_acceptance_length"], doc["block_vs_eagle3_interval"]
     span = "" if iv is None else f", {iv['level']:.0%} interval {iv['low']:.3f}-{iv['high']:.3f} over {iv['unit']}"
+    by = doc["goal"]["by_interval"]
     print(
         f"EAGLE-3 {e['config']}: AL {e['acceptance_length']}; block {b['config']}: AL {b['acceptance_length']}; "
         f"block / EAGLE-3 {r if r is None else round(r, 3)}{span} (goal {doc['goal']['block_vs_eagle3_at_least']}: "
-        f"{'met' if doc['goal']['met'] else 'not met'}; by the interval: {doc['goal']['by_interval']}); wrote {out}"
+        f"{'met' if doc['goal']['met'] else 'not met'}{'' if by is None else f'; by the interval: {by}'}); wrote {out}"
     )
 
 

@@ -1481,7 +1481,13 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
         tokens = (r.get("training") or {}).get("block_vs_eagle3_trained_tokens")
         met = {True: "met", False: "not met"}.get(goal.get("met"), "-")
         iv = r.get("block_vs_eagle3_interval")
-        span = "-" if not iv else f"{_fmt(iv['low'], 2)}-{_fmt(iv['high'], 2)} over {iv['unit']}"
+        if iv:
+            k = iv.get("n") or {}
+            count = k.get("eagle3") if k.get("eagle3") == k.get("block") else f"{k.get('eagle3')} / {k.get('block')}"
+            level = f"{iv['level']:.0%}" if isinstance(iv.get("level"), float) else "?"
+            span = f"{_fmt(iv['low'], 2)}-{_fmt(iv['high'], 2)} ({level}, {count} {iv['unit']})"
+        else:
+            span = "-"
         by = goal.get("by_interval")
         return [
             [
@@ -1502,10 +1508,10 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
         "Draft families side by side",
         "`bench/draft_comparison.py`: an EAGLE-3 draft and a block draft (DFlash) trained co-located on the same "
         "target and data, served by SGLang on the same prompts and settings (checked), SGLang's token-weighted "
-        "acceptance length each and block / EAGLE-3 with its 95% bootstrap interval (over prompts when both benches "
-        "kept per-prompt counters; else over verify steps from the histograms, which treats steps as independent and "
-        "so is narrower than the truth); speedup over each bench's own baseline server; trained target tokens block "
-        "/ EAGLE-3 from the two run reports.",
+        "acceptance length each and block / EAGLE-3 with its bootstrap interval (over prompts, paired, when both "
+        "benches kept per-prompt counters; else over verify steps from the histograms, of the decode acceptance "
+        "length, likely narrower than over prompts: bench/draft_comparison.py ratio_interval); speedup over each "
+        "bench's own baseline server; trained target tokens block / EAGLE-3 from the two run reports.",
         files,
         "`scripts/gpu_tiny_compare.sh` (STAGE=launch, then STAGE=bench) on the tiny target and data of "
         "`scripts/gpu_online_run.sh` STAGE=target and STAGE=data.",
@@ -1516,7 +1522,7 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
             "block draft",
             "AL",
             "block / EAGLE-3",
-            "95% interval",
+            "interval",
             "goal",
             "speedup E / B",
             "tokens B / E",

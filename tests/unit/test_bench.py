@@ -1483,7 +1483,7 @@ def _pair_settings(tmp_path: Path) -> tuple[dict, Path, Path]:
     return common, eagle, _dflash_draft(tmp_path)
 
 
-def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake_server):
+def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake_server, monkeypatch):
     """The EAGLE-3 bench serves the baseline and leaves its greedy outputs; the DFlash bench of the same target
     takes that baseline (no baseline server of its own) and divides by its tok/s, outputs checked against it."""
     common, eagle, dflash = _pair_settings(tmp_path)
@@ -1507,8 +1507,18 @@ def test_baseline_from_an_earlier_bench_serves_no_second_baseline(tmp_path, fake
             launcher=fake_server,
         )
 
-    d = dflash_bench(tmp_path / "e", "d")
+    reads = []
+    devices = bench._devices
+    with monkeypatch.context() as m:
+        m.setattr(bench, "_devices", lambda: reads.append(1) or devices())
+        d = dflash_bench(tmp_path / "e", "d")
+    assert len(reads) == 1  # read once: the baseline is checked against what the result records
     assert len((tmp_path / "pids").read_text().split()) == served + 1  # the DFlash server only
+    (spec_run,) = d["speculative"]  # per-prompt counters per set only (a prompt id may repeat across sets)
+    assert "per_request" not in spec_run["overall"]
+    assert [r["id"] for r in spec_run["sets"]["structured"]["per_request"]] == [
+        r["id"] for r in outputs["sets"]["structured"]
+    ]
     assert {p.name for p in (tmp_path / "d" / "logs").iterdir()} == {"dflash-8.log"}
     assert json.loads((tmp_path / "d" / "baseline_outputs.json").read_text()) == outputs  # passed on
     reused = d["baseline"].pop("reused_from")

@@ -176,37 +176,89 @@ def test_an_out_that_is_a_link_is_refused_in_one_line(tmp_path):
     assert victim.read_text() == "keep me\n"
 
 
-def _per_request(run: dict, rows: list[tuple[str, int, int]]) -> None:
-    """Give a bench run per-prompt counters (id, completion tokens, verify steps) in its one set and overall."""
-    reqs = [{"id": i, "completion_tokens": c, "spec_verify_ct": v} for i, c, v in rows]
-    run["sets"]["structured"]["per_request"] = reqs
-    run["overall"]["per_request"] = reqs
+def _per_request(run: dict, sets: dict[str, list[tuple[str, int, int]]]) -> None:
+    """Give a bench run per-prompt counters per set: (id, completion tokens, verify steps)."""
+    for name, rows in sets.items():
+        run["sets"].setdefault(name, {"acceptance_length": 0.0})
+        run["sets"][name]["per_request"] = [{"id": i, "completion_tokens": c, "spec_verify_ct": v} for i, c, v in rows]
 
 
-def test_the_ratio_interval_over_prompts_decides_the_goal_only_when_it_lies_clear_of_it(dc, tmp_path):
-    """Paired by prompt id: every prompt at 1.5x gives a point interval (the goal met by it); prompts at 1.0x and
-    2.0x give an interval that holds 1.3 (undecided); a pair whose prompt ids differ has no interval over prompts."""
+def test_the_interval_pairs_prompts_by_id_within_each_set(dc, tmp_path):
+    """Every prompt's block length exactly 1.5x its EAGLE-3 length (lengths differing from prompt to prompt, the
+    block bench's prompts in another order): paired by id the interval is the point 1.5; paired by position, or each
+    side resampled on its own, it would spread. Two sets whose prompts are alike within each: a point too (the sets
+    are resampled within themselves, not mixed)."""
     e = _bench("EAGLE3", {"structured": 2.0}, 2.0)
     b = _bench("DFLASH", {"structured": 3.0}, 3.0)
-    _per_request(e["speculative"][0], [("p0", 100, 50), ("p1", 60, 30), ("p2", 80, 40)])
-    _per_request(b["speculative"][0], [("p2", 80, 80 / 3), ("p0", 100, 100 / 3), ("p1", 60, 20)])  # 3.0 each
+    lengths = [1.2, 2.0, 3.1, 1.6, 2.5, 1.1, 2.8, 1.9]  # EAGLE-3 acceptance length per prompt
+    rows_e = [(f"p{i}", int(al * 120), 120) for i, al in enumerate(lengths)]
+    rows_b = [(f"p{i}", int(al * 120), 80) for i, al in enumerate(lengths)]  # the same tokens in 2/3 the steps
+    _per_request(e["speculative"][0], {"structured": rows_e})
+    _per_request(b["speculative"][0], {"structured": rows_b[::-1]})
     doc = dc.compare(_settings(dc, tmp_path, e, b))
     iv = doc["block_vs_eagle3_interval"]
-    assert iv["unit"] == "prompts" and iv["n"] == {"eagle3": 3, "block": 3} and iv["level"] == 0.95
+    assert iv["unit"] == "prompts" and iv["n"] == {"eagle3": 8, "block": 8} and iv["level"] == 0.95
     assert (iv["low"], iv["high"]) == (pytest.approx(1.5), pytest.approx(1.5))
+    assert iv["resamples_with_a_ratio"] == iv["resamples"] == 10_000
     assert doc["goal"] == {"block_vs_eagle3_at_least": 1.3, "met": True, "by_interval": "met"}
-    # half the prompts at 1.0x, half at 2.0x: the point estimate meets 1.3, the interval does not decide it
-    rows_e = [(f"p{i}", 100, 50) for i in range(8)]
-    rows_b = [(f"p{i}", 100, 50 if i % 2 else 25) for i in range(8)]
-    _per_request(e["speculative"][0], rows_e)
-    _per_request(b["speculative"][0], rows_b)
-    doc = dc.compare(_settings(dc, tmp_path, e, b))
+    # two sets, alike within each (A 2.0 -> 2.2, B 3.0 -> 4.5): resampled within each set, the ratio never moves
+    _per_request(e["speculative"][0], {"structured": [(f"a{i}", 200, 100) for i in range(8)],
+                                       "chat": [(f"a{i}", 300, 100) for i in range(8)]})  # fmt: skip
+    _per_request(b["speculative"][0], {"structured": [(f"a{i}", 220, 100) for i in range(8)],
+                                       "chat": [(f"a{i}", 450, 100) for i in range(8)]})  # fmt: skip
+    iv = dc.compare(_settings(dc, tmp_path, e, b))["block_vs_eagle3_interval"]
+    assert (iv["low"], iv["high"]) == (pytest.approx(670 / 500), pytest.approx(670 / 500))
+
+
+def test_the_interval_over_prompts_decides_the_goal_only_when_it_lies_clear_of_it(dc, tmp_path):
+    e = _bench("EAGLE3", {"structured": 2.0}, 2.0)
+    b = _bench("DFLASH", {"structured": 3.0}, 3.0)
+    _per_request(e["speculative"][0], {"structured": [(f"p{i}", 100, 50) for i in range(8)]})
+    _per_request(b["speculative"][0], {"structured": [(f"p{i}", 100, 50 if i % 2 else 25) for i in range(8)]})
+    doc = dc.compare(_settings(dc, tmp_path, e, b))  # half the prompts at 1.0x, half at 2.0x
     iv = doc["block_vs_eagle3_interval"]
     assert iv["low"] < 1.3 < iv["high"] and iv["low"] >= 1.0 and iv["high"] <= 2.0
     assert doc["goal"]["by_interval"] == "undecided: the interval holds the goal"
     assert dc.compare(_settings(dc, tmp_path, e, b)) == doc  # a fixed seed: the same files, the same interval
-    _per_request(b["speculative"][0], [(f"q{i}", 100, 50) for i in range(8)])
-    assert dc.compare(_settings(dc, tmp_path, e, b))["block_vs_eagle3_interval"] is None  # no histograms either
+    assert dc.by_interval({"low": 1.0, "high": 1.2}, 1.3) == "not met"
+    assert dc.by_interval(None, 1.3) is None
+
+
+def test_no_interval_without_verify_steps_and_a_refusal_for_other_prompts(dc, tmp_path):
+    """A side with no verify step has no ratio, so no interval (not a crash, not 0-0); prompt ids that differ
+    between the benches are refused in one line."""
+    for side in (0, 1):
+        e = _bench("EAGLE3", {"structured": 2.0}, 2.0)
+        b = _bench("DFLASH", {"structured": 3.0}, 3.0)
+        rows = [[(f"p{i}", 100, 40) for i in range(4)], [(f"p{i}", 100, 30) for i in range(4)]]
+        rows[side] = [(f"p{i}", 1, 0) for i in range(4)]
+        _per_request(e["speculative"][0], {"structured": rows[0]})
+        _per_request(b["speculative"][0], {"structured": rows[1]})
+        doc = dc.compare(_settings(dc, tmp_path, e, b))
+        assert doc["block_vs_eagle3_interval"] is None and doc["goal"]["by_interval"] is None
+    _per_request(e["speculative"][0], {"structured": [(f"q{i}", 100, 40) for i in range(4)]})
+    with pytest.raises(dc.ComparisonError, match="different prompts in set structured"):
+        dc.compare(_settings(dc, tmp_path, e, b))
+
+
+def test_the_interval_reads_what_the_bench_writes(dc, tmp_path):
+    """Both sides' sets as ``specforge-kimi bench``'s summarize writes them (per_request from meta_info)."""
+    from specforge_kimi.evaluate import bench
+    from specforge_kimi.evaluate.bench import DFlashConfig, SpecConfig
+
+    def responses(verify_per_prompt):
+        return [{"id": f"s{i}", "output_ids": [1], "meta_info": {"completion_tokens": 60, "spec_verify_ct": v,
+                 "spec_num_correct_drafts": 60 - 2 * v}}
+                for i, v in enumerate(verify_per_prompt)]  # fmt: skip
+
+    e = _bench("EAGLE3", {"structured": 2.0}, 2.0)
+    b = _bench("DFLASH", {"structured": 3.0}, 3.0)
+    e["speculative"][0]["sets"]["structured"] = bench.summarize(
+        responses([30, 20, 25]), wall_s=1, spec=SpecConfig(3, 1, 4)
+    )
+    b["speculative"][0]["sets"]["structured"] = bench.summarize(responses([20, 10, 15]), wall_s=1, spec=DFlashConfig(8))
+    iv = dc.compare(_settings(dc, tmp_path, e, b))["block_vs_eagle3_interval"]
+    assert iv["unit"] == "prompts" and iv["n"]["eagle3"] == 3 and iv["low"] <= 75 / 45 <= iv["high"]
 
 
 def test_without_per_prompt_counters_the_interval_comes_from_the_histograms_and_says_so(dc, tmp_path):
@@ -217,9 +269,7 @@ def test_without_per_prompt_counters_the_interval_comes_from_the_histograms_and_
     doc = dc.compare(_settings(dc, tmp_path, e, b))
     iv = doc["block_vs_eagle3_interval"]
     assert iv["unit"] == "verify steps" and iv["n"] == {"eagle3": 375, "block": 294}
-    assert "independent" in iv["method"]
+    assert "independent" in iv["method"] and "acceptance_length_decode" in iv["method"]
     decode = (1 + 564 / 294) / (1 + 483 / 375)  # the two histograms' acceptance_length_decode
     assert iv["low"] < decode < iv["high"] and iv["high"] - iv["low"] < 0.5
     assert doc["goal"]["by_interval"] == "undecided: the interval holds the goal"
-    assert dc.by_interval({"low": 1.0, "high": 1.2}, 1.3) == "not met"
-    assert dc.by_interval(None, 1.3) is None

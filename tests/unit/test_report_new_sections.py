@@ -29,7 +29,8 @@ def _comparison() -> dict:
         "block": {"algorithm": "DFLASH", "config": {"steps": 1, "topk": 1, "draft_tokens": 8},
                   "acceptance_length": 4.34, "speedup": 2.6},
         "block_vs_eagle3_acceptance_length": 1.4,
-        "block_vs_eagle3_interval": {"low": 1.21, "high": 1.58, "level": 0.95, "unit": "prompts"},
+        "block_vs_eagle3_interval": {"low": 1.21, "high": 1.58, "level": 0.95, "unit": "prompts",
+                                     "n": {"eagle3": 48, "block": 48}},
         "goal": {"block_vs_eagle3_at_least": 1.3, "met": True, "by_interval": "undecided: the interval holds the goal"},
         "training": {"block_vs_eagle3_trained_tokens": 1.0},
     }  # fmt: skip
@@ -51,7 +52,7 @@ def test_both_sections_tabulate_their_files(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| draft_comparison_tiny_tp1_h100.json"))
     assert row == (
         "| draft_comparison_tiny_tp1_h100.json | EAGLE3 3/1/4 | 3.100 | DFLASH block 8 | 4.340 | **1.400** "
-        "| 1.21-1.58 over prompts | 1.3x: met; by the interval undecided: the interval holds the goal | 1.90 / 2.60 "
+        "| 1.21-1.58 (95%, 48 prompts) | 1.3x: met; by the interval undecided: the interval holds the goal | 1.90 / 2.60 "
         "| 1.000 |"
     )
     row = next(line for line in md.splitlines() if line.startswith("| draft_comparison_older.json"))

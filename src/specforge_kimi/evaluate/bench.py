@@ -803,6 +803,7 @@ def _serve_and_measure(
                 pass
     all_rows = [r for rs in rows.values() for r in rs]
     overall = summarize(all_rows, wall_s=sum(s["wall_s"] for s in sets.values()), spec=spec)
+    overall.pop("per_request", None)  # per set only: a prompt id may repeat across sets
     run = {"label": label, "server_argv": argv, "startup_s": round(startup, 2), "sets": sets, "overall": overall}
     if spec is not None:
         run["config"] = spec.config_dict()
@@ -820,6 +821,19 @@ def _prompt_sets_info(sets: Sequence[PromptSet], encoded: dict) -> dict:
             "prompt_tokens_mean": sum(len(i) for _, i in encoded[ps.name]) / len(ps.prompts),
         }
         for ps in sets
+    }
+
+
+def _recorded(settings: BenchSettings, sets: Sequence[PromptSet], encoded: dict) -> dict:
+    """What the result records of the machine, stack, target and prompts, read once: a taken baseline is checked
+    against exactly this."""
+    from specforge_kimi.provenance import versions
+
+    return {
+        "devices": _devices(),
+        "versions": versions(),
+        "target": _target_info(settings),
+        "prompt_sets": _prompt_sets_info(sets, encoded),
     }
 
 
@@ -892,7 +906,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
     import signal
     import threading
 
-    from specforge_kimi.provenance import git_commit, versions
+    from specforge_kimi.provenance import git_commit
 
     settings.validate()
     out = Path(settings.out_dir)
@@ -911,12 +925,7 @@ def run_bench(settings: BenchSettings, *, launcher: Sequence[str] | None = None)
     first = next(iter(encoded.values()))
     warm = [(f"warmup-{i}", first[i % len(first)][1]) for i in range(settings.warmup)]
 
-    recorded = {  # read once: what a taken baseline is checked against is what the result records
-        "devices": _devices(),
-        "versions": versions(),
-        "target": _target_info(settings),
-        "prompt_sets": _prompt_sets_info(sets, encoded),
-    }
+    recorded = _recorded(settings, sets, encoded)
     reused = None
     if settings.baseline_from is not None:  # checked before any server starts
         reused = _reused_baseline(settings, recorded, context, launcher)
