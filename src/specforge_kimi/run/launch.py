@@ -381,6 +381,9 @@ def plan_document(plan: RunPlan, launch_plan) -> dict:
 def run(args) -> int:
     import json
     import sys
+    import time
+
+    started = time.monotonic()
 
     from specforge_kimi.plan.run_plan import compile_plan  # not the module's name: run_plan is this module's runner
 
@@ -436,8 +439,10 @@ def run(args) -> int:
     if args.node_rank != 0:  # node 0 exports and benches; the output_dir is shared
         print(f"node {args.node_rank}: training done; node 0 exports the draft and runs the bench", flush=True)
         return 0
+    trained = time.monotonic()
+    print(f"every role stopped {trained - started:.0f} s after launch started", flush=True)
     export_dir = export_latest(compiled)
-    print(f"exported draft: {export_dir}", flush=True)
+    print(f"exported draft: {export_dir} (in {time.monotonic() - trained:.0f} s)", flush=True)
     if args.no_bench:
         return 0
     # every recipe ends with its acceptance bench, in a process of its own (`specforge-kimi bench --recipe`:
