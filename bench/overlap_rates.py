@@ -8,7 +8,7 @@ subprocess; nothing re-implemented here):
                   server does), its plain prefill tok/s beside it
   trainer alone   bench/trainer_memory.py on the recipe's own step and batches (its attention backend, its
                   ``max_length``, the batch already on the GPU as both transports hand it over)
-  co-located      ``specforge-kimi launch`` of the recipe with each option's ``overlap:`` section (``--no-bench``),
+  co-located      ``specforge-kimi launch`` of the recipe with each option's ``overlap:`` section (``--no-export``),
                   then ``specforge-kimi run-report``: its ``perf.end_to_end_tokens_per_s`` (trained tok/s); the
                   run's checkpoints and export are removed once the report is read, so the next option's run
                   finds the disk as the first did (logs, ledger and report stay)
@@ -291,7 +291,7 @@ def measure_colocated(raw: dict, option: str, s: Settings) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(variant, sort_keys=False))
     log = s.workdir / f"launch-{name}.log"
-    rc = _run([sys.executable, "-m", "specforge_kimi", "launch", str(path), "--no-bench", "--no-progress"], log)
+    rc = _run([sys.executable, "-m", "specforge_kimi", "launch", str(path), "--no-export", "--no-progress"], log)
     if rc:
         return {"error": "launch failed", "rc": rc, "log_tail": _tail(log), "source": str(log),
                 "removed": drop_heavy(run_dir)}  # fmt: skip

@@ -21,6 +21,7 @@ def _args(resume: bool) -> argparse.Namespace:
         local_host="127.0.0.1",
         no_progress=True,
         no_bench=True,
+        no_export=False,
     )
 
 
@@ -45,11 +46,16 @@ def test_launch_runs_each_attempt_through_the_modules_runner(monkeypatch, tmp_pa
 
     monkeypatch.setattr(resume, "run_attempts", fake_attempts)
     monkeypatch.setattr(launch, "run_plan", fake_runner)
-    monkeypatch.setattr(launch, "export_latest", lambda compiled: tmp_path / "export-sglang")
+    exported = []
+    monkeypatch.setattr(launch, "export_latest", lambda compiled: exported.append(1) or tmp_path / "export-sglang")
     assert launch.run(_args(resume=False)) == 0
-    assert len(attempts) == 1 and len(ran) == 1
+    assert len(attempts) == 1 and len(ran) == 1 and exported == [1]
     plan, mps_dirs, gpus = ran[0]
     assert plan is attempts[0] and mps_dirs is None and gpus == "0"
+    measured_only = _args(resume=False)
+    measured_only.no_export = True  # a run measured, not served: trained, no export, no bench
+    assert launch.run(measured_only) == 0
+    assert len(ran) == 2 and exported == [1]
 
 
 def _faked_launch(monkeypatch, tmp_path, free: int):

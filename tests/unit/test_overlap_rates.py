@@ -81,7 +81,7 @@ def test_colocated_runs_the_recipe_with_the_option_and_reads_run_report(bench, t
     launched = yaml.safe_load(Path(calls[0][calls[0].index("launch") + 1]).read_text())
     assert launched["overlap"] == {"mps": True, "server_sm_percent": 30, "trainer_sm_percent": 70}
     assert launched["trainer"]["max_steps"] == 7 and launched["output_dir"] == str(tmp_path / "run-mps-split")
-    assert "--no-bench" in calls[0] and calls[1][calls[1].index("run-report") + 1] == str(tmp_path / "run-mps-split")
+    assert "--no-export" in calls[0] and calls[1][calls[1].index("run-report") + 1] == str(tmp_path / "run-mps-split")
     assert res["removed"] == ["export-sglang", "slice-step5", "slice-step7"]
     left = sorted(p.name for p in (tmp_path / "run-mps-split").iterdir())
     assert left == ["consumer-state", "logs", "run-report", "slice-steps"]

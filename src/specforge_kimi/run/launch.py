@@ -352,6 +352,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-bench", action="store_true", help="skip the acceptance bench after training")
     p.add_argument(
+        "--no-export",
+        action="store_true",
+        help="skip the export and the bench: a run measured, not served (bench/overlap_rates.py's runs); "
+        "`specforge-kimi export --recipe` exports its checkpoint later",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no status line while the run trains (`specforge-kimi watch OUTPUT_DIR` shows it from elsewhere)",
@@ -441,6 +447,8 @@ def run(args) -> int:
         return 0
     trained = time.monotonic()
     print(f"every role stopped {trained - started:.0f} s after launch started", flush=True)
+    if args.no_export:
+        return 0
     export_dir = export_latest(compiled)
     print(f"exported draft: {export_dir} (in {time.monotonic() - trained:.0f} s)", flush=True)
     if args.no_bench:
