@@ -96,7 +96,7 @@ PLANNED = {
     "trainer_memory": (
         "Trainer memory",
         "per-role peak GPU memory of an online run (`run-report --gpu-samples`, carried by "
-        "`bench/online_pipeline.py --run-report`), against `recipes.memory_plan`'s estimate.",
+        "`bench/online_pipeline.py --run-report`), against `plan.memory.memory_plan`'s estimate.",
     ),
 }
 
@@ -363,7 +363,7 @@ HEADLINE: list[tuple[str, list[Source]]] = [
                 "trainer_memory_k25_b200_h200.json",
                 _read_trainer_plan,
                 "`rows[].measured_over_plan`: one trainer rank's peak `torch.cuda` allocated memory over "
-                "`recipes.trainer_terms`, SpecForge's own step at the 8xB200 recipe's sizes on one H200",
+                "`plan.trainer_terms`, SpecForge's own step at the 8xB200 recipe's sizes on one H200",
             )
         ],
     ),
@@ -1040,7 +1040,7 @@ def section_teacher_memory(files: list[tuple[str, dict]]) -> list[str]:
         "Online teacher memory (CPU)",
         "`bench/studies/teacher_memory_cpu.py`: peak resident memory of SpecForge's online teacher (full bf16 "
         "logits, then `_compute_target_p_padded`) above the inputs, per sample length; the slope over L x V "
-        "is what `recipes.memory_plan` charges per token and vocab entry.",
+        "is what `plan.memory.memory_plan` charges per token and vocab entry.",
         files,
         "`python bench/studies/teacher_memory_cpu.py`.",
         ["file", "vocab", "L", "peak above inputs GiB", "B per L x V", "fitted slope B", "plan B"],
@@ -1094,7 +1094,7 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
         "`bench/trainer_memory.py`: SpecForge's own online consumer step (model bundle, FSDP backend, BF16 "
         "optimizer, eagle3 strategy) at a recipe's draft and target sizes, on 1 or N ranks of one host, "
         "capture-shaped batches held in memory; peak `torch.cuda` allocated and reserved memory per sample length against "
-        "`recipes.trainer_terms` (the memory plan without its reserve), and the step time after the first "
+        "`plan.trainer_terms` (the memory plan without its reserve), and the step time after the first "
         "(tok/s: all ranks' tokens over the slowest rank's step). Step: the variant's trainer step (`specforge`: "
         "SpecForge's own; `recipe`: what the recipes ship, `trainer.step_empty_cache: false`, `fused_adamw: true`); "
         "feed: where the batch waits (`host`: pageable host memory, copied inside the step; `cuda`: already on the "

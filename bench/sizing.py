@@ -435,7 +435,7 @@ def _with_transport(r, transport: str):
 
 
 def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict, dict]:
-    """Recipes' shapes and transports, and memory per GPU per transport: ``recipes.memory_plan`` and the plan
+    """Recipes' shapes and transports, and memory per GPU per transport: ``plan.memory.memory_plan`` and the plan
     corrected as the slice's run measured it (server: its peak outside the pool; trainer: its peak over plan)."""
     recipes = _recipes()
     load_recipe, memory_plan = recipes.load_recipe, recipes.memory_plan

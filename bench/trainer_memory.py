@@ -3,7 +3,7 @@ memory plan.
 
 Scope: the consumer side of the online loop only, on one host: one rank (default) or ``--nproc N``
 ranks started by torchrun, one per GPU, as a co-located run's trainer ranks. The K2.5 recipes'
-fit rests on ``recipes.memory_plan``'s trainer terms (``recipes.trainer_terms``), which were
+fit rests on ``plan.memory.memory_plan``'s trainer terms (``plan.trainer_terms``), which were
 derived from SpecForge's code, not measured on a GPU. This script builds exactly what SpecForge's
 online consumer builds for a recipe -- ``build_model_bundle`` (the draft from the recipe's draft
 config, ``OnlineEagle3Model`` with the recipe's TTT length and attention backend, the frozen
