@@ -999,7 +999,7 @@ def table(res: dict) -> str:
         mine, theirs = b["flops_per_token"], b["twin_flops_per_token"]
         lines += [
             "",
-            f"{n}'s trainer (an estimate, no block step measured): training GFLOP per token "
+            f"{n}'s trainer (an estimate: no block step measured at K2.5's width): training GFLOP per token "
             + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in mine.items())
             + " against its EAGLE-3 twin's "
             + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in theirs.items())
