@@ -135,6 +135,7 @@ def test_a_later_call_takes_the_stage_rates_and_rows_of_an_earlier_one_like_for_
         assert err.startswith(f"overlap_rates: --stages-from {source}") and expected in err and "\n" not in err, err
         assert not out.exists()
 
+    real = ["--recipe", str(recipe), "--split", "40,60", "--stages-from", str(first), "--out", str(tmp_path / "x.json")]
     refused(["--steps", "90"], "its settings")
     refused(["--concurrency", "3"], "its settings")
     bad = tmp_path / "bad.json"
@@ -142,37 +143,9 @@ def test_a_later_call_takes_the_stage_rates_and_rows_of_an_earlier_one_like_for_
     refused([], "a stage rate there failed", bad)
     bad.write_text(json.dumps({"bench": "trainer_memory"}))
     refused([], "not an overlap_rates JSON", bad)
-    assert (
-        bench.main(
-            [
-                "--recipe",
-                str(recipe),
-                "--split",
-                "40,60",
-                "--stages-from",
-                str(first),
-                "--out",
-                str(tmp_path / "x.json"),
-            ]
-        )
-        == 2
-    )
+    assert bench.main(real) == 2
     assert "its dry_run True is not this call's False" in capsys.readouterr().err  # canned rates stand for no GPU's
     recipe.write_text(recipe.read_text() + "\n# edited\n")
     refused([], "its recipe_sha256")
-    assert (
-        bench.main(
-            [
-                "--recipe",
-                str(recipe),
-                "--split",
-                "40,60",
-                "--stages-from",
-                str(first),
-                "--out",
-                str(tmp_path / "x.json"),
-            ]
-        )
-        == 2
-    )
+    assert bench.main(real) == 2
     assert "its recipe_sha256" in capsys.readouterr().err  # checked before anything runs, a real call too
