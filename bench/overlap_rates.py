@@ -121,29 +121,23 @@ def recipe_sha256(path: Path) -> str | None:
         return None
 
 
-def devices() -> list[str] | None:
-    """The GPUs as nvidia-smi names them (None without one)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()] or None
-
-
-def stages_from(s: Settings) -> tuple[dict, dict, list[dict], dict]:
+def stages_from(s: Settings, gpus: list[str] | None) -> tuple[dict, dict, list[dict], dict]:
     """The earlier call's stage rates, its rows of options this call does not measure, and where they came from;
-    StagesRefused when the file cannot stand for this call (checked before anything runs)."""
+    StagesRefused when the file cannot stand for this call (checked before anything runs; ``gpus``: this call's)."""
     path = s.stages_from
-    doc = _load(path)
-    if doc.get("bench") != "overlap_rates":
+    try:
+        raw = path.read_bytes()
+        doc = json.loads(raw)
+    except (OSError, ValueError):
+        raw, doc = b"", {}
+    if not isinstance(doc, dict) or doc.get("bench") != "overlap_rates":
         raise StagesRefused(f"--stages-from {path}: not an overlap_rates JSON (or unreadable)")
     expected = {
         "recipe": str(s.recipe),
         "recipe_sha256": recipe_sha256(s.recipe),
         "settings": settings_of(s),
         "dry_run": s.dry_run,
-        "devices": None if s.dry_run else devices(),
+        "devices": gpus,
     }
     for key, want in expected.items():
         if doc.get(key) != want:
@@ -152,7 +146,7 @@ def stages_from(s: Settings) -> tuple[dict, dict, list[dict], dict]:
     if not prefill.get("tokens_per_s") or not trainer.get("tokens_per_s"):
         raise StagesRefused(f"--stages-from {path}: a stage rate there failed; measure both again (no --stages-from)")
     kept = [r for r in doc.get("rows", []) if r.get("option") not in s.options]
-    source = {"path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    source = {"path": str(path.resolve()), "sha256": hashlib.sha256(raw).hexdigest()}
     return prefill, trainer, kept, source
 
 
@@ -196,9 +190,11 @@ def document(
     runs: dict[str, dict],
     kept: list[dict] | None = None,
     source: dict | None = None,
+    gpus: list[str] | None = None,
 ) -> dict:
     """The JSON: command, environment, each stage rate with its source, the serial sum, one row per option (``kept``:
-    rows an earlier call measured, taken with its stage rates through ``--stages-from``, named by ``source``)."""
+    rows an earlier call measured, taken with its stage rates through ``--stages-from``, named by ``source``;
+    ``gpus``: the GPUs it ran on, None on a dry run)."""
     p, t = prefill.get("tokens_per_s"), trainer.get("tokens_per_s")
     serial = serial_rate(p, t) if p and t else None
     rows = [*(kept or []), *(row(o, overlap_of(o, s), runs[o], serial) for o in s.options)]
@@ -212,7 +208,7 @@ def document(
             "python": platform.python_version(),
             **{k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ},
         },
-        "devices": None if s.dry_run else devices(),
+        "devices": gpus,
         "recipe": str(s.recipe),
         "recipe_sha256": recipe_sha256(s.recipe),
         "settings": settings_of(s),
@@ -353,16 +349,20 @@ def write(doc: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse(argv)
+    from specforge_kimi.provenance import devices
+
+    gpus = None if s.dry_run else devices()  # read once: checked against --stages-from and recorded
     kept, source, stages = None, None, None
     if s.stages_from is not None:
         try:
-            prefill, trainer, kept, source = stages_from(s)
+            prefill, trainer, kept, source = stages_from(s, gpus)
         except StagesRefused as exc:
             print(f"overlap_rates: {exc}", file=sys.stderr)
             return 2
         stages = (prefill, trainer)
     prefill, trainer, runs = measure(s, stages)
-    write(document(s, [str(Path(__file__).relative_to(ROOT)), *argv], prefill, trainer, runs, kept, source), s.out)
+    argv = [str(Path(__file__).relative_to(ROOT)), *argv]
+    write(document(s, argv, prefill, trainer, runs, kept, source, gpus), s.out)
     return 0
 
 

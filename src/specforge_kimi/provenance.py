@@ -65,6 +65,20 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def devices() -> list[str] | None:
+    """The GPUs as ``nvidia-smi`` names them, with their memory ("NVIDIA H200, 143771 MiB"); None without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] or None
+
+
 def git_commit() -> str | None:
     """Commit of the specforge-kimi checkout this code runs from, if it is one."""
     here = Path(__file__).resolve().parent

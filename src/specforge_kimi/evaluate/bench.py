@@ -65,6 +65,7 @@ from typing import Any, ClassVar
 from specforge_kimi.durable import write_atomic
 from specforge_kimi.errors import KimiInputError
 from specforge_kimi.evaluate import baseline_reuse
+from specforge_kimi.provenance import devices as _devices
 
 SCHEMA_VERSION = 1
 BUILTIN_SETS = ("chat", "math", "code", "structured")
@@ -730,19 +731,6 @@ def _target_info(settings: BenchSettings) -> dict:
     return info
 
 
-def _devices() -> list[str] | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()] or None
-
-
 def _output_match(base: dict[str, list[dict]], spec: dict[str, list[dict]]) -> dict:
     """Greedy outputs with and without speculation, prompt by prompt (same ids = same text)."""
     res = {}
@@ -752,6 +740,21 @@ def _output_match(base: dict[str, list[dict]], spec: dict[str, list[dict]]) -> d
         differ = [r["id"] for r in rows if r["id"] in ref and ref[r["id"]] != r["output_ids"]]
         res[name] = {"identical": len(same), "different": len(differ), "first_different": differ[:3]}
     return res
+
+
+def _launched_argv(
+    settings: BenchSettings,
+    spec: SpecConfig | DFlashConfig | None,
+    *,
+    port: int,
+    context: int,
+    launcher: Sequence[str] | None,
+) -> list[str]:
+    """The command a server of ``spec`` (None: the baseline) is started with, as its run records it."""
+    argv = server_argv(settings, spec, port=port, context=context)
+    if launcher is not None:  # tests: a stand-in process at the same boundary (same SGLang args)
+        argv = [*launcher, *argv[3:]]
+    return argv
 
 
 def _serve_and_measure(
@@ -768,9 +771,7 @@ def _serve_and_measure(
     from specforge_kimi.run.services import free_ports
 
     port = settings.port or free_ports(1)[0]
-    argv = server_argv(settings, spec, port=port, context=context)
-    if launcher is not None:  # tests: a stand-in process at the same boundary (same SGLang args)
-        argv = [*launcher, *argv[3:]]
+    argv = _launched_argv(settings, spec, port=port, context=context, launcher=launcher)
     base = f"http://127.0.0.1:{port}"
     print(f"[bench] starting {label} server (port {port}); log {out / 'logs' / (label + '.log')}", flush=True)
     with serving(
@@ -841,9 +842,7 @@ def _reused_baseline(settings: BenchSettings, recorded: dict, context: int, laun
     """``--baseline-from``'s baseline, checked like for like against this bench (:mod:`.baseline_reuse`):
     ``recorded`` holds the devices, versions, target and prompt sets this bench's result will record."""
     s = asdict(settings)
-    argv = server_argv(settings, None, port=0, context=context)
-    if launcher is not None:  # as _serve_and_measure records it
-        argv = [*launcher, *argv[3:]]
+    argv = _launched_argv(settings, None, port=0, context=context, launcher=launcher)
     expected = {
         "schema_version": SCHEMA_VERSION,
         **{k: recorded[k] for k in ("devices", "versions", "target", "prompt_sets")},
