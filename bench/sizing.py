@@ -11,7 +11,8 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   run pays stays in the MoE term;
 - ``online_run_k25_slice_<transport>[_<tag>].json`` (transport ``cuda_ipc`` or ``mooncake``), or
   ``online_run_k25_slice_<tag>.json`` whose run-report names its ``transport`` (``*_eval_draft`` excluded, and any
-  report with fewer than ``MIN_RUN_STEPS`` timed steps): run-reports of the slice recipe's co-located runs, every one
+  report with fewer than ``MIN_RUN_STEPS`` timed steps, and a block draft's run: its report's ``draft.strategy`` is not
+  ``eagle3``): run-reports of the slice recipe's co-located runs, every one
   used, per transport. The trainer step a run ran is its report's ``trainer_step_env`` (from the launch sheet); for
   a report without it, a tag holding ``step_recipe`` marks the recipe's step (``trainer.step_empty_cache`` /
   ``fused_adamw`` / ``cuda_alloc_conf`` as the slice recipe ships them) and any other run ran SpecForge's own (all
@@ -724,11 +725,13 @@ def slice_runs(
 ) -> dict:
     """Per transport, the slice's co-located run-reports with their stage rates measured alone (``_stage``: the
     slice's prefill, the trainer bench at the run's sample size and step, the transport's tax) and overlap
-    fraction; a report with fewer than ``MIN_RUN_STEPS`` timed steps is left out."""
+    fraction; a report with fewer than ``MIN_RUN_STEPS`` timed steps, or of a draft other than EAGLE-3, is left out."""
     runs: dict[str, list[dict]] = {}
     for p in paths:
         run = _load(p)
         if run["perf"].get("steps_used", MIN_RUN_STEPS) < MIN_RUN_STEPS:
+            continue
+        if (run.get("draft") or {}).get("strategy", "eagle3") != "eagle3":  # a block draft's run: not the EAGLE-3 fit's
             continue
         t = _run_transport(p.name, run)
         step_name, step = run_step(p.name, run, recipe_step)

@@ -103,6 +103,10 @@ def test_ledger_trained_each_sample_once(online_run):
     rep = report(online_run["out"])
     led = rep["ledger"]
     assert rep["transport"] == "mooncake"  # named by the run's launch sheet
+    trained = rep["draft"]  # what was trained, from the rendered config and the configs it names
+    assert trained["strategy"] == "eagle3" and trained["draft_block_size"] is None
+    assert trained["target_layer_ids"] == online_run["recipe"].capture_ids
+    assert trained["draft_hidden_size"] == trained["target_hidden_size"] and trained["draft_num_hidden_layers"] == 1
     assert rep["steps_logged"] == STEPS and led["global_step"] == STEPS
     assert led["acked"] == STEPS and led["duplicates"] == 0 and led["acked_not_committed"] == 0
     assert led["trained_tokens"] > 0 and rep["checkpoints"][-1].endswith(f"step{STEPS}")

@@ -467,17 +467,23 @@ def test_each_assumptions_pessimistic_end_projects_no_more_than_central(sizing, 
     _check_ends(json.loads((REPO / "bench" / "results" / "sizing_k25.json").read_text()), sizing.ASSUMPTIONS)
 
 
-def test_short_runs_are_left_out_and_a_run_named_without_transport_reads_its_report(sizing, results, tmp_path):
+def test_short_and_block_draft_runs_are_left_out_and_a_run_named_without_transport_reads_its_report(
+    sizing, results, tmp_path
+):
     shipped = _run(1 / (111.5 * US))
     shipped["transport"] = "mooncake"
     (results / "online_run_k25_slice_shipped_h200.json").write_text(json.dumps(shipped))
     short = _run(100.0)
     short["perf"]["steps_used"] = 2
     (results / "online_run_k25_slice_short20_cuda_ipc_h200.json").write_text(json.dumps(short))
+    block = _run(100.0)  # a DFlash run of the slice: its step is not the EAGLE-3 draft's
+    block["draft"] = {"strategy": "dflash"}
+    (results / "online_run_k25_slice_dflash_cuda_ipc_h200.json").write_text(json.dumps(block))
     res, _ = _main(sizing, results, tmp_path)
     by_file = {s["file"]: s for s in res["slice_runs"]}
     assert by_file["online_run_k25_slice_shipped_h200.json"]["transport"] == "mooncake"
     assert "online_run_k25_slice_short20_cuda_ipc_h200.json" not in by_file
+    assert "online_run_k25_slice_dflash_cuda_ipc_h200.json" not in by_file
     del shipped["transport"]
     (results / "online_run_k25_slice_shipped_h200.json").write_text(json.dumps(shipped))
     with pytest.raises(SystemExit, match="names no transport"):

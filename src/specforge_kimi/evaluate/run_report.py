@@ -5,7 +5,8 @@ mode). Sources, all SpecForge's own: the consumer log's ``step N: {...}`` lines 
 metrics), the consumer ledger ``consumer-state/consumer.sqlite`` (``committed`` = refs the
 consumer accepted with their ``num_tokens``; ``acked`` = samples whose optimizer step became
 durable; ``marker.global_step``), the checkpoint directories ``<run_id>-step<N>`` and the export.
-Disk: every byte under the run directory except checkpoints, the export, the rendered
+What was trained (strategy, the draft's width and layers, the target layers it reads): the rendered SpecForge
+config and the draft and target configs it names. Disk: every byte under the run directory except checkpoints, the export, the rendered
 configs and this command's own ``run-report/``, per trained token -- features travel through
 Mooncake, so this is metadata (refs, ledger, logs). GPU memory per role from the per-process samples
 ``launch`` records (``logs/gpu_mem_samples.csv``, :mod:`run.gpu_memory`) or ``--gpu-samples``. The
@@ -144,6 +145,32 @@ def trainer_step(run: Path) -> dict[str, str] | None:
     return out
 
 
+def draft(cfg: dict) -> dict:
+    """What the run trained, from its rendered SpecForge config: the strategy (``training.strategy``: ``eagle3``,
+    ``dflash``, ...), the draft config's architecture, width, layers and block size, the captured target layers, and
+    the target's hidden size (its ``config.json``). A file that cannot be read leaves its entries None."""
+    model = cfg.get("model") or {}
+    out = {"strategy": (cfg.get("training") or {}).get("strategy", "eagle3")}
+
+    def _json(path) -> dict:
+        try:
+            loaded = json.loads(Path(path).read_text())
+        except (OSError, TypeError, ValueError):
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+    d = _json(model.get("draft_model_config"))
+    out["architecture"] = (d.get("architectures") or [None])[0]
+    for key in ("hidden_size", "num_hidden_layers", "block_size"):
+        out[f"draft_{key}"] = d.get(key)
+    out["target_layer_ids"] = (d.get("dflash_config") or {}).get("target_layer_ids") or model.get(
+        "aux_hidden_state_layer_ids"
+    )
+    t = _json(Path(str(model.get("target_model_path", ""))) / "config.json")
+    out["target_hidden_size"] = (t.get("text_config") or t).get("hidden_size")
+    return out
+
+
 def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
     run = Path(run_dir)
     rendered = run / "rendered" / "specforge_run.yaml"
@@ -167,6 +194,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
         "run_dir": str(run),
         "run_id": run_id,
         "transport": transport(run),
+        "draft": draft(cfg),
         "trainer_step_env": trainer_step(run),
         "max_steps": cfg["training"].get("max_steps"),
         "steps_logged": len(steps),
