@@ -401,6 +401,9 @@ SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     # acceptance through SGLang
     "acceptance_k25_slice_h200.json": "a loading-and-counting check, not a quality number: the K2.5-width slice "
     "(random weights) with a 20-step draft, served by SGLang's own EAGLE-3 (archive/gpu-runs/RUNS.md 2026-12-03 (evening))",
+    "acceptance_k25_slice_dflash_h200.json": "a loading-and-counting check, not a quality number: the K2.5-width "
+    "slice (random weights) with its 200-step DFlash draft, served by SGLang's own DFLASH (archive/gpu-runs/RUNS.md "
+    "2026-12-05 (evening))",
     "acceptance_online_draft_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on corpus text (2026-11-30)",
     "acceptance_online_draft_regen_h200x2.json": f"superseded by {_ECHO_ONLINE}: the TP=2 draft on regenerated "
     "data (2026-11-30, late)",

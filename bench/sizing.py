@@ -71,6 +71,10 @@ RUN_NAME = re.compile(r"^online_run_k25_slice_(?:(cuda_ipc|mooncake)(?:_[A-Za-z0
 MIN_RUN_STEPS = 5
 #: trainer step benches, the preferred first: a row (length, step) is read from the first file that has it
 TRAINER_FILES = ("trainer_step_k25_b200_h200.json", "trainer_step_lifts_k25_b200_h200.json")
+#: the block draft's step measured alone at K2.5's width (the slice's DFlash twin, bench/trainer_memory.py): with it
+#: ``block_step_vs_flops`` is measured, not assumed (:func:`block_step_calibration`)
+BLOCK_STEP_FILE = "trainer_memory_k25_slice_dflash_h200.json"
+SLICE_BLOCK_RECIPE = "kimi-k25-slice-h200-dflash.yaml"
 DEPTH_NAME = re.compile(r"^prefill_depth_k25_slice(\d+)_h200\.json$")
 PROBE_NAME = re.compile(r"^capture_overhead_width7168_l(\d+)_e16_bf16_tp1_h200\.json$")
 #: TorchSpec's K2.5 EAGLE-3 run, two published figures (FACTS.md "Performance anchors" and "After the pin"): the
@@ -480,6 +484,60 @@ def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict,
     return recipes, plans, overheads
 
 
+def block_step_calibration(path: Path, trainer_bench: dict) -> dict | None:
+    """``block_step_vs_flops`` measured: the slice's DFlash twin's step alone (``path``: bench/trainer_memory.py's
+    row of the recipe's step, flex_attention, nearest the recipe's length) against its EAGLE-3 twin's step alone (the
+    trainer bench at that length, the recipe's step) x their ratio of training FLOPs per token; None without the
+    file."""
+    if not path.exists():
+        return None
+    recipes = _recipes()
+    block = recipes.load_recipe(REPO / "recipes" / SLICE_BLOCK_RECIPE)
+    twin = recipes.load_recipe(REPO / "recipes" / SLICE_RECIPE)
+    rows = [
+        r
+        for r in _load(path).get("rows", [])
+        if r.get("variant") == "recipe" and r.get("backend") == "flex_attention" and r.get("tokens_per_s")
+    ]
+    if not rows:
+        raise SystemExit(f"error: {path.name} has no flex_attention row of the recipe's step")
+    row = min(rows, key=lambda r: (abs(r["length"] - block.trainer.max_length), r["length"]))
+    twin_length, twin_rate = _trainer_rate(trainer_bench, row["length"], _recipe_step(twin))
+    flops_ratio = _block_terms(block, twin)["flops_ratio"]
+    return {
+        "value": twin_rate / (flops_ratio * row["tokens_per_s"]),
+        "file": path.name,
+        "recipe": SLICE_BLOCK_RECIPE,
+        "length": row["length"],
+        "block_tokens_per_s": row["tokens_per_s"],
+        "twin_recipe": SLICE_RECIPE,
+        "twin_length": twin_length,
+        "twin_tokens_per_s": twin_rate,
+        "flops_ratio": flops_ratio,
+    }
+
+
+def calibrated(assumptions: dict, block: dict | None) -> dict:
+    """``assumptions`` with ``block_step_vs_flops`` taken from :func:`block_step_calibration` (unchanged without
+    one): the measured factor, its ends 1.5x and 1/1.5 of it."""
+    if block is None:
+        return assumptions
+    a = json.loads(json.dumps(assumptions))
+    v = block["value"]
+    a["block_step_vs_flops"] = {
+        "value": v,
+        "why": f"MEASURED at K2.5's width on one H200 ({block['file']}): the slice's DFlash twin's step alone, "
+        f"{block['block_tokens_per_s']:,.0f} tok/s at {block['length']} tokens, against its EAGLE-3 twin's "
+        f"{block['twin_tokens_per_s']:,.0f} (the trainer bench, the recipe's step) x their ratio of training FLOPs "
+        f"per token {block['flops_ratio']:.3f}: the block step costs {v:.2f}x what its FLOPs predict from EAGLE-3's. "
+        "The 8xB200 twin (5 draft layers) takes the 2-layer slice draft's factor. Ends: 1.5x and 1/1.5 of it (a "
+        "deeper draft's larger share of layer GEMMs may run nearer EAGLE-3's efficiency, or its attention further)",
+        "ends": {"pessimistic": {"value": 1.5 * v}, "optimistic": {"value": v / 1.5}},
+        "measured": block,
+    }
+    return a
+
+
 def _block_terms(r, twin) -> dict:
     """A block draft's estimated trainer inputs from its EAGLE-3 twin (the same recipe name without ``-dflash``):
     the twin's step (its measured rate is scaled), the FLOPs ratio, the feature bytes ratio of their plans."""
@@ -774,27 +832,28 @@ def overlap_per_transport(runs: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
-def _ends():
-    """(assumption, end, the change, ASSUMPTIONS with it) for the central row, each assumption's pessimistic and
+def _ends(base: dict):
+    """(assumption, end, the change, ``base`` with it) for the central row, each assumption's pessimistic and
     optimistic end one at a time, and all pessimistic ends together."""
-    yield "as projected", "central", {}, ASSUMPTIONS
-    every = json.loads(json.dumps(ASSUMPTIONS))
-    for key, spec in ASSUMPTIONS.items():
+    yield "as projected", "central", {}, base
+    every = json.loads(json.dumps(base))
+    for key, spec in base.items():
         for end in ("pessimistic", "optimistic"):
-            a = json.loads(json.dumps(ASSUMPTIONS))
+            a = json.loads(json.dumps(base))
             a[key].update(spec["ends"][end])
             yield key, end, spec["ends"][end], a
         every[key].update(spec["ends"]["pessimistic"])
     yield "all pessimistic ends", "pessimistic", {}, every
 
 
-def sensitivity(project_with, recipes: dict, overlaps: dict, torchspec_with) -> list[dict]:
+def sensitivity(project_with, recipes: dict, overlaps: dict, torchspec_with, base: dict | None = None) -> list[dict]:
     """The 8xB200 rows (EAGLE-3 and the block draft) and the TorchSpec prediction under each assumption's ends
     (:func:`_ends`); ``project_with(recipes, overlap, assumptions)``; ``overlaps``: the hidden fraction per
-    transport for ``overlap_carries`` True, ``"worst"`` and ``"best"``; ``torchspec_with(assumptions)``."""
+    transport for ``overlap_carries`` True, ``"worst"`` and ``"best"``; ``torchspec_with(assumptions)``; ``base``:
+    the assumptions varied (``ASSUMPTIONS`` unless given)."""
     b200 = {k: v for k, v in recipes.items() if "b200" in k}
     out = []
-    for key, end, change, a in _ends():
+    for key, end, change, a in _ends(base or ASSUMPTIONS):
         v = a["overlap_carries"]["value"]
         proj = project_with(b200, overlaps[v if isinstance(v, str) else "central"], a)
         out.append(
@@ -831,6 +890,8 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
     inputs = find_inputs(results)
     pipeline = _load(inputs["pipeline"])
     trainer_bench, trainer_files = trainer_benches(inputs["trainer"])
+    block_step = block_step_calibration(results / BLOCK_STEP_FILE, trainer_bench)
+    assumed = calibrated(ASSUMPTIONS, block_step)
     if not inputs["runs"]:
         raise SystemExit(f"error: no online_run_k25_slice_*.json in {results}")
     fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
@@ -866,7 +927,7 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
             plans=plans,
             recipes=recipes_,
             feature_bytes=feature_bytes,
-            assumptions=assumptions,
+            assumptions=assumptions or assumed,
         )
 
     def torchspec_with(assumptions: dict | None = None) -> dict:
@@ -882,8 +943,9 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
             "width_probes": probes if "per_moe_layer_s_per_token_16_experts" in fit else "",
             "online_runs": " + ".join(s["file"] for s in summaries),
             "trainer": " + ".join(trainer_files),
+            "block_step": block_step["file"] if block_step else "",
         },
-        "assumptions": ASSUMPTIONS,
+        "assumptions": assumed,
         "tokens_per_prompt": length,
         "feature_bytes_per_token": feature_bytes,
         "depth_fit": fit,
@@ -896,7 +958,7 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         "cross_check": torchspec_check(fit=fit, capture=capture, trainer_bench=trainer_bench),
         "block_trainer": {n: r["block_trainer"] for n, r in recipes.items() if "block_trainer" in r},
         "recipes": project_with(recipes, overlap),
-        "sensitivity": sensitivity(project_with, recipes, _overlaps(runs, overlap), torchspec_with),
+        "sensitivity": sensitivity(project_with, recipes, _overlaps(runs, overlap), torchspec_with, assumed),
         "torchspec": {
             **TORCHSPEC,
             "tokens_per_s_per_gpu": TORCHSPEC["tokens"] / (TORCHSPEC["gpu_hours"] * 3600),
@@ -915,7 +977,7 @@ def _headline(res: dict) -> list[str]:
     for n, r in res["recipes"].items():
         if "b200" not in n:
             continue
-        est = " (trainer ESTIMATED: `block_step_vs_flops`)" if r["trainer_estimated"] else ""
+        est = " (trainer scaled from EAGLE-3's: `block_step_vs_flops`)" if r["trainer_estimated"] else ""
         out.append(
             f"**8xB200 {n} ({r['family']}{est}), co-located, projected end-to-end trained tok/s per GPU: "
             + "; ".join(
@@ -998,11 +1060,18 @@ def table(res: dict) -> str:
                 f"of {m['gpu']:.0f} | "
                 f"{p['wall_hours_per_1b_tokens']:,.1f} | {p['gpu_hours_per_1b_tokens']:,.0f} |"
             )
+    measured = res["assumptions"]["block_step_vs_flops"].get("measured")
+    how = (
+        f"scaled by `block_step_vs_flops` {measured['value']:.2f}, measured on the slice's DFlash twin "
+        f"({measured['file']})"
+        if measured
+        else "an estimate: no block step measured at K2.5's width"
+    )
     for n, b in res.get("block_trainer", {}).items():
         mine, theirs = b["flops_per_token"], b["twin_flops_per_token"]
         lines += [
             "",
-            f"{n}'s trainer (an estimate: no block step measured at K2.5's width): training GFLOP per token "
+            f"{n}'s trainer ({how}): training GFLOP per token "
             + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in mine.items())
             + " against its EAGLE-3 twin's "
             + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in theirs.items())

@@ -103,6 +103,7 @@ def test_trains_every_step_once(block_run):
     assert rep["draft"]["strategy"] == "dflash" and rep["draft"]["architecture"] == "DFlashDraftModel"
     assert rep["draft"]["draft_block_size"] == BLOCK_SIZE and rep["draft"]["target_layer_ids"] == BLOCK_IDS
     assert rep["draft"]["target_hidden_size"] == TEST_SPEC["hidden"]
+    assert set(rep["acc_last_mean"]) == {"acc"}  # the block strategy logs one accuracy over the block
     assert led["global_step"] == STEPS and led["acked"] == led["acked_unique"] == STEPS
     assert led["duplicates"] == 0 and led["acked_not_committed"] == 0 and led["trained_tokens"] > 0
 

@@ -415,6 +415,39 @@ def test_block_draft_trainer_term_scales_with_its_flops_and_its_features(sizing)
     assert capped["transport_bound"] and capped["feature_gb_per_s_per_node"] == pytest.approx(0.8)
 
 
+def test_a_measured_block_step_calibrates_block_step_vs_flops(sizing, results, tmp_path):
+    """With the slice's DFlash twin measured alone, ``block_step_vs_flops`` is that step against the slice's EAGLE-3
+    twin's x their FLOPs ratio (here the trainer bench's 12,500 tok/s at 4096, the recipe's step), the 8xB200 block
+    draft's trainer follows it, and the sensitivity rows vary the measured factor."""
+    res0, _ = _main(sizing, results, tmp_path)
+    twin = sizing._recipes().load_recipe(REPO / "recipes" / sizing.SLICE_RECIPE)
+    block = sizing._recipes().load_recipe(REPO / "recipes" / sizing.SLICE_BLOCK_RECIPE)
+    ratio = sizing._block_terms(block, twin)["flops_ratio"]
+    rows = [
+        {"variant": "recipe", "backend": "sdpa", "length": 4096, "tokens_per_s": 1.0},  # not the recipe's backend
+        {"variant": "recipe", "backend": "flex_attention", "length": 2048, "tokens_per_s": 1.0},  # not its length
+        {"variant": "recipe", "backend": "flex_attention", "length": 4096, "tokens_per_s": 20_000.0},
+    ]
+    (results / sizing.BLOCK_STEP_FILE).write_text(json.dumps({"rows": rows}))
+    res, text = _main(sizing, results, tmp_path)
+    factor = 12_500 / (ratio * 20_000)
+    spec = res["assumptions"]["block_step_vs_flops"]
+    assert spec["value"] == pytest.approx(factor) and spec["measured"]["twin_tokens_per_s"] == 12_500
+    assert spec["ends"]["pessimistic"]["value"] == pytest.approx(1.5 * factor)
+    assert res["inputs"]["block_step"] == sizing.BLOCK_STEP_FILE and "MEASURED" in spec["why"]
+    name = "kimi-k25-8xb200-lowered-dflash"
+    before, after = res0["recipes"][name], res["recipes"][name]
+    assert after["trainer_tokens_per_s_per_gpu"] == pytest.approx(
+        before["trainer_tokens_per_s_per_gpu"] * res0["assumptions"]["block_step_vs_flops"]["value"] / factor
+    )
+    assert res["recipes"]["kimi-k25-8xb200-lowered"] == res0["recipes"]["kimi-k25-8xb200-lowered"]  # EAGLE-3 as before
+    _check_ends(res, res["assumptions"])
+    assert f"measured on the slice's DFlash twin ({sizing.BLOCK_STEP_FILE})" in text
+    (results / sizing.BLOCK_STEP_FILE).write_text(json.dumps({"rows": rows[:1]}))
+    with pytest.raises(SystemExit, match="no flex_attention row of the recipe's step"):
+        _main(sizing, results, tmp_path)
+
+
 def test_block_draft_projection_beside_eagle3(sizing, results, tmp_path):
     res, text = _main(sizing, results, tmp_path)
     e3, bd = res["recipes"]["kimi-k25-8xb200-lowered"], res["recipes"]["kimi-k25-8xb200-lowered-dflash"]
@@ -464,7 +497,8 @@ def test_each_assumptions_pessimistic_end_projects_no_more_than_central(sizing, 
     res, _ = _main(sizing, results, tmp_path)
     _check_ends(res, sizing.ASSUMPTIONS)
     assert all(set(v["ends"]) == {"pessimistic", "optimistic"} for v in sizing.ASSUMPTIONS.values())
-    _check_ends(json.loads((REPO / "bench" / "results" / "sizing_k25.json").read_text()), sizing.ASSUMPTIONS)
+    committed = json.loads((REPO / "bench" / "results" / "sizing_k25.json").read_text())
+    _check_ends(committed, committed["assumptions"])
 
 
 def test_short_and_block_draft_runs_are_left_out_and_a_run_named_without_transport_reads_its_report(

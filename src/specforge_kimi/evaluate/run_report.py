@@ -204,7 +204,11 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
         "loss_window": k,
         "losses": losses,
         "acc_last_mean": (
-            {key: sum(s.get(key, 0.0) for s in steps[-k:]) / k for key in sorted(steps[-1]) if key.startswith("acc_")}
+            {
+                key: sum(s.get(key, 0.0) for s in steps[-k:]) / k
+                for key in sorted(steps[-1])
+                if key == "acc" or key.startswith("acc_")
+            }
             if k
             else {}
         ),
