@@ -936,7 +936,8 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
     probes = " + ".join(p.name for p in inputs["probes"].values())
     return {
         "command": ["python", "bench/sizing.py", *argv],
-        "measured_on": "one H200 (K2.5-width slice 2026-12-03/04, width probes 2026-12-02)",
+        "measured_on": "one H200 (K2.5-width slice 2026-12-03/04, width probes 2026-12-02"
+        + (", the slice's block step 2026-12-05)" if block_step else ")"),
         "inputs": {
             "pipeline": inputs["pipeline"].name,
             "depth": " + ".join(p.name for p in inputs["depth"].values()),
