@@ -29,14 +29,18 @@ concurrency), dry run or not alike, on the same GPUs, with both stage rates meas
 names the file it took them from (``stages_from``).
 
 The GPU commands (the slice's target and prompts from scripts/gpu_real_width.sh STAGE=target and STAGE=data), one
-per device call:
+per device call (at most 10 minutes each): the stages alone take ~3 minutes (a capture server start and its shape,
+the trainer bench), and each option a co-located launch of ~3 minutes at 60 steps (the server's start, the
+trainer's, the final checkpoint), so the first call measures one option beside the stages and later calls two:
 
     python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --steps 60 --split 50,50 \
-        --concurrency 2 --options baseline,mps --out $OUT/overlap_rates_1.json
-    python bench/overlap_rates.py ... --options mps+split,mps+trainer-low \
+        --concurrency 2 --options baseline --out $OUT/overlap_rates_1.json
+    python bench/overlap_rates.py ... --options mps,mps+split \
         --stages-from $OUT/overlap_rates_1.json --out $OUT/overlap_rates_2.json
-    python bench/overlap_rates.py ... --options mps+server-low,batching,mps+batching \
+    python bench/overlap_rates.py ... --options mps+server-low,batching \
         --stages-from $OUT/overlap_rates_2.json --out bench/results/overlap_rates_k25_slice_h200.json
+
+(``mps+trainer-low`` and ``mps+batching`` in a later call the same way.)
 """
 
 from __future__ import annotations
