@@ -2046,8 +2046,12 @@ def _sizing_notes(res: dict, ts) -> list[str]:
         f"({_num((res.get('torchspec') or {}).get('tokens'), '{:,.0f}')} tokens in "
         f"{_num((res.get('torchspec') or {}).get('gpu_hours'), '{:,}')} GPU-hours)",
         *[
-            f"- assumed, {k}: "
-            + ", ".join(f"{kk} {vv}" for kk, vv in v.items() if kk not in ("why", "ends"))
+            f"- {'measured' if v.get('measured') else 'assumed'}, {k}: "
+            + ", ".join(
+                f"{kk} {round(vv, 3) if isinstance(vv, float) else vv}"
+                for kk, vv in v.items()
+                if kk not in ("why", "ends", "measured")
+            )
             + (f" ({v['why']})" if v.get("why") else "")
             for k, v in (res.get("assumptions") or {}).items()
             if isinstance(v, dict)

@@ -22,9 +22,12 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   (``TRAINER_FILES``): one trainer rank alone on the GPU at the recipes' draft, 4k and 16k tokens, the batch already
   on the GPU (``--feed cuda``: both transports hand the step device tensors), one row per step variant
   (``step_env``); a (length, step) row is read from the first file that has it. A recipe's trainer rate is the row
-  of its own step; a run's trainer-alone rate, the row of the step that run used. A block-draft recipe (DFlash) has
-  no measured step: its rate is its EAGLE-3 twin's x the ratio of training FLOPs per token
-  (``training.step_flops.train_flops_per_token``) x ``block_step_vs_flops``, an estimate;
+  of its own step; a run's trainer-alone rate, the row of the step that run used. A block-draft recipe (DFlash): its
+  rate is its EAGLE-3 twin's x the ratio of training FLOPs per token (``training.step_flops.train_flops_per_token``)
+  x ``block_step_vs_flops``;
+- ``trainer_memory_k25_slice_dflash_h200.json`` (optional, ``BLOCK_STEP_FILE``): the slice's DFlash twin's step
+  alone (bench/trainer_memory.py); with it ``block_step_vs_flops`` is measured (that step against the slice's
+  EAGLE-3 step from the trainer bench at the same length x their FLOPs ratio), without it assumed;
 - ``prefill_width7168_l6_e16_{bf16,int4}_h200.jsonl``: INT4 vs bf16 experts (the expert-count backtest).
 
 and projects each shipped K2.5 recipe (8xB200 lowered, 8xB300, 2x8 B300; the 8xB200 DFlash twin) per transport that applies to it
@@ -56,8 +59,8 @@ DOC = REPO / "docs" / "sizing.md"
 BEGIN, END = "<!-- sizing:begin (bench/sizing.py writes this) -->", "<!-- sizing:end -->"
 K25_LAYERS = 61
 GIB = 1024**3
-#: EAGLE-3 recipes, then the block-draft (DFlash) twin of the 8xB200 one: its trainer term is an estimate
-#: (``block_step_vs_flops``), scaled from its EAGLE-3 twin's measured step (the name without ``-dflash``)
+#: EAGLE-3 recipes, then the block-draft (DFlash) twin of the 8xB200 one: its trainer term is scaled from its EAGLE-3
+#: twin's measured step (the name without ``-dflash``) by FLOPs x ``block_step_vs_flops``
 RECIPES = (
     "kimi-k25-8xb200-lowered.yaml",
     "kimi-k25-8xb300.yaml",
@@ -164,7 +167,8 @@ ASSUMPTIONS = {
     },
     "block_step_vs_flops": {
         "value": 1.0,
-        "why": "ESTIMATE, no block-draft step measured yet: the block draft's (DFlash) trainer step time per token "
+        "why": "ESTIMATE, used when no block step was measured (BLOCK_STEP_FILE absent): the block draft's (DFlash) "
+        "trainer step time per token "
         "is its EAGLE-3 twin's measured step x the ratio of training FLOPs per token (`block_trainer` in the "
         "output: draft layers x per-layer GEMM and attention FLOPs over anchors x block queries, the fc over the "
         "5 captured layers, the frozen head's forward and input gradient; EAGLE-3: TTT steps x its one layer and "
@@ -195,6 +199,8 @@ def _load(path: Path) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise SystemExit(f"error: {path} not found (run the measurement first; docs/sizing.md says which)") from None
+    except ValueError as exc:
+        raise SystemExit(f"error: {path} is not JSON ({exc})") from None
 
 
 def _shape_row(pipeline: dict, tokens_per_prompt: int, transport: str | None = None) -> dict:
@@ -497,12 +503,20 @@ def block_step_calibration(path: Path, trainer_bench: dict) -> dict | None:
     rows = [
         r
         for r in _load(path).get("rows", [])
-        if r.get("variant") == "recipe" and r.get("backend") == "flex_attention" and r.get("tokens_per_s")
+        if r.get("variant") == "recipe"
+        and r.get("backend") == "flex_attention"
+        and r.get("tokens_per_s")
+        and isinstance(r.get("length"), int)
     ]
     if not rows:
         raise SystemExit(f"error: {path.name} has no flex_attention row of the recipe's step")
     row = min(rows, key=lambda r: (abs(r["length"] - block.trainer.max_length), r["length"]))
     twin_length, twin_rate = _trainer_rate(trainer_bench, row["length"], _recipe_step(twin))
+    if twin_length != row["length"]:
+        raise SystemExit(
+            f"error: {path.name}'s block step is at {row['length']} tokens and the trainer bench has the EAGLE-3 "
+            f"step at {twin_length}, not the same length"
+        )
     flops_ratio = _block_terms(block, twin)["flops_ratio"]
     return {
         "value": twin_rate / (flops_ratio * row["tokens_per_s"]),
@@ -905,6 +919,8 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
         recipe_step=recipe_step,
     )
     summaries = [_run_summary(t, r) for t, rs in runs.items() for r in rs]
+    if not summaries:
+        raise SystemExit(f"error: no EAGLE-3 slice run of {MIN_RUN_STEPS} or more timed steps in {results}")
     overlap = overlap_per_transport(runs)
     # the memory measured beside the plan: a run of the step the recipes ship, one naming its step (a newer
     # run-report, from its launch sheet) first

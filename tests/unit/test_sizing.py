@@ -446,6 +446,12 @@ def test_a_measured_block_step_calibrates_block_step_vs_flops(sizing, results, t
     (results / sizing.BLOCK_STEP_FILE).write_text(json.dumps({"rows": rows[:1]}))
     with pytest.raises(SystemExit, match="no flex_attention row of the recipe's step"):
         _main(sizing, results, tmp_path)
+    (results / sizing.BLOCK_STEP_FILE).write_text(json.dumps({"rows": [{**rows[2], "length": 8192}]}))
+    with pytest.raises(SystemExit, match="at 8192 tokens and the trainer bench has the EAGLE-3 step at 4096"):
+        _main(sizing, results, tmp_path)  # the bench has 4096 and 16384: the nearest is not the same length
+    (results / sizing.BLOCK_STEP_FILE).write_text("{not json")
+    with pytest.raises(SystemExit, match="is not JSON"):
+        _main(sizing, results, tmp_path)
 
 
 def test_block_draft_projection_beside_eagle3(sizing, results, tmp_path):
@@ -518,6 +524,13 @@ def test_short_and_block_draft_runs_are_left_out_and_a_run_named_without_transpo
     assert by_file["online_run_k25_slice_shipped_h200.json"]["transport"] == "mooncake"
     assert "online_run_k25_slice_short20_cuda_ipc_h200.json" not in by_file
     assert "online_run_k25_slice_dflash_cuda_ipc_h200.json" not in by_file
+    for name in list(by_file):  # only the block draft's run left: no EAGLE-3 run to fit, one line
+        if name != "online_run_k25_slice_dflash_cuda_ipc_h200.json":
+            (results / name).unlink()
+    (results / "online_run_k25_slice_short20_cuda_ipc_h200.json").unlink()
+    with pytest.raises(SystemExit, match="no EAGLE-3 slice run"):
+        _main(sizing, results, tmp_path)
+    (results / "online_run_k25_slice_shipped_h200.json").write_text(json.dumps(shipped))
     del shipped["transport"]
     (results / "online_run_k25_slice_shipped_h200.json").write_text(json.dumps(shipped))
     with pytest.raises(SystemExit, match="names no transport"):

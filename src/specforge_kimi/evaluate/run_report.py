@@ -145,29 +145,62 @@ def trainer_step(run: Path) -> dict[str, str] | None:
     return out
 
 
-def draft(cfg: dict) -> dict:
+def _acc_keys(step: dict) -> list[str]:
+    """The accuracies a logged step carries: EAGLE-3's per TTT position (``acc_0``, ``acc_1``, ...), or a strategy's
+    single ``acc`` (a block draft's) when it logs no positions."""
+    positions = sorted(k for k in step if k.startswith("acc_"))
+    return positions or (["acc"] if "acc" in step else [])
+
+
+def _config_json(path: Path | None) -> dict:
+    """A JSON object read from ``path``; {} when there is none or it is not a readable object."""
+    if path is None:
+        return {}
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _launched_path(value, run: Path, output_dir) -> Path | None:
+    """A path the rendered config names (``launch`` writes them relative to the directory it ran in): absolute as
+    is; relative, against that directory (``run`` less the config's ``output_dir``) when it is there, else as given;
+    None for an empty value."""
+    if not value or not isinstance(value, str):
+        return None
+    p = Path(value)
+    if p.is_absolute():
+        return p
+    out = Path(output_dir) if isinstance(output_dir, str) and output_dir else None
+    parts = run.resolve().parts
+    if out is not None and not out.is_absolute() and parts[len(parts) - len(out.parts) :] == out.parts:
+        rooted = Path(*parts[: len(parts) - len(out.parts)]) / p
+        if rooted.exists():
+            return rooted
+    return p
+
+
+def draft(cfg: dict, run: Path) -> dict:
     """What the run trained, from its rendered SpecForge config: the strategy (``training.strategy``: ``eagle3``,
     ``dflash``, ...), the draft config's architecture, width, layers and block size, the captured target layers, and
     the target's hidden size (its ``config.json``). A file that cannot be read leaves its entries None."""
-    model = cfg.get("model") or {}
-    out = {"strategy": (cfg.get("training") or {}).get("strategy", "eagle3")}
-
-    def _json(path) -> dict:
-        try:
-            loaded = json.loads(Path(path).read_text())
-        except (OSError, TypeError, ValueError):
-            return {}
-        return loaded if isinstance(loaded, dict) else {}
-
-    d = _json(model.get("draft_model_config"))
-    out["architecture"] = (d.get("architectures") or [None])[0]
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    training = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
+    out = {"strategy": training.get("strategy", "eagle3")}
+    d = _config_json(_launched_path(model.get("draft_model_config"), run, cfg.get("output_dir")))
+    if not d:  # the copy launch rendered beside the run
+        d = _config_json(run / "rendered" / "draft_config.json")
+    arch = d.get("architectures")
+    out["architecture"] = arch[0] if isinstance(arch, list) and arch else None
     for key in ("hidden_size", "num_hidden_layers", "block_size"):
         out[f"draft_{key}"] = d.get(key)
-    out["target_layer_ids"] = (d.get("dflash_config") or {}).get("target_layer_ids") or model.get(
-        "aux_hidden_state_layer_ids"
-    )
-    t = _json(Path(str(model.get("target_model_path", ""))) / "config.json")
-    out["target_hidden_size"] = (t.get("text_config") or t).get("hidden_size")
+    block = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    out["target_layer_ids"] = block.get("target_layer_ids") or model.get("aux_hidden_state_layer_ids")
+    target = _launched_path(model.get("target_model_path"), run, cfg.get("output_dir"))
+    t = _config_json(target / "config.json" if target is not None else None)
+    text = t.get("text_config") if isinstance(t.get("text_config"), dict) else t
+    out["target_hidden_size"] = text.get("hidden_size")
     return out
 
 
@@ -194,7 +227,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
         "run_dir": str(run),
         "run_id": run_id,
         "transport": transport(run),
-        "draft": draft(cfg),
+        "draft": draft(cfg, run),
         "trainer_step_env": trainer_step(run),
         "max_steps": cfg["training"].get("max_steps"),
         "steps_logged": len(steps),
@@ -204,13 +237,7 @@ def report(run_dir: str | Path, *, gpu_samples: str | None = None) -> dict:
         "loss_window": k,
         "losses": losses,
         "acc_last_mean": (
-            {
-                key: sum(s.get(key, 0.0) for s in steps[-k:]) / k
-                for key in sorted(steps[-1])
-                if key == "acc" or key.startswith("acc_")
-            }
-            if k
-            else {}
+            {key: sum(s.get(key, 0.0) for s in steps[-k:]) / k for key in _acc_keys(steps[-1])} if k else {}
         ),
         "ledger": led,
         "checkpoints": ckpts,

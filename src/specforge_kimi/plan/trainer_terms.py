@@ -46,9 +46,8 @@ def block_draft_params(d: DFlashDraft) -> int:
 
 
 def block_trainer_terms(r, *, max_length: int | None = None) -> dict:
-    """:func:`trainer_terms` of a block draft (``trainer.family`` dflash or dspark), in bytes. An estimate until
-    ``bench/trainer_memory.py --recipe <a dflash recipe>`` measures a block step on a GPU (its rows' ``measured_over_plan``),
-    as EAGLE-3's terms were fitted.
+    """:func:`trainer_terms` of a block draft (``trainer.family`` dflash or dspark), in bytes, checked on a GPU by
+    ``bench/trainer_memory.py --recipe <a dflash recipe>`` (its rows' ``measured_over_plan``) as EAGLE-3's terms are.
 
     With ``n`` draft layers, width ``h``, heads ``a``/``k`` of dim ``d``, MLP ``I``, vocab ``V``, anchors ``A``,
     block ``B``, length ``S`` (anchors at most ``S``): ``optimizer`` = params x 16 B; ``frozen_tables`` = the target's embedding and head,
