@@ -490,16 +490,14 @@ def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict,
     return recipes, plans, overheads
 
 
-def block_step_calibration(path: Path, trainer_bench: dict) -> dict | None:
+def block_step_calibration(path: Path, trainer_bench: dict, twin) -> dict | None:
     """``block_step_vs_flops`` measured: the slice's DFlash twin's step alone (``path``: bench/trainer_memory.py's
     row of the recipe's step, flex_attention, nearest the recipe's length) against its EAGLE-3 twin's step alone (the
-    trainer bench at that length, the recipe's step) x their ratio of training FLOPs per token; None without the
-    file."""
+    trainer bench at that length, the recipe's step; ``twin``: the loaded ``SLICE_RECIPE``) x their ratio of training
+    FLOPs per token; None without the file."""
     if not path.exists():
         return None
-    recipes = _recipes()
-    block = recipes.load_recipe(REPO / "recipes" / SLICE_BLOCK_RECIPE)
-    twin = recipes.load_recipe(REPO / "recipes" / SLICE_RECIPE)
+    block = _recipes().load_recipe(REPO / "recipes" / SLICE_BLOCK_RECIPE)
     rows = [
         r
         for r in _load(path).get("rows", [])
@@ -860,14 +858,14 @@ def _ends(base: dict):
     yield "all pessimistic ends", "pessimistic", {}, every
 
 
-def sensitivity(project_with, recipes: dict, overlaps: dict, torchspec_with, base: dict | None = None) -> list[dict]:
+def sensitivity(project_with, recipes: dict, overlaps: dict, torchspec_with, base: dict) -> list[dict]:
     """The 8xB200 rows (EAGLE-3 and the block draft) and the TorchSpec prediction under each assumption's ends
     (:func:`_ends`); ``project_with(recipes, overlap, assumptions)``; ``overlaps``: the hidden fraction per
     transport for ``overlap_carries`` True, ``"worst"`` and ``"best"``; ``torchspec_with(assumptions)``; ``base``:
-    the assumptions varied (``ASSUMPTIONS`` unless given)."""
+    the assumptions varied (``ASSUMPTIONS``, a measured one in place)."""
     b200 = {k: v for k, v in recipes.items() if "b200" in k}
     out = []
-    for key, end, change, a in _ends(base or ASSUMPTIONS):
+    for key, end, change, a in _ends(base):
         v = a["overlap_carries"]["value"]
         proj = project_with(b200, overlaps[v if isinstance(v, str) else "central"], a)
         out.append(
@@ -904,13 +902,14 @@ def build(results: Path, length: int, argv: list[str]) -> dict:
     inputs = find_inputs(results)
     pipeline = _load(inputs["pipeline"])
     trainer_bench, trainer_files = trainer_benches(inputs["trainer"])
-    block_step = block_step_calibration(results / BLOCK_STEP_FILE, trainer_bench)
-    assumed = calibrated(ASSUMPTIONS, block_step)
     if not inputs["runs"]:
         raise SystemExit(f"error: no online_run_k25_slice_*.json in {results}")
     fit, slice_layers, slice_prefill = prefill_fit(inputs, length)
     capture = capture_rates(pipeline, length)
-    recipe_step = _recipe_step(_recipes().load_recipe(REPO / "recipes" / SLICE_RECIPE))
+    slice_recipe = _recipes().load_recipe(REPO / "recipes" / SLICE_RECIPE)
+    recipe_step = _recipe_step(slice_recipe)
+    block_step = block_step_calibration(results / BLOCK_STEP_FILE, trainer_bench, slice_recipe)
+    assumed = calibrated(ASSUMPTIONS, block_step)
     runs = slice_runs(
         inputs["runs"],
         slice_prefill=slice_prefill,

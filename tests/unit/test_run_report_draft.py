@@ -51,7 +51,7 @@ def test_relative_paths_resolve_against_the_launch_directory(tmp_path, monkeypat
         "target_hidden_size": 64,
     }
     cfg["model"]["target_model_path"] = ""  # no target named: nothing read from the working directory
-    cfg["model"]["draft_model_config"] = "gone/draft_config.json"  # the rendered copy beside the run instead
+    cfg["model"]["draft_model_config"] = "gone/draft_config.json"  # read from the run's rendered/ all the same
     got = draft(cfg, run)
     assert got["target_hidden_size"] is None and got["draft_block_size"] == 8
 

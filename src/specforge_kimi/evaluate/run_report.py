@@ -6,8 +6,8 @@ metrics), the consumer ledger ``consumer-state/consumer.sqlite`` (``committed`` 
 consumer accepted with their ``num_tokens``; ``acked`` = samples whose optimizer step became
 durable; ``marker.global_step``), the checkpoint directories ``<run_id>-step<N>`` and the export.
 What was trained (strategy, the draft's width and layers, the target layers it reads): the rendered SpecForge
-config and the draft and target configs it names. Disk: every byte under the run directory except checkpoints, the export, the rendered
-configs and this command's own ``run-report/``, per trained token -- features travel through
+config, the draft config rendered beside it and the target's config. Disk: every byte under the run directory
+except checkpoints, the export, the rendered configs and this command's own ``run-report/``, per trained token -- features travel through
 Mooncake, so this is metadata (refs, ledger, logs). GPU memory per role from the per-process samples
 ``launch`` records (``logs/gpu_mem_samples.csv``, :mod:`run.gpu_memory`) or ``--gpu-samples``. The
 JSON goes to ``--out`` (default ``<run_dir>/run-report/run_report.json``), the plots
@@ -164,7 +164,7 @@ def _config_json(path: Path | None) -> dict:
 
 
 def _launched_path(value, run: Path, output_dir) -> Path | None:
-    """A path the rendered config names (``launch`` writes them relative to the directory it ran in): absolute as
+    """A path the rendered config names (the target's) (``launch`` writes them relative to the directory it ran in): absolute as
     is; relative, against that directory (``run`` less the config's ``output_dir``) when it is there, else as given;
     None for an empty value."""
     if not value or not isinstance(value, str):
@@ -182,15 +182,14 @@ def _launched_path(value, run: Path, output_dir) -> Path | None:
 
 
 def draft(cfg: dict, run: Path) -> dict:
-    """What the run trained, from its rendered SpecForge config: the strategy (``training.strategy``: ``eagle3``,
-    ``dflash``, ...), the draft config's architecture, width, layers and block size, the captured target layers, and
-    the target's hidden size (its ``config.json``). A file that cannot be read leaves its entries None."""
+    """What the run trained: the strategy (the rendered SpecForge config's ``training.strategy``: ``eagle3``,
+    ``dflash``, ...), the draft config's architecture, width, layers and block size (``rendered/draft_config.json``,
+    the file that config names), the captured target layers, and the target's hidden size (its ``config.json``). A
+    file that cannot be read leaves its entries None."""
     model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
     training = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
     out = {"strategy": training.get("strategy", "eagle3")}
-    d = _config_json(_launched_path(model.get("draft_model_config"), run, cfg.get("output_dir")))
-    if not d:  # the copy launch rendered beside the run
-        d = _config_json(run / "rendered" / "draft_config.json")
+    d = _config_json(run / "rendered" / "draft_config.json")
     arch = d.get("architectures")
     out["architecture"] = arch[0] if isinstance(arch, list) and arch else None
     for key in ("hidden_size", "num_hidden_layers", "block_size"):
