@@ -41,6 +41,16 @@ trainer's, the final checkpoint), so the first call measures one option beside t
         --stages-from $OUT/overlap_rates_2.json --out bench/results/overlap_rates_k25_slice_h200.json
 
 (``mps+trainer-low`` and ``mps+batching`` in a later call the same way.)
+
+``--winner-steps N`` (0: off) then runs the best option for N steps, the issue's ">= 200-step co-located run with the
+winning option" (the same launch, checkpoints removed after its report), as ``winner_run`` in the same JSON. The
+winner is the row with the highest ``overlap_vs_serial`` whose co-located rate is at least ``1 + --winner-margin``
+times the baseline row's (default 0.03: two 60-step windows of one recipe differ by less than that) and whose run
+lost nothing (its ledger whole, no duplicates); with no such row, nothing runs and ``winner_run`` says why. With
+``--options ''`` and ``--stages-from``, a call runs only the winner:
+
+    python bench/overlap_rates.py ... --options '' --winner-steps 200 \
+        --stages-from bench/results/overlap_rates_k25_slice_h200.json --out $OUT/overlap_rates_winner.json
 """
 
 from __future__ import annotations
@@ -77,6 +87,8 @@ class Settings:
     out: Path
     dry_run: bool
     stages_from: Path | None = None
+    winner_steps: int = 0
+    winner_margin: float = 0.03
 
 
 class StagesRefused(ValueError):
@@ -100,15 +112,19 @@ def parse(argv: list[str] | None = None) -> Settings:
         default=None,
         help="an earlier call's JSON: its stage rates and the rows of options not in --options (like for like)",
     )
+    p.add_argument("--winner-steps", type=int, default=0, help="then run the best option this many steps (0: off)")
+    p.add_argument("--winner-margin", type=float, default=0.03, help="a winner beats the baseline by this fraction")
     a = p.parse_args(argv)
     options = tuple(o for o in a.options.split(",") if o)
     unknown = [o for o in options if o not in OPTIONS]
     split = tuple(int(x) for x in a.split.split(","))
     if unknown or len(split) != 2 or not all(1 <= x <= 100 for x in split) or a.concurrency < 1:
         p.error(f"--options of {', '.join(OPTIONS)}; --split two percentages 1-100; --concurrency >= 1")
+    if a.winner_steps < 0 or not 0 <= a.winner_margin < 1:
+        p.error("--winner-steps >= 0 (0: off); --winner-margin a fraction in [0, 1)")
     return Settings(
         Path(a.recipe), options, split, a.concurrency, a.steps, a.shape, a.trainer_steps, Path(a.workdir),
-        Path(a.out), a.dry_run, a.stages_from and Path(a.stages_from),
+        Path(a.out), a.dry_run, a.stages_from and Path(a.stages_from), a.winner_steps, a.winner_margin,
     )  # fmt: skip
 
 
@@ -182,8 +198,44 @@ def row(option: str, overlap: dict, colocated: dict, serial: float | None) -> di
         "colocated_tokens_per_s": rate,
         "source": colocated.get("source"),
         "overlap_vs_serial": rate / serial if rate and serial else None,
-        **{k: colocated[k] for k in ("error", "rc", "log_tail", "gpu_memory") if k in colocated},
+        **{k: colocated[k] for k in ROW_KEYS if k in colocated},
     }
+
+
+#: what a row keeps of its co-located measurement beside the rate (a failure's reason; the run's memory and ledger)
+ROW_KEYS = ("error", "rc", "log_tail", "trainer_only_tokens_per_s", "gpu_memory", "ledger")
+
+
+def nothing_lost(r: dict, steps: int | None = None) -> bool:
+    """The row's run trained every sample it acknowledged once: its ledger present, no duplicate, none acked
+    without its committed ref, and (``steps`` given) its durable step that many (``ledger.global_step``)."""
+    led = r.get("ledger") or {}
+    return bool(
+        led.get("present")
+        and led.get("duplicates") == 0
+        and led.get("acked_not_committed") == 0
+        and led.get("acked") == led.get("acked_unique")
+        and (steps is None or led.get("global_step") == steps)
+    )
+
+
+def pick_winner(rows: list[dict], margin: float) -> tuple[dict | None, str]:
+    """The option row to run long (highest ``overlap_vs_serial`` among those at least ``1 + margin`` times the
+    baseline's co-located rate, its run whole) and why; None and the reason when no row qualifies."""
+    base = next((r for r in rows if r["option"] == "baseline"), None)
+    if not base or not base.get("colocated_tokens_per_s"):
+        return None, "no measured baseline row to beat"
+    bar = base["colocated_tokens_per_s"] * (1 + margin)
+    ok = [r for r in rows if r["option"] != "baseline" and (r.get("colocated_tokens_per_s") or 0) >= bar]
+    whole = [r for r in ok if nothing_lost(r)]
+    if not whole:
+        lost = f" ({', '.join(r['option'] for r in ok)} lost samples)" if ok else ""
+        return (
+            None,
+            f"no option reached {1 + margin:.2f}x the baseline's {base['colocated_tokens_per_s']:.0f} tok/s{lost}",
+        )
+    best = max(whole, key=lambda r: r["colocated_tokens_per_s"])
+    return best, f"{best['colocated_tokens_per_s'] / base['colocated_tokens_per_s']:.3f}x the baseline's rate"
 
 
 def document(
@@ -195,16 +247,17 @@ def document(
     kept: list[dict] | None = None,
     source: dict | None = None,
     gpus: list[str] | None = None,
+    winner: dict | None = None,
+    complete: bool = True,
 ) -> dict:
     """The JSON: command, environment, each stage rate with its source, the serial sum, one row per option (``kept``:
     rows an earlier call measured, taken with its stage rates through ``--stages-from``, named by ``source``;
-    ``gpus``: the GPUs it ran on, None on a dry run)."""
-    p, t = prefill.get("tokens_per_s"), trainer.get("tokens_per_s")
-    serial = serial_rate(p, t) if p and t else None
-    rows = [*(kept or []), *(row(o, overlap_of(o, s), runs[o], serial) for o in s.options)]
-    rows.sort(key=lambda r: OPTIONS.index(r["option"]) if r["option"] in OPTIONS else len(OPTIONS))
+    ``gpus``: the GPUs it ran on, None on a dry run; ``winner``: :func:`winner_run`'s entry, with ``--winner-steps``;
+    ``complete``: False while the call is still measuring, its JSON written so far)."""
+    serial = serial_of(prefill, trainer)
     return {
         "bench": "overlap_rates",
+        "complete": complete,
         "command": [sys.executable, *argv],
         "dry_run": s.dry_run,
         "environment": {
@@ -221,8 +274,32 @@ def document(
         "trainer_alone": trainer,
         "serial_tokens_per_s": serial,
         "serial_is": "1 / (1/prefill_alone + 1/trainer_alone): the two stages taking turns on the GPU",
-        "rows": rows,
+        "rows": rows_of(s, runs, serial, kept),
+        "winner_run": winner,
     }
+
+
+def serial_of(prefill: dict, trainer: dict) -> float | None:
+    p, t = prefill.get("tokens_per_s"), trainer.get("tokens_per_s")
+    return serial_rate(p, t) if p and t else None
+
+
+def rows_of(s: Settings, runs: dict[str, dict], serial: float | None, kept: list[dict] | None) -> list[dict]:
+    """Every option's row, ``kept`` (an earlier call's) and this call's measured so far, in :data:`OPTIONS`' order."""
+    rows = [*(kept or []), *(row(o, overlap_of(o, s), runs[o], serial) for o in s.options if o in runs)]
+    rows.sort(key=lambda r: OPTIONS.index(r["option"]) if r["option"] in OPTIONS else len(OPTIONS))
+    return rows
+
+
+def winner_run(s: Settings, rows: list[dict], serial: float | None, measure_long) -> dict:
+    """``--winner-steps``: the best row (:func:`pick_winner`) run ``s.winner_steps`` steps through ``measure_long``
+    (option, steps -> a co-located measurement), as an entry beside the rows; without a winner, why not."""
+    best, why = pick_winner(rows, s.winner_margin)
+    if best is None:
+        return {"option": None, "steps": s.winner_steps, "why": why}
+    res = measure_long(best["option"], s.winner_steps)
+    return {**row(best["option"], best["overlap"], res, serial), "steps": s.winner_steps, "why": why,
+            "nothing_lost": nothing_lost(res, s.winner_steps)}  # fmt: skip
 
 
 # -- measure: the existing scripts, as subprocesses -------------------------------------------------------------
@@ -237,11 +314,14 @@ def _tail(log: Path, n: int = 5) -> list[str]:
 
 
 def measure_prefill(recipe, s: Settings) -> dict:
-    """The capture server alone (bench/online_pipeline.py) on the recipe's target, TP and transport."""
+    """The capture server alone (bench/online_pipeline.py) on the recipe's target, TP, transport, aux layers and
+    passthrough form."""
     out, log = s.workdir / "prefill_alone.json", s.workdir / "prefill_alone.log"
     ids = ",".join(str(i) for i in recipe.capture_ids)
     argv = [sys.executable, "bench/online_pipeline.py", "--target", recipe.target.path, "--tp", str(recipe.tp)]
     argv += ["--shapes", s.shape, "--reps", "3", "--transport", recipe.server.transport, "--aux-ids", ids]
+    if recipe.server.compact_passthrough:  # the producer's capture calls as the co-located run sends them
+        argv.append("--compact-passthrough")
     rc = _run([*argv, "--workdir", str(s.workdir / "prefill"), "--out", str(out)], log)
     shapes = [sh for r in _load(out).get("runs", []) for sh in r.get("shapes") or []]
     if rc or not shapes:
@@ -278,15 +358,16 @@ def drop_heavy(run_dir: Path) -> list[str]:
     return removed
 
 
-def measure_colocated(raw: dict, option: str, s: Settings) -> dict:
-    """``specforge-kimi launch`` of the recipe with the option's overlap section, then its run-report; the run's
+def measure_colocated(raw: dict, option: str, s: Settings, steps: int | None = None) -> dict:
+    """``specforge-kimi launch`` of the recipe with the option's overlap section for ``steps`` (default the
+    settings' ``steps``; another count is a run of its own, ``run-<option>-<steps>``), then its run-report; the run's
     checkpoints and export are removed after it (:func:`drop_heavy`), so every option's run finds the disk free."""
-    name = option.replace("+", "-")
+    name = option.replace("+", "-") + (f"-{steps}" if steps and steps != s.steps else "")
     run_dir = (s.workdir / f"run-{name}").absolute()
     if run_dir.exists():  # an earlier call's run of this option, in this bench's own workdir
         shutil.rmtree(run_dir)
     variant = {**raw, "output_dir": str(run_dir), "overlap": {**raw.get("overlap", {}), **overlap_of(option, s)}}
-    variant["trainer"] = {**raw["trainer"], "max_steps": s.steps}
+    variant["trainer"] = {**raw["trainer"], "max_steps": steps or s.steps}
     path = s.workdir / f"recipe-{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(variant, sort_keys=False))
@@ -298,9 +379,12 @@ def measure_colocated(raw: dict, option: str, s: Settings) -> dict:
     report = run_dir / "run-report" / "run_report.json"
     _run([sys.executable, "-m", "specforge_kimi", "run-report", str(run_dir), "--no-plots", "--out", str(report)],
          s.workdir / f"run-report-{name}.log")  # fmt: skip
-    perf = _load(report).get("perf", {})
+    doc = _load(report)
+    perf, led = doc.get("perf", {}), doc.get("ledger") or {}
     rate = perf.get("end_to_end_tokens_per_s")
-    out = {"tokens_per_s": rate, "source": str(report), "gpu_memory": _load(report).get("gpu_memory"),
+    keep = ("present", "acked", "acked_unique", "duplicates", "acked_not_committed", "global_step", "trained_tokens")
+    out = {"tokens_per_s": rate, "trainer_only_tokens_per_s": perf.get("trainer_only_tokens_per_s"),
+           "source": str(report), "gpu_memory": doc.get("gpu_memory"), "ledger": {k: led.get(k) for k in keep},
            "removed": drop_heavy(run_dir)}  # fmt: skip
     return out if rate else {**out, "error": "run-report has no end_to_end_tokens_per_s"}
 
@@ -312,18 +396,28 @@ def _load(path: Path) -> dict:
         return {}
 
 
-def measure(s: Settings, stages: tuple[dict, dict] | None = None) -> tuple[dict, dict, dict[str, dict]]:
+def measure(
+    s: Settings, stages: tuple[dict, dict] | None = None, progress=None
+) -> tuple[dict, dict, dict[str, dict], object]:
     """The two stages alone (or ``stages``, an earlier call's), then one co-located run per option (each stage alone
-    before any run: a clean GPU)."""
+    before any run: a clean GPU); and how to run one option longer (option, steps -> measurement) for the winner.
+    ``progress(prefill, trainer, runs)`` is called after the stages and after each option (a partial JSON: a call cut
+    short keeps what it measured)."""
     if s.dry_run:
         prefill, trainer, runs = dry_results(s)
-        return (*(stages or (prefill, trainer)), runs)
+        return (*(stages or (prefill, trainer)), runs, lambda o, n: dry_long(o, n, s))
     from specforge_kimi.plan.run_plan import compile_plan
 
     recipe = compile_plan(s.recipe).recipe  # the transport resolved as launch resolves it
     raw = yaml.safe_load(s.recipe.read_text())
     prefill, trainer = stages or (measure_prefill(recipe, s), measure_trainer(recipe, s))
-    return prefill, trainer, {o: measure_colocated(raw, o, s) for o in s.options}
+    runs: dict[str, dict] = {}
+    for o in (None, *s.options):
+        if o is not None:
+            runs[o] = measure_colocated(raw, o, s)
+        if progress is not None:
+            progress(prefill, trainer, runs)
+    return prefill, trainer, runs, lambda o, n: measure_colocated(raw, o, s, n)
 
 
 def dry_results(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
@@ -332,21 +426,40 @@ def dry_results(s: Settings) -> tuple[dict, dict, dict[str, dict]]:
     trainer = {"tokens_per_s": 12500.0, "length": 4096, "source": "dry-run"}
     canned = {"baseline": 10000.0, "mps": 11500.0, "mps+split": 12000.0, "mps+trainer-low": 11800.0,
               "mps+server-low": 10800.0, "batching": 10200.0}  # fmt: skip
-    runs = {o: {"tokens_per_s": canned.get(o), "source": "dry-run"} for o in s.options}
+    runs = {o: {"tokens_per_s": canned.get(o), "source": "dry-run", "ledger": dry_ledger(s.steps)} for o in s.options}
     if "mps+batching" in runs:
         runs["mps+batching"] = {"error": "launch failed", "rc": 1, "log_tail": ["dry-run: a refused MPS daemon"]}
     return prefill, trainer, runs
 
 
-def write(doc: dict, out: Path) -> None:
+def dry_ledger(steps: int) -> dict:
+    """A canned whole ledger of ``steps`` one-sample steps."""
+    return {"present": True, "acked": steps, "acked_unique": steps, "duplicates": 0, "acked_not_committed": 0,
+            "global_step": steps, "trained_tokens": steps * 4096}  # fmt: skip
+
+
+def dry_long(option: str, steps: int, s: Settings) -> dict:
+    """The canned long run of ``option``: its canned rate, a whole ledger of ``steps``."""
+    _, _, runs = dry_results(s)
+    rate = runs.get(option, {}).get("tokens_per_s") or 11000.0
+    return {"tokens_per_s": rate, "source": "dry-run", "ledger": dry_ledger(steps)}
+
+
+def write(doc: dict, out: Path, quiet: bool = False) -> None:
     from specforge_kimi.durable import write_atomic
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(doc, indent=2) + "\n")
+    if quiet:
+        return
     for r in doc["rows"]:
         ratio = r["overlap_vs_serial"]
         said = f"{ratio:.3f}" if ratio else r.get("error")
         print(f"{r['option']:>14}: co-located {r['colocated_tokens_per_s']} tok/s, overlap_vs_serial {said}")
+    w = doc.get("winner_run")
+    if w:
+        said = f"co-located {w.get('colocated_tokens_per_s')} tok/s" if w["option"] else ""
+        print(f"winner run ({w['steps']} steps): {w['option']} {said} ({w['why']})")
     print(f"serial sum {doc['serial_tokens_per_s']} tok/s; wrote {out}")
 
 
@@ -364,9 +477,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"overlap_rates: {exc}", file=sys.stderr)
             return 2
         stages = (prefill, trainer)
-    prefill, trainer, runs = measure(s, stages)
     argv = [str(Path(__file__).relative_to(ROOT)), *argv]
-    write(document(s, argv, prefill, trainer, runs, kept, source, gpus), s.out)
+
+    def partial(prefill: dict, trainer: dict, runs: dict[str, dict]) -> None:
+        write(document(s, argv, prefill, trainer, runs, kept, source, gpus, complete=False), s.out, quiet=True)
+
+    prefill, trainer, runs, measure_long = measure(s, stages, partial)
+    winner = None
+    if s.winner_steps:
+        partial(prefill, trainer, runs)  # every row, before the long run
+        winner = winner_run(s, rows_of(s, runs, serial_of(prefill, trainer), kept), serial_of(prefill, trainer),
+                            measure_long)  # fmt: skip
+    write(document(s, argv, prefill, trainer, runs, kept, source, gpus, winner), s.out)
     return 0
 
 

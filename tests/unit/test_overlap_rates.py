@@ -149,3 +149,124 @@ def test_a_later_call_takes_the_stage_rates_and_rows_of_an_earlier_one_like_for_
     refused([], "its recipe_sha256")
     assert bench.main(real) == 2
     assert "its recipe_sha256" in capsys.readouterr().err  # checked before anything runs, a real call too
+
+
+def _row(option: str, rate: float | None, duplicates: int = 0) -> dict:
+    led = {"present": True, "acked": 60, "acked_unique": 60 - duplicates, "duplicates": duplicates,
+           "acked_not_committed": 0, "global_step": 60}  # fmt: skip
+    return {"option": option, "overlap": {}, "colocated_tokens_per_s": rate, "ledger": led}
+
+
+def test_the_winner_beats_the_baseline_by_the_margin_and_lost_nothing(bench):
+    base = _row("baseline", 10000.0)
+    best, why = bench.pick_winner([base, _row("mps", 10200.0), _row("mps+server-low", 11000.0)], 0.03)
+    assert best["option"] == "mps+server-low" and why.startswith("1.100x")
+    best, why = bench.pick_winner([base, _row("mps", 10200.0)], 0.03)  # 1.02x: within run-to-run spread
+    assert best is None and "1.03x the baseline's 10000 tok/s" in why
+    best, why = bench.pick_winner([base, _row("mps", 12000.0, duplicates=1), _row("batching", 10400.0)], 0.03)
+    assert best["option"] == "batching"  # the faster row trained a sample twice
+    best, why = bench.pick_winner([base, _row("mps", 12000.0, duplicates=1)], 0.03)
+    assert best is None and "(mps lost samples)" in why
+    assert bench.pick_winner([_row("mps", 12000.0)], 0.03) == (None, "no measured baseline row to beat")
+    assert bench.pick_winner([_row("baseline", None), _row("mps", 12000.0)], 0.03)[0] is None
+    assert not bench.nothing_lost({"ledger": {"present": False}}) and not bench.nothing_lost({})
+    assert bench.nothing_lost(_row("mps", 1.0), 60) and not bench.nothing_lost(_row("mps", 1.0), 200)
+
+
+def test_winner_steps_runs_the_best_row_long_and_records_it(bench, tmp_path, capsys):
+    out = tmp_path / "w.json"
+    argv = ["--dry-run", "--out", str(out), "--options", "baseline,mps,mps+split", "--winner-steps", "200"]
+    assert bench.main([*argv, "--workdir", str(tmp_path)]) == 0
+    doc = json.loads(out.read_text())
+    w = doc["winner_run"]
+    assert w["option"] == "mps+split" and w["steps"] == 200 and w["nothing_lost"] is True  # canned 12000 > 11500
+    assert w["ledger"]["global_step"] == 200 and w["overlap_vs_serial"] == pytest.approx(1.2)
+    assert "winner run (200 steps): mps+split" in capsys.readouterr().out
+    # a later call that runs only the winner, from the earlier call's rows
+    later = tmp_path / "later.json"
+    assert bench.main(["--dry-run", "--out", str(later), "--options", "", "--winner-steps", "200",
+                       "--stages-from", str(out), "--workdir", str(tmp_path)]) == 0  # fmt: skip
+    d2 = json.loads(later.read_text())
+    assert [r["option"] for r in d2["rows"]] == ["baseline", "mps", "mps+split"]
+    assert d2["winner_run"]["option"] == "mps+split"
+    # no row beats the baseline: nothing runs, the reason is recorded
+    none = tmp_path / "none.json"
+    assert bench.main(["--dry-run", "--out", str(none), "--options", "baseline", "--winner-steps", "200",
+                       "--workdir", str(tmp_path)]) == 0  # fmt: skip
+    assert json.loads(none.read_text())["winner_run"] == {"option": None, "steps": 200,
+                                                           "why": "no option reached 1.03x the baseline's 10000 tok/s"}  # fmt: skip
+    assert json.loads(none.read_text())["rows"][0]["option"] == "baseline"
+    for bad in (["--winner-steps", "-1"], ["--winner-margin", "1.5"]):
+        with pytest.raises(SystemExit):
+            bench.parse(["--out", "x", *bad])
+
+
+def test_a_long_run_of_an_option_is_a_run_of_its_own(bench, tmp_path, monkeypatch):
+    raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
+    launched = []
+
+    def fake_run(argv, log, env=None):
+        if "launch" in argv:
+            launched.append(yaml.safe_load(Path(argv[argv.index("launch") + 1]).read_text()))
+        if "run-report" in argv:
+            out = Path(argv[argv.index("--out") + 1])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            led = {"present": True, "acked": 200, "acked_unique": 200, "duplicates": 0, "acked_not_committed": 0,
+                   "global_step": 200, "trained_tokens": 9, "committed": 200}  # fmt: skip
+            perf = {"end_to_end_tokens_per_s": 1.0, "trainer_only_tokens_per_s": 2.0}
+            out.write_text(json.dumps({"perf": perf, "ledger": led}))
+        return 0
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    s = bench.parse(["--out", "x", "--workdir", str(tmp_path), "--steps", "60"])
+    res = bench.measure_colocated(raw, "mps+server-low", s, 200)
+    assert launched[0]["trainer"]["max_steps"] == 200 and launched[0]["output_dir"].endswith("run-mps-server-low-200")
+    assert launched[0]["overlap"] == {"mps": True, "below_normal_priority": "server"}
+    assert res["ledger"]["global_step"] == 200 and "committed" not in res["ledger"]
+    assert res["trainer_only_tokens_per_s"] == 2.0 and bench.nothing_lost(res, 200)
+
+
+def test_prefill_alone_runs_the_recipes_capture_calls(bench, tmp_path, monkeypatch):
+    """The capture server alone gets the recipe's target, TP, transport, aux ids and compact passthrough."""
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    recipe = compile_plan(REPO / "recipes" / "kimi-k25-slice-h200.yaml").recipe
+    calls = []
+
+    def fake_run(argv, log, env=None):
+        calls.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        shape = {"capture_tokens_per_s": 40000.0, "plain_tokens_per_s": 50000.0}
+        out.write_text(json.dumps({"runs": [{"shapes": [shape]}]}))
+        return 0
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    res = bench.measure_prefill(recipe, bench.parse(["--out", "x", "--workdir", str(tmp_path)]))
+    argv = calls[0]
+    assert res["tokens_per_s"] == 40000.0 and res["plain_tokens_per_s"] == 50000.0
+    assert argv[argv.index("--target") + 1] == "runs/k25-slice" and argv[argv.index("--tp") + 1] == "1"
+    assert argv[argv.index("--transport") + 1] == "cuda_ipc" and argv[argv.index("--aux-ids") + 1] == "1,2,3"
+    assert "--compact-passthrough" in argv and argv[argv.index("--shapes") + 1] == "4x4096"
+
+
+def test_a_call_cut_short_keeps_what_it_measured(bench, tmp_path, monkeypatch):
+    """The JSON is written after the stages and after each option (``complete`` false until the end), so a call
+    killed during its second launch still returns the stage rates and the first option's row."""
+    monkeypatch.setattr(bench, "measure_prefill", lambda recipe, s: {"tokens_per_s": 50000.0, "source": "p"})
+    monkeypatch.setattr(bench, "measure_trainer", lambda recipe, s: {"tokens_per_s": 12500.0, "source": "t"})
+
+    def colocated(raw, option, s, steps=None):
+        if option == "mps":
+            raise KeyboardInterrupt  # the device call's limit, mid-launch
+        return {"tokens_per_s": 10000.0, "source": "r", "ledger": bench.dry_ledger(s.steps)}
+
+    monkeypatch.setattr(bench, "measure_colocated", colocated)
+    out = tmp_path / "cut.json"
+    argv = ["--out", str(out), "--options", "baseline,mps", "--workdir", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["serial_tokens_per_s"] == pytest.approx(10000.0)
+    assert [r["option"] for r in doc["rows"]] == ["baseline"] and doc["rows"][0]["overlap_vs_serial"] == 1.0
+    monkeypatch.setattr(bench, "measure_colocated", lambda raw, o, s, steps=None: colocated(raw, "baseline", s))
+    assert bench.main(argv) == 0 and json.loads(out.read_text())["complete"] is True
