@@ -89,6 +89,7 @@ class Settings:
     stages_from: Path | None = None
     winner_steps: int = 0
     winner_margin: float = 0.03
+    launch_timeout: float = 0.0
 
 
 class StagesRefused(ValueError):
@@ -114,17 +115,24 @@ def parse(argv: list[str] | None = None) -> Settings:
     )
     p.add_argument("--winner-steps", type=int, default=0, help="then run the best option this many steps (0: off)")
     p.add_argument("--winner-margin", type=float, default=0.03, help="a winner beats the baseline by this fraction")
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a co-located launch may take before it is killed and its run stopped (0: no limit)",
+    )
     a = p.parse_args(argv)
     options = tuple(o for o in a.options.split(",") if o)
     unknown = [o for o in options if o not in OPTIONS]
     split = tuple(int(x) for x in a.split.split(","))
     if unknown or len(split) != 2 or not all(1 <= x <= 100 for x in split) or a.concurrency < 1:
         p.error(f"--options of {', '.join(OPTIONS)}; --split two percentages 1-100; --concurrency >= 1")
-    if a.winner_steps < 0 or not 0 <= a.winner_margin < 1:
-        p.error("--winner-steps >= 0 (0: off); --winner-margin a fraction in [0, 1)")
+    if a.winner_steps < 0 or not 0 <= a.winner_margin < 1 or a.launch_timeout < 0:
+        p.error("--winner-steps >= 0 (0: off); --winner-margin a fraction in [0, 1); --launch-timeout >= 0")
     return Settings(
         Path(a.recipe), options, split, a.concurrency, a.steps, a.shape, a.trainer_steps, Path(a.workdir),
         Path(a.out), a.dry_run, a.stages_from and Path(a.stages_from), a.winner_steps, a.winner_margin,
+        a.launch_timeout,
     )  # fmt: skip
 
 
@@ -303,10 +311,21 @@ def winner_run(s: Settings, rows: list[dict], serial: float | None, measure_long
 
 
 # -- measure: the existing scripts, as subprocesses -------------------------------------------------------------
-def _run(argv: list[str], log: Path, env: dict | None = None) -> int:
+#: the exit code of a launch killed at ``--launch-timeout`` (as ``timeout(1)``'s)
+TIMED_OUT = 124
+
+
+def _run(argv: list[str], log: Path, env: dict | None = None, timeout: float | None = None) -> int:
+    """``argv`` in the repository, its output to ``log``; :data:`TIMED_OUT` when it ran past ``timeout`` seconds
+    (then it is killed)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        return subprocess.call(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            return subprocess.run(
+                argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return TIMED_OUT
 
 
 def _tail(log: Path, n: int = 5) -> list[str]:
@@ -372,9 +391,13 @@ def measure_colocated(raw: dict, option: str, s: Settings, steps: int | None = N
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(variant, sort_keys=False))
     log = s.workdir / f"launch-{name}.log"
-    rc = _run([sys.executable, "-m", "specforge_kimi", "launch", str(path), "--no-export", "--no-progress"], log)
+    launch = [sys.executable, "-m", "specforge_kimi", "launch", str(path), "--no-export", "--no-progress"]
+    rc = _run(launch, log, timeout=s.launch_timeout or None)
+    if rc == TIMED_OUT:  # a killed launch leaves its trainer ranks, its server and its MPS daemon: stop them all
+        _run([sys.executable, "-m", "specforge_kimi", "stop", str(path)], s.workdir / f"stop-{name}.log")
     if rc:
-        return {"error": "launch failed", "rc": rc, "log_tail": _tail(log), "source": str(log),
+        error = f"launch ran past --launch-timeout {s.launch_timeout:.0f} s" if rc == TIMED_OUT else "launch failed"
+        return {"error": error, "rc": rc, "log_tail": _tail(log), "source": str(log),
                 "removed": drop_heavy(run_dir)}  # fmt: skip
     report = run_dir / "run-report" / "run_report.json"
     _run([sys.executable, "-m", "specforge_kimi", "run-report", str(run_dir), "--no-plots", "--out", str(report)],

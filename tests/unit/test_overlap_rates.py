@@ -59,7 +59,7 @@ def test_colocated_runs_the_recipe_with_the_option_and_reads_run_report(bench, t
     stale = tmp_path / "run-mps-split" / "from-an-earlier-call"
     stale.mkdir(parents=True)
 
-    def fake_run(argv, log, env=None):  # the process boundary: launch and run-report
+    def fake_run(argv, log, env=None, timeout=None):  # the process boundary: launch and run-report
         calls.append(argv)
         if "launch" in argv:  # what a run leaves: checkpoints and export (heavy), logs and ledger (kept)
             assert not stale.exists()  # an earlier call's run of this option is gone before the launch
@@ -90,7 +90,7 @@ def test_colocated_runs_the_recipe_with_the_option_and_reads_run_report(bench, t
 def test_a_failed_launch_is_a_row_with_its_reason(bench, tmp_path, monkeypatch):
     raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
 
-    def refused(argv, log, env=None):
+    def refused(argv, log, env=None, timeout=None):
         log.write_text("overlap.mps: nvidia-cuda-mps-control -d did not start (exit code 1: refused)\n")
         (tmp_path / "run-mps" / "slice-step3").mkdir(parents=True)  # a failure after a save leaves one too
         return 1
@@ -205,7 +205,7 @@ def test_a_long_run_of_an_option_is_a_run_of_its_own(bench, tmp_path, monkeypatc
     raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
     launched = []
 
-    def fake_run(argv, log, env=None):
+    def fake_run(argv, log, env=None, timeout=None):
         if "launch" in argv:
             launched.append(yaml.safe_load(Path(argv[argv.index("launch") + 1]).read_text()))
         if "run-report" in argv:
@@ -233,7 +233,7 @@ def test_prefill_alone_runs_the_recipes_capture_calls(bench, tmp_path, monkeypat
     recipe = compile_plan(REPO / "recipes" / "kimi-k25-slice-h200.yaml").recipe
     calls = []
 
-    def fake_run(argv, log, env=None):
+    def fake_run(argv, log, env=None, timeout=None):
         calls.append(argv)
         out = Path(argv[argv.index("--out") + 1])
         shape = {"capture_tokens_per_s": 40000.0, "plain_tokens_per_s": 50000.0}
@@ -270,3 +270,23 @@ def test_a_call_cut_short_keeps_what_it_measured(bench, tmp_path, monkeypatch):
     assert [r["option"] for r in doc["rows"]] == ["baseline"] and doc["rows"][0]["overlap_vs_serial"] == 1.0
     monkeypatch.setattr(bench, "measure_colocated", lambda raw, o, s, steps=None: colocated(raw, "baseline", s))
     assert bench.main(argv) == 0 and json.loads(out.read_text())["complete"] is True
+
+
+def test_a_launch_past_its_timeout_is_stopped_and_a_row_with_its_reason(bench, tmp_path, monkeypatch):
+    raw = yaml.safe_load((REPO / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
+    calls = []
+
+    def hung(argv, log, env=None, timeout=None):
+        calls.append((argv, timeout))
+        return bench.TIMED_OUT if "launch" in argv else 0
+
+    monkeypatch.setattr(bench, "_run", hung)
+    s = bench.parse(["--out", "x", "--workdir", str(tmp_path), "--launch-timeout", "300"])
+    res = bench.measure_colocated(raw, "mps", s)
+    assert calls[0][1] == 300 and "launch" in calls[0][0]
+    stop = calls[1][0]
+    assert stop[stop.index("stop") + 1] == calls[0][0][calls[0][0].index("launch") + 1]  # the same recipe's run
+    assert res["rc"] == bench.TIMED_OUT and res["error"] == "launch ran past --launch-timeout 300 s"
+    monkeypatch.undo()  # the real process boundary: a child past its timeout is killed
+    assert bench._run([sys.executable, "-c", "import time; time.sleep(5)"], tmp_path / "l.log", timeout=0.2) == 124
+    assert bench._run([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "l.log") == 3
