@@ -34,13 +34,18 @@ the trainer bench), and each option a co-located launch of ~3 minutes at 60 step
 trainer's, the final checkpoint), so the first call measures one option beside the stages and later calls two:
 
     python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --steps 60 --split 50,50 \
-        --concurrency 2 --options baseline --out $OUT/overlap_rates_1.json
+        --concurrency 2 --launch-timeout 330 --options baseline --out $OUT/overlap_rates_1.json
     python bench/overlap_rates.py ... --options mps,mps+split \
         --stages-from $OUT/overlap_rates_1.json --out $OUT/overlap_rates_2.json
     python bench/overlap_rates.py ... --options mps+server-low,batching \
         --stages-from $OUT/overlap_rates_2.json --out bench/results/overlap_rates_k25_slice_h200.json
 
 (``mps+trainer-low`` and ``mps+batching`` in a later call the same way.)
+
+``--launch-timeout S`` bounds each co-located launch: one past it is killed, its run stopped (``specforge-kimi
+stop``: its ranks, its server, its MPS daemon) and it is a row with its reason, so the next option still runs. The
+JSON is written after the stages and after each option (``complete`` false until the call ends), so a device call
+cut short keeps what it measured.
 
 ``--winner-steps N`` (0: off) then runs the best option for N steps, the issue's ">= 200-step co-located run with the
 winning option" (the same launch, checkpoints removed after its report), as ``winner_run`` in the same JSON. The
