@@ -70,7 +70,12 @@ expandable_segments:True``), ``fewer_syncs`` (``keep_cache_fused_adamw`` + patch
 ``step_fewer_host_syncs`` / ``step_chunked_head_loss`` / ``cuda_alloc_conf``) and ``chunked_loss`` (the recipe's own
 with ``trainer.step_chunked_head_loss: 1024``, patch eagle3-chunked-head-loss, ``SPECFORGE_EAGLE3_CHUNKED_LOSS=1024``) and
 ``compiled`` (the recipe's own with ``trainer.step_compile_elementwise: true``, our seam compile-elementwise,
-``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1``; its first step also compiles, the speed is read after it); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1``; its first step also compiles, the speed is read after it),
+``block_mask`` (the recipe's own with ``trainer.step_eagle3_block_mask: true``, our seam eagle3-block-mask,
+``SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1``: flex attention's block mask counted per block), ``flex_autotune`` (the
+recipe's own with ``trainer.step_flex_autotune: true``, our seam flex-autotune, ``SPECFORGE_KIMI_FLEX_AUTOTUNE=1``:
+its first step also autotunes) and ``stacked`` (the recipe's own with ``step_fewer_host_syncs``,
+``step_compile_elementwise``, ``step_eagle3_block_mask`` and ``step_flex_autotune`` all on); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
 script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
@@ -212,15 +217,28 @@ VARIANTS = {
     },
 }
 #: ``--variants`` that are the recipe's own trainer section with these fields changed
-RECIPE_VARIANTS = {"chunked_loss": {"step_chunked_head_loss": 1024}, "compiled": {"step_compile_elementwise": True}}
+RECIPE_VARIANTS = {
+    "chunked_loss": {"step_chunked_head_loss": 1024},
+    "compiled": {"step_compile_elementwise": True},
+    "block_mask": {"step_eagle3_block_mask": True},
+    "flex_autotune": {"step_flex_autotune": True},
+    "stacked": {
+        "step_fewer_host_syncs": True,
+        "step_compile_elementwise": True,
+        "step_eagle3_block_mask": True,
+        "step_flex_autotune": True,
+    },
+}
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
-EAGLE3_ONLY_VARIANTS = ("fewer_syncs", "chunked_loss", "compiled")
+EAGLE3_ONLY_VARIANTS = ("fewer_syncs", "chunked_loss", "compiled", "block_mask", "flex_autotune", "stacked")
 STEP_ENV_KEYS = (
     "SPECFORGE_EAGLE3_EMPTY_CACHE",
     "SPECFORGE_ADAMW_FUSED",
     "SPECFORGE_EAGLE3_FEWER_SYNCS",
     "SPECFORGE_EAGLE3_CHUNKED_LOSS",
     "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
+    "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
+    "SPECFORGE_KIMI_FLEX_AUTOTUNE",
     "PYTORCH_CUDA_ALLOC_CONF",
 )
 
@@ -243,6 +261,8 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
                 "step_fewer_host_syncs": False,
                 "step_chunked_head_loss": None,
                 "step_compile_elementwise": False,
+                "step_eagle3_block_mask": False,
+                "step_flex_autotune": False,
                 **VARIANTS[name],
             }
         )
@@ -380,10 +400,12 @@ def _step_switches(backend, family: str) -> dict:
     a block step reads none of those."""
     adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
     if family != "eagle3":
-        return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False}
+        return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False,
+                "eagle3_block_mask": False, "flex_autotune": False}  # fmt: skip
     import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
+    from specforge_kimi.drafts import eagle3_block_mask, flex_autotune
     from specforge_kimi.drafts.compile_elementwise import installed
 
     return {
@@ -391,6 +413,8 @@ def _step_switches(backend, family: str) -> dict:
         "fewer_syncs": bool(getattr(eagle3_model, "_fewer_host_syncs", lambda: False)()),
         "chunked_loss": int(getattr(eagle3_model, "_chunked_loss_tokens", lambda: 0)()),
         "compile_elementwise": installed(LlamaDecoderLayer),
+        "eagle3_block_mask": eagle3_block_mask.installed(),
+        "flex_autotune": flex_autotune.installed(),
     }
 
 
@@ -499,6 +523,8 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "fewer_host_syncs": trainer["fewer_syncs"],
         "chunked_head_loss": trainer["chunked_loss"],
         "compile_elementwise": trainer["compile_elementwise"],
+        "eagle3_block_mask": trainer["eagle3_block_mask"],
+        "flex_autotune": trainer["flex_autotune"],
         "backend": args.backend,
         "length": length,
         "fsdp_sharding": trainer["sharding"],

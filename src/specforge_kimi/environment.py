@@ -60,6 +60,22 @@ CONSUMER_RESTARTABLE = EnvVar(
     writers=("run.keeper",),
     readers=("registration",),
 )
+EAGLE3_BLOCK_MASK = EnvVar(
+    "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
+    "1: the eagle3-block-mask seam builds the EAGLE-3 flex attention's block mask per block instead of per entry "
+    "(recipe trainer step knob)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.eagle3_block_mask",),
+)
+FLEX_AUTOTUNE = EnvVar(
+    "SPECFORGE_KIMI_FLEX_AUTOTUNE",
+    "1: the flex-autotune seam compiles SpecForge's flex attention with inductor's max-autotune (recipe trainer "
+    "step knob)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.flex_autotune",),
+)
 EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
     "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
     "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds "

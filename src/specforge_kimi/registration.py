@@ -28,6 +28,13 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
   ``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1`` (recipe ``trainer.step_compile_elementwise``): the regions around
   the draft layer's attention (norms, MLP, residual adds) under ``torch.compile``
   (:mod:`specforge_kimi.drafts.compile_elementwise`). Without the variable SpecForge's forward is untouched.
+- ``eagle3-block-mask``: SpecForge's ``generate_eagle3_mask`` and the two ``create_block_mask`` names of
+  ``specforge.modeling.draft.llama3_eagle``, only in a process with ``SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1`` (recipe
+  ``trainer.step_eagle3_block_mask``): the flex attention's block mask from per-block counts in closed form, the
+  same ``BlockMask`` (:mod:`specforge_kimi.drafts.eagle3_block_mask`). Without the variable nothing is replaced.
+- ``flex-autotune``: SpecForge's ``WrappedFlexAttention`` singleton, only in a process with
+  ``SPECFORGE_KIMI_FLEX_AUTOTUNE=1`` (recipe ``trainer.step_flex_autotune``): flex attention compiled with
+  ``max-autotune-no-cudagraphs`` (:mod:`specforge_kimi.drafts.flex_autotune`). Without the variable it is SpecForge's.
 - ``outage-wait``: SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
   ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
@@ -507,6 +514,12 @@ def register_all() -> None:
     from specforge_kimi.drafts.compile_elementwise import install_compile_elementwise
 
     install_compile_elementwise()  # only with SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1
+    from specforge_kimi.drafts.eagle3_block_mask import install_eagle3_block_mask
+
+    install_eagle3_block_mask()  # only with SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1
+    from specforge_kimi.drafts.flex_autotune import install_flex_autotune
+
+    install_flex_autotune()  # only with SPECFORGE_KIMI_FLEX_AUTOTUNE=1
     _install_outage_wait()
     _install_restartable_consumer_failure()
     _install_cuda_ipc_transport()

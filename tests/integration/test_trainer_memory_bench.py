@@ -212,26 +212,30 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     rows = doc["rows"]
     variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss"]
     assert [r["variant"] for r in rows] == variants, rows
-    cache, fused, syncs, chunked, comp, alloc = (
+    cache, fused, syncs, chunked, comp, mask, tune, alloc = (
         "SPECFORGE_EAGLE3_EMPTY_CACHE",
         "SPECFORGE_ADAMW_FUSED",
         "SPECFORGE_EAGLE3_FEWER_SYNCS",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS",
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
+        "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
+        "SPECFORGE_KIMI_FLEX_AUTOTUNE",
         "PYTORCH_CUDA_ALLOC_CONF",
     )
+    off = {comp: "0", mask: "0", tune: "0"}  # our seams: spelled out, off
     assert [r["step_env"] for r in rows] == [
-        {cache: "1", fused: "0", syncs: "0", chunked: "0", comp: "0", alloc: None},
-        {cache: "0", fused: "1", syncs: "0", chunked: "0", comp: "0", alloc: None},
-        {cache: "0", fused: "1", syncs: "0", chunked: "0", comp: "0", alloc: "expandable_segments:True"},
-        {cache: "0", fused: "1", syncs: "1", chunked: "0", comp: "0", alloc: None},
+        {cache: "1", fused: "0", syncs: "0", chunked: "0", **off, alloc: None},
+        {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, alloc: None},
+        {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, alloc: "expandable_segments:True"},
+        {cache: "0", fused: "1", syncs: "1", chunked: "0", **off, alloc: None},
         # the tiny recipe's step, chunked
-        {cache: "0", fused: "1", syncs: "0", chunked: "1024", comp: "0", alloc: None},
+        {cache: "0", fused: "1", syncs: "0", chunked: "1024", **off, alloc: None},
     ]
     assert [r["adamw_fused"] for r in rows] == [False, True, True, True, True]
     assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True, False]
     assert [r["chunked_head_loss"] for r in rows] == [0, 0, 0, 0, 1024]  # what the patched step read
     assert [r["compile_elementwise"] for r in rows] == [False] * 5  # the compile-elementwise seam not installed
+    assert [(r["eagle3_block_mask"], r["flex_autotune"]) for r in rows] == [(False, False)] * 5  # nor these
     assert doc["config"]["variants"]["expandable"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     base = rows[0]["losses"]
     assert len(base) == 3 and len(set(base)) == 3  # three different batches

@@ -41,6 +41,8 @@ EAGLE3_ONLY_TRAINER_FIELDS = (
     "step_fewer_host_syncs",
     "step_chunked_head_loss",
     "step_compile_elementwise",
+    "step_eagle3_block_mask",
+    "step_flex_autotune",
 )
 #: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
 K25_MASK_TOKEN_ID = 163824
@@ -299,6 +301,24 @@ class TrainerSection(_Strict):
         "(SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1; our registration seam compile-elementwise, no patch; the MLA "
         "draft is left as it is). Same loss and gradients to fp32 rounding (tests/unit/test_compile_elementwise.py); "
         "the first step compiles. Measured by bench/trainer_memory.py --variants recipe,compiled. Off by default",
+    )
+    step_eagle3_block_mask: bool = Field(
+        default=False,
+        description="true builds the eagle3 flex attention's block mask at each TTT position from the count of kept "
+        "entries per block in closed form, instead of PyTorch evaluating the mask at every (query, key) pair "
+        "(SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1; our registration seam eagle3-block-mask, no patch; "
+        "trainer.attention_backend flex_attention only). The same BlockMask tensors, so the same attention "
+        "(tests/unit/test_eagle3_block_mask.py). Measured by bench/trainer_memory.py --variants recipe,block_mask. "
+        "Off by default",
+    )
+    step_flex_autotune: bool = Field(
+        default=False,
+        description="true compiles SpecForge's flex attention with inductor's max-autotune-no-cudagraphs, which "
+        "benchmarks flex attention's tile configurations for the shapes met and keeps the fastest, forward and "
+        "backward (SPECFORGE_KIMI_FLEX_AUTOTUNE=1; our registration seam flex-autotune, no patch; "
+        "trainer.attention_backend flex_attention only). Same mathematics, fp32 accumulation order aside; the first "
+        "step of each new shape pays the autotuning. Measured by bench/trainer_memory.py --variants "
+        "recipe,flex_autotune. Off by default",
     )
     cuda_alloc_conf: str | None = Field(
         default=None,

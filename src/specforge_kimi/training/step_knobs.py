@@ -36,6 +36,12 @@ CHUNKED_LOSS_PATCH = "eagle3-chunked-head-loss"
 #: the compile-elementwise seam (``drafts.compile_elementwise``, no patch): "1" compiles the regions around the eagle3
 #: Llama draft layer's attention (norms, MLP, residual adds), "0": SpecForge's layer as shipped
 COMPILE_ELEMENTWISE_ENV = _env.EAGLE3_COMPILE_ELEMENTWISE.name
+#: the eagle3-block-mask seam (``drafts.eagle3_block_mask``, no patch): "1" builds the eagle3 flex attention's block
+#: mask per block in closed form, "0": PyTorch's create_block_mask over every entry, as shipped
+BLOCK_MASK_ENV = _env.EAGLE3_BLOCK_MASK.name
+#: the flex-autotune seam (``drafts.flex_autotune``, no patch): "1" compiles SpecForge's flex attention with
+#: max-autotune-no-cudagraphs, "0": its default compile, as shipped
+FLEX_AUTOTUNE_ENV = _env.FLEX_AUTOTUNE.name
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
@@ -60,10 +66,12 @@ def step_env(
     fewer_syncs: bool | None = False,
     chunked_loss: int | None = 0,
     compile_elementwise: bool | None = False,
+    block_mask: bool | None = False,
+    flex_autotune: bool | None = False,
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
-    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss`` and ``compile_elementwise`` None: the eagle3 step's switches left out
+    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss``, ``compile_elementwise``, ``block_mask`` and ``flex_autotune`` None: the eagle3 step's switches left out
     (a block draft's step reads none of them)."""
     env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
     if empty_cache is not None:
@@ -74,6 +82,10 @@ def step_env(
         env[CHUNKED_LOSS_ENV] = str(int(chunked_loss))
     if compile_elementwise is not None:
         env[COMPILE_ELEMENTWISE_ENV] = "1" if compile_elementwise else "0"
+    if block_mask is not None:
+        env[BLOCK_MASK_ENV] = "1" if block_mask else "0"
+    if flex_autotune is not None:
+        env[FLEX_AUTOTUNE_ENV] = "1" if flex_autotune else "0"
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
     return env
@@ -82,7 +94,7 @@ def step_env(
 def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
     ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf``, ``step_fewer_host_syncs`` and
-    ``step_chunked_head_loss``, ``step_compile_elementwise``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
+    ``step_chunked_head_loss``, ``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
     patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs and eagle3-chunked-head-loss change SpecForge's
     eagle3 step only, so the launch needs none of them; the compile-elementwise seam changes the eagle3 Llama draft's
     layer only."""
@@ -94,6 +106,8 @@ def trainer_env(trainer) -> dict[str, str]:
         fewer_syncs=trainer.step_fewer_host_syncs if eagle3 else None,
         chunked_loss=(trainer.step_chunked_head_loss or 0) if eagle3 else None,
         compile_elementwise=trainer.step_compile_elementwise if eagle3 else None,
+        block_mask=getattr(trainer, "step_eagle3_block_mask", False) if eagle3 else None,
+        flex_autotune=getattr(trainer, "step_flex_autotune", False) if eagle3 else None,
     )
 
 
