@@ -395,6 +395,8 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
+        "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
+        "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     shipped = tmp_path / "shipped"
@@ -405,6 +407,8 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
+        "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
+        "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
     }
     assert trainer_step(shipped) == shipped_step
     sheet = json.loads((shipped / "rendered" / "launch.json").read_text())
@@ -417,6 +421,8 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
+        "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
+        "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
     }
     assert trainer_step(tmp_path / "not-a-run") is None
 

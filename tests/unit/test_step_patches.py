@@ -369,6 +369,8 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "1",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "1024",
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
+        "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
+        "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     assert step_knobs.patches_needed(env) == [
@@ -384,6 +386,8 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
         "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
+        "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
+        "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
     from specforge_kimi.setup.setup_patches import patch_file
@@ -425,6 +429,22 @@ def test_recipe_fields_reach_the_specforge_processes():
     assert "step_chunked_head_loss" in str(e.value)
 
 
+def test_the_flex_seams_are_recipe_knobs_that_need_no_patch():
+    """trainer.step_eagle3_block_mask and trainer.step_flex_autotune reach the trainer processes as our seams'
+    variables ("1"), spelled "0" otherwise; they are registration seams, so no SpecForge patch is asked for."""
+    import yaml
+
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered.yaml"))
+    env = dict(compile_plan(raw).process_env)
+    assert (env[step_knobs.BLOCK_MASK_ENV], env[step_knobs.FLEX_AUTOTUNE_ENV]) == ("0", "0")
+    raw["trainer"].update(step_eagle3_block_mask=True, step_flex_autotune=True)
+    env = dict(compile_plan(raw).process_env)
+    assert (env[step_knobs.BLOCK_MASK_ENV], env[step_knobs.FLEX_AUTOTUNE_ENV]) == ("1", "1")
+    assert step_knobs.patches_needed(env) == step_knobs.patches_needed({**env, step_knobs.BLOCK_MASK_ENV: "0"})
+
+
 @pytest.mark.parametrize("family", ["dflash", "dspark"])
 def test_block_drafts_get_no_eagle3_step_switches(family):
     """A block draft's processes carry no eagle3 step variable (patches eagle3-keep-allocator-cache and
@@ -440,7 +460,9 @@ def test_block_drafts_get_no_eagle3_step_switches(family):
     plan = compile_plan(raw)
     assert plan.recipe.trainer.step_empty_cache is False  # the field's default, which the eagle3 step would read
     env = dict(plan.process_env)
-    assert not {step_knobs.EMPTY_CACHE_ENV, step_knobs.FEWER_SYNCS_ENV, step_knobs.CHUNKED_LOSS_ENV} & set(env)
+    eagle3_only = {step_knobs.EMPTY_CACHE_ENV, step_knobs.FEWER_SYNCS_ENV, step_knobs.CHUNKED_LOSS_ENV}
+    eagle3_only |= {step_knobs.COMPILE_ELEMENTWISE_ENV, step_knobs.BLOCK_MASK_ENV, step_knobs.FLEX_AUTOTUNE_ENV}
+    assert not eagle3_only & set(env)
     assert env[step_knobs.FUSED_ADAMW_ENV] == "1"
     assert step_knobs.patches_needed(env) == [step_knobs.FUSED_ADAMW_PATCH]  # what the preflight checks
 
