@@ -242,7 +242,7 @@ def pick_winner(rows: list[dict], margin: float) -> tuple[dict | None, str]:
     ok = [r for r in rows if r["option"] != "baseline" and (r.get("colocated_tokens_per_s") or 0) >= bar]
     whole = [r for r in ok if nothing_lost(r)]
     if not whole:
-        lost = f" ({', '.join(r['option'] for r in ok)} lost samples)" if ok else ""
+        lost = f" ({', '.join(r['option'] for r in ok)}: samples lost or no ledger)" if ok else ""
         return (
             None,
             f"no option reached {1 + margin:.2f}x the baseline's {base['colocated_tokens_per_s']:.0f} tok/s{lost}",
