@@ -5,8 +5,8 @@ position builds a flex-attention ``BlockMask`` for ``generate_eagle3_mask`` (``s
 flex_attention``): causal over the first ``Q_LEN`` keys, plus, for each earlier TTT position's keys, the one key
 at the query's own position (``(kv - q) % Q_LEN == 0``), all within the sample's length. PyTorch's
 ``create_block_mask`` evaluates that mask at every (query, key) pair -- a [B, Q_LEN, KV_LEN] boolean tensor, with
-``KV_LEN = (position + 1) x Q_LEN`` -- and then sums it per block: at 16k tokens that is 1.8 G entries per TTT
-position, seven times a step (bench/results/trainer_step_lifts_profile_k25_b200_h200.json: 47 ms a step at 16k).
+``KV_LEN = (position + 1) x Q_LEN`` -- and then sums it per block, at every TTT position of every step: work and
+memory that grow with the square of the sample length (its cost in a profile: bench/REPORT.md's step profiles).
 
 With ``SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1`` in the process (recipe ``trainer.step_eagle3_block_mask``, set by
 ``training.step_knobs``), :func:`install_eagle3_block_mask` makes ``generate_eagle3_mask`` tag the mask function it

@@ -5,8 +5,7 @@ compiles ``torch.nn.attention.flex_attention.flex_attention`` once per process f
 (the EAGLE-3 Llama draft's ``LlamaFlexAttention`` above 128 tokens, P-EAGLE). SpecForge compiles it with inductor's
 default mode, which takes flex attention's fixed tile configuration for the GPU and head size; its own source
 carries ``mode="max-autotune-no-cudagraphs"`` commented out. At K2.5's draft (56 query heads, 8 KV heads, head
-dim 128) the flex backward ran at ~200 TFLOP/s at 16k tokens on an H200, 29 % of the step
-(bench/results/trainer_step_lifts_profile_k25_b200_h200.json).
+dim 128) the flex backward is the largest attention cost of a long sample's step (bench/REPORT.md's step profiles).
 
 With ``SPECFORGE_KIMI_FLEX_AUTOTUNE=1`` in the process (recipe ``trainer.step_flex_autotune``, set by
 ``training.step_knobs``), :func:`install_flex_autotune` gives the singleton
