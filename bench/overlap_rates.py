@@ -514,8 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     winner = None
     if s.winner_steps:
         partial(prefill, trainer, runs)  # every row, before the long run
-        winner = winner_run(s, rows_of(s, runs, serial_of(prefill, trainer), kept), serial_of(prefill, trainer),
-                            measure_long)  # fmt: skip
+        serial = serial_of(prefill, trainer)
+        winner = winner_run(s, rows_of(s, runs, serial, kept), serial, measure_long)
     write(document(s, argv, prefill, trainer, runs, kept, source, gpus, winner), s.out)
     return 0
 

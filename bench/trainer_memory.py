@@ -231,16 +231,6 @@ RECIPE_VARIANTS = {
 }
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
 EAGLE3_ONLY_VARIANTS = ("fewer_syncs", "chunked_loss", "compiled", "block_mask", "flex_autotune", "stacked")
-STEP_ENV_KEYS = (
-    "SPECFORGE_EAGLE3_EMPTY_CACHE",
-    "SPECFORGE_ADAMW_FUSED",
-    "SPECFORGE_EAGLE3_FEWER_SYNCS",
-    "SPECFORGE_EAGLE3_CHUNKED_LOSS",
-    "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
-    "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
-    "SPECFORGE_KIMI_FLEX_AUTOTUNE",
-    "PYTORCH_CUDA_ALLOC_CONF",
-)
 
 
 def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
@@ -510,6 +500,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
     import torch
 
     from specforge_kimi.plan.trainer_terms import trainer_terms
+    from specforge_kimi.training.step_knobs import STEP_ENV_NAMES
 
     core, shape = trainer["core"], trainer["shape"]
     terms = trainer_terms(base, max_length=length, attention_backend=args.backend)
@@ -517,7 +508,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
     row = {
         "variant": args.variant,
         "family": shape["family"],
-        "step_env": {k: os.environ.get(k) for k in STEP_ENV_KEYS},
+        "step_env": {k: os.environ.get(k) for k in STEP_ENV_NAMES},
         "feed": _feed(args, cuda) or "host",
         "adamw_fused": trainer["adamw_fused"],
         "fewer_host_syncs": trainer["fewer_syncs"],
@@ -835,6 +826,8 @@ def _environment() -> dict:
 
 def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float) -> dict:
     """The result document before any row: the command, the environment and the run's configuration."""
+    from specforge_kimi.training.step_knobs import STEP_ENV_NAMES
+
     return {
         "benchmark": "one trainer rank's peak memory and speed at a recipe's sizes vs recipes.memory_plan",
         "command": [sys.executable, *sys.argv],
@@ -859,7 +852,7 @@ def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float)
             "measured_gemm": "bf16 8192x8192 @ 8192x8192, 40 times after 5, in this process before the rows",
             "world_size": s.nproc,
             "standin_setup_s": setup_s,
-            "variants": {v: {k: variant_env(recipe, v, {}).get(k) for k in STEP_ENV_KEYS} for v in s.variants},
+            "variants": {v: {k: variant_env(recipe, v, {}).get(k) for k in STEP_ENV_NAMES} for v in s.variants},
             "feed": s.feed,
             "seed": s.seed,
         },

@@ -495,6 +495,23 @@ def _install_checkpoint_completion() -> None:
     CheckpointManager.save = save
 
 
+#: the step seams (module, install function): each installs only when its variable asks for it
+#: (SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE, SPECFORGE_KIMI_EAGLE3_BLOCK_MASK, SPECFORGE_KIMI_FLEX_AUTOTUNE)
+_STEP_SEAMS = (
+    ("specforge_kimi.drafts.compile_elementwise", "install_compile_elementwise"),
+    ("specforge_kimi.drafts.eagle3_block_mask", "install_eagle3_block_mask"),
+    ("specforge_kimi.drafts.flex_autotune", "install_flex_autotune"),
+)
+
+
+def _install_step_seams() -> None:
+    """Install each of :data:`_STEP_SEAMS` (imported here: each pulls in torch)."""
+    import importlib
+
+    for module, install in _STEP_SEAMS:
+        getattr(importlib.import_module(module), install)()
+
+
 def register_all() -> None:
     """Run every registration step once per process."""
     global _DONE
@@ -511,15 +528,7 @@ def register_all() -> None:
     from specforge_kimi.drafts.mla_eagle3 import register_mla_draft
 
     register_mla_draft()
-    from specforge_kimi.drafts.compile_elementwise import install_compile_elementwise
-
-    install_compile_elementwise()  # only with SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1
-    from specforge_kimi.drafts.eagle3_block_mask import install_eagle3_block_mask
-
-    install_eagle3_block_mask()  # only with SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1
-    from specforge_kimi.drafts.flex_autotune import install_flex_autotune
-
-    install_flex_autotune()  # only with SPECFORGE_KIMI_FLEX_AUTOTUNE=1
+    _install_step_seams()
     _install_outage_wait()
     _install_restartable_consumer_failure()
     _install_cuda_ipc_transport()

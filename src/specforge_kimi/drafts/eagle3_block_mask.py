@@ -112,13 +112,15 @@ def _tagging(generate):
     return generate_eagle3_mask
 
 
-def _counting(create):
-    def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **kw):
-        if getattr(mask_mod, TAG, None) is None or kw:
-            return create(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, **kw)
-        return eagle3_block_mask(mask_mod, B or 1, H or 1, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+def _counting(create, *, block_size: bool = True):
+    """A ``create_block_mask`` that builds a tagged mask's ``BlockMask`` from block counts and hands any other mask
+    to ``create`` (``block_size`` False: SpecForge's compiled one, which takes no ``BLOCK_SIZE``)."""
 
-    create_block_mask.__wrapped__ = create
+    def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, **kw):
+        if getattr(mask_mod, TAG, None) is not None and not kw:
+            return eagle3_block_mask(mask_mod, B or 1, H or 1, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        return create(mask_mod, B, H, Q_LEN, KV_LEN, device, *((BLOCK_SIZE,) if block_size else ()), **kw)
+
     return create_block_mask
 
 
@@ -137,14 +139,9 @@ def install_eagle3_block_mask(force: bool = False) -> bool:
     }
     llama3_eagle.generate_eagle3_mask = _tagging(sf_flex.generate_eagle3_mask)
     llama3_eagle.create_block_mask = _counting(_ORIGINAL[llama3_eagle]["create_block_mask"])
-    compiled = _ORIGINAL[llama3_eagle]["compile_friendly_create_block_mask"]
-
-    def compile_friendly_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device):
-        if getattr(mask_mod, TAG, None) is None:
-            return compiled(mask_mod, B, H, Q_LEN, KV_LEN, device)
-        return eagle3_block_mask(mask_mod, B or 1, H or 1, Q_LEN, KV_LEN, device)
-
-    llama3_eagle.compile_friendly_create_block_mask = compile_friendly_create_block_mask
+    llama3_eagle.compile_friendly_create_block_mask = _counting(
+        _ORIGINAL[llama3_eagle]["compile_friendly_create_block_mask"], block_size=False
+    )
     return True
 
 

@@ -45,6 +45,18 @@ FLEX_AUTOTUNE_ENV = _env.FLEX_AUTOTUNE.name
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
+#: every variable :func:`step_env` may set, in its order
+STEP_ENV_NAMES = (
+    EMPTY_CACHE_ENV,
+    FUSED_ADAMW_ENV,
+    FEWER_SYNCS_ENV,
+    CHUNKED_LOSS_ENV,
+    COMPILE_ELEMENTWISE_ENV,
+    BLOCK_MASK_ENV,
+    FLEX_AUTOTUNE_ENV,
+    ALLOC_CONF_ENV,
+)
+
 _ALLOC_CONF = re.compile(r"[a-z0-9_]+:[A-Za-z0-9_.]+(,[a-z0-9_]+:[A-Za-z0-9_.]+)*")
 
 
@@ -106,8 +118,8 @@ def trainer_env(trainer) -> dict[str, str]:
         fewer_syncs=trainer.step_fewer_host_syncs if eagle3 else None,
         chunked_loss=(trainer.step_chunked_head_loss or 0) if eagle3 else None,
         compile_elementwise=trainer.step_compile_elementwise if eagle3 else None,
-        block_mask=getattr(trainer, "step_eagle3_block_mask", False) if eagle3 else None,
-        flex_autotune=getattr(trainer, "step_flex_autotune", False) if eagle3 else None,
+        block_mask=trainer.step_eagle3_block_mask if eagle3 else None,
+        flex_autotune=trainer.step_flex_autotune if eagle3 else None,
     )
 
 
