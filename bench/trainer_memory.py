@@ -74,8 +74,11 @@ with ``trainer.step_chunked_head_loss: 1024``, patch eagle3-chunked-head-loss, `
 ``block_mask`` (the recipe's own with ``trainer.step_eagle3_block_mask: true``, our seam eagle3-block-mask,
 ``SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1``: flex attention's block mask counted per block), ``flex_autotune`` (the
 recipe's own with ``trainer.step_flex_autotune: true``, our seam flex-autotune, ``SPECFORGE_KIMI_FLEX_AUTOTUNE=1``:
-its first step also autotunes) and ``stacked`` (the recipe's own with ``step_fewer_host_syncs``,
-``step_compile_elementwise``, ``step_eagle3_block_mask`` and ``step_flex_autotune`` all on); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+its first step also autotunes), ``fused_clip`` (the recipe's own with ``trainer.step_optimizer_fused_clip: true``,
+our seam optimizer-fused-clip, ``SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1``: the optimizer's clip in fused AdamW's
+``grad_scale``; every draft family) and ``stacked`` (the recipe's own with ``step_fewer_host_syncs``,
+``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune`` and ``step_optimizer_fused_clip``
+all on); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
 script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
@@ -222,11 +225,13 @@ RECIPE_VARIANTS = {
     "compiled": {"step_compile_elementwise": True},
     "block_mask": {"step_eagle3_block_mask": True},
     "flex_autotune": {"step_flex_autotune": True},
+    "fused_clip": {"step_optimizer_fused_clip": True},
     "stacked": {
         "step_fewer_host_syncs": True,
         "step_compile_elementwise": True,
         "step_eagle3_block_mask": True,
         "step_flex_autotune": True,
+        "step_optimizer_fused_clip": True,
     },
 }
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
@@ -253,6 +258,7 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
                 "step_compile_elementwise": False,
                 "step_eagle3_block_mask": False,
                 "step_flex_autotune": False,
+                "step_optimizer_fused_clip": False,
                 **VARIANTS[name],
             }
         )
@@ -387,11 +393,15 @@ def _step_switches(backend, family: str) -> dict:
     bf16-optimizer-fused-adamw applied or not); for an EAGLE-3 step also SPECFORGE_EAGLE3_FEWER_SYNCS (patch
     eagle3-fewer-host-syncs), SPECFORGE_EAGLE3_CHUNKED_LOSS (patch eagle3-chunked-head-loss: tokens per chunk, 0
     unchunked) and SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE (our compile-elementwise seam, installed by register());
-    a block step reads none of those."""
+    a block step reads none of those. SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP (our optimizer-fused-clip seam) for either:
+    installed and taking this optimizer's step."""
+    from specforge_kimi.drafts import optimizer_fused_clip
+
     adamw_fused = bool(getattr(getattr(backend.optimizer, "optimizer", None), "defaults", {}).get("fused"))
+    fused_clip = optimizer_fused_clip.installed() and optimizer_fused_clip.applies(backend.optimizer)
     if family != "eagle3":
         return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False,
-                "eagle3_block_mask": False, "flex_autotune": False}  # fmt: skip
+                "eagle3_block_mask": False, "flex_autotune": False, "optimizer_fused_clip": fused_clip}  # fmt: skip
     import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
@@ -405,6 +415,7 @@ def _step_switches(backend, family: str) -> dict:
         "compile_elementwise": installed(LlamaDecoderLayer),
         "eagle3_block_mask": eagle3_block_mask.installed(),
         "flex_autotune": flex_autotune.installed(),
+        "optimizer_fused_clip": fused_clip,
     }
 
 
@@ -516,6 +527,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "compile_elementwise": trainer["compile_elementwise"],
         "eagle3_block_mask": trainer["eagle3_block_mask"],
         "flex_autotune": trainer["flex_autotune"],
+        "optimizer_fused_clip": trainer["optimizer_fused_clip"],
         "backend": args.backend,
         "length": length,
         "fsdp_sharding": trainer["sharding"],

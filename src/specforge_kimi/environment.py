@@ -76,6 +76,14 @@ FLEX_AUTOTUNE = EnvVar(
     writers=("training.step_knobs",),
     readers=("drafts.flex_autotune",),
 )
+OPTIMIZER_FUSED_CLIP = EnvVar(
+    "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP",
+    "1: the optimizer-fused-clip seam folds the BF16 optimizer's gradient clip into fused AdamW's grad_scale and "
+    "drops its extra passes (recipe trainer step knob)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.optimizer_fused_clip",),
+)
 EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
     "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
     "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds "

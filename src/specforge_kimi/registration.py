@@ -35,6 +35,10 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
 - ``flex-autotune``: SpecForge's ``WrappedFlexAttention`` singleton, only in a process with
   ``SPECFORGE_KIMI_FLEX_AUTOTUNE=1`` (recipe ``trainer.step_flex_autotune``): flex attention compiled with
   ``max-autotune-no-cudagraphs`` (:mod:`specforge_kimi.drafts.flex_autotune`). Without the variable it is SpecForge's.
+- ``optimizer-fused-clip``: SpecForge's ``BF16Optimizer.step``, only in a process with
+  ``SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1`` (recipe ``trainer.step_optimizer_fused_clip``): the gradient clip as
+  fused AdamW's ``grad_scale``, the norm from one multi-tensor pass, the masters cast back in one copy
+  (:mod:`specforge_kimi.drafts.optimizer_fused_clip`). Without the variable SpecForge's step is untouched.
 - ``outage-wait``: SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
   ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
@@ -496,11 +500,13 @@ def _install_checkpoint_completion() -> None:
 
 
 #: the step seams (module, install function): each installs only when its variable asks for it
-#: (SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE, SPECFORGE_KIMI_EAGLE3_BLOCK_MASK, SPECFORGE_KIMI_FLEX_AUTOTUNE)
+#: (SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE, SPECFORGE_KIMI_EAGLE3_BLOCK_MASK, SPECFORGE_KIMI_FLEX_AUTOTUNE,
+#: SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP)
 _STEP_SEAMS = (
     ("specforge_kimi.drafts.compile_elementwise", "install_compile_elementwise"),
     ("specforge_kimi.drafts.eagle3_block_mask", "install_eagle3_block_mask"),
     ("specforge_kimi.drafts.flex_autotune", "install_flex_autotune"),
+    ("specforge_kimi.drafts.optimizer_fused_clip", "install_optimizer_fused_clip"),
 )
 
 

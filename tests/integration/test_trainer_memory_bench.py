@@ -195,7 +195,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
             "--steps",
             "3",
             "--variants",
-            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs,chunked_loss",
+            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs,chunked_loss,fused_clip",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -210,9 +210,9 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss"]
+    variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss", "fused_clip"]
     assert [r["variant"] for r in rows] == variants, rows
-    cache, fused, syncs, chunked, comp, mask, tune, alloc = (
+    cache, fused, syncs, chunked, comp, mask, tune, clip, alloc = (
         "SPECFORGE_EAGLE3_EMPTY_CACHE",
         "SPECFORGE_ADAMW_FUSED",
         "SPECFORGE_EAGLE3_FEWER_SYNCS",
@@ -220,9 +220,10 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE",
+        "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP",
         "PYTORCH_CUDA_ALLOC_CONF",
     )
-    off = {comp: "0", mask: "0", tune: "0"}  # our seams: spelled out, off
+    off = {comp: "0", mask: "0", tune: "0", clip: "0"}  # our seams: spelled out, off
     assert [r["step_env"] for r in rows] == [
         {cache: "1", fused: "0", syncs: "0", chunked: "0", **off, alloc: None},
         {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, alloc: None},
@@ -230,12 +231,18 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         {cache: "0", fused: "1", syncs: "1", chunked: "0", **off, alloc: None},
         # the tiny recipe's step, chunked
         {cache: "0", fused: "1", syncs: "0", chunked: "1024", **off, alloc: None},
+        # the tiny recipe's own step with the optimizer-fused-clip seam
+        {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, clip: "1", alloc: None},
     ]
-    assert [r["adamw_fused"] for r in rows] == [False, True, True, True, True]
-    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True, False]
-    assert [r["chunked_head_loss"] for r in rows] == [0, 0, 0, 0, 1024]  # what the patched step read
-    assert [r["compile_elementwise"] for r in rows] == [False] * 5  # the compile-elementwise seam not installed
-    assert [(r["eagle3_block_mask"], r["flex_autotune"]) for r in rows] == [(False, False)] * 5  # nor these
+    assert [r["adamw_fused"] for r in rows] == [False, True, True, True, True, True]
+    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True, False, False]
+    assert [r["chunked_head_loss"] for r in rows] == [0, 0, 0, 0, 1024, 0]  # what the patched step read
+    assert [r["compile_elementwise"] for r in rows] == [False] * 6  # the compile-elementwise seam not installed
+    assert [(r["eagle3_block_mask"], r["flex_autotune"]) for r in rows] == [(False, False)] * 6  # nor these
+    # the optimizer-fused-clip seam installed and taking the (fused) optimizer's step in its variant only
+    assert [r["optimizer_fused_clip"] for r in rows] == [False] * 5 + [True]
+    # the same update to fp32 rounding: the same losses as the same step without it
+    assert rows[5]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-5)
     assert doc["config"]["variants"]["expandable"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     base = rows[0]["losses"]
     assert len(base) == 3 and len(set(base)) == 3  # three different batches
@@ -247,7 +254,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert rows[3]["losses"] == rows[1]["losses"]
     # eagle3-chunked-head-loss sums the same terms in another order
     assert rows[4]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-5)
-    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss"):
+    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss", "fused_clip"):
         r = rows[[x["variant"] for x in rows].index(name)]
         diff = max(abs(a - b) for a, b in zip(r["losses"], base, strict=True))
         assert comps[name]["loss_max_abs_diff"] == diff <= 1e-3 * max(base)

@@ -397,6 +397,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
+        "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     shipped = tmp_path / "shipped"
@@ -409,6 +410,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
+        "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }
     assert trainer_step(shipped) == shipped_step
     sheet = json.loads((shipped / "rendered" / "launch.json").read_text())
@@ -423,6 +425,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
+        "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }
     assert trainer_step(tmp_path / "not-a-run") is None
 

@@ -320,6 +320,15 @@ class TrainerSection(_Strict):
         "step of each new shape pays the autotuning. Measured by bench/trainer_memory.py --variants "
         "recipe,flex_autotune. Off by default",
     )
+    step_optimizer_fused_clip: bool = Field(
+        default=False,
+        description="true runs SpecForge's BF16 optimizer step with the gradient clip handed to fused AdamW as its "
+        "grad_scale (no pass multiplies the gradients), the norm from one multi-tensor pass over the bf16 "
+        "gradients, and the masters cast back in one copy each (SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1; our "
+        "registration seam optimizer-fused-clip, no patch; needs trainer.fused_adamw; every draft family). The same "
+        "update to fp32 rounding (tests/unit/test_optimizer_fused_clip.py). Measured by bench/trainer_memory.py "
+        "--variants recipe,fused_clip. Off by default",
+    )
     cuda_alloc_conf: str | None = Field(
         default=None,
         description="PYTORCH_CUDA_ALLOC_CONF for SpecForge's producer and trainer ranks, verbatim (key:value[,...], "
@@ -338,6 +347,15 @@ class TrainerSection(_Strict):
         (its own error says so)."""
         family = info.data.get("family")
         return value if family is None else draft_config.validate_draft(family, value)
+
+    @model_validator(mode="after")
+    def _fused_clip_needs_fused_adamw(self) -> TrainerSection:
+        if self.step_optimizer_fused_clip and not self.fused_adamw:
+            raise ValueError(
+                "trainer.step_optimizer_fused_clip needs trainer.fused_adamw: true (the clip is fused AdamW's "
+                "grad_scale)"
+            )
+        return self
 
 
 class DataSection(_Strict):

@@ -42,6 +42,9 @@ BLOCK_MASK_ENV = _env.EAGLE3_BLOCK_MASK.name
 #: the flex-autotune seam (``drafts.flex_autotune``, no patch): "1" compiles SpecForge's flex attention with
 #: max-autotune-no-cudagraphs, "0": its default compile, as shipped
 FLEX_AUTOTUNE_ENV = _env.FLEX_AUTOTUNE.name
+#: the optimizer-fused-clip seam (``drafts.optimizer_fused_clip``, no patch): "1" folds the BF16 optimizer's clip into
+#: fused AdamW's grad_scale, its norm one multi-tensor pass, its masters cast back in one copy; "0": as shipped
+FUSED_CLIP_ENV = _env.OPTIMIZER_FUSED_CLIP.name
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
@@ -54,6 +57,7 @@ STEP_ENV_NAMES = (
     COMPILE_ELEMENTWISE_ENV,
     BLOCK_MASK_ENV,
     FLEX_AUTOTUNE_ENV,
+    FUSED_CLIP_ENV,
     ALLOC_CONF_ENV,
 )
 
@@ -80,6 +84,7 @@ def step_env(
     compile_elementwise: bool | None = False,
     block_mask: bool | None = False,
     flex_autotune: bool | None = False,
+    fused_clip: bool = False,
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
@@ -98,6 +103,7 @@ def step_env(
         env[BLOCK_MASK_ENV] = "1" if block_mask else "0"
     if flex_autotune is not None:
         env[FLEX_AUTOTUNE_ENV] = "1" if flex_autotune else "0"
+    env[FUSED_CLIP_ENV] = "1" if fused_clip else "0"
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
     return env
@@ -120,6 +126,7 @@ def trainer_env(trainer) -> dict[str, str]:
         compile_elementwise=trainer.step_compile_elementwise if eagle3 else None,
         block_mask=trainer.step_eagle3_block_mask if eagle3 else None,
         flex_autotune=trainer.step_flex_autotune if eagle3 else None,
+        fused_clip=trainer.step_optimizer_fused_clip,
     )
 
 
