@@ -112,8 +112,15 @@ class FakeServer:
                     self.wfile.write(reply.body)
 
             def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                payload = json.loads(body)
+                length = int(self.headers["Content-Length"])
+                body = self.rfile.read(length)
+                if len(body) < length:
+                    return  # the client hung up before its whole body came (its deadline, an abort): no reply
+                try:
+                    payload = json.loads(body)
+                except ValueError:
+                    self.send_error(400, "body is not JSON")
+                    return
                 if server.chat_reply is not None:
                     with server.lock:
                         server.requests.append(payload)
