@@ -89,7 +89,7 @@ def step_env(
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
     chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss``, ``compile_elementwise``, ``block_mask`` and ``flex_autotune`` None: the eagle3 step's switches left out
-    (a block draft's step reads none of them)."""
+    (a block draft's step reads none of them); ``fused_clip`` is every family's (the optimizer)."""
     env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
     if empty_cache is not None:
         env[EMPTY_CACHE_ENV] = "1" if empty_cache else "0"
@@ -112,10 +112,11 @@ def step_env(
 def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
     ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf``, ``step_fewer_host_syncs`` and
-    ``step_chunked_head_loss``, ``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
+    ``step_chunked_head_loss``, ``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune``,
+    ``step_optimizer_fused_clip``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
     patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs and eagle3-chunked-head-loss change SpecForge's
     eagle3 step only, so the launch needs none of them; the compile-elementwise seam changes the eagle3 Llama draft's
-    layer only."""
+    layer only. The optimizer-fused-clip seam changes SpecForge's optimizer, which every family's trainer runs."""
     eagle3 = getattr(trainer, "family", "eagle3") == "eagle3"
     return step_env(
         empty_cache=trainer.step_empty_cache if eagle3 else None,
