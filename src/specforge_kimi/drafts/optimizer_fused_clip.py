@@ -43,7 +43,7 @@ def requested() -> bool:
 
 def applies(opt) -> bool:
     """Whether :func:`step` takes ``opt``'s step: its AdamW fused, its masters on the parameters' device."""
-    return bool(opt.optimizer.defaults.get("fused")) and not getattr(opt, "offload_master", False)
+    return bool(opt.optimizer.defaults.get("fused")) and not opt.offload_master
 
 
 def grad_norm_sq(grads):
