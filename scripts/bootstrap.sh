@@ -46,6 +46,14 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   fi
 fi
 
+# pip, quiet but for its errors; its exit status, not grep's, decides (set -e stops the script on a failed install)
+pip_run() {
+  local py="$1" rc; shift
+  set +e; "$py" -m pip "$@" 2>&1 | grep -v '^WARNING: Location'; rc=${PIPESTATUS[0]}; set -e
+  [ "$rc" = 0 ] || echo "bootstrap.sh: pip $1 failed (exit $rc; its output above says why; $(df -Ph . | awk 'NR==2 {print $4}') free here, and a fresh .venv takes about 13 GB)" >&2
+  return "$rc"
+}
+
 if [ "$GPU" = 0 ]; then  # the CPU machine (the README's two commands, CI)
   stamp=".venv/.specforge-kimi-installed"
   want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
@@ -53,9 +61,9 @@ if [ "$GPU" = 0 ]; then  # the CPU machine (the README's two commands, CI)
     exit 0
   fi
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  pip_run .venv/bin/python install -q --upgrade pip
   echo "installing the pinned stack into .venv (several GB on a fresh machine, a few minutes) ..."
-  .venv/bin/python -m pip install -q -e '.[test,cpu]' 2>&1 | grep -v '^WARNING: Location' || true
+  pip_run .venv/bin/python install -q -e '.[test,cpu]'
   .venv/bin/python -c 'import specforge_kimi, specforge, sglang, torch, transformers; print("stack:", "torch", torch.__version__, "transformers", transformers.__version__)'
   echo "$want" > "$stamp"
   exit 0
@@ -68,7 +76,7 @@ SF_REPO="${SPECFORGE_REPO:-https://github.com/sgl-project/SpecForge}"
 if [ "$INSTALL" = 1 ]; then
   VPY="$VENV/bin/python"
   [ -x "$VPY" ] || "$PY" -m venv "$VENV"
-  pip_q() { "$VPY" -m pip "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+  pip_q() { pip_run "$VPY" "$@"; }
   pip_q install -q --upgrade pip
   if [ -n "$TORCH_INDEX" ]; then
     echo "installing torch 2.11.0 from $TORCH_INDEX ..."

@@ -20,6 +20,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"fuzz: {surface} {n} cases")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tmpdir_inside_basetemp(tmp_path_factory):
+    """``TMPDIR`` (and :mod:`tempfile`'s cached default) inside this session's pytest base directory for
+    every test and the processes it starts: what they leave in a temporary directory (torchrun's
+    ``torchelastic_*``, SpecForge's own suite's ``mkdtemp`` folders) goes with pytest's rotation of base
+    directories instead of piling up in ``/tmp``."""
+    import tempfile
+
+    tmp = tmp_path_factory.getbasetemp() / "tmp"
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    was_env, was_cached = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(tmp), str(tmp)
+    yield
+    tempfile.tempdir = was_cached
+    if was_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = was_env
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--run-gpu"):
         return

@@ -25,7 +25,10 @@ printf '%s\n' "$*" >> "$FAKE_LOG"
 case "$1" in
   -m)
     case "$2" in
-      pip) if [ "$3" = show ]; then for d in $FAKE_INSTALLED; do [ "$d" = "${@: -1}" ] && exit 0; done; exit 1; fi; exit 0;;
+      pip) if [ "$3" = install ] && [ -n "$FAKE_PIP_FAIL" ]; then
+             echo "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"; exit 1
+           fi
+           if [ "$3" = show ]; then for d in $FAKE_INSTALLED; do [ "$d" = "${@: -1}" ] && exit 0; done; exit 1; fi; exit 0;;
       specforge_kimi) [ "$3" = doctor ] && exit "${FAKE_DOCTOR_RC:-0}"; exit 0;;
     esac;;
   -c) case "$2" in *torch.version.cuda*) echo "${FAKE_TORCH_CUDA%%.*}"; exit 0;; esac  # the query prints the major
@@ -58,7 +61,7 @@ def remote(tmp_path):
     return repo, pinned
 
 
-def _run(tmp_path, *args, cuda="13.0", installed="", doctor_rc=0, repo=None, commit=None):
+def _run(tmp_path, *args, cuda="13.0", installed="", doctor_rc=0, repo=None, commit=None, pip_fail=False):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     fake = venv / "bin" / "python"
@@ -76,6 +79,7 @@ def _run(tmp_path, *args, cuda="13.0", installed="", doctor_rc=0, repo=None, com
         "FAKE_DOCTOR_RC": str(doctor_rc),
         **({"SPECFORGE_REPO": str(repo)} if repo else {}),
         **({"SPECFORGE_COMMIT": commit} if commit else {}),
+        **({"FAKE_PIP_FAIL": "1"} if pip_fail else {}),
     }
     res = subprocess.run(
         ["bash", str(SCRIPT), "--gpu", "--venv", str(venv), *args], env=env, capture_output=True, text=True, timeout=120
@@ -172,6 +176,55 @@ def test_no_install_only_fetches_patches_and_checks(tmp_path, remote):
     assert res.returncode == 0, res.stderr
     assert not any(c.startswith("-m pip") for c in calls)
     assert [c for c in calls if c.startswith("-m specforge_kimi")][-1] == "-m specforge_kimi doctor"
+
+
+def test_a_failed_install_stops_the_gpu_setup(tmp_path, remote):
+    repo, pinned = remote
+    res, calls = _run(tmp_path, "--specforge-dir", str(tmp_path / "sf"), repo=repo, commit=pinned[:8], pip_fail=True)
+    assert res.returncode == 1, res.stdout
+    assert "No space left on device" in res.stdout and "bootstrap.sh: pip install failed (exit 1;" in res.stderr
+    assert calls == ["-m pip install -q --upgrade pip"]  # nothing after the first failure: no fetch, setup, doctor
+    assert not (tmp_path / "sf").exists()
+
+
+def test_a_failed_install_stops_the_cpu_setup(tmp_path):
+    """The README's set-up (CI's): pip's failure ends the script with pip's exit code and one line, the venv
+    is not stamped as installed, and nothing goes on to import what was not installed."""
+    root = tmp_path / "proj"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "bootstrap.sh").write_text(SCRIPT.read_text())
+    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (root / ".venv" / "bin").mkdir(parents=True)
+    fake = root / ".venv" / "bin" / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {**os.environ, "PYTHON": sys.executable, "REAL_PYTHON": sys.executable, "FAKE_LOG": str(log)}
+    res = subprocess.run(
+        ["bash", str(root / "scripts" / "bootstrap.sh")],
+        env={**env, "FAKE_PIP_FAIL": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1 and "bootstrap.sh: pip install failed (exit 1;" in res.stderr, res.stderr
+    assert "a fresh .venv takes about 13 GB" in res.stderr
+    assert log.read_text().splitlines() == ["-m pip install -q --upgrade pip"]
+    assert not (root / ".venv" / ".specforge-kimi-installed").exists()
+
+    # pip succeeding: the stack is installed and checked, then stamped
+    res = subprocess.run(
+        ["bash", str(root / "scripts" / "bootstrap.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert log.read_text().splitlines()[1:] == [
+        "-m pip install -q --upgrade pip",
+        "-m pip install -q -e .[test,cpu]",
+        '-c import specforge_kimi, specforge, sglang, torch, transformers; print("stack:", "torch", '
+        'torch.__version__, "transformers", transformers.__version__)',
+    ]
+    assert (root / ".venv" / ".specforge-kimi-installed").is_file()
 
 
 def test_gpu_options_need_gpu():
