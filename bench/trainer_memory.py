@@ -76,9 +76,11 @@ with ``trainer.step_chunked_head_loss: 1024``, patch eagle3-chunked-head-loss, `
 recipe's own with ``trainer.step_flex_autotune: true``, our seam flex-autotune, ``SPECFORGE_KIMI_FLEX_AUTOTUNE=1``:
 its first step also autotunes), ``fused_clip`` (the recipe's own with ``trainer.step_optimizer_fused_clip: true``,
 our seam optimizer-fused-clip, ``SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1``: the optimizer's clip in fused AdamW's
-``grad_scale``; every draft family) and ``stacked`` (the recipe's own with ``step_fewer_host_syncs``,
-``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune`` and ``step_optimizer_fused_clip``
-all on); the document's ``comparisons`` give each row's speed ratio and largest loss difference
+``grad_scale``; every draft family), ``fused_wgrad`` (the recipe's own with ``trainer.step_eagle3_fused_wgrad:
+true``, our seam eagle3-fused-wgrad, ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1``: each draft weight's gradient summed
+over the TTT positions inside its weight-gradient GEMM; rows list the linears it wrapped) and ``stacked`` (the
+recipe's own with ``step_fewer_host_syncs``, ``step_compile_elementwise``, ``step_eagle3_block_mask``,
+``step_flex_autotune``, ``step_eagle3_fused_wgrad`` and ``step_optimizer_fused_clip`` all on); the document's ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
 script first times an 8192^3 bf16 GEMM (``measured_gemm_tflops``) and rows add ``mfu_vs_measured_gemm``.
@@ -226,16 +228,26 @@ RECIPE_VARIANTS = {
     "block_mask": {"step_eagle3_block_mask": True},
     "flex_autotune": {"step_flex_autotune": True},
     "fused_clip": {"step_optimizer_fused_clip": True},
+    "fused_wgrad": {"step_eagle3_fused_wgrad": True},
     "stacked": {
         "step_fewer_host_syncs": True,
         "step_compile_elementwise": True,
         "step_eagle3_block_mask": True,
         "step_flex_autotune": True,
+        "step_eagle3_fused_wgrad": True,
         "step_optimizer_fused_clip": True,
     },
 }
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
-EAGLE3_ONLY_VARIANTS = ("fewer_syncs", "chunked_loss", "compiled", "block_mask", "flex_autotune", "stacked")
+EAGLE3_ONLY_VARIANTS = (
+    "fewer_syncs",
+    "chunked_loss",
+    "compiled",
+    "block_mask",
+    "flex_autotune",
+    "fused_wgrad",
+    "stacked",
+)
 
 
 def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
@@ -258,6 +270,7 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
                 "step_compile_elementwise": False,
                 "step_eagle3_block_mask": False,
                 "step_flex_autotune": False,
+                "step_eagle3_fused_wgrad": False,
                 "step_optimizer_fused_clip": False,
                 **VARIANTS[name],
             }
@@ -401,11 +414,12 @@ def _step_switches(backend, family: str) -> dict:
     fused_clip = optimizer_fused_clip.installed() and optimizer_fused_clip.applies(backend.optimizer)
     if family != "eagle3":
         return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False,
-                "eagle3_block_mask": False, "flex_autotune": False, "optimizer_fused_clip": fused_clip}  # fmt: skip
+                "eagle3_block_mask": False, "flex_autotune": False, "eagle3_fused_wgrad": False,
+                "optimizer_fused_clip": fused_clip}  # fmt: skip
     import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
-    from specforge_kimi.drafts import eagle3_block_mask, flex_autotune
+    from specforge_kimi.drafts import eagle3_block_mask, eagle3_fused_wgrad, flex_autotune
     from specforge_kimi.drafts.compile_elementwise import installed
 
     return {
@@ -415,6 +429,7 @@ def _step_switches(backend, family: str) -> dict:
         "compile_elementwise": installed(LlamaDecoderLayer),
         "eagle3_block_mask": eagle3_block_mask.installed(),
         "flex_autotune": flex_autotune.installed(),
+        "eagle3_fused_wgrad": eagle3_fused_wgrad.installed(eagle3_model.OnlineEagle3Model),
         "optimizer_fused_clip": fused_clip,
     }
 
@@ -477,7 +492,15 @@ def _build_trainer(args, base, workdir: Path, cuda: bool) -> dict:
         "draft_vocab": r.trainer.draft.draft_vocab_size if eagle3 else r.target.vocab_size,
         "captured_layers": len(r.capture_ids),
     }
-    return {"core": core, "sharding": sharding, **switches, "build_s": build_s, "built": built, "shape": shape}
+    return {
+        "core": core,
+        "draft": bundle.model.draft_model,
+        "sharding": sharding,
+        **switches,
+        "build_s": build_s,
+        "built": built,
+        "shape": shape,
+    }
 
 
 def _flops(base, length: int, backend: str) -> tuple:
@@ -510,6 +533,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
     import step_profile
     import torch
 
+    from specforge_kimi.drafts import eagle3_fused_wgrad
     from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.training.step_knobs import STEP_ENV_NAMES
 
@@ -527,6 +551,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "compile_elementwise": trainer["compile_elementwise"],
         "eagle3_block_mask": trainer["eagle3_block_mask"],
         "flex_autotune": trainer["flex_autotune"],
+        "eagle3_fused_wgrad": trainer["eagle3_fused_wgrad"],
         "optimizer_fused_clip": trainer["optimizer_fused_clip"],
         "backend": args.backend,
         "length": length,
@@ -562,6 +587,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
                     counters[k].append(int(v))
         row["step_s"] = times
         row["losses"] = losses
+        row["eagle3_fused_wgrad_linears"] = eagle3_fused_wgrad.wrapped_names(trainer["draft"])
         if len(times) > 1:
             med = sorted(times[1:])[len(times[1:]) // 2]
             row["median_step_s_after_first"] = med

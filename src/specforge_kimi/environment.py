@@ -84,6 +84,14 @@ OPTIMIZER_FUSED_CLIP = EnvVar(
     writers=("training.step_knobs",),
     readers=("drafts.optimizer_fused_clip",),
 )
+EAGLE3_FUSED_WGRAD = EnvVar(
+    "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD",
+    "1: the eagle3-fused-wgrad seam sums each EAGLE-3 draft weight's gradient over the TTT positions inside its "
+    "weight-gradient GEMM (recipe trainer step knob)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.eagle3_fused_wgrad",),
+)
 EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
     "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
     "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds "

@@ -39,6 +39,10 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
   ``SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1`` (recipe ``trainer.step_optimizer_fused_clip``): the gradient clip as
   fused AdamW's ``grad_scale``, the norm from one multi-tensor pass, the masters cast back in one copy
   (:mod:`specforge_kimi.drafts.optimizer_fused_clip`). Without the variable SpecForge's step is untouched.
+- ``eagle3-fused-wgrad``: SpecForge's ``OnlineEagle3Model.forward``, only in a process with
+  ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1`` (recipe ``trainer.step_eagle3_fused_wgrad``): the draft layer's and head's
+  linears sum their weight gradients over the TTT positions inside the weight-gradient GEMM
+  (:mod:`specforge_kimi.drafts.eagle3_fused_wgrad`). Without the variable SpecForge's forward is untouched.
 - ``outage-wait``: SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
   ``SPECFORGE_KIMI_SERVER_OUTAGE_S`` seconds, default 900) before the failure goes back to
@@ -501,12 +505,13 @@ def _install_checkpoint_completion() -> None:
 
 #: the step seams (module, install function): each installs only when its variable asks for it
 #: (SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE, SPECFORGE_KIMI_EAGLE3_BLOCK_MASK, SPECFORGE_KIMI_FLEX_AUTOTUNE,
-#: SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP)
+#: SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP, SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD)
 _STEP_SEAMS = (
     ("specforge_kimi.drafts.compile_elementwise", "install_compile_elementwise"),
     ("specforge_kimi.drafts.eagle3_block_mask", "install_eagle3_block_mask"),
     ("specforge_kimi.drafts.flex_autotune", "install_flex_autotune"),
     ("specforge_kimi.drafts.optimizer_fused_clip", "install_optimizer_fused_clip"),
+    ("specforge_kimi.drafts.eagle3_fused_wgrad", "install_eagle3_fused_wgrad"),
 )
 
 

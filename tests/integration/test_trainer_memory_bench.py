@@ -195,7 +195,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
             "--steps",
             "3",
             "--variants",
-            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs,chunked_loss,fused_clip",
+            "specforge,keep_cache_fused_adamw,expandable,fewer_syncs,chunked_loss,fused_clip,fused_wgrad",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -210,9 +210,17 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    variants = ["specforge", "keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss", "fused_clip"]
+    variants = [
+        "specforge",
+        "keep_cache_fused_adamw",
+        "expandable",
+        "fewer_syncs",
+        "chunked_loss",
+        "fused_clip",
+        "fused_wgrad",
+    ]
     assert [r["variant"] for r in rows] == variants, rows
-    cache, fused, syncs, chunked, comp, mask, tune, clip, alloc = (
+    cache, fused, syncs, chunked, comp, mask, tune, wgrad, clip, alloc = (
         "SPECFORGE_EAGLE3_EMPTY_CACHE",
         "SPECFORGE_ADAMW_FUSED",
         "SPECFORGE_EAGLE3_FEWER_SYNCS",
@@ -220,10 +228,11 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP",
         "PYTORCH_CUDA_ALLOC_CONF",
     )
-    off = {comp: "0", mask: "0", tune: "0", clip: "0"}  # our seams: spelled out, off
+    off = {comp: "0", mask: "0", tune: "0", wgrad: "0", clip: "0"}  # our seams: spelled out, off
     assert [r["step_env"] for r in rows] == [
         {cache: "1", fused: "0", syncs: "0", chunked: "0", **off, alloc: None},
         {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, alloc: None},
@@ -233,16 +242,24 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         {cache: "0", fused: "1", syncs: "0", chunked: "1024", **off, alloc: None},
         # the tiny recipe's own step with the optimizer-fused-clip seam
         {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, clip: "1", alloc: None},
+        # the tiny recipe's own step with the eagle3-fused-wgrad seam
+        {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, wgrad: "1", alloc: None},
     ]
-    assert [r["adamw_fused"] for r in rows] == [False, True, True, True, True, True]
-    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True, False, False]
-    assert [r["chunked_head_loss"] for r in rows] == [0, 0, 0, 0, 1024, 0]  # what the patched step read
-    assert [r["compile_elementwise"] for r in rows] == [False] * 6  # the compile-elementwise seam not installed
-    assert [(r["eagle3_block_mask"], r["flex_autotune"]) for r in rows] == [(False, False)] * 6  # nor these
+    assert [r["adamw_fused"] for r in rows] == [False, True, True, True, True, True, True]
+    assert [r["fewer_host_syncs"] for r in rows] == [False, False, False, True, False, False, False]
+    assert [r["chunked_head_loss"] for r in rows] == [0, 0, 0, 0, 1024, 0, 0]  # what the patched step read
+    assert [r["compile_elementwise"] for r in rows] == [False] * 7  # the compile-elementwise seam not installed
+    assert [(r["eagle3_block_mask"], r["flex_autotune"]) for r in rows] == [(False, False)] * 7  # nor these
     # the optimizer-fused-clip seam installed and taking the (fused) optimizer's step in its variant only
-    assert [r["optimizer_fused_clip"] for r in rows] == [False] * 5 + [True]
+    assert [r["optimizer_fused_clip"] for r in rows] == [False] * 5 + [True, False]
     # the same update to fp32 rounding: the same losses as the same step without it
     assert rows[5]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-5)
+    # the eagle3-fused-wgrad seam installed in its variant only, wrapping the draft layer's and head's linears
+    # behind SpecForge's own training backend, with the same losses to fp32 rounding
+    assert [r["eagle3_fused_wgrad"] for r in rows] == [False] * 6 + [True]
+    assert [bool(r["eagle3_fused_wgrad_linears"]) for r in rows] == [False] * 6 + [True]
+    assert "lm_head" in rows[6]["eagle3_fused_wgrad_linears"]
+    assert rows[6]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-5)
     assert doc["config"]["variants"]["expandable"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     base = rows[0]["losses"]
     assert len(base) == 3 and len(set(base)) == 3  # three different batches
@@ -254,7 +271,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     assert rows[3]["losses"] == rows[1]["losses"]
     # eagle3-chunked-head-loss sums the same terms in another order
     assert rows[4]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-5)
-    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss", "fused_clip"):
+    for name in ("keep_cache_fused_adamw", "expandable", "fewer_syncs", "chunked_loss", "fused_clip", "fused_wgrad"):
         r = rows[[x["variant"] for x in rows].index(name)]
         diff = max(abs(a - b) for a, b in zip(r["losses"], base, strict=True))
         assert comps[name]["loss_max_abs_diff"] == diff <= 1e-3 * max(base)
@@ -279,6 +296,8 @@ def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
             "2",
             "--nproc",
             "2",
+            "--variants",
+            "recipe,fused_wgrad",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -292,11 +311,17 @@ def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["config"]["world_size"] == 2
-    [row] = doc["rows"]  # rank 0 alone prints the merged row
-    assert "error" not in row and row["world_size"] == 2
-    per_rank = row["per_rank_median_step_s_after_first"]
-    assert len(per_rank) == 2 and row["median_step_s_after_first"] == max(per_rank)
-    assert row["tokens_per_s"] == pytest.approx(32 * 2 / max(per_rank))
+    row, wgrad = doc["rows"]  # rank 0 alone prints the merged row of each variant
+    for r in (row, wgrad):
+        assert "error" not in r and r["world_size"] == 2
+        per_rank = r["per_rank_median_step_s_after_first"]
+        assert len(per_rank) == 2 and r["median_step_s_after_first"] == max(per_rank)
+        assert r["tokens_per_s"] == pytest.approx(32 * 2 / max(per_rank))
+    # the eagle3-fused-wgrad seam behind SpecForge's two-rank backend (gradients reduced across the ranks): the
+    # same losses to fp32 rounding, the second step's included (after one update from the reduced gradients)
+    assert (row["eagle3_fused_wgrad"], wgrad["eagle3_fused_wgrad"]) == (False, True)
+    assert "lm_head" in wgrad["eagle3_fused_wgrad_linears"]
+    assert wgrad["losses"] == pytest.approx(row["losses"], rel=1e-5) and row["losses"][0] != row["losses"][1]
 
 
 def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):

@@ -371,6 +371,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
@@ -389,6 +390,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE": "0",
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
@@ -463,7 +465,12 @@ def test_block_drafts_get_no_eagle3_step_switches(family):
     assert plan.recipe.trainer.step_empty_cache is False  # the field's default, which the eagle3 step would read
     env = dict(plan.process_env)
     eagle3_only = {step_knobs.EMPTY_CACHE_ENV, step_knobs.FEWER_SYNCS_ENV, step_knobs.CHUNKED_LOSS_ENV}
-    eagle3_only |= {step_knobs.COMPILE_ELEMENTWISE_ENV, step_knobs.BLOCK_MASK_ENV, step_knobs.FLEX_AUTOTUNE_ENV}
+    eagle3_only |= {
+        step_knobs.COMPILE_ELEMENTWISE_ENV,
+        step_knobs.BLOCK_MASK_ENV,
+        step_knobs.FLEX_AUTOTUNE_ENV,
+        step_knobs.FUSED_WGRAD_ENV,
+    }
     assert not eagle3_only & set(env)
     assert env[step_knobs.FUSED_ADAMW_ENV] == "1"
     assert step_knobs.patches_needed(env) == [step_knobs.FUSED_ADAMW_PATCH]  # what the preflight checks

@@ -43,6 +43,7 @@ EAGLE3_ONLY_TRAINER_FIELDS = (
     "step_compile_elementwise",
     "step_eagle3_block_mask",
     "step_flex_autotune",
+    "step_eagle3_fused_wgrad",
 )
 #: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
 K25_MASK_TOKEN_ID = 163824
@@ -320,6 +321,15 @@ class TrainerSection(_Strict):
         "step of each new shape pays the autotuning. Measured by bench/trainer_memory.py --variants "
         "recipe,flex_autotune. Off by default",
     )
+    step_eagle3_fused_wgrad: bool = Field(
+        default=False,
+        description="true sums each eagle3 draft weight's gradient over the TTT positions inside its weight-gradient "
+        "GEMM (C += g^T x) and hands autograd one gradient per weight, instead of one per position added up by "
+        "weight-sized adds (SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1; our registration seam eagle3-fused-wgrad, no patch; "
+        "the draft layer's and head's bias-free linears; not with trainer.step_chunked_head_loss). The same "
+        "gradients to fp32 rounding (tests/unit/test_eagle3_fused_wgrad.py). Measured by bench/trainer_memory.py "
+        "--variants recipe,fused_wgrad. Off by default",
+    )
     step_optimizer_fused_clip: bool = Field(
         default=False,
         description="true runs SpecForge's BF16 optimizer step with the gradient clip handed to fused AdamW as its "
@@ -347,6 +357,15 @@ class TrainerSection(_Strict):
         (its own error says so)."""
         family = info.data.get("family")
         return value if family is None else draft_config.validate_draft(family, value)
+
+    @model_validator(mode="after")
+    def _fused_wgrad_not_chunked(self) -> TrainerSection:
+        if self.step_eagle3_fused_wgrad and self.step_chunked_head_loss:
+            raise ValueError(
+                "trainer.step_eagle3_fused_wgrad and trainer.step_chunked_head_loss exclude each other (the chunked "
+                "loss recomputes the head in the backward); set one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fused_clip_needs_fused_adamw(self) -> TrainerSection:

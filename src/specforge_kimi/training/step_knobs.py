@@ -45,6 +45,9 @@ FLEX_AUTOTUNE_ENV = _env.FLEX_AUTOTUNE.name
 #: the optimizer-fused-clip seam (``drafts.optimizer_fused_clip``, no patch): "1" folds the BF16 optimizer's clip into
 #: fused AdamW's grad_scale, its norm one multi-tensor pass, its masters cast back in one copy; "0": as shipped
 FUSED_CLIP_ENV = _env.OPTIMIZER_FUSED_CLIP.name
+#: the eagle3-fused-wgrad seam (``drafts.eagle3_fused_wgrad``, no patch): "1" sums each eagle3 draft weight's gradient
+#: over the TTT positions inside its weight-gradient GEMM; "0": autograd's adds, as shipped
+FUSED_WGRAD_ENV = _env.EAGLE3_FUSED_WGRAD.name
 #: PyTorch's own; read once, when the process first touches CUDA
 ALLOC_CONF_ENV = _env.PYTORCH_CUDA_ALLOC_CONF.name
 
@@ -57,6 +60,7 @@ STEP_ENV_NAMES = (
     COMPILE_ELEMENTWISE_ENV,
     BLOCK_MASK_ENV,
     FLEX_AUTOTUNE_ENV,
+    FUSED_WGRAD_ENV,
     FUSED_CLIP_ENV,
     ALLOC_CONF_ENV,
 )
@@ -84,11 +88,12 @@ def step_env(
     compile_elementwise: bool | None = False,
     block_mask: bool | None = False,
     flex_autotune: bool | None = False,
+    fused_wgrad: bool | None = False,
     fused_clip: bool = False,
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
-    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss``, ``compile_elementwise``, ``block_mask`` and ``flex_autotune`` None: the eagle3 step's switches left out
+    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss``, ``compile_elementwise``, ``block_mask``, ``flex_autotune`` and ``fused_wgrad`` None: the eagle3 step's switches left out
     (a block draft's step reads none of them); ``fused_clip`` is every family's (the optimizer)."""
     env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
     if empty_cache is not None:
@@ -103,6 +108,8 @@ def step_env(
         env[BLOCK_MASK_ENV] = "1" if block_mask else "0"
     if flex_autotune is not None:
         env[FLEX_AUTOTUNE_ENV] = "1" if flex_autotune else "0"
+    if fused_wgrad is not None:
+        env[FUSED_WGRAD_ENV] = "1" if fused_wgrad else "0"
     env[FUSED_CLIP_ENV] = "1" if fused_clip else "0"
     if alloc_conf:
         env[ALLOC_CONF_ENV] = check_alloc_conf(alloc_conf)
@@ -113,10 +120,10 @@ def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
     ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf``, ``step_fewer_host_syncs`` and
     ``step_chunked_head_loss``, ``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune``,
-    ``step_optimizer_fused_clip``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
+    ``step_eagle3_fused_wgrad``, ``step_optimizer_fused_clip``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
     patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs and eagle3-chunked-head-loss change SpecForge's
     eagle3 step only, so the launch needs none of them; the compile-elementwise seam changes the eagle3 Llama draft's
-    layer only. The optimizer-fused-clip seam changes SpecForge's optimizer, which every family's trainer runs."""
+    layer only, the eagle3-fused-wgrad seam the eagle3 step's linears. The optimizer-fused-clip seam changes SpecForge's optimizer, which every family's trainer runs."""
     eagle3 = getattr(trainer, "family", "eagle3") == "eagle3"
     return step_env(
         empty_cache=trainer.step_empty_cache if eagle3 else None,
@@ -127,6 +134,7 @@ def trainer_env(trainer) -> dict[str, str]:
         compile_elementwise=trainer.step_compile_elementwise if eagle3 else None,
         block_mask=trainer.step_eagle3_block_mask if eagle3 else None,
         flex_autotune=trainer.step_flex_autotune if eagle3 else None,
+        fused_wgrad=trainer.step_eagle3_fused_wgrad if eagle3 else None,
         fused_clip=trainer.step_optimizer_fused_clip,
     )
 
