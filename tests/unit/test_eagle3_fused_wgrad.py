@@ -37,6 +37,20 @@ LLAMA = {
     "pad_token_id": 0,
     "hidden_act": "silu",
 }
+#: our MLA draft's sizes (tests/unit/test_step_flops.py's)
+MLA = {
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 6,
+    "kv_lora_rank": 4,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "vocab_size": 40,
+    "draft_vocab_size": 12,
+}
 LINEARS = [
     "midlayer.self_attn.q_proj",
     "midlayer.self_attn.k_proj",
@@ -97,6 +111,37 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam, monkeypa
     for name, g in plain.items():  # same products, same order of sums: fp32 rounding at most
         assert torch.allclose(grads[name], g, rtol=1e-6, atol=1e-7 * g.abs().max().item()), name
         assert g.abs().max() > 0, name
+
+
+def test_the_mla_draft_same_loss_and_gradients(cpu_shims, seam):
+    """Our MLA EAGLE-3 draft (``drafts.mla_eagle3``) through the same step: its layer's linears and head wrapped."""
+    from specforge_kimi.drafts.mla_eagle3 import Eagle3DeepseekV2ForCausalLM, KimiMLAEagle3Config
+
+    def step():
+        torch.manual_seed(0)
+        cfg = KimiMLAEagle3Config(
+            **MLA,
+            num_hidden_layers=1,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            pad_token_id=0,
+            hidden_act="silu",
+            target_hidden_size=16,
+        )
+        draft = Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
+        loss = eagle3_step(draft, length=10, ttt=3, vocab=MLA["vocab_size"], target_hidden=16)()
+        return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    _, plain_loss, plain = step()
+    fw.install_eagle3_fused_wgrad(force=True)
+    draft, loss, grads = step()
+    names = fw.wrapped_names(draft)
+    assert "lm_head" in names and len(names) >= 5 and all(n.startswith("midlayer.") for n in names[:-1])
+    assert loss == plain_loss and grads.keys() == plain.keys()
+    for name, g in plain.items():
+        assert torch.allclose(grads[name], g, rtol=1e-6, atol=1e-7 * g.abs().max().item()), name
 
 
 def test_with_the_compiled_layer_regions(cpu_shims, seam):

@@ -105,18 +105,18 @@ def _impl():
             return grad_x, grad_w, None
 
     @torch.compiler.disable
-    def linear_forward(module, x):
+    def linear_forward(module, input):  # nn.Linear.forward's own parameter name
         """A wrapped linear's ``forward``: the accumulating function inside the eagle3 forward, else ``F.linear``."""
         accs = getattr(_ACTIVE, "accs", None)
         weight = module.weight
         if accs is None or not (weight.requires_grad and torch.is_grad_enabled()) or torch.is_autocast_enabled():
-            return F.linear(x, weight, module.bias)
+            return F.linear(input, weight, module.bias)
         acc = accs.get(id(module))
         if acc is None:
             acc = accs[id(module)] = _Sum(getattr(module, _NAME))
         acc.uses += 1
         acc.pending += 1
-        return AccumulatingLinear.apply(x, weight, acc)
+        return AccumulatingLinear.apply(input, weight, acc)
 
     _IMPL.update(function=AccumulatingLinear, forward=linear_forward)
     return _IMPL
