@@ -308,6 +308,35 @@ def test_a_use_without_backward_raises_naming_the_weight(seam):
         kept.sum().backward()
 
 
+def test_a_second_pass_over_the_graph_is_autograds_own_sum(seam):
+    """``retain_graph``: the second backward's uses hand their own products (autograd sums them), so the weight's
+    gradient is twice the first pass's and nothing raises."""
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(16, 16, generator=g), torch.randn(6, 16, generator=g)
+    once = _chain_grad(_linear(w), x, 3, sum_in_gemm=False).clone()
+    lin = _linear(w)
+    with fw.summing():
+        h, loss = x, 0
+        for _ in range(3):
+            h = torch.tanh(lin(h))
+            loss = loss + h.square().sum()
+    loss.backward(retain_graph=True)
+    assert torch.allclose(lin.weight.grad, once, rtol=1e-6, atol=1e-7)
+    loss.backward()
+    assert torch.allclose(lin.weight.grad, 2 * once, rtol=1e-6, atol=1e-7)
+
+
+def test_under_cpu_autocast_a_wrapped_linear_is_plain(seam):
+    g = torch.Generator().manual_seed(5)
+    lin = _linear(torch.randn(16, 16, generator=g))
+    x = torch.randn(4, 16, generator=g)
+    with fw.summing(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(x)
+    assert out.dtype == torch.bfloat16 and out.grad_fn.name() != "AccumulatingLinearBackward"
+    out.float().sum().backward()
+    assert lin.weight.grad is not None
+
+
 def test_not_requested_nothing_replaced(seam):
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
 

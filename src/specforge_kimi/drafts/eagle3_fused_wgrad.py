@@ -8,7 +8,7 @@ and sums them with ``ttt_length - 1`` weight-sized adds, each reading two weight
 
 With ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1`` in the process (recipe ``trainer.step_eagle3_fused_wgrad``, set by
 ``training.step_knobs``), :func:`install_eagle3_fused_wgrad` wraps ``OnlineEagle3Model.forward``: while it runs with
-gradients on (and autocast off), those linears run the seam's autograd function. Its forward is
+gradients on, those linears run the seam's autograd function (under autocast for their device, ``F.linear``). Its forward is
 ``F.linear``; its backward computes the input gradient as ``F.linear``'s does and adds the weight gradient into one
 buffer per weight and step with the GEMM itself (``addmm_``: the add in the GEMM's epilogue, no separate pass). The
 use whose backward runs last (a count per weight: uses in the forward, minus backwards run) hands the buffer to
@@ -18,8 +18,10 @@ the same sum. In fp32 the sums differ by rounding only; in bf16 each position's 
 sum, where autograd rounds it and then the sum.
 
 A use whose backward never ran would keep its weight's sum from autograd; a check queued on the backward pass raises
-at its end, naming the weight, instead of training on a lost gradient. Not for ``trainer.step_chunked_head_loss``
-(its checkpoint recomputes the head in the backward: the recipe refuses the pair). The ``pretraining_tp > 1`` MLP
+at its end, naming the weight, instead of training on a lost gradient. Not under activation checkpointing that
+recomputes a wrapped linear in the backward (outside the eagle3 forward, so as ``F.linear``: PyTorch's
+non-reentrant checkpoint refuses the mismatch): ``trainer.step_chunked_head_loss`` recomputes the head that way, and
+the recipe refuses the pair. The ``pretraining_tp > 1`` MLP
 calls ``F.linear`` on weight slices itself and keeps autograd's sums.
 
 Without the variable (or with ``0``) nothing is replaced. :func:`uninstall_eagle3_fused_wgrad` puts SpecForge's
@@ -63,7 +65,10 @@ class _Sum:
 
 
 def _check(acc: _Sum) -> None:
-    if acc.pending or acc.buf is not None:
+    """At the end of a backward pass: every use ran its backward (``pending`` 0) and the sum was handed on. A second
+    pass over the same graph (``retain_graph``, ``create_graph``) drives ``pending`` below 0: each of its uses then
+    hands its own product, autograd's own sums, which is correct."""
+    if acc.pending > 0 or acc.buf is not None:
         uses, acc.buf = acc.uses, None
         raise RuntimeError(
             f"eagle3-fused-wgrad: {acc.pending} of {uses} uses of {acc.name} ran no backward in this pass, so its "
@@ -109,7 +114,11 @@ def _impl():
         """A wrapped linear's ``forward``: the accumulating function inside the eagle3 forward, else ``F.linear``."""
         accs = getattr(_ACTIVE, "accs", None)
         weight = module.weight
-        if accs is None or not (weight.requires_grad and torch.is_grad_enabled()) or torch.is_autocast_enabled():
+        if (
+            accs is None
+            or not (weight.requires_grad and torch.is_grad_enabled())
+            or torch.is_autocast_enabled(weight.device.type)
+        ):
             return F.linear(input, weight, module.bias)
         acc = accs.get(id(module))
         if acc is None:
@@ -167,7 +176,7 @@ def _forward(self, *args, **kwargs):
     import torch
 
     original = _ORIGINAL[0]
-    if not torch.is_grad_enabled() or torch.is_autocast_enabled():
+    if not torch.is_grad_enabled():
         return original(self, *args, **kwargs)
     wrap_draft_linears(self.draft_model)
     with summing():
