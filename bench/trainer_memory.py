@@ -818,7 +818,8 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
     if refused:
         raise KimiInputError(
             f"--variants: {', '.join(refused)} change SpecForge's eagle3 step only; "
-            f"the recipe's draft is {family} (its variants: recipe, {', '.join(v for v in VARIANTS if v not in EAGLE3_ONLY_VARIANTS)})"
+            f"the recipe's draft is {family} (its variants: recipe, "
+            f"{', '.join(v for v in [*VARIANTS, *RECIPE_VARIANTS] if v not in EAGLE3_ONLY_VARIANTS)})"
         )
     if len(set(variants)) != len(variants) or not variants:
         raise KimiInputError(f"--variants: {args.variants!r} must name each variant once")

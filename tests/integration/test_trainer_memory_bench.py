@@ -151,7 +151,7 @@ def test_eagle3_only_variants_are_refused_for_a_block_draft_in_one_line(tmp_path
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.strip().splitlines() == [
         "error: --variants: fewer_syncs, compiled change SpecForge's eagle3 step only; the recipe's draft is dflash "
-        "(its variants: recipe, specforge, keep_cache, keep_cache_fused_adamw, expandable)"
+        "(its variants: recipe, specforge, keep_cache, keep_cache_fused_adamw, expandable, fused_clip)"
     ]
     assert not (tmp_path / "w").exists()
 
