@@ -8,9 +8,9 @@ and sums them with ``ttt_length - 1`` weight-sized adds, each reading two weight
 
 With ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1`` in the process (recipe ``trainer.step_eagle3_fused_wgrad``, set by
 ``training.step_knobs``), :func:`install_eagle3_fused_wgrad` wraps ``OnlineEagle3Model.forward``: while it runs with
-gradients on, those linears run the seam's autograd function (under autocast for their device, ``F.linear``). Its forward is
-``F.linear``; its backward computes the input gradient as ``F.linear``'s does and adds the weight gradient into one
-buffer per weight and step with the GEMM itself (``addmm_``: the add in the GEMM's epilogue, no separate pass). The
+gradients on, those linears run the seam's autograd function (under autocast for their device, ``F.linear``). Its
+forward is ``F.linear``; its backward computes the input gradient as ``F.linear``'s does and adds the weight gradient
+into one buffer per weight and step with the GEMM itself (``addmm_``: the add in the GEMM's epilogue, no separate pass). The
 use whose backward runs last (a count per weight: uses in the forward, minus backwards run) hands the buffer to
 autograd as that use's weight gradient; the others hand none. So whatever sits behind the weight -- a leaf
 parameter, FSDP's flat parameter (``use_orig_params``), DDP's bucket -- receives one gradient per weight and step:
@@ -21,8 +21,9 @@ A use whose backward never ran would keep its weight's sum from autograd; a chec
 at its end, naming the weight, instead of training on a lost gradient. Not under activation checkpointing that
 recomputes a wrapped linear in the backward (outside the eagle3 forward, so as ``F.linear``: PyTorch's
 non-reentrant checkpoint refuses the mismatch): ``trainer.step_chunked_head_loss`` recomputes the head that way, and
-the recipe refuses the pair. The ``pretraining_tp > 1`` MLP
-calls ``F.linear`` on weight slices itself and keeps autograd's sums.
+the recipe refuses the pair. The ``pretraining_tp > 1`` MLP calls ``F.linear`` on weight slices itself and keeps
+autograd's sums. Inside compile-elementwise's compiled regions each wrapped linear is a graph break (the wrapped
+forward runs eagerly); the regions' elementwise fusions stay.
 
 Without the variable (or with ``0``) nothing is replaced. :func:`uninstall_eagle3_fused_wgrad` puts SpecForge's
 forward back and the linears' own ``forward`` (tests).
