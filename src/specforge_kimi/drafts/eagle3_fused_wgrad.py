@@ -1,4 +1,4 @@
-"""The ``eagle3-fused-wgrad`` seam: a draft weight's gradient over the TTT positions summed inside its weight-gradient GEMM.
+"""The ``eagle3-fused-wgrad`` seam: a draft weight's gradient over the TTT positions summed inside its wgrad GEMM.
 
 Scope: SpecForge 0.2.0's eagle3 step (``OnlineEagle3Model.forward`` in ``specforge.algorithms.eagle3.model``), which
 runs the draft's decoder layer (``draft_model.midlayer``) and its head (``draft_model.lm_head``) once per TTT
@@ -10,9 +10,9 @@ With ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1`` in the process (recipe ``trainer.st
 ``training.step_knobs``), :func:`install_eagle3_fused_wgrad` wraps ``OnlineEagle3Model.forward``: while it runs with
 gradients on, those linears run the seam's autograd function (under autocast for their device, ``F.linear``). Its
 forward is ``F.linear``; its backward computes the input gradient as ``F.linear``'s does and adds the weight gradient
-into one buffer per weight and step with the GEMM itself (``addmm_``: the add in the GEMM's epilogue, no separate pass). The
-use whose backward runs last (a count per weight: uses in the forward, minus backwards run) hands the buffer to
-autograd as that use's weight gradient; the others hand none. So whatever sits behind the weight -- a leaf
+into one buffer per weight and step with the GEMM itself (``addmm_``: the add in the GEMM's epilogue, no separate
+pass). The use whose backward runs last (a count per weight: uses in the forward, minus backwards run) hands the
+buffer to autograd as that use's weight gradient; the others hand none. So whatever sits behind the weight -- a leaf
 parameter, FSDP's flat parameter (``use_orig_params``), DDP's bucket -- receives one gradient per weight and step:
 the same sum. In fp32 the sums differ by rounding only; in bf16 each position's product is rounded once, into the
 sum, where autograd rounds it and then the sum.
