@@ -42,7 +42,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-OUT = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or tempfile.mkdtemp(prefix="draft-parity-"))
+#: the results folder, made at the first record (not at collection, where a skipped run would leave it behind)
+_OUT: list[Path] = []
 BACKEND = os.environ.get("SPECFORGE_KIMI_DRAFT_ATTN_BACKEND", "triton")
 LENGTHS = (17, 128, 768)
 VOCAB, DRAFT_VOCAB, HIDDEN, NUM_LAYERS = 32000, 4096, 1024, 61
@@ -297,8 +298,10 @@ MUTANTS = {
 
 
 def _summary_path() -> Path:
-    OUT.mkdir(parents=True, exist_ok=True)
-    return OUT / "draft_logits_parity.json"
+    if not _OUT:
+        _OUT.append(Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or tempfile.mkdtemp(prefix="draft-parity-")))
+    _OUT[0].mkdir(parents=True, exist_ok=True)
+    return _OUT[0] / "draft_logits_parity.json"
 
 
 def _record(arch: str, result: dict) -> None:
