@@ -3,7 +3,8 @@
 Scope: a tiny draft (any ``Eagle3DraftModel``), a random frozen target head and one seeded capture-shaped
 batch; the caller picks the ``OnlineEagle3Model`` class (SpecForge's, or one loaded from a patched copy by
 ``setup_patches.load_patched_specforge_module``). SpecForge's CPU path needs ``training.cpu_shims`` installed
-(the ``cpu_shims`` fixture in conftest.py).
+(the ``cpu_shims`` fixture in conftest.py). Also the tiny draft configs the step tests share (:data:`LLAMA_H64`,
+:data:`MLA_H16`, :func:`mla_draft`).
 """
 
 from __future__ import annotations
@@ -68,3 +69,55 @@ def eagle3_step(
         return out.loss.detach()
 
     return run
+
+
+#: a tiny Llama EAGLE-3 draft config (hidden 64, 4 / 2 heads of 16, MLP 160, draft vocab 32 of 96; target hidden 64)
+LLAMA_H64 = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 1,
+    "vocab_size": 96,
+    "draft_vocab_size": 32,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 128,
+    "rope_theta": 10000.0,
+    "pad_token_id": 0,
+    "hidden_act": "silu",
+}
+#: a tiny MLA draft config (hidden 16, 2 heads, q / kv lora 6 / 4, draft vocab 12 of 40; target hidden 16)
+MLA_H16 = {
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 6,
+    "kv_lora_rank": 4,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "vocab_size": 40,
+    "draft_vocab_size": 12,
+}
+
+
+def mla_draft():
+    """Our MLA EAGLE-3 draft (``drafts.mla_eagle3``) at :data:`MLA_H16`, target hidden 16, sdpa attention."""
+    from specforge_kimi.drafts.mla_eagle3 import Eagle3DeepseekV2ForCausalLM, KimiMLAEagle3Config
+
+    cfg = KimiMLAEagle3Config(
+        **MLA_H16,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        pad_token_id=0,
+        hidden_act="silu",
+        target_hidden_size=16,
+    )
+    return Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")

@@ -14,28 +14,12 @@ import shutil
 
 import pytest
 import torch
+from eagle3_cpu import LLAMA_H64 as LLAMA
 from eagle3_cpu import eagle3_step
 
 from specforge_kimi.drafts import compile_elementwise as ce
 from specforge_kimi.training import step_knobs
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 1,
-    "vocab_size": 96,
-    "draft_vocab_size": 32,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 128,
-    "rope_theta": 10000.0,
-    "pad_token_id": 0,
-    "hidden_act": "silu",
-}
 INDUCTOR = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
 BACKEND = "inductor" if INDUCTOR else "aot_eager"
 

@@ -15,42 +15,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-from eagle3_cpu import eagle3_step
+from eagle3_cpu import LLAMA_H64 as LLAMA
+from eagle3_cpu import MLA_H16 as MLA
+from eagle3_cpu import eagle3_step, mla_draft
 
 from specforge_kimi.drafts import eagle3_fused_wgrad as fw
 from specforge_kimi.training import step_knobs
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 1,
-    "vocab_size": 96,
-    "draft_vocab_size": 32,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 128,
-    "rope_theta": 10000.0,
-    "pad_token_id": 0,
-    "hidden_act": "silu",
-}
-#: our MLA draft's sizes (tests/unit/test_step_flops.py's)
-MLA = {
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "q_lora_rank": 6,
-    "kv_lora_rank": 4,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 6,
-    "vocab_size": 40,
-    "draft_vocab_size": 12,
-}
 LINEARS = [
     "midlayer.self_attn.q_proj",
     "midlayer.self_attn.k_proj",
@@ -115,22 +86,9 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam, monkeypa
 
 def test_the_mla_draft_same_loss_and_gradients(cpu_shims, seam):
     """Our MLA EAGLE-3 draft (``drafts.mla_eagle3``) through the same step: its layer's linears and head wrapped."""
-    from specforge_kimi.drafts.mla_eagle3 import Eagle3DeepseekV2ForCausalLM, KimiMLAEagle3Config
-
     def step():
         torch.manual_seed(0)
-        cfg = KimiMLAEagle3Config(
-            **MLA,
-            num_hidden_layers=1,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=64,
-            rope_theta=10000.0,
-            rope_scaling=None,
-            pad_token_id=0,
-            hidden_act="silu",
-            target_hidden_size=16,
-        )
-        draft = Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
+        draft = mla_draft()
         loss = eagle3_step(draft, length=10, ttt=3, vocab=MLA["vocab_size"], target_hidden=16)()
         return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 

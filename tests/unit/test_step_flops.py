@@ -7,7 +7,8 @@ config and compares the counted matmul FLOPs with the model's ``attention="sdpa"
 """
 
 import pytest
-from eagle3_cpu import eagle3_step
+from eagle3_cpu import MLA_H16 as MLA
+from eagle3_cpu import eagle3_step, mla_draft
 
 from specforge_kimi.training.step_flops import TERMS, attention_pairs, draft_shape, step_flops
 
@@ -28,19 +29,6 @@ LLAMA = {
     "rope_theta": 10000.0,
     "pad_token_id": 0,
     "hidden_act": "silu",
-}
-MLA = {
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "q_lora_rank": 6,
-    "kv_lora_rank": 4,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 6,
-    "vocab_size": 40,
-    "draft_vocab_size": 12,
 }
 
 
@@ -159,20 +147,7 @@ def test_flop_counter_on_specforge_llama_step_equals_the_model(cpu_shims):
 
 @pytest.mark.slow
 def test_flop_counter_on_mla_step_equals_the_model(cpu_shims):
-    from specforge_kimi.drafts.mla_eagle3 import Eagle3DeepseekV2ForCausalLM, KimiMLAEagle3Config
-
-    cfg = KimiMLAEagle3Config(
-        **MLA,
-        num_hidden_layers=1,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        pad_token_id=0,
-        hidden_act="silu",
-        target_hidden_size=16,
-    )
-    draft = Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
+    draft = mla_draft()
     counted = _counted(eagle3_step(draft, length=6, ttt=2, vocab=40, target_hidden=16))
     f = step_flops(MLA, length=6, ttt_length=2, target_vocab=40, attention="sdpa")
     assert counted == f.total
