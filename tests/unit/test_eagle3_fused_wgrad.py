@@ -86,6 +86,7 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam, monkeypa
 
 def test_the_mla_draft_same_loss_and_gradients(cpu_shims, seam):
     """Our MLA EAGLE-3 draft (``drafts.mla_eagle3``) through the same step: its layer's linears and head wrapped."""
+
     def step():
         torch.manual_seed(0)
         draft = mla_draft()
