@@ -80,7 +80,8 @@ our seam optimizer-fused-clip, ``SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1``: the op
 true``, our seam eagle3-fused-wgrad, ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1``: each draft weight's gradient summed
 over the TTT positions inside its weight-gradient GEMM; rows list the linears it wrapped) and ``stacked`` (the
 recipe's own with ``step_fewer_host_syncs``, ``step_compile_elementwise``, ``step_eagle3_block_mask``,
-``step_flex_autotune``, ``step_eagle3_fused_wgrad`` and ``step_optimizer_fused_clip`` all on); the document's
+``step_flex_autotune``, ``step_eagle3_fused_wgrad`` and ``step_optimizer_fused_clip`` all on) and
+``stacked_untuned`` (``stacked`` without ``step_flex_autotune``: no minutes of tuning in its first step); the document's
 ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
@@ -238,6 +239,13 @@ RECIPE_VARIANTS = {
         "step_eagle3_fused_wgrad": True,
         "step_optimizer_fused_clip": True,
     },
+    "stacked_untuned": {
+        "step_fewer_host_syncs": True,
+        "step_compile_elementwise": True,
+        "step_eagle3_block_mask": True,
+        "step_eagle3_fused_wgrad": True,
+        "step_optimizer_fused_clip": True,
+    },
 }
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
 EAGLE3_ONLY_VARIANTS = (
@@ -248,6 +256,7 @@ EAGLE3_ONLY_VARIANTS = (
     "flex_autotune",
     "fused_wgrad",
     "stacked",
+    "stacked_untuned",
 )
 
 
