@@ -124,6 +124,12 @@ def _raw():
             "capture_put_clients > 1 splits the server's own segment",
         ),
         (lambda r: r["server"].update(capture_put_clients=0), "capture_put_clients"),
+        # SpecForge's Mooncake config refuses these with a pydantic error of its own: the recipe says so first
+        (lambda r: r.update(mooncake={"host": ""}), "mooncake.host: String should match pattern"),
+        (lambda r: r.update(mooncake={"host": " 10.0.0.1"}), "mooncake.host: String should match pattern"),
+        (lambda r: r.update(mooncake={"rpc_port": 70000}), "mooncake.rpc_port: Input should be less than 65536"),
+        (lambda r: r.update(mooncake={"metrics_port": 35880}), "rpc_port, metadata_port and metrics_port must differ"),
+        (lambda r: r["server"].update(host=""), "server.host: String should match pattern"),
         # SpecForge's eager (sdpa) TTT attention at 4k tokens: 6 B x 56 heads x 7 steps x 4096^2 = 36.8 GiB more
         (lambda r: r["trainer"].update(attention_backend="sdpa"), "trainer peak ~91.1 GiB"),
         (lambda r: r["trainer"].update(attention_backend="fa"), "attention_backend"),

@@ -81,7 +81,9 @@ class ServerSection(_Strict):
     kv_tokens: int = Field(gt=0, description="KV-cache tokens the capture server must hold (max batch x length)")
     attention_backend: str = Field(default="flashinfer", description="SGLang --attention-backend")
     allreduce_fusion: bool = Field(default=True, description="False adds --enforce-disable-flashinfer-allreduce-fusion")
-    host: str = Field(default="127.0.0.1", description="Bind address; loopback unless multi-node")
+    host: str = Field(
+        default="127.0.0.1", pattern=r"^\S+$", description="Bind address (no whitespace); loopback unless multi-node"
+    )
     port: int = Field(
         default=30000, gt=0, le=55535, description="HTTP port; at most 55535 (SGLang serves gRPC on port + 10000)"
     )
@@ -141,10 +143,12 @@ class ServerSection(_Strict):
 
 class MooncakeSection(_Strict):
     protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="Transfer protocol")
-    host: str = Field(default="127.0.0.1", description="Master/metadata host")
-    rpc_port: int = Field(default=35551, description="Master RPC port")
-    metadata_port: int = Field(default=35880, description="HTTP metadata server port")
-    metrics_port: int = Field(default=35903, description="Master metrics port")
+    host: str = Field(
+        default="127.0.0.1", pattern=r"^\S+$", description="Master/metadata host (no whitespace; loopback by default)"
+    )
+    rpc_port: int = Field(default=35551, gt=0, lt=65536, description="Master RPC port")
+    metadata_port: int = Field(default=35880, gt=0, lt=65536, description="HTTP metadata server port")
+    metrics_port: int = Field(default=35903, gt=0, lt=65536, description="Master metrics port")
     rdma_devices: str | None = Field(default=None, description="RDMA NICs for protocol rdma")
     global_segment_gib: float = Field(
         default=32,
@@ -152,6 +156,12 @@ class MooncakeSection(_Strict):
         description="Segment holding features in flight (the server's, or the keeper's); the producer pauses at "
         "0.8 of it less 8 samples (plan.transport_plan), and one optimizer window plus those 8 must fit",
     )
+
+    @model_validator(mode="after")
+    def _distinct_ports(self):
+        if len({self.rpc_port, self.metadata_port, self.metrics_port}) != 3:
+            raise ValueError("mooncake: rpc_port, metadata_port and metrics_port must differ")
+        return self
 
 
 class ResilienceSection(_Strict):
