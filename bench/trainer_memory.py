@@ -81,7 +81,9 @@ true``, our seam eagle3-fused-wgrad, ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1``: ea
 over the TTT positions inside its weight-gradient GEMM; rows list the linears it wrapped) and ``stacked`` (the
 recipe's own with ``step_fewer_host_syncs``, ``step_compile_elementwise``, ``step_eagle3_block_mask``,
 ``step_flex_autotune``, ``step_eagle3_fused_wgrad`` and ``step_optimizer_fused_clip`` all on) and
-``stacked_untuned`` (``stacked`` without ``step_flex_autotune``: no minutes of tuning in its first step); the document's
+``stacked_untuned`` (``stacked`` without ``step_flex_autotune``: no minutes of tuning in its first step), and any
+combination named by its parts joined by ``+`` (``fewer_syncs`` and the recipe-based names above, e.g.
+``fewer_syncs+compiled+fused_wgrad+fused_clip``: the recipe's own step with each part's fields); the document's
 ``comparisons`` give each row's speed ratio and largest loss difference
 against the first variant. ``--feed device`` (default) puts each batch on the GPU before its timed step, as the
 cuda_ipc handoff delivers features; ``--feed host`` leaves it on the host for the step to copy. On CUDA the
@@ -247,6 +249,22 @@ RECIPE_VARIANTS = {
         "step_optimizer_fused_clip": True,
     },
 }
+#: the parts of a composed variant (``a+b``) beside :data:`RECIPE_VARIANTS`' names: the fields each sets
+COMPOSE_PARTS = {"fewer_syncs": {"step_fewer_host_syncs": True}, **RECIPE_VARIANTS}
+
+
+def composed_update(name: str) -> dict | None:
+    """The trainer fields of a composed variant ``a+b+...`` (two or more distinct :data:`COMPOSE_PARTS` names: the
+    recipe's own step with each part's fields), merged in order; None when ``name`` is not one."""
+    parts = name.split("+")
+    if len(parts) < 2 or len(set(parts)) != len(parts) or any(p not in COMPOSE_PARTS for p in parts):
+        return None
+    out: dict = {}
+    for p in parts:
+        out.update(COMPOSE_PARTS[p])
+    return out
+
+
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
 EAGLE3_ONLY_VARIANTS = (
     "fewer_syncs",
@@ -271,6 +289,8 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
         v = recipe.trainer
     elif name in RECIPE_VARIANTS:
         v = recipe.trainer.model_copy(update=RECIPE_VARIANTS[name])
+    elif composed_update(name) is not None:
+        v = recipe.trainer.model_copy(update=composed_update(name))
     else:
         v = SimpleNamespace(
             **{
@@ -747,7 +767,9 @@ def _parser() -> argparse.ArgumentParser:
         + ", ".join(f"{k} ({v})" for k, v in VARIANTS.items())
         + "; recipe = the recipe's trainer.step_empty_cache / fused_adamw / cuda_alloc_conf; "
         + ", ".join(f"{k} (recipe + {v})" for k, v in RECIPE_VARIANTS.items())
-        + ". The patch switches need our SpecForge patches applied (specforge-kimi setup)",
+        + "; a+b+... (the recipe with each part's fields, parts of fewer_syncs and the recipe + variants: e.g. "
+        "fewer_syncs+compiled+fused_wgrad+fused_clip). The patch switches need our SpecForge patches applied "
+        "(specforge-kimi setup)",
     )
     ap.add_argument(
         "--feed",
@@ -822,9 +844,14 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
             raise KimiInputError(f"--backends: {b!r} is not flex_attention or sdpa")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v not in VARIANTS and v not in RECIPE_VARIANTS and v != "recipe":
-            raise KimiInputError(f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}")
-    refused = [v for v in variants if v in EAGLE3_ONLY_VARIANTS and family != "eagle3"]
+        if v not in VARIANTS and v not in RECIPE_VARIANTS and v != "recipe" and composed_update(v) is None:
+            raise KimiInputError(
+                f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}, nor distinct "
+                f"parts of {', '.join(COMPOSE_PARTS)} joined by +"
+            )
+        if {"chunked_loss", "fused_wgrad"} <= set(v.split("+")):
+            raise KimiInputError(f"--variants: {v!r}: chunked_loss and fused_wgrad exclude each other (as in a recipe)")
+    refused = [v for v in variants if any(p in EAGLE3_ONLY_VARIANTS for p in v.split("+")) and family != "eagle3"]
     if refused:
         raise KimiInputError(
             f"--variants: {', '.join(refused)} change SpecForge's eagle3 step only; "

@@ -1,0 +1,103 @@
+"""``bench/trainer_memory.py --variants``: composed variants (``a+b+...``) and their refusals.
+
+A composed variant is the recipe's own step with each part's trainer fields; it reaches the child process as the
+same step variables a recipe with those fields sets (``training.step_knobs.trainer_env``). Refusals are one line
+before anything runs.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specforge_kimi.plan.run_plan import load_recipe
+from specforge_kimi.training import step_knobs
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "trainer_memory.py"
+EAGLE3 = "recipes/kimi-k25-8xb200-lowered.yaml"
+BLOCK = "recipes/kimi-k25-8xb200-lowered-dflash.yaml"
+
+
+@pytest.fixture(scope="module")
+def tm():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import trainer_memory
+    finally:
+        sys.path.pop(0)
+    return trainer_memory
+
+
+def test_a_composed_variant_merges_its_parts_fields(tm):
+    assert tm.composed_update("fewer_syncs+fused_wgrad") == {
+        "step_fewer_host_syncs": True,
+        "step_eagle3_fused_wgrad": True,
+    }
+    assert tm.composed_update("compiled+fused_clip+fused_wgrad") == {
+        "step_compile_elementwise": True,
+        "step_optimizer_fused_clip": True,
+        "step_eagle3_fused_wgrad": True,
+    }
+    for name in ("fused_wgrad", "fused_wgrad+fused_wgrad", "fused_wgrad+nope", "recipe+fused_wgrad", "+fused_clip"):
+        assert tm.composed_update(name) is None, name
+
+
+def test_a_composed_variant_sets_the_step_variables_a_recipe_with_its_fields_sets(tm):
+    r = load_recipe(REPO / EAGLE3)
+    env = tm.variant_env(r, "fewer_syncs+compiled+fused_wgrad+fused_clip", {step_knobs.ALLOC_CONF_ENV: "x"})
+    want = step_knobs.trainer_env(
+        r.trainer.model_copy(
+            update={
+                "step_fewer_host_syncs": True,
+                "step_compile_elementwise": True,
+                "step_eagle3_fused_wgrad": True,
+                "step_optimizer_fused_clip": True,
+            }
+        )
+    )
+    assert env == {**want}, env
+    assert env[step_knobs.FUSED_WGRAD_ENV] == "1" and env[step_knobs.COMPILE_ELEMENTWISE_ENV] == "1"
+    # the stacked rows without flex autotune, named by parts, are the same step as stacked_untuned
+    assert tm.variant_env(r, "fewer_syncs+compiled+block_mask+fused_wgrad+fused_clip", {}) == tm.variant_env(
+        r, "stacked_untuned", {}
+    )
+
+
+@pytest.mark.parametrize(
+    "recipe,variants,line",
+    [
+        (
+            EAGLE3,
+            "recipe,fused_wgrad+nope",
+            "error: --variants: 'fused_wgrad+nope' is not one of recipe, ",
+        ),
+        (
+            EAGLE3,
+            "recipe,chunked_loss+fused_wgrad",
+            "error: --variants: 'chunked_loss+fused_wgrad': chunked_loss and fused_wgrad exclude each other (as in a "
+            "recipe)",
+        ),
+        (
+            BLOCK,
+            "recipe,fused_clip+fewer_syncs",
+            "error: --variants: fused_clip+fewer_syncs change SpecForge's eagle3 step only; the recipe's draft is "
+            "dflash",
+        ),
+    ],
+)
+def test_a_bad_composed_variant_is_refused_in_one_line(tmp_path, recipe, variants, line):
+    res = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--recipe", recipe, "--backends", "sdpa", "--lengths", "32"),
+            *("--variants", variants, "--workdir", str(tmp_path / "w")),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), res.stderr
+    assert not (tmp_path / "w").exists()
