@@ -40,7 +40,12 @@ trainer's, the final checkpoint), so the first call measures one option beside t
     python bench/overlap_rates.py ... --options mps+server-low,batching \
         --stages-from $OUT/overlap_rates_2.json --out bench/results/overlap_rates_k25_slice_h200.json
 
-(``mps+trainer-low`` and ``mps+batching`` in a later call the same way.)
+(``mps+trainer-low`` and ``mps+batching`` in a later call the same way.) ``--options ''`` without ``--stages-from``
+measures the two stages alone and launches nothing (~3 minutes): it fits the call that makes the slice and its data,
+so the later calls are all options:
+
+    python bench/overlap_rates.py ... --options '' --out $OUT/overlap_rates_0.json
+    python bench/overlap_rates.py ... --options baseline,mps --stages-from $OUT/overlap_rates_0.json ...
 
 ``--launch-timeout S`` bounds each co-located launch: one past it is killed, its run stopped (``specforge-kimi
 stop``: its ranks, its server, its MPS daemon) and it is a row with its reason, so the next option still runs. The

@@ -151,6 +151,29 @@ def test_a_later_call_takes_the_stage_rates_and_rows_of_an_earlier_one_like_for_
     assert "its recipe_sha256" in capsys.readouterr().err  # checked before anything runs, a real call too
 
 
+def test_no_options_measures_the_stages_alone_for_later_calls(bench, tmp_path, monkeypatch, capsys):
+    """``--options ''`` without ``--stages-from``: the two stage rates and no launch (the call that also makes the
+    slice and its data); a later call takes them and measures its options."""
+    launched = []
+    monkeypatch.setattr(bench, "measure_prefill", lambda recipe, s: {"tokens_per_s": 50000.0, "source": "p.json"})
+    monkeypatch.setattr(bench, "measure_trainer", lambda recipe, s: {"tokens_per_s": 12500.0, "source": "t.json"})
+    monkeypatch.setattr(
+        bench, "measure_colocated", lambda raw, o, s, n=None: launched.append(o) or {"tokens_per_s": 11000.0}
+    )
+    monkeypatch.setattr("specforge_kimi.provenance.devices", lambda: ["GPU-X"])
+    common = ["--recipe", "recipes/kimi-k25-slice-h200.yaml", "--workdir", str(tmp_path / "w")]
+    first, second = tmp_path / "stages.json", tmp_path / "rows.json"
+    assert bench.main([*common, "--options", "", "--out", str(first)]) == 0
+    d1 = json.loads(first.read_text())
+    assert launched == [] and d1["rows"] == [] and d1["complete"] is True and d1["winner_run"] is None
+    assert d1["serial_tokens_per_s"] == pytest.approx(10000.0) and d1["devices"] == ["GPU-X"]
+    assert bench.main([*common, "--options", "baseline,mps", "--stages-from", str(first), "--out", str(second)]) == 0
+    d2 = json.loads(second.read_text())
+    assert launched == ["baseline", "mps"] and d2["prefill_alone"] == d1["prefill_alone"]
+    assert [r["overlap_vs_serial"] for r in d2["rows"]] == [pytest.approx(1.1), pytest.approx(1.1)]
+    capsys.readouterr()
+
+
 def _row(option: str, rate: float | None, duplicates: int = 0) -> dict:
     led = {"present": True, "acked": 60, "acked_unique": 60 - duplicates, "duplicates": duplicates,
            "acked_not_committed": 0, "global_step": 60}  # fmt: skip
