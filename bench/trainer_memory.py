@@ -849,7 +849,8 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
                 f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}, nor distinct "
                 f"parts of {', '.join(COMPOSE_PARTS)} joined by +"
             )
-        if {"chunked_loss", "fused_wgrad"} <= set(v.split("+")):
+        fields = composed_update(v) or {}
+        if fields.get("step_chunked_head_loss") and fields.get("step_eagle3_fused_wgrad"):
             raise KimiInputError(f"--variants: {v!r}: chunked_loss and fused_wgrad exclude each other (as in a recipe)")
     refused = [v for v in variants if any(p in EAGLE3_ONLY_VARIANTS for p in v.split("+")) and family != "eagle3"]
     if refused:

@@ -80,6 +80,11 @@ def test_a_composed_variant_sets_the_step_variables_a_recipe_with_its_fields_set
             "recipe)",
         ),
         (
+            EAGLE3,
+            "stacked_untuned+chunked_loss",
+            "error: --variants: 'stacked_untuned+chunked_loss': chunked_loss and fused_wgrad exclude each other",
+        ),
+        (
             BLOCK,
             "recipe,fused_clip+fewer_syncs",
             "error: --variants: fused_clip+fewer_syncs change SpecForge's eagle3 step only; the recipe's draft is "
