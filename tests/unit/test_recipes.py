@@ -322,3 +322,16 @@ def test_block_draft_params_equal_specforges_model():
     with torch.device("meta"):
         model = DFlashDraftModel(Qwen3Config(**d))
     assert block_draft_params(validate_draft("dflash", d)) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_mooncake_config_specforge_refuses_is_one_line(tmp_path, monkeypatch):
+    """Whatever SpecForge's own Mooncake config refuses that the schema let through is the recipe's one line, not a
+    pydantic traceback (the schema refuses the cases known today: an empty or spaced host, ports)."""
+    from specforge_kimi.plan import roles
+
+    real = roles.mooncake_config
+    monkeypatch.setattr(roles, "mooncake_config", lambda **kw: real(**{**kw, "local_hostname": " h"}))
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(_raw()))
+    with pytest.raises(KimiInputError, match=r"^recipe .*r\.yaml: SpecForge's Mooncake config: .*local_hostname"):
+        load_recipe(p)

@@ -209,6 +209,10 @@ def compile_plan(source: Recipe | Mapping | str | Path, *, rendered_dir: str | P
     except ValidationError as exc:
         raise KimiInputError(f"{label}SpecForge's config: {validation_summary(exc)}") from None
     config_path = str(out / "specforge_run.yaml")
+    try:  # SpecForge's Mooncake config is built here; the recipe's schema checks its fields first
+        server_env = roles.server_env(recipe, strategy, sizing)
+    except ValidationError as exc:
+        raise KimiInputError(f"{label}SpecForge's Mooncake config: {validation_summary(exc)}") from None
     return RunPlan(
         recipe=recipe,
         transport=choice,
@@ -216,7 +220,7 @@ def compile_plan(source: Recipe | Mapping | str | Path, *, rendered_dir: str | P
         rendered_dir=out,
         specforge_config=MappingProxyType(config),
         server_argv=tuple(roles.server_argv(recipe)),
-        server_env=MappingProxyType(roles.server_env(recipe, strategy, sizing)),
+        server_env=MappingProxyType(server_env),
         process_env=MappingProxyType(roles.process_env(recipe, strategy)),
         master_argv=tuple(roles.master_argv(recipe)),
         producer_argv=tuple(roles.producer_argv(config_path)),
