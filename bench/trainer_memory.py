@@ -241,14 +241,8 @@ RECIPE_VARIANTS = {
         "step_eagle3_fused_wgrad": True,
         "step_optimizer_fused_clip": True,
     },
-    "stacked_untuned": {
-        "step_fewer_host_syncs": True,
-        "step_compile_elementwise": True,
-        "step_eagle3_block_mask": True,
-        "step_eagle3_fused_wgrad": True,
-        "step_optimizer_fused_clip": True,
-    },
 }
+RECIPE_VARIANTS["stacked_untuned"] = {k: v for k, v in RECIPE_VARIANTS["stacked"].items() if k != "step_flex_autotune"}
 #: the parts of a composed variant (``a+b``) beside :data:`RECIPE_VARIANTS`' names: the fields each sets
 COMPOSE_PARTS = {"fewer_syncs": {"step_fewer_host_syncs": True}, **RECIPE_VARIANTS}
 
@@ -278,6 +272,22 @@ EAGLE3_ONLY_VARIANTS = (
 )
 
 
+def variant_trainer(recipe, name: str):
+    """The trainer section a recipe-based variant runs (``recipe``, a :data:`RECIPE_VARIANTS` name or a composed
+    one), checked by the recipe's own schema: a pair of fields a recipe may not hold is a one-line
+    ``KimiInputError`` here too."""
+    from pydantic import ValidationError
+
+    from specforge_kimi.errors import KimiInputError, validation_summary
+
+    update = RECIPE_VARIANTS.get(name) or composed_update(name) or {}
+    t = recipe.trainer
+    try:
+        return type(t).model_validate({**t.model_dump(), **update})
+    except ValidationError as exc:
+        raise KimiInputError(f"--variants: {name!r}: {validation_summary(exc)}") from None
+
+
 def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
     """``base`` (the environment) with the step variables of variant ``name`` (``training.step_knobs.step_env``);
     an allocator setting the variant does not name is removed, so that the shell's never leaks into a variant."""
@@ -285,12 +295,8 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
 
     from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, trainer_env
 
-    if name == "recipe":
-        v = recipe.trainer
-    elif name in RECIPE_VARIANTS:
-        v = recipe.trainer.model_copy(update=RECIPE_VARIANTS[name])
-    elif composed_update(name) is not None:
-        v = recipe.trainer.model_copy(update=composed_update(name))
+    if name == "recipe" or name in RECIPE_VARIANTS or composed_update(name) is not None:
+        v = variant_trainer(recipe, name)
     else:
         v = SimpleNamespace(
             **{
@@ -849,9 +855,6 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
                 f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}, nor distinct "
                 f"parts of {', '.join(COMPOSE_PARTS)} joined by +"
             )
-        fields = composed_update(v) or {}
-        if fields.get("step_chunked_head_loss") and fields.get("step_eagle3_fused_wgrad"):
-            raise KimiInputError(f"--variants: {v!r}: chunked_loss and fused_wgrad exclude each other (as in a recipe)")
     refused = [v for v in variants if any(p in EAGLE3_ONLY_VARIANTS for p in v.split("+")) and family != "eagle3"]
     if refused:
         raise KimiInputError(
@@ -1078,6 +1081,9 @@ def main(argv=None) -> int:
 
     recipe = load_recipe(args.recipe)
     settings = parse(args, recipe.trainer.family)
+    for v in settings.variants:  # each recipe-based variant's trainer section through the recipe's schema, first
+        if v not in VARIANTS:
+            variant_trainer(recipe, v)
     write(settings, measure(settings, recipe))
     return 0
 

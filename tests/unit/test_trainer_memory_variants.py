@@ -57,7 +57,7 @@ def test_a_composed_variant_sets_the_step_variables_a_recipe_with_its_fields_set
             }
         )
     )
-    assert env == {**want}, env
+    assert env == want, env
     assert env[step_knobs.FUSED_WGRAD_ENV] == "1" and env[step_knobs.COMPILE_ELEMENTWISE_ENV] == "1"
     # the stacked rows without flex autotune, named by parts, are the same step as stacked_untuned
     assert tm.variant_env(r, "fewer_syncs+compiled+block_mask+fused_wgrad+fused_clip", {}) == tm.variant_env(
@@ -76,13 +76,14 @@ def test_a_composed_variant_sets_the_step_variables_a_recipe_with_its_fields_set
         (
             EAGLE3,
             "recipe,chunked_loss+fused_wgrad",
-            "error: --variants: 'chunked_loss+fused_wgrad': chunked_loss and fused_wgrad exclude each other (as in a "
-            "recipe)",
+            "error: --variants: 'chunked_loss+fused_wgrad': Value error, trainer.step_eagle3_fused_wgrad and "
+            "trainer.step_chunked_head_loss exclude each other",
         ),
         (
             EAGLE3,
             "stacked_untuned+chunked_loss",
-            "error: --variants: 'stacked_untuned+chunked_loss': chunked_loss and fused_wgrad exclude each other",
+            "error: --variants: 'stacked_untuned+chunked_loss': Value error, trainer.step_eagle3_fused_wgrad and "
+            "trainer.step_chunked_head_loss exclude each other",
         ),
         (
             BLOCK,
