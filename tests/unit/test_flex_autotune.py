@@ -23,7 +23,12 @@ def recorded_compile(monkeypatch):
         if fn is None:  # a decorator form: leave the function as it is
             return lambda f: f
         calls.append((fn, kw))
-        return ("compiled", fn, kw.get("mode"))
+
+        def compiled(*args, **kwargs):  # a plain function, as torch.compile returns: it would bind as a method
+            return ("compiled", fn, kw.get("mode"), args, kwargs)
+
+        compiled.mode = kw.get("mode")
+        return compiled
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     yield calls
@@ -37,11 +42,14 @@ def test_installed_the_singleton_is_autotuned(recorded_compile):
     before = (WrappedFlexAttention._is_flex_compiled, WrappedFlexAttention._compiled_flex_attention)
     assert seam.install_flex_autotune(force=True) and seam.installed()
     assert recorded_compile == [(flex_attention, {"mode": "max-autotune-no-cudagraphs"})]
-    assert WrappedFlexAttention()() == ("compiled", flex_attention, "max-autotune-no-cudagraphs")
+    assert WrappedFlexAttention()().mode == "max-autotune-no-cudagraphs"
     assert len(recorded_compile) == 1  # SpecForge's __init__ compiled nothing of its own
     assert seam.install_flex_autotune(force=True) and len(recorded_compile) == 1  # once per process
-    with pytest.raises(TypeError):  # the singleton's function is what SpecForge's flex layer calls
-        compile_friendly_flex_attention(torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    # SpecForge's flex layer calls the singleton's function with the tensors as they are: nothing bound in front
+    q, k, v = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    out = compile_friendly_flex_attention(q, k, v, enable_gqa=True)
+    assert out[:3] == ("compiled", flex_attention, "max-autotune-no-cudagraphs")
+    assert out[3] == (q, k, v) and out[4] == {"enable_gqa": True}
     seam.uninstall_flex_autotune()
     assert (WrappedFlexAttention._is_flex_compiled, WrappedFlexAttention._compiled_flex_attention) == before
     assert not seam.installed()
@@ -53,7 +61,8 @@ def test_a_singleton_made_before_the_seam_gets_the_autotuned_function(recorded_c
     instance = WrappedFlexAttention()  # SpecForge's own compile (recorded too)
     assert recorded_compile[-1][1] == {}
     seam.install_flex_autotune(force=True)
-    assert instance() == WrappedFlexAttention._compiled_flex_attention and instance()[2] == "max-autotune-no-cudagraphs"
+    assert instance() is WrappedFlexAttention._compiled_flex_attention and instance().mode == "max-autotune-no-cudagraphs"
+    assert instance()(1, 2)[3] == (1, 2)
     seam.uninstall_flex_autotune()
     assert "_compiled_flex_attention" not in vars(instance)
     WrappedFlexAttention._instance = None  # leave no singleton of a faked compile to other tests

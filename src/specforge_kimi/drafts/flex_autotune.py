@@ -44,9 +44,11 @@ def install_flex_autotune(force: bool = False) -> bool:
     from specforge.modeling.draft.flex_attention import WrappedFlexAttention
     from torch.nn.attention.flex_attention import flex_attention
 
-    _ORIGINAL.append((WrappedFlexAttention._is_flex_compiled, WrappedFlexAttention._compiled_flex_attention))
+    _ORIGINAL.append((WrappedFlexAttention._is_flex_compiled, vars(WrappedFlexAttention)["_compiled_flex_attention"]))
     compiled = torch.compile(flex_attention, mode=MODE)
-    WrappedFlexAttention._compiled_flex_attention = compiled
+    # a class attribute: torch.compile hands back a plain function, which an instance lookup would bind as a method
+    # (the singleton itself passed as the query); SpecForge sets it on the instance, where nothing binds
+    WrappedFlexAttention._compiled_flex_attention = staticmethod(compiled)
     WrappedFlexAttention._is_flex_compiled = True  # SpecForge's __init__ then keeps ours
     if WrappedFlexAttention._instance is not None:  # a singleton made before the seam: it compiled its own
         WrappedFlexAttention._instance._compiled_flex_attention = compiled
@@ -64,6 +66,8 @@ def uninstall_flex_autotune() -> None:
         return
     from specforge.modeling.draft.flex_attention import WrappedFlexAttention
 
-    WrappedFlexAttention._is_flex_compiled, WrappedFlexAttention._compiled_flex_attention = _ORIGINAL.pop()
+    flag, original = _ORIGINAL.pop()
+    WrappedFlexAttention._is_flex_compiled = flag
+    WrappedFlexAttention._compiled_flex_attention = original
     if WrappedFlexAttention._instance is not None:
         vars(WrappedFlexAttention._instance).pop("_compiled_flex_attention", None)
