@@ -61,7 +61,8 @@ def test_a_singleton_made_before_the_seam_gets_the_autotuned_function(recorded_c
     instance = WrappedFlexAttention()  # SpecForge's own compile (recorded too)
     assert recorded_compile[-1][1] == {}
     seam.install_flex_autotune(force=True)
-    assert instance() is WrappedFlexAttention._compiled_flex_attention and instance().mode == "max-autotune-no-cudagraphs"
+    assert instance() is WrappedFlexAttention._compiled_flex_attention
+    assert instance().mode == "max-autotune-no-cudagraphs"
     assert instance()(1, 2)[3] == (1, 2)
     seam.uninstall_flex_autotune()
     assert "_compiled_flex_attention" not in vars(instance)
