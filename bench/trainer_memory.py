@@ -259,6 +259,14 @@ def composed_update(name: str) -> dict | None:
     return out
 
 
+def recipe_update(name: str) -> dict | None:
+    """The trainer fields a recipe-based variant sets on the recipe's step (``recipe``: none, a
+    :data:`RECIPE_VARIANTS` name, or a composed one); None when ``name`` is not recipe-based."""
+    if name == "recipe":
+        return {}
+    return RECIPE_VARIANTS.get(name) or composed_update(name)
+
+
 #: ``--variants`` that change SpecForge's eagle3 step only: refused for a block-draft recipe
 EAGLE3_ONLY_VARIANTS = (
     "fewer_syncs",
@@ -280,7 +288,7 @@ def variant_trainer(recipe, name: str):
 
     from specforge_kimi.errors import KimiInputError, validation_summary
 
-    update = RECIPE_VARIANTS.get(name) or composed_update(name) or {}
+    update = recipe_update(name) or {}
     t = recipe.trainer
     try:
         return type(t).model_validate({**t.model_dump(), **update})
@@ -295,7 +303,7 @@ def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
 
     from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, trainer_env
 
-    if name == "recipe" or name in RECIPE_VARIANTS or composed_update(name) is not None:
+    if recipe_update(name) is not None:
         v = variant_trainer(recipe, name)
     else:
         v = SimpleNamespace(
@@ -850,7 +858,7 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
             raise KimiInputError(f"--backends: {b!r} is not flex_attention or sdpa")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v not in VARIANTS and v not in RECIPE_VARIANTS and v != "recipe" and composed_update(v) is None:
+        if v not in VARIANTS and recipe_update(v) is None:
             raise KimiInputError(
                 f"--variants: {v!r} is not one of recipe, {', '.join([*VARIANTS, *RECIPE_VARIANTS])}, nor distinct "
                 f"parts of {', '.join(COMPOSE_PARTS)} joined by +"
@@ -1082,7 +1090,7 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe)
     settings = parse(args, recipe.trainer.family)
     for v in settings.variants:  # each recipe-based variant's trainer section through the recipe's schema, first
-        if v not in VARIANTS:
+        if recipe_update(v) is not None:
             variant_trainer(recipe, v)
     write(settings, measure(settings, recipe))
     return 0
