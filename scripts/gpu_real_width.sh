@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-width rehearsal on one H200 (recipes/kimi-k25-slice-h200.yaml): Kimi-K2.5's width and INT4 experts,
+# The real-width rehearsal on one H200 (recipes/kimi-k25-slice-h200.yaml; RECIPE=recipes/kimi-k25-slice-h100.yaml on an H100): Kimi-K2.5's width and INT4 experts,
 # 5 layers, co-located capture server + one trainer rank. The pinned stack on PYTHONPATH (GPU bundle) and this
 # checkout's src/. Writes logs and JSON under ${OUT:-/tmp/real-width}.
 #   STAGE=target  write the slice (random weights generated and INT4-quantized on the GPU by compressed-tensors)
@@ -58,6 +58,8 @@ read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECI
 TARGET=$(python3 -c "import sys; from specforge_kimi.plan.run_plan import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
 DATA=$(python3 -c "import sys, os; from specforge_kimi.plan.run_plan import load_recipe as l; print(os.path.dirname(l(sys.argv[1]).data.prompts_path))" "$RECIPE")
 STAGE="${STAGE:-all}"
+# the result files' GPU label (h100, h200): the recipe's gpus.kind
+GPU_TAG=$(python3 -c "import sys; from specforge_kimi.plan.run_plan import load_recipe as l; print(l(sys.argv[1]).gpus.kind.lower())" "$RECIPE")
 case "$STAGE" in all|target|data|depth|train|bench) ;; *) echo "STAGE must be all, target, data, depth, train or bench, not $STAGE" >&2; exit 2;; esac
 stage() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
 PORT=31998
@@ -98,7 +100,7 @@ PY
   T0=$(date +%s)
   start_server "$TARGET" "$OUT/regen_server.log" > "$OUT/regenerate.out"
   python3 bench/prefill_depth.py --url "http://127.0.0.1:$PORT" --target "$TARGET" --shapes "${DEPTH_SHAPES:-4x4096,16x1024}" \
-    --out "$OUT/prefill_depth_k25_slice5_h200.json" >> "$OUT/regenerate.out" 2>&1
+    --out "$OUT/prefill_depth_k25_slice5_${GPU_TAG}.json" >> "$OUT/regenerate.out" 2>&1
   python3 -m specforge_kimi regenerate runs/slice-mix.jsonl --server "http://127.0.0.1:$PORT" \
     --out runs/slice-mix-regen.jsonl --concurrency 128 --max-tokens "${MAX_TOKENS:-512}" --temperature 0 \
     --thinking on --keep-unfinished --no-progress >> "$OUT/regenerate.out" 2>&1
@@ -125,7 +127,7 @@ json.dump(cfg, open(sys.argv[2], "w"), indent=2)
 PY
   start_server runs/k25-slice3 "$OUT/depth_server.log" > "$OUT/depth.out"
   python3 bench/prefill_depth.py --url "http://127.0.0.1:$PORT" --target runs/k25-slice3 --shapes "${DEPTH_SHAPES:-4x4096,16x1024}" \
-    --out "$OUT/prefill_depth_k25_slice3_h200.json" >> "$OUT/depth.out" 2>&1
+    --out "$OUT/prefill_depth_k25_slice3_${GPU_TAG}.json" >> "$OUT/depth.out" 2>&1
   echo "prefill_depth rc=$?" >> "$OUT/depth.out"; cat "$OUT/depth.out"
   stop_server
   rm -rf runs/k25-slice3
@@ -142,7 +144,7 @@ if stage bench; then
     --reps "${REPS:-3}" --compact-passthrough ${TRANSPORTS:+--transport $TRANSPORTS} ${IPC_POOL_GIB:+--ipc-pool-gib $IPC_POOL_GIB} \
     --workdir "$OUT/pipeline" --server-start-timeout "${SERVER_WAIT_S:-480}" --aux-ids "$AUX" \
     $([ -s "$OUT/online_run.json" ] && echo --run-report "$OUT/online_run.json") \
-    --out "$OUT/online_pipeline_k25_slice_h200.json" > "$OUT/online_pipeline.out" 2>&1
+    --out "$OUT/online_pipeline_k25_slice_${GPU_TAG}.json" > "$OUT/online_pipeline.out" 2>&1
   echo "online_pipeline rc=$?" | tee -a "$OUT/online_pipeline.out"
   tail -40 "$OUT/online_pipeline.out"
 fi

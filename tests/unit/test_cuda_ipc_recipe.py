@@ -57,6 +57,7 @@ SHIPPED = {
     "kimi-k25-8xb200-lowered.yaml": "cuda_ipc",
     "kimi-k25-8xb300.yaml": "cuda_ipc",
     "kimi-k25-slice-h200.yaml": "cuda_ipc",
+    "kimi-k25-slice-h100.yaml": "cuda_ipc",
     "tiny-k25-tp1-h200.yaml": "cuda_ipc",
     "tiny-k25-tp1-h200-mla.yaml": "cuda_ipc",
     "tiny-k25-tp1-h200-dflash.yaml": "cuda_ipc",
