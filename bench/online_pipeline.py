@@ -398,7 +398,9 @@ def bench_in_flight(url: str, adapter, cfg, store, n: int, length: int, reps: in
     }
 
 
-def _server_argv(target: str, engine: str, tp: int, port: int, longest: int, aux_ids: list[int]) -> list[str]:
+def _server_argv(
+    target: str, engine: str, tp: int, port: int, longest: int, aux_ids: list[int], mem_fraction_static: float = 0.5
+) -> list[str]:
     """The capture server's command line: SGLang with spec capture, or the CPU reference stand-in."""
     from specforge_kimi.servers.capture_server import capture_server_argv
 
@@ -423,7 +425,7 @@ def _server_argv(target: str, engine: str, tp: int, port: int, longest: int, aux
         aux_specforge_ids=aux_ids,
         fusion=False,
         attention_backend="triton",
-        mem_fraction_static=0.5,
+        mem_fraction_static=mem_fraction_static,
         context_length=longest + 256,
         disable_cuda_graph=True,
         python=sys.executable,
@@ -460,6 +462,7 @@ def run_tp(
     ipc_pool_gib: float = 8.0,
     aux_ids: list[int] | None = None,
     start_timeout_s: float = SERVER_START_TIMEOUT_S,
+    mem_fraction_static: float = 0.5,
 ) -> dict:
     from specforge_kimi.run import services
     from specforge_kimi.run.offline_twin import capture_tools
@@ -476,7 +479,7 @@ def run_tp(
     )
     ipc_dir = workdir / f"ipc-{tag}"
     with services.mooncake_master(workdir / f"mooncake-{tag}.log", segment_bytes=16 << 30, ports=mc_ports) as mc:
-        argv = _server_argv(target, engine, tp, port, longest, aux_ids)
+        argv = _server_argv(target, engine, tp, port, longest, aux_ids, mem_fraction_static)
         env = {
             **capture_server_env(mc, cuda_visible_devices=list(range(tp)), put_clients=put_clients),
             "SGLANG_SPEC_CAPTURE_TIMING": "1",
@@ -623,6 +626,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--aux-ids", default=None, help="SpecForge aux layer ids, comma-separated (default 1,3,4)")
     p.add_argument("--server-start-timeout", type=float, default=SERVER_START_TIMEOUT_S, help="seconds to /health")
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.5,
+        help="the capture server's --mem-fraction-static (a recipe's server.mem_fraction_static: a target whose weights "
+        "fill more of the GPU than the default leaves no KV cache)",
+    )
     p.add_argument("--out", required=True)
     return p
 
@@ -646,6 +656,7 @@ class Settings(NamedTuple):
     engine: str
     aux_ids: list[int]
     server_start_timeout_s: float
+    mem_fraction_static: float
     out: Path
 
     @property
@@ -666,6 +677,8 @@ def parse(argv=None) -> Settings:
         p.error("--in-flight must be >= 1")
     if min(args.put_clients) < 1:
         p.error("--put-clients must be >= 1")
+    if not 0 < args.mem_fraction_static < 1:
+        p.error("--mem-fraction-static must be between 0 and 1")
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or any(t not in TRANSPORTS for t in transports):
         p.error(f"--transport takes a comma-separated subset of {', '.join(TRANSPORTS)}")
@@ -697,6 +710,7 @@ def parse(argv=None) -> Settings:
         engine=args.engine,
         aux_ids=aux_ids,
         server_start_timeout_s=args.server_start_timeout,
+        mem_fraction_static=args.mem_fraction_static,
         out=Path(args.out),
     )
 
@@ -735,6 +749,7 @@ def _document(s: Settings, info) -> dict:
             "allreduce_fusion": False,
             "attention_backend": "triton",
             "cuda_graph": False,
+            "mem_fraction_static": s.mem_fraction_static,
         },
         "baseline_capture_over_plain": {
             "what": "upstream path on the same box (issue 4): capture/plain prefill",
@@ -812,6 +827,7 @@ def measure(s: Settings) -> dict:
                             s.ipc_pool_gib,
                             aux_ids=s.aux_ids,
                             start_timeout_s=s.server_start_timeout_s,
+                            mem_fraction_static=s.mem_fraction_static,
                         )
                     )
                 except Exception as exc:  # record and go on with the next run

@@ -343,12 +343,13 @@ def _tail(log: Path, n: int = 5) -> list[str]:
 
 
 def measure_prefill(recipe, s: Settings) -> dict:
-    """The capture server alone (bench/online_pipeline.py) on the recipe's target, TP, transport, aux layers and
-    passthrough form."""
+    """The capture server alone (bench/online_pipeline.py) on the recipe's target, TP, transport, aux layers, static
+    pool and passthrough form."""
     out, log = s.workdir / "prefill_alone.json", s.workdir / "prefill_alone.log"
     ids = ",".join(str(i) for i in recipe.capture_ids)
     argv = [sys.executable, "bench/online_pipeline.py", "--target", recipe.target.path, "--tp", str(recipe.tp)]
     argv += ["--shapes", s.shape, "--reps", "3", "--transport", recipe.server.transport, "--aux-ids", ids]
+    argv += ["--mem-fraction-static", str(recipe.server.mem_fraction_static)]  # the co-located server's pool
     if recipe.server.compact_passthrough:  # the producer's capture calls as the co-located run sends them
         argv.append("--compact-passthrough")
     rc = _run([*argv, "--workdir", str(s.workdir / "prefill"), "--out", str(out)], log)
@@ -367,10 +368,25 @@ def measure_trainer(recipe, s: Settings) -> dict:
     argv += ["--backends", recipe.trainer.attention_backend, "--lengths", str(recipe.trainer.max_length)]
     argv += ["--steps", str(s.trainer_steps), "--workdir", str(s.workdir / "trainer"), "--out", str(out)]
     rc = _run(argv, log)
+    dropped = drop_standin(s.workdir / "trainer")
     rows = [r for r in _load(out).get("rows", []) if r.get("tokens_per_s")]
     if rc or not rows:
         return {"error": "bench/trainer_memory.py failed", "rc": rc, "log_tail": _tail(log), "source": str(out)}
-    return {"tokens_per_s": rows[0]["tokens_per_s"], "length": rows[0].get("length"), "source": str(out)}
+    return {"tokens_per_s": rows[0]["tokens_per_s"], "length": rows[0].get("length"), "source": str(out),
+            "standin_removed": dropped}  # fmt: skip
+
+
+def drop_standin(trainer_dir: Path) -> list[str]:
+    """Remove the trainer bench's stand-in targets (``target-<L>l-<H>h-<V>v``: the recipe target's embedding and LM
+    head, ~4.4 GiB at K2.5's width) once its result is read: the co-located launches after it check the disk for a
+    checkpoint and export beside the slice, and the stand-in would take their room. Returns the removed names."""
+    removed = []
+    if trainer_dir.is_dir():
+        for p in sorted(trainer_dir.iterdir()):
+            if re.fullmatch(r"target-\d+l-\d+h-\d+v", p.name) and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+                removed.append(p.name)
+    return removed
 
 
 def drop_heavy(run_dir: Path) -> list[str]:

@@ -398,6 +398,11 @@ _ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
 #: vs our spec-capture-staging-buffer), online_run_h200x2.json (SGLang's memory outside its static pool), and
 #: online_run_{4800,taps}_tp1_h200_eval_draft.json (the deep vs SGLang-default taps comparison).
 SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
+    # the overlap rates
+    "overlap_rates_k25_slice_h100_stages.json": "its stage rates are the ones overlap_rates_k25_slice_h100.json "
+    "took (--stages-from); its two launches were refused by launch's disk check (the trainer stage's 4.4 GiB "
+    "stand-in target left 13.0 GB of the 15.4 a checkpoint and export need: the bench now removes it), rerun there "
+    "(archive/gpu-runs/RUNS.md 2026-12-06 (fourth))",
     # acceptance through SGLang
     "acceptance_k25_slice_h200.json": "a loading-and-counting check, not a quality number: the K2.5-width slice "
     "(random weights) with a 20-step draft, served by SGLang's own EAGLE-3 (archive/gpu-runs/RUNS.md 2026-12-03 (evening))",
@@ -1546,6 +1551,7 @@ def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
                 _num(t, "{:,.0f}"),
                 _num(r.get("serial_tokens_per_s"), "{:,.0f}"),
                 _num(row.get("colocated_tokens_per_s"), "{:,.0f}"),
+                _num(row.get("trainer_only_tokens_per_s"), "{:,.0f}"),
                 f"**{_fmt(row.get('overlap_vs_serial'))}**" if row.get("overlap_vs_serial") else row.get("error", "-"),
             ]
             for row in r.get("rows") or []
@@ -1555,13 +1561,14 @@ def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
         "Co-located stages: the three rates and the overlap options",
         "`bench/overlap_rates.py`: the capture server's prefill alone, the trainer alone on the recipe's batches, "
         "their serial sum 1 / (1/prefill + 1/trainer) (the two taking turns on the GPU), and one co-located run per "
-        "`overlap:` option; `overlap_vs_serial` = co-located / serial (1.0: they take turns). A launch that failed "
-        "shows its error.",
+        "`overlap:` option; `overlap_vs_serial` = co-located / serial (1.0: they take turns). \"trainer in the run\" "
+        "is the co-located run's own trainer-only rate (its step time without the data wait): against the trainer "
+        "alone it shows how much the shared GPU slowed the step itself. A launch that failed shows its error.",
         files,
         "`python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --out "
         "bench/results/overlap_rates_k25_slice_h200.json` (its docstring has the options).",
         ["file", "option", "prefill alone tok/s", "trainer alone tok/s", "serial tok/s", "co-located tok/s",
-         "overlap_vs_serial"],
+         "trainer in the run tok/s", "overlap_vs_serial"],
         rows,
     )  # fmt: skip
 

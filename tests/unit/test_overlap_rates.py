@@ -270,6 +270,37 @@ def test_prefill_alone_runs_the_recipes_capture_calls(bench, tmp_path, monkeypat
     assert argv[argv.index("--target") + 1] == "runs/k25-slice" and argv[argv.index("--tp") + 1] == "1"
     assert argv[argv.index("--transport") + 1] == "cuda_ipc" and argv[argv.index("--aux-ids") + 1] == "1,2,3"
     assert "--compact-passthrough" in argv and argv[argv.index("--shapes") + 1] == "4x4096"
+    # the co-located server's static pool: the H100 slice's weights need more than online_pipeline's default 0.5
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.36"
+    h100 = compile_plan(REPO / "recipes" / "kimi-k25-slice-h100.yaml").recipe
+    bench.measure_prefill(h100, bench.parse(["--out", "x", "--workdir", str(tmp_path)]))
+    assert calls[1][calls[1].index("--mem-fraction-static") + 1] == "0.54"
+
+
+def test_trainer_alone_removes_its_standin_target(bench, tmp_path, monkeypatch):
+    """The trainer bench's stand-in target (embedding and LM head) is removed once its result is read, so the
+    co-located launches after it find the disk as before it; its result and logs stay."""
+    from specforge_kimi.plan.run_plan import compile_plan
+
+    recipe = compile_plan(REPO / "recipes" / "kimi-k25-slice-h200.yaml").recipe
+    calls = []
+
+    def fake_run(argv, log, env=None, timeout=None):
+        calls.append(argv)
+        work = Path(argv[argv.index("--workdir") + 1])
+        (work / "target-5l-7168h-163840v").mkdir(parents=True)
+        (work / "target-5l-7168h-163840v" / "model.safetensors").write_bytes(b"x" * 64)
+        (work / "render-flex_attention").mkdir()
+        (work / "target-notes").mkdir()  # not a stand-in's name: kept
+        out = Path(argv[argv.index("--out") + 1])
+        out.write_text(json.dumps({"rows": [{"tokens_per_s": 12000.0, "length": 4096}]}))
+        return 0
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    res = bench.measure_trainer(recipe, bench.parse(["--out", "x", "--workdir", str(tmp_path)]))
+    assert res["tokens_per_s"] == 12000.0 and res["standin_removed"] == ["target-5l-7168h-163840v"]
+    left = sorted(p.name for p in (tmp_path / "trainer").iterdir())
+    assert left == ["render-flex_attention", "target-notes"] and (tmp_path / "trainer_alone.json").is_file()
 
 
 def test_a_call_cut_short_keeps_what_it_measured(bench, tmp_path, monkeypatch):
