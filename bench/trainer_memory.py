@@ -37,6 +37,9 @@ over ranks and each rank's value (each rank trains its own sample, as data paral
 one rank SpecForge's FSDP (``SHARD_GRAD_OP``) shards nothing, so the optimizer term is the whole
 draft's, as the plan charges it; over N ranks that term shrinks, the activation and teacher terms
 do not.
+``--memory-cap-gib G`` caps each rank's allocator at G GiB (``torch.cuda.set_per_process_memory_fraction``, before
+anything is allocated): the step in the room a co-located server leaves it (a run's trainer peak), beside the
+uncapped row of the same step, to tell a slower step from the stages taking turns.
 
     python bench/trainer_memory.py --recipe recipes/kimi-k25-8xb200-lowered.yaml \\
         --backends flex_attention,sdpa --lengths 2048,4096 --out bench/results/trainer_memory_....json
@@ -687,6 +690,9 @@ def child(args) -> int:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda and args.memory_cap_gib:  # before anything is allocated: the room a co-located server leaves
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
     try:
         trainer = _build_trainer(args, base, workdir, cuda)
     except Exception as exc:
@@ -792,6 +798,13 @@ def _parser() -> argparse.ArgumentParser:
         help="device (default): each step's batch is on the GPU before the step starts, as a cuda_ipc consumer's "
         "features are; host: the step copies it from pageable host memory",
     )
+    ap.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=0.0,
+        help="cap each rank's PyTorch allocator at this many GiB (torch.cuda.set_per_process_memory_fraction): the "
+        "step in the room it has beside a co-located server (a run's trainer peak); 0 (default): the whole GPU",
+    )
     ap.add_argument("--seed", type=int, default=0, help="draft init seed (the batches are seeded per step)")
     ap.add_argument("--workdir", default="runs/trainer-memory", help="stand-in target, renders, logs")
     ap.add_argument("--out", default=None, help="JSON result path")
@@ -822,6 +835,7 @@ class Settings:
     seed: int
     workdir: Path
     out: Path | None
+    memory_cap_gib: float = 0.0
 
 
 def _check_lengths(flag: str, value: str | None) -> None:
@@ -852,6 +866,8 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
         raise KimiInputError("--steps must be at least 2 (the first step compiles and is not timed)")
     if args.profile_steps < 0 or args.peak_tflops <= 0:
         raise KimiInputError("--profile-steps must be >= 0 and --peak-tflops > 0")
+    if args.memory_cap_gib < 0 or (args.memory_cap_gib and not torch.cuda.is_available()):
+        raise KimiInputError("--memory-cap-gib must be >= 0 (0: no cap), and a cap needs CUDA")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("flex_attention", "sdpa"):
@@ -888,6 +904,7 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
         seed=args.seed,
         workdir=Path(args.workdir),
         out=Path(args.out) if args.out else None,
+        memory_cap_gib=args.memory_cap_gib,
     )
 
 
@@ -943,6 +960,7 @@ def _document(s: Settings, recipe, *, gemm_tflops: float | None, setup_s: float)
             "variants": {v: {k: variant_env(recipe, v, {}).get(k) for k in STEP_ENV_NAMES} for v in s.variants},
             "feed": s.feed,
             "seed": s.seed,
+            "memory_cap_gib": s.memory_cap_gib or None,
         },
         "rows": [],
         "comparisons": [],
@@ -984,6 +1002,7 @@ def _child_command(
         s.feed,
         "--seed",
         str(s.seed),
+        *(("--memory-cap-gib", str(s.memory_cap_gib)) if s.memory_cap_gib else ()),
         "--workdir",
         str(s.workdir),
         "--target",

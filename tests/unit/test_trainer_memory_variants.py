@@ -107,3 +107,31 @@ def test_a_bad_composed_variant_is_refused_in_one_line(tmp_path, recipe, variant
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), res.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_memory_cap_reaches_the_child_and_the_document(tm, monkeypatch):
+    """``--memory-cap-gib``: the child gets it (it caps its allocator before building); a negative cap, or one
+    without CUDA, is refused in one line; 0 is no cap and no flag."""
+    import torch
+
+    from specforge_kimi.errors import KimiInputError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = tm._parser().parse_args(["--recipe", EAGLE3, "--lengths", "1536", "--memory-cap-gib", "29.5"])
+    s = tm.parse(args)
+    assert s.memory_cap_gib == 29.5
+    argv = tm._child_command(
+        s, variant="recipe", backend="flex_attention", gemm_tflops=None, target=Path("t"), vocab=None
+    )
+    assert argv[argv.index("--memory-cap-gib") + 1] == "29.5"
+    plain = tm.parse(tm._parser().parse_args(["--recipe", EAGLE3, "--lengths", "1536"]))
+    argv = tm._child_command(
+        plain, variant="recipe", backend="flex_attention", gemm_tflops=None, target=Path("t"), vocab=None
+    )
+    assert plain.memory_cap_gib == 0 and "--memory-cap-gib" not in argv
+    with pytest.raises(KimiInputError, match="--memory-cap-gib must be >= 0"):
+        tm.parse(tm._parser().parse_args(["--recipe", EAGLE3, "--memory-cap-gib", "-1"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KimiInputError, match="a cap needs CUDA"):
+        tm.parse(tm._parser().parse_args(["--recipe", EAGLE3, "--backends", "sdpa", "--memory-cap-gib", "20"]))
