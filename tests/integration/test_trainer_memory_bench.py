@@ -31,7 +31,9 @@ def _cpu_run(tmp_path: Path, recipe: str, *, profile_steps: int) -> dict:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        # SpecForge trains in bf16: on a CPU without bf16 instructions (no AVX-512 BF16 / AMX) a bf16 GEMM runs about
+        # a hundredth as fast as fp32 and a block draft's step takes minutes, so four steps need more than 600 s
+        timeout=1800,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(out.read_text())
