@@ -380,10 +380,16 @@ def drop_standin(trainer_dir: Path) -> list[str]:
     """Remove the trainer bench's stand-in targets (``target-<L>l-<H>h-<V>v``: the recipe target's embedding and LM
     head, ~4.4 GiB at K2.5's width) once its result is read: the co-located launches after it check the disk for a
     checkpoint and export beside the slice, and the stand-in would take their room. Returns the removed names."""
+    return _remove_folders(trainer_dir, r"target-\d+l-\d+h-\d+v")
+
+
+def _remove_folders(parent: Path, name_pattern: str) -> list[str]:
+    """Remove the folders (not symlinks) directly under ``parent`` whose whole name matches ``name_pattern``;
+    their names, sorted. Nothing when ``parent`` is not a folder."""
     removed = []
-    if trainer_dir.is_dir():
-        for p in sorted(trainer_dir.iterdir()):
-            if re.fullmatch(r"target-\d+l-\d+h-\d+v", p.name) and p.is_dir() and not p.is_symlink():
+    if parent.is_dir():
+        for p in sorted(parent.iterdir()):
+            if re.fullmatch(name_pattern, p.name) and p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
                 removed.append(p.name)
     return removed
@@ -393,14 +399,7 @@ def drop_heavy(run_dir: Path) -> list[str]:
     """Remove what a rate run leaves that only fills the disk: its step checkpoints (``<name>-step<N>``, with the
     optimizer state) and its export, tens of GB at K2.5's width, where the box's disk holds the slice and one
     checkpoint; the logs, ledger, rendered configs and run report stay. Returns the removed folders' names."""
-    removed = []
-    if run_dir.is_dir():
-        for p in sorted(run_dir.iterdir()):
-            heavy = re.fullmatch(r".+-step\d+", p.name) or p.name.startswith("export-")
-            if heavy and p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-                removed.append(p.name)
-    return removed
+    return _remove_folders(run_dir, r".+-step\d+|export-.*")
 
 
 def measure_colocated(raw: dict, option: str, s: Settings, steps: int | None = None) -> dict:

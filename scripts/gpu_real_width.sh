@@ -55,11 +55,10 @@ PY
   RECIPE="$OUT/recipe-run.yaml"
 fi
 read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECIPE" >&2; exit 2; }
-TARGET=$(python3 -c "import sys; from specforge_kimi.plan.run_plan import load_recipe as l; print(l(sys.argv[1]).target.path)" "$RECIPE")
-DATA=$(python3 -c "import sys, os; from specforge_kimi.plan.run_plan import load_recipe as l; print(os.path.dirname(l(sys.argv[1]).data.prompts_path))" "$RECIPE")
+# the target, the data folder and the result files' GPU label (h100, h200: the recipe's gpus.kind), one load
+IFS=$'\t' read -r TARGET DATA GPU_TAG < <(python3 -c "import sys, os; from specforge_kimi.plan.run_plan import load_recipe as l; r = l(sys.argv[1]); print(r.target.path, os.path.dirname(r.data.prompts_path), r.gpus.kind.lower(), sep='\t')" "$RECIPE") \
+  || { echo "cannot load $RECIPE" >&2; exit 2; }
 STAGE="${STAGE:-all}"
-# the result files' GPU label (h100, h200): the recipe's gpus.kind
-GPU_TAG=$(python3 -c "import sys; from specforge_kimi.plan.run_plan import load_recipe as l; print(l(sys.argv[1]).gpus.kind.lower())" "$RECIPE")
 case "$STAGE" in all|target|data|depth|train|bench) ;; *) echo "STAGE must be all, target, data, depth, train or bench, not $STAGE" >&2; exit 2;; esac
 stage() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
 PORT=31998
