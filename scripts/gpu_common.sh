@@ -18,6 +18,17 @@ run_report() {
   python3 -m specforge_kimi run-report "$RUN" "${samples[@]}" --out "$OUT/online_run.json" > "$OUT/run_report.out" 2>&1
 }
 
+# server_group_stop PID: stop a server started with setsid (its own session and process group) and wait for it
+server_group_stop() {
+  [ -n "${1:-}" ] || return 0
+  kill -INT -- -"$1" 2>/dev/null; sleep 5; kill -KILL -- -"$1" 2>/dev/null; wait "$1" 2>/dev/null
+}
+
+# stop_server_on_exit PID: the setsid server PID goes with the script: a signal to the script's process group (a
+# `timeout`, a device call's limit) never reaches a server in its own session, so without this a killed stage
+# leaves it holding its GPU memory. server_group_stop PID; trap - EXIT TERM INT: the normal end
+stop_server_on_exit() { trap "server_group_stop $1" EXIT; trap 'exit 143' TERM; trap 'exit 130' INT; }
+
 # head_tail FILE DEST: FILE whole up to 60,000 bytes, else its first and last 30,000 bytes with one line between
 # saying how much was left out (a server log's start-up and its end both matter)
 head_tail() {

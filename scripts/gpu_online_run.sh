@@ -34,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/online-run}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-. scripts/gpu_common.sh  # recipe_fields, held_out_rows, launch_measured
+. scripts/gpu_common.sh  # recipe_fields, held_out_rows, launch_measured, stop_server_on_exit
 T="${1:-420}"
 RECIPE="${RECIPE:-recipes/tiny-k25-tp2-h200x2.yaml}"
 if [ -n "${TRANSPORT:-}" ]; then  # the same recipe on another feature transport
@@ -132,6 +132,7 @@ if [ "${REGENERATE:-0}" = 1 ]; then
     --served-model-name tiny-k25 $([ "${REGEN_DETERMINISTIC:-1}" = 1 ] && echo --enable-deterministic-inference) \
     > "$OUT/regen_server.log" 2>&1 &
   SRV=$!
+  stop_server_on_exit "$SRV"
   for _ in $(seq 1 180); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
   python3 -m specforge_kimi regenerate runs/corpus.jsonl --server "http://127.0.0.1:$PORT" --out runs/corpus-regen.jsonl \
     --concurrency "${REGEN_CONCURRENCY:-256}" --max-tokens 256 --temperature 0 --thinking auto --keep-unfinished --no-progress > "$OUT/regenerate.out" 2>&1
@@ -153,7 +154,7 @@ if [ "${REGENERATE:-0}" = 1 ]; then
     cat runs/mix-regen.jsonl >> runs/corpus-regen.jsonl   # prepare shuffles
     cat runs/mix-heldout-regen.jsonl runs/bench-heldout-regen.jsonl >> runs/heldout-regen.jsonl
   fi
-  kill -INT -- -$SRV 2>/dev/null; sleep 5; kill -KILL -- -$SRV 2>/dev/null; wait $SRV 2>/dev/null
+  server_group_stop "$SRV"; trap - EXIT TERM INT
   CORPUS=runs/corpus-regen.jsonl
 fi
 python3 -m specforge_kimi prepare "$CORPUS" --out runs/tiny-k25-data --tokenizer runs/tiny-k25 \

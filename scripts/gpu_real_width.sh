@@ -26,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/real-width}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-. scripts/gpu_common.sh  # recipe_fields, launch_measured
+. scripts/gpu_common.sh  # recipe_fields, launch_measured, stop_server_on_exit
 T="${1:-540}"
 RECIPE="${RECIPE:-recipes/kimi-k25-slice-h200.yaml}"
 if [ -n "${TRANSPORT:-}${MAX_STEPS:-}${TRAINER_SET:-}" ]; then  # the same recipe on another transport / step count (a copy in OUT)
@@ -73,11 +73,12 @@ start_server() {  # dir log: a text-only server with the flags regeneration uses
     --attention-backend triton --disable-cuda-graph --mem-fraction-static 0.6 --reasoning-parser kimi_k2 \
     --chunked-prefill-size 65536 --max-prefill-tokens 65536 --served-model-name k25-slice > "$2" 2>&1 &
   SRV=$!
+  stop_server_on_exit "$SRV"
   for _ in $(seq 1 "${SERVER_WAIT_S:-480}"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server for $1 not up; log:" >&2; tail -30 "$2" >&2; stop_server; exit 1; }
   echo "server for $1 up after $(( $(date +%s) - T0 )) s"
 }
-stop_server() { kill -INT -- -$SRV 2>/dev/null; sleep 5; kill -KILL -- -$SRV 2>/dev/null; wait $SRV 2>/dev/null; }
+stop_server() { server_group_stop "$SRV"; trap - EXIT TERM INT; }
 
 if stage target; then
   rm -rf "$TARGET"

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +27,13 @@ SHIM = r"""#!{python}
 import json, os, sys
 from pathlib import Path
 args = sys.argv[1:]
+if args[:2] == ["-m", "specforge_kimi.capture_server"]:  # a stand-in server: its pid, then it waits to be stopped
+    import time
+    Path(os.environ.get("SHIM_SERVER_PID", os.devnull)).write_text(str(os.getpid()))
+    time.sleep(600)
+    sys.exit(0)
+if args[:1] == ["bench/prefill_depth.py"]:
+    sys.exit(0)
 if args[:2] != ["-m", "specforge_kimi"]:
     os.execv({python!r}, [{python!r}, *args])
 cmd, rest = args[2], args[3:]
@@ -62,6 +71,9 @@ elif cmd == "bench":
         "baseline": None if "--no-baseline" in rest else {{"reused_from": opt("--baseline-from") and
                                                            {{"path": opt("--baseline-from")}}}},
         "draft": {{"path": opt("--draft")}}}}))
+elif cmd == "regenerate":
+    import time
+    time.sleep(float(os.environ.get("SHIM_SLEEP", "0")))
 elif cmd == "launch" and "--plan" in rest:
     print("{{}}")
 elif cmd == "launch" and os.environ.get("SHIM_RUN"):
@@ -274,6 +286,53 @@ def test_real_width_target_stage_writes_the_slice_and_train_needs_data(tmp_path)
         timeout=120,
     )
     assert res.returncode == 2 and "needs a data stage's runs/k25-slice-data" in res.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited
+
+
+def test_real_width_data_stage_killed_mid_stage_stops_its_server(tmp_path):
+    """A device call's limit or a ``timeout`` signals the script's process group; the data stage's server runs in
+    its own session (setsid), so the script itself must take it down, or it keeps its GPU memory for the next call."""
+    box, env = _sandbox(tmp_path)
+    curl = tmp_path / "bin" / "curl"  # /health answers at once
+    curl.write_text("#!/bin/sh\nexit 0\n")
+    curl.chmod(0o755)
+    (box / "runs" / "k25-slice").mkdir(parents=True)
+    (box / "runs" / "k25-slice" / "config.json").write_text("{}")
+    pid_file = tmp_path / "server.pid"
+    env.update(STAGE="data", N_PROMPTS="4", OUT=str(tmp_path / "out"), SHIM_SLEEP="120", SHIM_SERVER_PID=str(pid_file))
+    proc = subprocess.Popen(
+        ["bash", "scripts/gpu_real_width.sh"], cwd=box, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(600):  # the stand-in server is up and regenerate is running
+            if pid_file.exists() and (tmp_path / "calls.jsonl").exists():
+                if any(c["cmd"] == "regenerate" for c in _calls(tmp_path)):
+                    break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the data stage never reached regenerate")
+        server = int(pid_file.read_text())
+        assert _alive(server)
+        os.killpg(proc.pid, signal.SIGTERM)  # what `timeout` does: the script's group, not the server's session
+        assert proc.wait(timeout=60) == 143
+        for _ in range(100):
+            if not _alive(server):
+                break
+            time.sleep(0.1)
+        assert not _alive(server), "the data stage's server outlived its killed script"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_real_width_train_stage_runs_a_copy_with_the_transport_pool_and_steps(tmp_path):
