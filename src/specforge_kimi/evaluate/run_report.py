@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from specforge_kimi.durable import write_atomic
@@ -80,7 +81,9 @@ def gpu_memory(samples_csv: Path) -> dict:
 def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
     """Medians of SpecForge's per-step perf metrics (after ``skip`` warm-up steps) and the token
     rates they imply: end-to-end = tokens per step / step time; trainer-only = tokens per step /
-    compute time (the step without waiting for features)."""
+    compute time (the step without waiting for features). With the ``allocator-retries`` seam's metrics in the
+    steps, also the trainer allocator's retries per step (``allocator_retries_per_step``: above 0, the trainer's
+    GPU room is smaller than what its caching allocator reserves, and each retry costs a device sync)."""
     import statistics
 
     body = steps[skip:] if len(steps) > skip + 5 else steps
@@ -90,6 +93,8 @@ def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
         "perf/train_compute_time_s",
         "perf/durable_ack_time_s",
         "perf/global_samples_per_second",
+        "perf/cuda_alloc_retries",
+        "perf/cuda_reserved_gib",
     )
     med = {
         k.split("/", 1)[1]: statistics.median(s[k] for s in body) for k in keys if body and all(k in s for s in body)
@@ -105,6 +110,8 @@ def perf(steps: list[dict], led: dict, *, skip: int = 10) -> dict:
         out["end_to_end_tokens_per_s"] = tokens_per_step / med["optimizer_step_time_s"]
     if tokens_per_step and med.get("train_compute_time_s"):
         out["trainer_only_tokens_per_s"] = tokens_per_step / med["train_compute_time_s"]
+    if "cuda_alloc_retries" in med:
+        out["allocator_retries_per_step"] = med["cuda_alloc_retries"]
     if med.get("optimizer_step_time_s"):
         out["data_wait_fraction"] = med.get("data_wait_time_s", 0.0) / med["optimizer_step_time_s"]
     return out
@@ -307,4 +314,11 @@ def run(args) -> int:
     brief["disk_metadata_bytes"] = res["disk"]["metadata"]
     brief["report_json"] = str(out)
     print(json.dumps(brief, indent=2))
+    retries = res["perf"].get("allocator_retries_per_step")
+    if retries:
+        print(
+            f"note: the trainer's caching allocator retried {retries:g} times a step (median): its GPU room is smaller "
+            "than what it reserves, and each retry syncs the device (docs/online.md, 'Memory: how one GPU is shared')",
+            file=sys.stderr,
+        )
     return 0
