@@ -1060,6 +1060,7 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         gpu = (r.get("environment") or {}).get("gpu") or "cpu"
         ranks = (r.get("config") or {}).get("world_size")
+        cap = (r.get("config") or {}).get("memory_cap_gib")
         return [
             [
                 n,
@@ -1068,7 +1069,7 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
                 row.get("backend"),
                 row.get("length"),
                 row.get("variant", "specforge"),
-                row.get("feed", "host"),
+                feed,
                 "error: " + row["error"][:60],
                 "-",
                 "-",
@@ -1085,7 +1086,7 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
                 row.get("backend"),
                 row.get("length"),
                 row.get("variant", "specforge"),
-                row.get("feed", "host"),
+                feed,
                 _num(row.get("peak_allocated_gib"), "{:.2f}"),
                 _num(row.get("peak_reserved_gib"), "{:.2f}"),
                 _num(row.get("plan_gib"), "{:.2f}"),
@@ -1095,6 +1096,7 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
                 f"{row['mfu']:.3f} / {row['mfu_vs_measured_gemm']:.3f}" if "mfu_vs_measured_gemm" in row else "-",
             ]
             for row in r.get("rows") or []
+            for feed in [row.get("feed", "host") + (f", cap {cap:g} GiB" if cap else "")]
         ]
 
     return _tabled(
@@ -1106,7 +1108,7 @@ def section_trainer_step_memory(files: list[tuple[str, dict]]) -> list[str]:
         "(tok/s: all ranks' tokens over the slowest rank's step). Step: the variant's trainer step (`specforge`: "
         "SpecForge's own; `recipe`: what the recipes ship, `trainer.step_empty_cache: false`, `fused_adamw: true`); "
         "feed: where the batch waits (`host`: pageable host memory, copied inside the step; `cuda`: already on the "
-        "GPU, as both transports hand it over); MFU: useful FLOPs (`training.step_flops`) over 989 TFLOP/s (the "
+        "GPU, as both transports hand it over; `cap G GiB`: the allocator capped at G GiB, `--memory-cap-gib`, the room a co-located server leaves); MFU: useful FLOPs (`training.step_flops`) over 989 TFLOP/s (the "
         "H200's dense bf16 figure) / over the GEMM rate the same box measured.",
         files,
         "`python bench/trainer_memory.py` on a GPU.",
