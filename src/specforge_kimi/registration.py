@@ -46,7 +46,7 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
 - ``allocator-retries``: SpecForge's ``TrainerCore.train_step``, in every process: after each optimizer step on CUDA,
   the caching allocator's retries since the previous one (``perf/cuda_alloc_retries``: each a device sync and a
   release of cached memory, the sign of a trainer whose GPU room is smaller than what its allocator reserves) and
-  what it holds (``perf/cuda_reserved_gib``) join the step's metrics (:mod:`specforge_kimi.training.allocator_retries`);
+  what it holds (``perf/cuda_reserved_gib``) join the step's metrics (:mod:`specforge_kimi.drafts.allocator_retries`);
   ``run-report`` reads them back. The step itself is untouched.
 - ``outage-wait``: SpecForge's producer transport (``SGLangServerCaptureAdapter.produce_refs``): when a capture
   request fails at the HTTP level and the server does not answer ``/health``, wait for it (up to
@@ -545,7 +545,7 @@ def register_all() -> None:
 
     register_mla_draft()
     _install_step_seams()
-    from specforge_kimi.training.allocator_retries import install_allocator_retries
+    from specforge_kimi.drafts.allocator_retries import install_allocator_retries
 
     install_allocator_retries()
     _install_outage_wait()

@@ -1,12 +1,12 @@
 """The ``allocator-retries`` seam: each optimizer step's caching-allocator retries in the step's metrics, and
-``run-report``'s reading of them (``training.allocator_retries``, ``evaluate.run_report.perf``)."""
+``run-report``'s reading of them (``drafts.allocator_retries``, ``evaluate.run_report.perf``)."""
 
 from __future__ import annotations
 
 import pytest
 
+from specforge_kimi.drafts import allocator_retries as ar
 from specforge_kimi.evaluate.run_report import perf
-from specforge_kimi.training import allocator_retries as ar
 
 
 class FakeCuda:
