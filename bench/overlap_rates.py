@@ -207,6 +207,29 @@ def serial_rate(prefill: float, trainer: float) -> float:
     return 1.0 / (1.0 / prefill + 1.0 / trainer)
 
 
+def ceiling_rate(prefill: float, trainer: float) -> float:
+    """Trained tok/s with the smaller stage wholly hidden under the larger (perfect overlap): ``min(prefill,
+    trainer)``; over the serial sum it is the highest ``overlap_vs_serial`` the recipe can reach."""
+    return min(prefill, trainer)
+
+
+def hidden_fraction(rate: float, prefill: float, trainer: float) -> float:
+    """How much of the smaller stage's time per token a co-located ``rate`` hides: ``(1/prefill + 1/trainer -
+    1/rate) / min(1/prefill, 1/trainer)``; 0 when the stages take turns, 1 when the smaller is wholly hidden, below
+    0 when co-located is slower than taking turns. Unlike ``overlap_vs_serial`` it does not depend on how the two
+    stages' times compare, so recipes and GPUs compare on it."""
+    return (1.0 / prefill + 1.0 / trainer - 1.0 / rate) / min(1.0 / prefill, 1.0 / trainer)
+
+
+def with_hidden(r: dict, prefill: dict, trainer: dict) -> dict:
+    """``r`` (a row or the winner's entry) with its ``hidden_fraction`` (None without its rate or a stage's); a row
+    kept from an earlier call keeps the one it has."""
+    if "hidden_fraction" in r:
+        return r
+    p, t, rate = prefill.get("tokens_per_s"), trainer.get("tokens_per_s"), r.get("colocated_tokens_per_s")
+    return {**r, "hidden_fraction": hidden_fraction(rate, p, t) if p and t and rate else None}
+
+
 def row(option: str, overlap: dict, colocated: dict, serial: float | None) -> dict:
     """One option's row: its overlap section, its co-located rate and source (or its error), and the ratio."""
     rate = colocated.get("tokens_per_s")
@@ -273,6 +296,8 @@ def document(
     ``gpus``: the GPUs it ran on, None on a dry run; ``winner``: :func:`winner_run`'s entry, with ``--winner-steps``;
     ``complete``: False while the call is still measuring, its JSON written so far)."""
     serial = serial_of(prefill, trainer)
+    p, t = prefill.get("tokens_per_s"), trainer.get("tokens_per_s")
+    ceiling = ceiling_rate(p, t) if p and t else None
     return {
         "bench": "overlap_rates",
         "complete": complete,
@@ -292,8 +317,13 @@ def document(
         "trainer_alone": trainer,
         "serial_tokens_per_s": serial,
         "serial_is": "1 / (1/prefill_alone + 1/trainer_alone): the two stages taking turns on the GPU",
-        "rows": rows_of(s, runs, serial, kept),
-        "winner_run": winner,
+        "ceiling_tokens_per_s": ceiling,
+        "ceiling_vs_serial": ceiling / serial if ceiling and serial else None,
+        "ceiling_is": "min(prefill_alone, trainer_alone): the smaller stage wholly hidden under the larger",
+        "hidden_fraction_is": "per row: (1/prefill + 1/trainer - 1/co-located) / the smaller stage's time per token: "
+        "0 taking turns, 1 the smaller stage wholly hidden",
+        "rows": [with_hidden(r, prefill, trainer) for r in rows_of(s, runs, serial, kept)],
+        "winner_run": with_hidden(winner, prefill, trainer) if winner and winner.get("option") else winner,
     }
 
 
@@ -503,12 +533,15 @@ def write(doc: dict, out: Path, quiet: bool = False) -> None:
     for r in doc["rows"]:
         ratio = r["overlap_vs_serial"]
         said = f"{ratio:.3f}" if ratio else r.get("error")
-        print(f"{r['option']:>14}: co-located {r['colocated_tokens_per_s']} tok/s, overlap_vs_serial {said}")
+        hidden = f", hidden_fraction {r['hidden_fraction']:.2f}" if r.get("hidden_fraction") is not None else ""
+        print(f"{r['option']:>14}: co-located {r['colocated_tokens_per_s']} tok/s, overlap_vs_serial {said}{hidden}")
     w = doc.get("winner_run")
     if w:
         said = f"co-located {w.get('colocated_tokens_per_s')} tok/s" if w["option"] else ""
         print(f"winner run ({w['steps']} steps): {w['option']} {said} ({w['why']})")
-    print(f"serial sum {doc['serial_tokens_per_s']} tok/s; wrote {out}")
+    ceiling = doc.get("ceiling_vs_serial")
+    said = f" (ceiling {ceiling:.3f} of it: the smaller stage wholly hidden)" if ceiling else ""
+    print(f"serial sum {doc['serial_tokens_per_s']} tok/s{said}; wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1555,9 +1555,17 @@ def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
                 _num(row.get("colocated_tokens_per_s"), "{:,.0f}"),
                 _num(row.get("trainer_only_tokens_per_s"), "{:,.0f}"),
                 f"**{_fmt(row.get('overlap_vs_serial'))}**" if row.get("overlap_vs_serial") else row.get("error", "-"),
+                _num(_hidden(row.get("colocated_tokens_per_s"), p, t), "{:+.2f}"),
+                _num(_ceiling(p, t, r.get("serial_tokens_per_s")), "{:.3f}"),
             ]
             for row in r.get("rows") or []
         ]
+
+    def _hidden(rate, p, t):  # the shorter stage's time per token hidden (sizing's overlap_hidden_fraction)
+        return (1 / p + 1 / t - 1 / rate) / min(1 / p, 1 / t) if rate and p and t else None
+
+    def _ceiling(p, t, serial):  # overlap_vs_serial with the shorter stage wholly hidden
+        return min(p, t) / serial if p and t and serial else None
 
     return _tabled(
         "Co-located stages: the three rates and the overlap options",
@@ -1565,12 +1573,14 @@ def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
         "their serial sum 1 / (1/prefill + 1/trainer) (the two taking turns on the GPU), and one co-located run per "
         "`overlap:` option; `overlap_vs_serial` = co-located / serial (1.0: they take turns). \"trainer in the run\" "
         "is the co-located run's own trainer-only rate (its step time without the data wait): against the trainer "
-        "alone it shows how much the shared GPU slowed the step itself. A launch that failed shows its error.",
+        "alone it shows how much the shared GPU slowed the step itself. \"hidden\" is the shorter stage's time per "
+        "token the co-located run hid (0: they take turns, 1: wholly hidden; sizing's overlap_hidden_fraction); "
+        "\"ceiling\" the overlap_vs_serial that wholly hiding it would give. A launch that failed shows its error.",
         files,
         "`python bench/overlap_rates.py --recipe recipes/kimi-k25-slice-h200.yaml --out "
         "bench/results/overlap_rates_k25_slice_h200.json` (its docstring has the options).",
         ["file", "option", "prefill alone tok/s", "trainer alone tok/s", "serial tok/s", "co-located tok/s",
-         "trainer in the run tok/s", "overlap_vs_serial"],
+         "trainer in the run tok/s", "overlap_vs_serial", "hidden", "ceiling"],
         rows,
     )  # fmt: skip
 

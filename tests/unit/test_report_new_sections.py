@@ -64,4 +64,6 @@ def test_both_sections_tabulate_their_files(tmp_path):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[1] == r["option"]
         ratio = r["overlap_vs_serial"]
-        assert cells[-1] == (f"**{ratio:.3f}**" if ratio else r["error"])
+        assert cells[-3] == (f"**{ratio:.3f}**" if ratio else r["error"])
+        hidden = r["hidden_fraction"]
+        assert cells[-2] == (f"{hidden:+.2f}" if hidden is not None else "-") and cells[-1] == "1.250"
