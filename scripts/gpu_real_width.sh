@@ -26,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/real-width}"; mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-. scripts/gpu_common.sh  # recipe_fields, launch_measured, stop_server_on_exit
+. scripts/gpu_common.sh  # launch_measured, stop_server_on_exit
 T="${1:-540}"
 RECIPE="${RECIPE:-recipes/kimi-k25-slice-h200.yaml}"
 if [ -n "${TRANSPORT:-}${MAX_STEPS:-}${TRAINER_SET:-}" ]; then  # the same recipe on another transport / step count (a copy in OUT)
@@ -54,9 +54,10 @@ except KimiInputError as exc:
 PY
   RECIPE="$OUT/recipe-run.yaml"
 fi
-read -r NAME RUN _ AUX < <(recipe_fields "$RECIPE") || { echo "cannot load $RECIPE" >&2; exit 2; }
-# the target, the data folder and the result files' GPU label (h100, h200: the recipe's gpus.kind), one load
-IFS=$'\t' read -r TARGET DATA GPU_TAG < <(python3 -c "import sys, os; from specforge_kimi.plan.run_plan import load_recipe as l; r = l(sys.argv[1]); print(r.target.path, os.path.dirname(r.data.prompts_path), r.gpus.kind.lower(), sep='\t')" "$RECIPE") \
+# the recipe's run folder, target, data folder, the result files' GPU label (h100, h200: its gpus.kind) and aux ids
+# (SpecForge's, comma-joined), in one load (the aux ids last: an empty field between tabs would be lost)
+IFS=$'\t' read -r RUN TARGET DATA GPU_TAG AUX < <(python3 -c "import sys, os; from specforge_kimi.plan.run_plan import load_recipe as l; r = l(sys.argv[1]); \
+print(r.output_dir, r.target.path, os.path.dirname(r.data.prompts_path), r.gpus.kind.lower(), ','.join(map(str, r.target.aux_layer_ids or [])), sep='\t')" "$RECIPE") \
   || { echo "cannot load $RECIPE" >&2; exit 2; }
 STAGE="${STAGE:-all}"
 case "$STAGE" in all|target|data|depth|train|bench) ;; *) echo "STAGE must be all, target, data, depth, train or bench, not $STAGE" >&2; exit 2;; esac

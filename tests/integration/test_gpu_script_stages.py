@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SHIM = r"""#!{python}
@@ -33,6 +35,10 @@ if args[:2] == ["-m", "specforge_kimi.capture_server"]:  # a stand-in server: it
     time.sleep(600)
     sys.exit(0)
 if args[:1] == ["bench/prefill_depth.py"]:
+    sys.exit(0)
+if args[:1] == ["bench/online_pipeline.py"]:
+    with open(os.environ["SHIM_LOG"], "a") as log:
+        log.write(json.dumps({{"cmd": "online_pipeline", "args": args[1:]}}) + "\n")
     sys.exit(0)
 if args[:2] != ["-m", "specforge_kimi"]:
     os.execv({python!r}, [{python!r}, *args])
@@ -286,6 +292,29 @@ def test_real_width_target_stage_writes_the_slice_and_train_needs_data(tmp_path)
         timeout=120,
     )
     assert res.returncode == 2 and "needs a data stage's runs/k25-slice-data" in res.stderr
+
+
+def test_real_width_bench_stage_takes_the_recipes_target_aux_ids_and_gpu_label(tmp_path):
+    """One load of the recipe gives the stages its run folder, target, data folder, GPU label and aux ids."""
+    box, env = _sandbox(tmp_path)
+    (box / "runs/k25-slice").mkdir(parents=True)
+    (box / "runs/k25-slice/config.json").write_text("{}")
+    out = tmp_path / "out"
+    for recipe, tag in (("recipes/kimi-k25-slice-h200.yaml", "h200"), ("recipes/kimi-k25-slice-h100.yaml", "h100")):
+        res = subprocess.run(
+            ["bash", "scripts/gpu_real_width.sh"],
+            cwd=box,
+            env={**env, "STAGE": "bench", "OUT": str(out), "RECIPE": recipe},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        a = [c for c in _calls(tmp_path) if c["cmd"] == "online_pipeline"][-1]["args"]
+        aux = yaml.safe_load((box / recipe).read_text())["target"]["aux_layer_ids"]
+        assert a[a.index("--target") + 1] == "runs/k25-slice"
+        assert a[a.index("--aux-ids") + 1] == ",".join(map(str, aux)) and aux
+        assert a[a.index("--out") + 1] == f"{out}/online_pipeline_k25_slice_{tag}.json"
 
 
 def _alive(pid: int) -> bool:
