@@ -94,8 +94,8 @@ EAGLE3_FUSED_WGRAD = EnvVar(
 )
 EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
     "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
-    "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds "
-    "(recipe trainer step knob)",
+    "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds and the "
+    "step's acceptance metric (recipe trainer step knob)",
     OURS,
     writers=("training.step_knobs",),
     readers=("drafts.compile_elementwise",),

@@ -24,10 +24,11 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
   ``trust_remote_code: false``. Other targets pass through untouched.
 - ``mla-draft``: SpecForge's draft registry and ``eagle3`` algorithm: the MLA EAGLE-3 draft
   (``Eagle3DeepseekV2ForCausalLM``, :func:`specforge_kimi.drafts.mla_eagle3.register_mla_draft`).
-- ``compile-elementwise``: SpecForge's ``LlamaDecoderLayer.forward``, only in a process with
-  ``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1`` (recipe ``trainer.step_compile_elementwise``): the regions around
-  the draft layer's attention (norms, MLP, residual adds) under ``torch.compile``
-  (:mod:`specforge_kimi.drafts.compile_elementwise`). Without the variable SpecForge's forward is untouched.
+- ``compile-elementwise``: SpecForge's ``LlamaDecoderLayer.forward`` and ``specforge.core.lk_loss``'s per-position
+  acceptance metric, only in a process with ``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1`` (recipe
+  ``trainer.step_compile_elementwise``): the regions around the draft layer's attention (norms, MLP, residual adds)
+  and the metric under ``torch.compile`` (:mod:`specforge_kimi.drafts.compile_elementwise`). Without the variable
+  SpecForge's forward and metric are untouched.
 - ``eagle3-block-mask``: SpecForge's ``generate_eagle3_mask`` and the two ``create_block_mask`` names of
   ``specforge.modeling.draft.llama3_eagle``, only in a process with ``SPECFORGE_KIMI_EAGLE3_BLOCK_MASK=1`` (recipe
   ``trainer.step_eagle3_block_mask``): the flex attention's block mask from per-block counts in closed form, the

@@ -1,7 +1,8 @@
 """The compile-elementwise seam (``drafts.compile_elementwise``) and its recipe field ``trainer.step_compile_elementwise``.
 
-One seeded SpecForge eagle3 step (CPU path, fp32, a tiny Llama draft) with and without the seam: the loss and every
-gradient agree within 1e-5 relative. Inductor reorders the fp32 reductions of RMSNorm and the fused backward
+One seeded SpecForge eagle3 step (CPU path, fp32, a tiny Llama draft) with and without the seam: the loss, every
+gradient and the step's expected-acceptance metrics agree within 1e-5 relative, on the KL objective and on
+SpecForge's LK objectives (where the metric is part of the loss and its backward runs compiled). Inductor reorders the fp32 reductions of RMSNorm and the fused backward
 (one sum where eager makes several), so bit-identity is not expected; measured here the differences are near 3e-7 relative, a
 few fp32 ulps over the step's chains of reductions, and an operation left out or misplaced in a region moves
 them to order 1. Without a C++ compiler inductor cannot build CPU kernels; the test then uses ``aot_eager``
@@ -41,10 +42,20 @@ def _draft(seed: int = 0):
     return LlamaForCausalLMEagle3(LlamaConfig(**LLAMA), attention_backend="sdpa")
 
 
-def _step(length: int = 24, draft=None):
+def _step(length: int = 24, draft=None, lk_loss_type=None, metrics=None):
     draft = draft if draft is not None else _draft()
-    loss = eagle3_step(draft, length=length, ttt=3, vocab=LLAMA["vocab_size"], target_hidden=64)()
+    run = eagle3_step(
+        draft, length=length, ttt=3, vocab=LLAMA["vocab_size"], target_hidden=64, lk_loss_type=lk_loss_type
+    )
+    loss = run()
+    if metrics is not None:
+        metrics.update(run.metrics)
     return loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+def _acceptance(metrics: dict) -> list[float]:
+    """The step's per-position expected acceptance (SpecForge's ``acceptance_rates``), as floats."""
+    return [float(a) for a in metrics["acceptance_rates"]]
 
 
 def _counting(graphs: list, inner):
@@ -72,15 +83,20 @@ def _aot_eager(gm, example_inputs):
 def test_the_compiled_layer_gives_the_same_step(seam, backend):
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
-    loss0, grads0 = _step()
+    m0: dict = {}
+    loss0, grads0 = _step(metrics=m0)
     graphs: list = []
     assert ce.install_compile_elementwise(
         force=True, backend=_counting(graphs, _inductor if backend == "inductor" else _aot_eager)
     )
-    assert ce.installed(LlamaDecoderLayer)
-    loss1, grads1 = _step()
-    assert len(graphs) == 2  # both regions compiled, and only once over the TTT positions
+    assert ce.installed(LlamaDecoderLayer) and ce.metric_installed()
+    m1: dict = {}
+    loss1, grads1 = _step(metrics=m1)
+    assert len(graphs) == 3  # both regions and the metric compiled, each once over the TTT positions
     assert torch.allclose(loss1, loss0, rtol=1e-5, atol=0)
+    a0, a1 = _acceptance(m0), _acceptance(m1)
+    assert len(a0) == 3 and all(0 < a < 1 for a in a0)
+    assert a1 == pytest.approx(a0, rel=1e-5, abs=0)
     assert grads1.keys() == grads0.keys() and "midlayer.mlp.gate_proj.weight" in grads0
     for name, g0 in grads0.items():
         rel = ((grads1[name] - g0).norm() / g0.norm()).item()
@@ -88,29 +104,52 @@ def test_the_compiled_layer_gives_the_same_step(seam, backend):
 
 
 def test_new_sequence_lengths_reuse_the_compiled_regions(seam):
-    """The regions' sequence dimension is dynamic from the first compile: a new sample length compiles nothing."""
+    """The regions' and the metric's sequence dimension is dynamic from the first compile: a new sample length
+    compiles nothing."""
     graphs: list = []
     ce.install_compile_elementwise(force=True, backend=_counting(graphs, lambda gm, _: gm.forward))
     draft = _draft()
     for length in (24, 40, 17):
         _step(length, draft)
-        assert len(graphs) == 2, f"length {length} compiled again"
+        assert len(graphs) == 3, f"length {length} compiled again"
+
+
+@pytest.mark.parametrize("lk_loss_type", ["lambda", "alpha"])
+def test_the_compiled_metric_gives_the_same_lk_loss_and_gradients(seam, lk_loss_type):
+    """On SpecForge's LK objectives the acceptance metric is part of the loss: the compiled metric's backward gives
+    the same loss and gradients as SpecForge's eager one."""
+    m0: dict = {}
+    loss0, grads0 = _step(lk_loss_type=lk_loss_type, metrics=m0)
+    ce.install_compile_elementwise(force=True, backend=_inductor if INDUCTOR else _aot_eager)
+    m1: dict = {}
+    loss1, grads1 = _step(lk_loss_type=lk_loss_type, metrics=m1)
+    assert torch.allclose(loss1, loss0, rtol=1e-5, atol=0)
+    assert _acceptance(m1) == pytest.approx(_acceptance(m0), rel=1e-5, abs=0)
+    assert grads1.keys() == grads0.keys() and "lm_head.weight" in grads0
+    for name, g0 in grads0.items():
+        rel = ((grads1[name] - g0).norm() / g0.norm()).item()
+        assert rel < 1e-5, f"{name}: {rel:.2e}"
 
 
 def test_without_the_variable_specforges_layer_is_untouched(seam, monkeypatch):
+    from specforge.core import lk_loss
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
     shipped = LlamaDecoderLayer.forward
+    metric = getattr(lk_loss, ce.METRIC_NAME)
     for value in (None, "0", ""):
         if value is not None:
             monkeypatch.setenv(ce.COMPILE_ENV, value)
         assert ce.install_compile_elementwise() is False
         assert LlamaDecoderLayer.forward is shipped and not ce.installed(LlamaDecoderLayer)
+        assert getattr(lk_loss, ce.METRIC_NAME) is metric and not ce.metric_installed()
     monkeypatch.setenv(ce.COMPILE_ENV, "1")
     assert ce.install_compile_elementwise(backend=_counting([], lambda gm, _: gm.forward))
     assert LlamaDecoderLayer.forward is not shipped and ce.installed(LlamaDecoderLayer)
+    assert getattr(lk_loss, ce.METRIC_NAME) is not metric and ce.metric_installed()
     ce.uninstall_compile_elementwise()
     assert LlamaDecoderLayer.forward is shipped
+    assert getattr(lk_loss, ce.METRIC_NAME) is metric
 
 
 def test_the_recipe_field_reaches_the_trainer_processes_and_the_bench():

@@ -1,23 +1,30 @@
-"""The ``compile-elementwise`` seam: the EAGLE-3 Llama draft's decoder layer with its elementwise work compiled.
+"""The ``compile-elementwise`` seam: the EAGLE-3 Llama draft's step with its elementwise work compiled.
 
-Scope: SpecForge 0.2.0's ``LlamaDecoderLayer`` (``specforge.modeling.draft.llama3_eagle``), the one layer of the
-``LlamaForCausalLMEagle3`` draft, which the eagle3 step runs once per TTT position, forward and backward. Around its
-attention the layer is elementwise work and the MLP's GEMMs: before the attention, two RMSNorms and the concatenation
-of their outputs; after it, the residual add, the post-attention RMSNorm, the MLP (SiLU(gate) x up between its
-GEMMs) and the second residual add. Run eagerly, each of those is its own kernel (RMSNorm several: cast, square,
-mean, rsqrt, scale), forward and backward, each reading and writing the whole [sequence, hidden] activation.
+Scope: two places of SpecForge 0.2.0's eagle3 step, both run once per TTT position. (1) ``LlamaDecoderLayer``
+(``specforge.modeling.draft.llama3_eagle``), the one layer of the ``LlamaForCausalLMEagle3`` draft, forward and
+backward. Around its attention the layer is elementwise work and the MLP's GEMMs: before the attention, two RMSNorms
+and the concatenation of their outputs; after it, the residual add, the post-attention RMSNorm, the MLP (SiLU(gate) x
+up between its GEMMs) and the second residual add. Run eagerly, each of those is its own kernel (RMSNorm several:
+cast, square, mean, rsqrt, scale), forward and backward, each reading and writing the whole [sequence, hidden]
+activation. (2) The step's expected-acceptance metric (``specforge.core.lk_loss._acceptance_rate_per_token_from_logits``:
+the draft's softmax in fp32, cast to the teacher's dtype, the minimum with the teacher's probabilities and its sum
+over the draft vocabulary). Eagerly that is four kernels over the whole [sequence, draft vocab] logits, with an fp32
+copy, the softmax and the minimum each written out; compiled it is reductions over the logits that write one value
+per position. It runs in the backward too when the recipe trains on SpecForge's LK objective.
 
 With ``SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1`` in the process (recipe ``trainer.step_compile_elementwise``,
 set by ``training.step_knobs``), :func:`install_compile_elementwise` replaces the layer's ``forward`` by one that runs
 the same operations in the same order, the two regions around the attention each under ``torch.compile``: inductor
 fuses each region's elementwise operations, in the forward and in the backward AOTAutograd derives, and calls the
 same GEMM library for the linear layers. The attention (flex, sdpa, fa or usp, with its KV cache) stays SpecForge's
-own, uncompiled by this seam. The sequence dimension of the regions' inputs is marked dynamic, so a new sample
-length does not compile again; hidden sizes stay static. The RMSNorms run SpecForge's own ``forward`` body (its
+own, uncompiled by this seam. It also replaces the metric's function in ``specforge.core.lk_loss`` (where
+``compute_acceptance_rate`` looks it up at each call) by SpecForge's own function under ``torch.compile``. The
+sequence dimension of every compiled function's inputs is marked dynamic, so a new sample length does not compile
+again; hidden and vocabulary sizes stay static. The RMSNorms run SpecForge's own ``forward`` body (its
 ``torch.compile`` wrapper unwrapped, so the norm is traced into the region instead of compiled on its own).
 
-Without the variable (or with ``0``) nothing is replaced: ``LlamaDecoderLayer.forward`` is SpecForge's.
-:func:`uninstall_compile_elementwise` puts it back (tests).
+Without the variable (or with ``0``) nothing is replaced: ``LlamaDecoderLayer.forward`` and the metric are
+SpecForge's. :func:`uninstall_compile_elementwise` puts both back (tests).
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ _FLAG = "__specforge_kimi_compile_elementwise__"
 _ORIGINAL: list = []
 #: the compiled regions (before, after) of the installed seam
 _REGIONS: list = []
+#: SpecForge's acceptance-metric function while the seam is installed
+_ORIGINAL_METRIC: list = []
+#: the metric function's name in ``specforge.core.lk_loss``
+METRIC_NAME = "_acceptance_rate_per_token_from_logits"
 
 
 def requested() -> bool:
@@ -103,6 +114,25 @@ def _forward(
     return after(self, residual, attn_out)
 
 
+def _compiled_metric(compiled):
+    """SpecForge's per-position acceptance metric (same signature) run by ``compiled``, its sequence dimension
+    dynamic."""
+
+    def acceptance_per_token(logits, target_probs):
+        _mark_sequence_dynamic(logits, target_probs)
+        return compiled(logits, target_probs)
+
+    setattr(acceptance_per_token, _FLAG, True)
+    return acceptance_per_token
+
+
+def metric_installed() -> bool:
+    """Whether SpecForge's ``compute_acceptance_rate`` runs the seam's compiled metric."""
+    from specforge.core import lk_loss
+
+    return bool(getattr(getattr(lk_loss, METRIC_NAME), _FLAG, False))
+
+
 def installed(layer_cls) -> bool:
     """Whether ``layer_cls`` (SpecForge's ``LlamaDecoderLayer``) runs the seam's forward."""
     return bool(getattr(layer_cls.forward, _FLAG, False))
@@ -119,11 +149,15 @@ def install_compile_elementwise(*, backend="inductor", force: bool = False) -> b
     if installed(LlamaDecoderLayer):
         return True
     import torch
+    from specforge.core import lk_loss
 
     _REGIONS[:] = [torch.compile(fn, backend=backend, dynamic=None) for fn in (before_attention, after_attention)]
     _ORIGINAL[:] = [LlamaDecoderLayer.forward]
     setattr(_forward, _FLAG, True)
     LlamaDecoderLayer.forward = _forward
+    metric = getattr(lk_loss, METRIC_NAME)
+    _ORIGINAL_METRIC[:] = [metric]
+    setattr(lk_loss, METRIC_NAME, _compiled_metric(torch.compile(metric, backend=backend, dynamic=None)))
     return True
 
 
@@ -135,3 +169,7 @@ def uninstall_compile_elementwise() -> None:
 
     LlamaDecoderLayer.forward = _ORIGINAL.pop()
     _REGIONS.clear()
+    if _ORIGINAL_METRIC:
+        from specforge.core import lk_loss
+
+        setattr(lk_loss, METRIC_NAME, _ORIGINAL_METRIC.pop())

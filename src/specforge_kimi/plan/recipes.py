@@ -308,9 +308,11 @@ class TrainerSection(_Strict):
     step_compile_elementwise: bool = Field(
         default=False,
         description="true runs the eagle3 Llama draft layer's norms, MLP and residual adds (the regions around its "
-        "attention) under torch.compile, so their elementwise work is fused, forward and backward "
+        "attention) and the step's expected-acceptance metric (softmax, minimum and sum over the draft vocabulary) "
+        "under torch.compile, so their elementwise work is fused, forward and backward "
         "(SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE=1; our registration seam compile-elementwise, no patch; the MLA "
-        "draft is left as it is). Same loss and gradients to fp32 rounding (tests/unit/test_compile_elementwise.py); "
+        "draft is left as it is). Same loss, gradients and metrics to fp32 rounding "
+        "(tests/unit/test_compile_elementwise.py); "
         "the first step compiles. Measured by bench/trainer_memory.py --variants recipe,compiled. Off by default",
     )
     step_eagle3_block_mask: bool = Field(

@@ -34,7 +34,8 @@ FEWER_SYNCS_PATCH = "eagle3-fewer-host-syncs"
 CHUNKED_LOSS_ENV = _env.EAGLE3_CHUNKED_LOSS.name
 CHUNKED_LOSS_PATCH = "eagle3-chunked-head-loss"
 #: the compile-elementwise seam (``drafts.compile_elementwise``, no patch): "1" compiles the regions around the eagle3
-#: Llama draft layer's attention (norms, MLP, residual adds), "0": SpecForge's layer as shipped
+#: Llama draft layer's attention (norms, MLP, residual adds) and the step's acceptance metric, "0": SpecForge's layer
+#: and metric as shipped
 COMPILE_ELEMENTWISE_ENV = _env.EAGLE3_COMPILE_ELEMENTWISE.name
 #: the eagle3-block-mask seam (``drafts.eagle3_block_mask``, no patch): "1" builds the eagle3 flex attention's block
 #: mask per block in closed form, "0": PyTorch's create_block_mask over every entry, as shipped
