@@ -18,7 +18,8 @@ memcpy/memset), the annotated ranges among that op's ancestors (teacher, optimiz
 when it is a GEMM op (``aten::mm/addmm/bmm/baddbmm``: classed by its recorded input shapes, hence
 ``record_shapes``), then kernel-name patterns. GEMM time is the kernels' device time. Busy time is the
 union of all device-kernel intervals; the idle gap (wall - busy) is launch, synchronisation and allocator
-time. On a host without CUDA the same classes are filled from CPU ops' self times (no busy timeline).
+time. Each top kernel names its launching ops (``sources``: op, input shapes, and the autograd node whose backward
+ran it), so an elementwise kernel's time is traced to the tensors and the layer that cost it. On a host without CUDA the same classes are filled from CPU ops' self times (no busy timeline).
 """
 
 from __future__ import annotations
@@ -113,6 +114,29 @@ def classify(kernel: str, op, *, target_vocab: int, draft_vocab: int) -> str:
     return "elementwise_other"
 
 
+_BACKWARD = "autograd::engine::evaluate_function: "
+#: launching ops kept per top kernel (the most device time first)
+TOP_SOURCES = 3
+
+
+def source(op) -> tuple[str, str, str]:
+    """Where a kernel came from: the launching CPU op's name, its tensor inputs' shapes (``4096x7168,7168``) and the
+    autograd node whose backward ran it (``MmBackward0``; "" in the forward or the optimizer). Empty strings for a
+    kernel the profiler linked to no op."""
+    if op is None:
+        return ("", "", "")
+    node, e = "", op
+    while e is not None:
+        if e.name.startswith(_BACKWARD):
+            node = e.name[len(_BACKWARD) :]
+            break
+        e = e.cpu_parent
+    shapes = ",".join(
+        "x".join(str(d) for d in sh) for sh in (op.input_shapes or []) if isinstance(sh, list | tuple) and sh
+    )
+    return (op.name, shapes, node)
+
+
 def _union_us(intervals) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
@@ -132,11 +156,14 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
     by_class = dict.fromkeys(CLASSES, 0.0)
     kernels: dict = {}
 
-    def add(name: str, cls: str, us: float) -> None:
+    def add(name: str, cls: str, us: float, op) -> None:
         by_class[cls] += us
-        k = kernels.setdefault((name, cls), [0.0, 0])
+        k = kernels.setdefault((name, cls), [0.0, 0, {}])
         k[0] += us
         k[1] += 1
+        src = k[2].setdefault(source(op), [0.0, 0])
+        src[0] += us
+        src[1] += 1
 
     if cuda:
         # record_function ranges (ProfilerStep#N, the kimi: ranges) also appear on the device timeline as
@@ -153,7 +180,7 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
         linked = 0.0
         for op in cpu_events:
             for k in op.kernels:
-                add(k.name, classify(k.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab), k.duration)
+                add(k.name, classify(k.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab), k.duration, op)
                 linked += k.duration
         by_class["unattributed"] += max(device_us - linked, 0.0)
         busy_us = _union_us((e.time_range.start, e.time_range.end) for e in device)
@@ -162,7 +189,7 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             if op.name.startswith("kimi:") or op.name.startswith("ProfilerStep"):
                 continue
             cls = classify(op.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab)
-            add(op.name, cls, op.self_cpu_time_total)
+            add(op.name, cls, op.self_cpu_time_total, op)
         busy_us = None
     total_us = sum(by_class.values())
     runtime: dict = {}
@@ -185,10 +212,31 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             n: {"calls": r["calls"] / steps, "ms": r["ms"] / steps} for n, r in sorted(runtime.items())
         },
         "top": [
-            {"name": n[:200], "class": c, "ms_per_step": us / 1e3 / steps, "calls_per_step": cnt / steps}
-            for (n, c), (us, cnt) in ranked
+            {
+                "name": n[:200],
+                "class": c,
+                "ms_per_step": us / 1e3 / steps,
+                "calls_per_step": cnt / steps,
+                "sources": _sources(srcs, steps),
+            }
+            for (n, c), (us, cnt, srcs) in ranked
         ],
     }
+
+
+def _sources(srcs: dict, steps: int) -> list:
+    """A top kernel's launching ops, the most device time first (``TOP_SOURCES`` of them)."""
+    ranked = sorted(srcs.items(), key=lambda kv: -kv[1][0])[:TOP_SOURCES]
+    return [
+        {
+            "op": op,
+            "input_shapes": shapes,
+            "backward_of": node,
+            "ms_per_step": us / 1e3 / steps,
+            "calls_per_step": cnt / steps,
+        }
+        for (op, shapes, node), (us, cnt) in ranked
+    ]
 
 
 def alloc_deltas(before: dict, after: dict, steps: int = 1) -> dict:

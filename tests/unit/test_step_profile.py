@@ -109,8 +109,47 @@ def test_cuda_summary_classes_busy_and_runtime_calls():
         "class": "target_head_teacher",
         "ms_per_step": 0.05,
         "calls_per_step": 0.5,
+        "sources": [
+            {
+                "op": "aten::mm",
+                "input_shapes": "4096x7168,7168x163840",
+                "backward_of": "",
+                "ms_per_step": 0.05,
+                "calls_per_step": 0.5,
+            }
+        ],
     }
     assert len(top) == 13 and sum(t["ms_per_step"] for t in top) == pytest.approx(linked / 1e3 / 2)
+
+
+def test_top_kernels_name_the_ops_shapes_and_backward_nodes_that_launched_them():
+    """One elementwise kernel launched from three places: its sources rank them by device time, each with the op's
+    tensor shapes (scalars left out) and the autograd node whose backward ran it."""
+    sp = _module()
+    add = "vectorized_elementwise_kernel<CUDAFunctor_add<BFloat16>>"
+    cat_bw = _op("autograd::engine::evaluate_function: CatBackward0")
+    mm_bw = _op("autograd::engine::evaluate_function: MmBackward0")
+    ops = [
+        cat_bw,
+        mm_bw,
+        # inside the backward of a cat (nested under an op of its own), 2 calls of 30 us
+        _op("aten::add_", _op("aten::sum_to_size", cat_bw), [(4096, 14336), (4096, 14336), ()], [(add, 30.0)]),
+        _op("aten::add_", _op("aten::sum_to_size", cat_bw), [(4096, 14336), (4096, 14336), ()], [(add, 30.0)]),
+        _op("aten::add", mm_bw, [(4096, 18432), (4096, 18432)], [(add, 40.0)]),  # 1 call of 40 us
+        _op("aten::add", None, [(8, 128), (8, 128)], [(add, 1.0)]),  # a forward add
+        _op("aten::add", None, [(4, 4), (4, 4)], [(add, 0.5)]),  # the fourth source: left out
+    ]
+    prof = SimpleNamespace(events=lambda: ops + [_dev("a", 0.0, 101.5)])
+    s = sp.summarize(prof, steps=1, wall_s=[0.001], cuda=True, target_vocab=163840, draft_vocab=32000)
+    (row,) = s["top"]
+    assert (row["class"], row["calls_per_step"]) == ("elementwise_other", 5.0)
+    assert [(x["op"], x["input_shapes"], x["backward_of"], x["calls_per_step"]) for x in row["sources"]] == [
+        ("aten::add_", "4096x14336,4096x14336", "CatBackward0", 2.0),
+        ("aten::add", "4096x18432,4096x18432", "MmBackward0", 1.0),
+        ("aten::add", "8x128,8x128", "", 1.0),
+    ]
+    assert [x["ms_per_step"] for x in row["sources"]] == pytest.approx([0.06, 0.04, 0.001])
+    assert sp.source(None) == ("", "", "")
 
 
 def test_class_tflops_maps_model_terms_onto_classes():
