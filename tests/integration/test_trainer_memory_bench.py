@@ -32,7 +32,8 @@ def _cpu_run(tmp_path: Path, recipe: str, *, profile_steps: int) -> dict:
         capture_output=True,
         text=True,
         # SpecForge trains in bf16: on a CPU without bf16 instructions (no AVX-512 BF16 / AMX) a bf16 GEMM runs about
-        # a hundredth as fast as fp32 and a block draft's step takes minutes, so four steps need more than 600 s
+        # a hundredth as fast as fp32 and a block draft's step takes minutes at its recipe's anchors (the block test
+        # trains a copy with BLOCK_TEST_ANCHORS), so four steps can need more than 600 s
         timeout=1800,
     )
     assert res.returncode == 0, res.stderr[-2000:]
@@ -108,17 +109,36 @@ def _check_flops_and_profile(r: dict, workdir: Path) -> None:
 BLOCK_RECIPE = "recipes/tiny-k25-tp1-h200-dflash.yaml"
 
 
+#: anchors a sample in the block test's copy of BLOCK_RECIPE (512 there). On a CPU without bf16 instructions the
+#: step's time is nearly all one GEMM, the input gradient of the target's LM head over K2.5's 163,840-token vocabulary
+#: (~0.5 s per drafted position measured, bench/step_profile.py's sources), and the positions are anchors x block size
+BLOCK_TEST_ANCHORS = 4
+
+
+def _block_recipe_copy(tmp_path: Path) -> Path:
+    """BLOCK_RECIPE with BLOCK_TEST_ANCHORS anchors a sample, written under ``tmp_path`` (its relative paths read
+    from the repository, the bench's working directory)."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / BLOCK_RECIPE).read_text())
+    raw["trainer"]["block"]["num_anchors"] = BLOCK_TEST_ANCHORS
+    path = tmp_path / "block-recipe.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 @pytest.mark.slow
 def test_cpu_run_of_a_block_draft_records_every_length_with_the_block_terms(tmp_path):
     """A DFlash recipe: SpecForge's own dflash consumer step (DFlashTrainStrategy) trains batches of its captured
     features; each row names the family and is read against the block trainer terms and the block FLOPs count."""
-    doc = _cpu_run(tmp_path, BLOCK_RECIPE, profile_steps=0)
+    block_recipe = _block_recipe_copy(tmp_path)
+    doc = _cpu_run(tmp_path, str(block_recipe), profile_steps=0)
     from specforge_kimi.plan.run_plan import load_recipe
     from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.training.step_flops import train_flops_per_token
 
-    recipe = load_recipe(REPO / BLOCK_RECIPE)
-    assert doc["config"]["family"] == "dflash" and doc["config"]["block"]["num_anchors"] == 512
+    recipe = load_recipe(block_recipe)
+    assert doc["config"]["family"] == "dflash" and doc["config"]["block"]["num_anchors"] == BLOCK_TEST_ANCHORS
     assert "ttt_length" not in doc["config"]
     rows = doc["rows"]
     assert [r["length"] for r in rows] == [32, 48], rows
