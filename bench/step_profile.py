@@ -19,7 +19,8 @@ when it is a GEMM op (``aten::mm/addmm/bmm/baddbmm``: classed by its recorded in
 ``record_shapes``), then kernel-name patterns. GEMM time is the kernels' device time. Busy time is the
 union of all device-kernel intervals; the idle gap (wall - busy) is launch, synchronisation and allocator
 time. Each top kernel names its launching ops (``sources``: op, input shapes, and the autograd node whose backward
-ran it), so an elementwise kernel's time is traced to the tensors and the layer that cost it. On a host without CUDA the same classes are filled from CPU ops' self times (no busy timeline).
+ran it), so an elementwise kernel's time is traced to the tensors and the layer that cost it. On a host without
+CUDA the same classes are filled from CPU ops' self times (no busy timeline).
 """
 
 from __future__ import annotations
@@ -156,12 +157,12 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
     by_class = dict.fromkeys(CLASSES, 0.0)
     kernels: dict = {}
 
-    def add(name: str, cls: str, us: float, op) -> None:
+    def add(name: str, cls: str, us: float, where: tuple) -> None:
         by_class[cls] += us
         k = kernels.setdefault((name, cls), [0.0, 0, {}])
         k[0] += us
         k[1] += 1
-        src = k[2].setdefault(source(op), [0.0, 0])
+        src = k[2].setdefault(where, [0.0, 0])
         src[0] += us
         src[1] += 1
 
@@ -179,8 +180,9 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
         device_us = sum(e.time_range.elapsed_us() for e in device)
         linked = 0.0
         for op in cpu_events:
+            where = source(op) if op.kernels else None  # once per op, not per kernel
             for k in op.kernels:
-                add(k.name, classify(k.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab), k.duration, op)
+                add(k.name, classify(k.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab), k.duration, where)
                 linked += k.duration
         by_class["unattributed"] += max(device_us - linked, 0.0)
         busy_us = _union_us((e.time_range.start, e.time_range.end) for e in device)
@@ -189,7 +191,7 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             if op.name.startswith("kimi:") or op.name.startswith("ProfilerStep"):
                 continue
             cls = classify(op.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab)
-            add(op.name, cls, op.self_cpu_time_total, op)
+            add(op.name, cls, op.self_cpu_time_total, source(op))
         busy_us = None
     total_us = sum(by_class.values())
     runtime: dict = {}

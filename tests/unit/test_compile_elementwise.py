@@ -2,8 +2,9 @@
 
 One seeded SpecForge eagle3 step (CPU path, fp32, a tiny Llama draft) with and without the seam: the loss, every
 gradient and the step's expected-acceptance metrics agree within 1e-5 relative, on the KL objective and on
-SpecForge's LK objectives (where the metric is part of the loss and its backward runs compiled). Inductor reorders the fp32 reductions of RMSNorm and the fused backward
-(one sum where eager makes several), so bit-identity is not expected; measured here the differences are near 3e-7 relative, a
+SpecForge's LK objectives (where the metric is part of the loss and its backward runs compiled). Inductor reorders
+the fp32 reductions of RMSNorm and the fused backward (one sum where eager makes several), so bit-identity is not
+expected; measured here the differences are near 3e-7 relative, a
 few fp32 ulps over the step's chains of reductions, and an operation left out or misplaced in a region moves
 them to order 1. Without a C++ compiler inductor cannot build CPU kernels; the test then uses ``aot_eager``
 (the same AOTAutograd forward/backward split, no fused kernels) and says so in its id.
