@@ -79,6 +79,8 @@ from pathlib import Path
 
 import yaml
 
+from specforge_kimi.plan.overlap import ceiling_rate, hidden_fraction, serial_rate
+
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ("baseline", "mps", "mps+split", "mps+trainer-low", "mps+server-low", "batching", "mps+batching")
 LOW_PRIORITY = {"mps+trainer-low": "trainer", "mps+server-low": "server"}  # overlap.below_normal_priority
@@ -200,25 +202,6 @@ def overlap_of(option: str, s: Settings) -> dict:
     if "batching" in option:
         out["producer_concurrency"] = s.concurrency
     return out
-
-
-def serial_rate(prefill: float, trainer: float) -> float:
-    """Trained tok/s when the two stages take turns on the GPU: ``1 / (1/prefill + 1/trainer)``."""
-    return 1.0 / (1.0 / prefill + 1.0 / trainer)
-
-
-def ceiling_rate(prefill: float, trainer: float) -> float:
-    """Trained tok/s with the smaller stage wholly hidden under the larger (perfect overlap): ``min(prefill,
-    trainer)``; over the serial sum it is the highest ``overlap_vs_serial`` the recipe can reach."""
-    return min(prefill, trainer)
-
-
-def hidden_fraction(rate: float, prefill: float, trainer: float) -> float:
-    """How much of the smaller stage's time per token a co-located ``rate`` hides: ``(1/prefill + 1/trainer -
-    1/rate) / min(1/prefill, 1/trainer)``; 0 when the stages take turns, 1 when the smaller is wholly hidden, below
-    0 when co-located is slower than taking turns. Unlike ``overlap_vs_serial`` it does not depend on how the two
-    stages' times compare, so recipes and GPUs compare on it."""
-    return (1.0 / prefill + 1.0 / trainer - 1.0 / rate) / min(1.0 / prefill, 1.0 / trainer)
 
 
 def with_hidden(r: dict, prefill: dict, trainer: dict) -> dict:

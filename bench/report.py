@@ -1541,6 +1541,17 @@ def section_draft_comparison(files: list[tuple[str, dict]]) -> list[str]:
     )
 
 
+def _overlap_model():
+    """``specforge_kimi.plan.overlap`` (the co-located overlap model), with this checkout's ``src/`` on ``sys.path``
+    (the script runs from a checkout without an install)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    from specforge_kimi.plan import overlap
+
+    return overlap
+
+
 def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         p, t = (r.get("prefill_alone") or {}).get("tokens_per_s"), (r.get("trainer_alone") or {}).get("tokens_per_s")
@@ -1562,10 +1573,10 @@ def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
         ]
 
     def _hidden(rate, p, t):  # the shorter stage's time per token hidden (sizing's overlap_hidden_fraction)
-        return (1 / p + 1 / t - 1 / rate) / min(1 / p, 1 / t) if rate and p and t else None
+        return _overlap_model().hidden_fraction(rate, p, t) if rate and p and t else None
 
     def _ceiling(p, t, serial):  # overlap_vs_serial with the shorter stage wholly hidden
-        return min(p, t) / serial if p and t and serial else None
+        return _overlap_model().ceiling_rate(p, t) / serial if p and t and serial else None
 
     return _tabled(
         "Co-located stages: the three rates and the overlap options",

@@ -249,23 +249,10 @@ def probe_fit(probes: list[tuple[int, float]], slice_point: tuple[int, float]) -
     }
 
 
-def gpu_s_per_token(prefill: float, trainer: float, overlap: float) -> float:
-    """One GPU's seconds per token when it both prefills (at ``prefill`` tok/s alone) and trains (``trainer``
-    tok/s alone), ``overlap`` of the shorter stage's time hidden behind the longer one."""
-    a, b = 1 / prefill, 1 / trainer
-    return a + b - overlap * min(a, b)
-
-
-def overlap_from_run(*, prefill: float, trainer: float, tax_s: float, end_to_end: float) -> float:
-    """The hidden fraction that makes :func:`gpu_s_per_token` + the capture tax equal a measured one-GPU run."""
-    a, b = 1 / prefill, 1 / trainer
-    return (a + b + tax_s - 1 / end_to_end) / min(a, b)
-
-
 def colocated(*, prefill: float, trainer: float, overlap: float, tax_s: float, gpus: int) -> float:
     """Trained tok/s of one capture server spread over ``gpus`` co-located GPUs (TP = gpus): the GPUs share the
     server's tokens, the server's one capture writer adds ``tax_s`` per token."""
-    return 1 / (gpu_s_per_token(prefill, trainer, overlap) / gpus + tax_s)
+    return 1 / (_overlap().gpu_s_per_token(prefill, trainer, overlap) / gpus + tax_s)
 
 
 #: SpecForge 0.2.0's own step, as ``training.step_knobs.step_env`` spells it (what every run before the knobs ran)
@@ -427,15 +414,28 @@ def _memory(r, slice_overheads: dict) -> dict:
     }
 
 
-def _recipes():
-    """``specforge_kimi.plan.run_plan`` (``load_recipe``: a recipe as its compiled plan resolves it) and
-    ``plan.memory.memory_plan`` (the split with a transport the recipe may not name), with this checkout's ``src/``
-    put on ``sys.path`` once (the script runs from a checkout without an install)."""
-    import types
-
+def _src_on_path() -> None:
+    """This checkout's ``src/`` on ``sys.path``, once (the script runs from a checkout without an install)."""
     src = str(REPO / "src")
     if src not in sys.path:
         sys.path.insert(0, src)
+
+
+def _overlap():
+    """``specforge_kimi.plan.overlap``: the co-located overlap model (one GPU's time per token, the hidden fraction
+    a measured run implies)."""
+    _src_on_path()
+    from specforge_kimi.plan import overlap
+
+    return overlap
+
+
+def _recipes():
+    """``specforge_kimi.plan.run_plan`` (``load_recipe``: a recipe as its compiled plan resolves it) and
+    ``plan.memory.memory_plan`` (the split with a transport the recipe may not name)."""
+    import types
+
+    _src_on_path()
     from specforge_kimi.plan import memory, run_plan
 
     return types.SimpleNamespace(load_recipe=run_plan.load_recipe, memory_plan=memory.memory_plan)
@@ -637,7 +637,7 @@ def backtest(
         for r in rs:
             stage = r["_stage"]
             meas = r["perf"]["end_to_end_tokens_per_s"]
-            pred = 1 / (gpu_s_per_token(stage["prefill"], stage["trainer"], 0.0) + stage["tax_s"])
+            pred = 1 / (_overlap().gpu_s_per_token(stage["prefill"], stage["trainer"], 0.0) + stage["tax_s"])
             out.append(
                 {
                     "what": f"slice co-located run end-to-end tok/s, {t}",
@@ -653,7 +653,7 @@ def backtest(
             )
             if others:
                 h = sum(others) / len(others)
-                pred = 1 / (gpu_s_per_token(stage["prefill"], stage["trainer"], h) + stage["tax_s"])
+                pred = 1 / (_overlap().gpu_s_per_token(stage["prefill"], stage["trainer"], h) + stage["tax_s"])
                 out.append(
                     {
                         "what": f"slice co-located run end-to-end tok/s, {t}, overlap from the other transport",
@@ -807,7 +807,7 @@ def slice_runs(
         step_name, step = run_step(p.name, run, recipe_step)
         length, trainer_alone = _trainer_rate(trainer_bench, round(run["perf"]["tokens_per_step"]), step)
         stage = {"prefill": slice_prefill, "trainer": trainer_alone, "tax_s": capture[t]["tax_s_per_token"]}
-        h = overlap_from_run(**stage, end_to_end=run["perf"]["end_to_end_tokens_per_s"])
+        h = _overlap().hidden_fraction(run["perf"]["end_to_end_tokens_per_s"], **stage)
         runs.setdefault(t, []).append(
             {**run, "_file": p.name, "_stage": {**stage, "length": length, "step": step_name}, "_overlap": h}
         )

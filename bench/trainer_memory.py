@@ -299,19 +299,22 @@ def variant_trainer(recipe, name: str):
         raise KimiInputError(f"--variants: {name!r}: {validation_summary(exc)}") from None
 
 
-def variant_env(recipe, name: str, base: dict[str, str]) -> dict[str, str]:
-    """``base`` (the environment) with the step variables of variant ``name`` (``training.step_knobs.step_env``);
-    an allocator setting the variant does not name is removed, so that the shell's never leaks into a variant."""
+def variant_env(recipe, name: str, base: dict[str, str], backend: str | None = None) -> dict[str, str]:
+    """``base`` (the environment) with the step variables of variant ``name`` (``training.step_knobs.step_env``) on
+    attention ``backend`` (None: the recipe's; ``fa`` turns on the fa-kernel seam); an allocator setting the variant
+    does not name is removed, so that the shell's never leaks into a variant."""
     from types import SimpleNamespace
 
     from specforge_kimi.training.step_knobs import ALLOC_CONF_ENV, trainer_env
 
+    backend = recipe.trainer.attention_backend if backend is None else backend
     if recipe_update(name) is not None:
-        v = variant_trainer(recipe, name)
+        v = variant_trainer(recipe, name).model_copy(update={"attention_backend": backend})
     else:
         v = SimpleNamespace(
             **{
                 "family": recipe.trainer.family,  # a block draft's step gets no eagle3 switches
+                "attention_backend": backend,
                 "step_fewer_host_syncs": False,
                 "step_chunked_head_loss": None,
                 "step_compile_elementwise": False,
@@ -354,40 +357,43 @@ def measure_gemm_tflops(n: int = 8192, iters: int = 40) -> float | None:
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Per (backend, length): each variant against the first variant measured there (``--variants``' order) --
-    speed ratio, MFU, peak reserved, and the largest loss difference over the steps (same data and init)."""
+    """Per (backend, length): each variant against the first variant measured there (``--variants``' order); then
+    per (variant, length) measured on several backends: each backend against the first (``--backends``' order,
+    ``against_backend``) -- speed ratio, MFU, peak reserved, and the largest loss difference over the steps (same
+    data and init)."""
+    ok = [r for r in rows if "length" in r and "error" not in r]
     out = []
-    keys = sorted({(r["backend"], r["length"]) for r in rows if "length" in r and "error" not in r})
-    for backend, length in keys:
-        group = [r for r in rows if r.get("backend") == backend and r.get("length") == length and "error" not in r]
-        base = group[0]
-        for r in group:
-            n = min(len(r["losses"]), len(base["losses"]))
-            out.append(
-                {
-                    "backend": backend,
-                    "length": length,
-                    "variant": r["variant"],
-                    "against": base["variant"],
-                    "tokens_per_s": r.get("tokens_per_s"),
-                    "speed_ratio": r["tokens_per_s"] / base["tokens_per_s"]
-                    if r.get("tokens_per_s") and base.get("tokens_per_s")
-                    else None,
-                    "mfu": r.get("mfu"),
-                    "mfu_vs_measured_gemm": r.get("mfu_vs_measured_gemm"),
-                    "peak_reserved_gib": r.get("peak_reserved_gib"),
-                    "loss_max_abs_diff": max(
-                        abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n], strict=True)
-                    )
-                    if n
-                    else None,
-                }
-            )
+    for backend, length in sorted({(r["backend"], r["length"]) for r in ok}):
+        group = [r for r in ok if r["backend"] == backend and r["length"] == length]
+        out += [_against(r, group[0], backend=backend, against=group[0]["variant"]) for r in group]
+    for variant, length in sorted({(r["variant"], r["length"]) for r in ok}):
+        group = [r for r in ok if r["variant"] == variant and r["length"] == length]
+        out += [_against(r, group[0], backend=r["backend"], against=variant, against_backend=group[0]["backend"])
+                for r in group[1:]]  # fmt: skip
     return out
 
 
-#: the FLOP model's attention mode for what each backend executes (training.step_flops)
-EXECUTED = {"flex_attention": "flex", "sdpa": "sdpa"}
+def _against(r: dict, base: dict, *, backend: str, **against) -> dict:
+    """Row ``r`` (on ``backend``) against row ``base``: ``against`` names the variant, and the backend if another,
+    it is measured against."""
+    n = min(len(r["losses"]), len(base["losses"]))
+    return {
+        "backend": backend,
+        "length": r["length"],
+        "variant": r["variant"],
+        **against,
+        "tokens_per_s": r.get("tokens_per_s"),
+        "speed_ratio": r["tokens_per_s"] / base["tokens_per_s"] if r.get("tokens_per_s") and base.get("tokens_per_s") else None,
+        "mfu": r.get("mfu"),
+        "mfu_vs_measured_gemm": r.get("mfu_vs_measured_gemm"),
+        "peak_reserved_gib": r.get("peak_reserved_gib"),
+        "loss_max_abs_diff": max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n], strict=True))
+        if n
+        else None,
+    }
+
+
+EXECUTED = {"flex_attention": "flex", "fa": "fa", "sdpa": "sdpa"}
 
 
 def _throughput(row: dict) -> dict:
@@ -452,7 +458,8 @@ def _step_switches(backend, family: str) -> dict:
     """What the variant's step environment turned on in the built step: SPECFORGE_ADAMW_FUSED (patch
     bf16-optimizer-fused-adamw applied or not); for an EAGLE-3 step also SPECFORGE_EAGLE3_FEWER_SYNCS (patch
     eagle3-fewer-host-syncs), SPECFORGE_EAGLE3_CHUNKED_LOSS (patch eagle3-chunked-head-loss: tokens per chunk, 0
-    unchunked) and SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE (our compile-elementwise seam, installed by register());
+    unchunked), SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE (our compile-elementwise seam, installed by register()) and
+    SPECFORGE_KIMI_EAGLE3_FA_KERNEL (our fa-kernel seam, with ``--backends fa``);
     a block step reads none of those. SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP (our optimizer-fused-clip seam) for either:
     installed and taking this optimizer's step."""
     from specforge_kimi.drafts import optimizer_fused_clip
@@ -461,12 +468,12 @@ def _step_switches(backend, family: str) -> dict:
     fused_clip = optimizer_fused_clip.installed() and optimizer_fused_clip.applies(backend.optimizer)
     if family != "eagle3":
         return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False,
-                "eagle3_block_mask": False, "flex_autotune": False, "eagle3_fused_wgrad": False,
+                "eagle3_block_mask": False, "flex_autotune": False, "eagle3_fused_wgrad": False, "fa_kernel": False,
                 "optimizer_fused_clip": fused_clip}  # fmt: skip
     import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
-    from specforge_kimi.drafts import eagle3_block_mask, eagle3_fused_wgrad, flex_autotune
+    from specforge_kimi.drafts import eagle3_block_mask, eagle3_fa_kernel, eagle3_fused_wgrad, flex_autotune
     from specforge_kimi.drafts.compile_elementwise import installed
 
     return {
@@ -477,6 +484,7 @@ def _step_switches(backend, family: str) -> dict:
         "eagle3_block_mask": eagle3_block_mask.installed(),
         "flex_autotune": flex_autotune.installed(),
         "eagle3_fused_wgrad": eagle3_fused_wgrad.installed(eagle3_model.OnlineEagle3Model),
+        "fa_kernel": eagle3_fa_kernel.installed(),
         "optimizer_fused_clip": fused_clip,
     }
 
@@ -755,7 +763,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backends",
         default="flex_attention,sdpa",
-        help="comma-separated SpecForge attention backends (flex_attention needs CUDA)",
+        help="comma-separated SpecForge attention backends: flex_attention (needs CUDA), fa (our fa-kernel seam: "
+        "PyTorch's attention kernels), sdpa",
     )
     ap.add_argument("--lengths", default="2048,4096", help="comma-separated sample lengths (ascending per backend)")
     ap.add_argument("--sdpa-lengths", default=None, help="lengths for sdpa if different from --lengths")
@@ -870,8 +879,8 @@ def parse(args: argparse.Namespace, family: str = "eagle3") -> Settings:
         raise KimiInputError("--memory-cap-gib must be >= 0 (0: no cap), and a cap needs CUDA")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("flex_attention", "sdpa"):
-            raise KimiInputError(f"--backends: {b!r} is not flex_attention or sdpa")
+        if b not in EXECUTED:
+            raise KimiInputError(f"--backends: {b!r} is not flex_attention, fa or sdpa")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         if v not in VARIANTS and recipe_update(v) is None:
@@ -1065,7 +1074,7 @@ def measure(s: Settings, recipe) -> dict:
         rows = []
         with open(log, "w") as fh:
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=fh, text=True, env=variant_env(recipe, v, dict(os.environ))
+                cmd, stdout=subprocess.PIPE, stderr=fh, text=True, env=variant_env(recipe, v, dict(os.environ), backend=b)
             )
             for line in proc.stdout:  # each row is kept as it comes (a killed run keeps what it measured)
                 if line.startswith("{"):

@@ -21,11 +21,13 @@ def eagle3_step(
     attention="sdpa",
     draft_ids=None,
     lk_loss_type=None,
+    valid_length=None,
 ):
     """A zero-argument callable running one forward + backward and returning the loss (a detached tensor); the
     step's metrics (``StepOutput.metrics``) are left in its ``metrics`` attribute. The draft vocabulary is the first
     ``draft_vocab_size`` target ids, or the sorted target ids ``draft_ids``; ``lk_loss_type``: SpecForge's LK
-    objective (None: KL only)."""
+    objective (None: KL only); ``valid_length``: the sample's real tokens, the rest right padding (attention and loss
+    masks 0; None: all ``length``)."""
     import torch
     import torch.nn as nn
     from specforge.modeling.target.target_head import TargetHead
@@ -49,13 +51,14 @@ def eagle3_step(
     model = model_cls(draft_model, length=ttt, attention_backend=attention, lk_loss_type=lk_loss_type)
     strategy = Eagle3TrainStrategy(model, target_head=head)
     g = torch.Generator().manual_seed(0)
+    real = (torch.arange(length) < (length if valid_length is None else valid_length)).long().unsqueeze(0)
     batch = TrainBatch(
         sample_ids=["cpu-step"],
         strategy="eagle3",
         tensors={
             "input_ids": torch.randint(0, vocab, (1, length), generator=g),
-            "attention_mask": torch.ones(1, length, dtype=torch.long),
-            "loss_mask": torch.ones(1, length, dtype=torch.long),
+            "attention_mask": real.clone(),
+            "loss_mask": real.clone(),
             "hidden_state": torch.randn(1, length, 3 * target_hidden, generator=g),
             "target": torch.randn(1, length, target_hidden, generator=g),
         },

@@ -100,6 +100,14 @@ EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
     writers=("training.step_knobs",),
     readers=("drafts.compile_elementwise",),
 )
+EAGLE3_FA_KERNEL = EnvVar(
+    "SPECFORGE_KIMI_EAGLE3_FA_KERNEL",
+    "1: the fa-kernel seam runs SpecForge's fa EAGLE-3 attention on PyTorch's own attention kernels (set when the "
+    "recipe's trainer.attention_backend is fa)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.eagle3_fa_kernel",),
+)
 RESUME_SKIP = EnvVar(
     "SPECFORGE_KIMI_RESUME_SKIP",
     "a file of the task ids a resumed attempt skips (trained before its checkpoint)",

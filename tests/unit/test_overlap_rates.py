@@ -24,20 +24,6 @@ def bench():
     return mod
 
 
-def test_serial_sum_is_the_stages_taking_turns(bench):
-    assert bench.serial_rate(50000.0, 12500.0) == pytest.approx(10000.0)
-    assert bench.serial_rate(3.0, 6.0) == pytest.approx(2.0)
-
-
-def test_hidden_fraction_is_how_much_of_the_smaller_stage_the_overlap_hides(bench):
-    # prefill 2e-5 s a token, trainer 8e-5: taking turns 1e-4 (10,000 tok/s), the ceiling the trainer alone
-    assert bench.hidden_fraction(10000.0, 50000.0, 12500.0) == pytest.approx(0.0)
-    assert bench.hidden_fraction(12500.0, 50000.0, 12500.0) == pytest.approx(1.0)
-    assert bench.hidden_fraction(12500.0, 12500.0, 50000.0) == pytest.approx(1.0)  # whichever stage is smaller
-    assert bench.hidden_fraction(9000.0, 50000.0, 12500.0) < 0  # slower than taking turns
-    assert bench.ceiling_rate(50000.0, 12500.0) == 12500.0
-
-
 def test_dry_run_writes_one_json_with_a_row_per_option(bench, tmp_path, capsys):
     out = tmp_path / "o.json"
     assert bench.main(["--dry-run", "--out", str(out), "--split", "40,60", "--concurrency", "3"]) == 0

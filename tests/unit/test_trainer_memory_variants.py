@@ -65,6 +65,43 @@ def test_a_composed_variant_sets_the_step_variables_a_recipe_with_its_fields_set
     )
 
 
+def test_the_fa_backend_turns_on_the_fa_kernel_seam_for_every_variant(tm):
+    r = load_recipe(REPO / EAGLE3)
+    for variant in ("recipe", "stacked_untuned", "fewer_syncs+compiled"):
+        assert tm.variant_env(r, variant, {}, backend="fa")[step_knobs.FA_KERNEL_ENV] == "1", variant
+        flex = tm.variant_env(r, variant, {}, backend="flex_attention")
+        assert flex[step_knobs.FA_KERNEL_ENV] == "0" and flex == tm.variant_env(r, variant, {}), variant
+    assert step_knobs.FA_KERNEL_ENV not in tm.variant_env(load_recipe(REPO / BLOCK), "recipe", {}, backend="fa")
+
+
+def _row(variant, backend, tokens_per_s, losses):
+    return {"variant": variant, "backend": backend, "length": 4096, "tokens_per_s": tokens_per_s, "losses": losses}
+
+
+def test_rows_on_two_backends_are_compared_backend_against_backend(tm):
+    rows = [
+        _row("recipe", "flex_attention", 100.0, [9.0, 8.0]),
+        _row("recipe", "fa", 125.0, [9.0, 8.25]),
+        _row("stacked_untuned", "flex_attention", 110.0, [9.0, 8.0]),
+        _row("stacked_untuned", "fa", 132.0, [9.5, 8.0]),
+        {"variant": "compiled", "backend": "fa", "length": 4096, "error": "oom"},
+    ]
+    out = tm.compare(rows)
+    within = [c for c in out if "against_backend" not in c]
+    assert [(c["backend"], c["variant"], c["against"]) for c in within] == [
+        ("fa", "recipe", "recipe"),
+        ("fa", "stacked_untuned", "recipe"),
+        ("flex_attention", "recipe", "recipe"),
+        ("flex_attention", "stacked_untuned", "recipe"),
+    ]
+    across = {c["variant"]: c for c in out if "against_backend" in c}
+    assert across.keys() == {"recipe", "stacked_untuned"}
+    assert across["recipe"]["backend"] == "fa" and across["recipe"]["against_backend"] == "flex_attention"
+    assert across["recipe"]["speed_ratio"] == pytest.approx(1.25) and across["recipe"]["loss_max_abs_diff"] == 0.25
+    assert across["stacked_untuned"]["speed_ratio"] == pytest.approx(1.2)
+    assert across["stacked_untuned"]["loss_max_abs_diff"] == 0.5
+
+
 @pytest.mark.parametrize(
     "recipe,variants,line",
     [

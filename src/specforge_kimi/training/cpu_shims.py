@@ -73,7 +73,8 @@ What is configured instead of patched (see :mod:`specforge_kimi.training.offline
   profiler checks ``torch.cuda.is_available()`` itself. None needs a shim.
 - Attention: ``training.attention_backend: sdpa``. The default ``flex_attention`` fails on
   the first backward with ``NotImplementedError: FlexAttention does not support backward on
-  CPU`` (``torch/nn/attention/flex_attention.py:1398``); ``fa`` needs flash-attn.
+  CPU`` (``torch/nn/attention/flex_attention.py:1398``); ``fa`` needs flash-attn, or our fa-kernel seam
+  (:mod:`specforge_kimi.drafts.eagle3_fa_kernel`: PyTorch's CPU flash kernel).
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ Pairs ``P_k`` by ``attention`` mode:
   block mask: causal tiles ``nb (nb + 1) / 2`` of the ``nb = ceil((L-k)/B)`` blocks plus ``k nb``
   diagonal tiles for the earlier steps' keys, ``P_k = B^2 (nb (nb+1)/2 + k nb)``; its backward
   recomputes the scores, so the core's backward is 2.5x forward in this mode.
+* ``"fa"`` (what SpecForge's ``fa`` path executes as kernels, on flash_attn or our fa-kernel seam): one causal
+  kernel over step 0's keys for the whole sample (rows past the shrunk length are computed, then zeroed),
+  ``P_k = L (L+1) / 2``; the later steps' own-position keys are elementwise and not counted; the kernel's backward
+  recomputes the scores (2.5x forward).
 
 ``flops_per_token = total / L`` (every position of the sample is trained at each TTT step). At the
 B200 recipe's draft (H 7168, 56/8 heads of 128, I 18432, Vd 32000, V 163840, T 7) and L = 4096 the
@@ -59,7 +63,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-ATTENTION_MODES = ("useful", "sdpa", "flex")
+ATTENTION_MODES = ("useful", "sdpa", "flex", "fa")
 #: Terms, in the order a profile's classes are compared with them.
 TERMS = ("fc", "attn_proj", "attn_core", "mlp", "draft_head", "target_head", "loss_softmax", "embedding")
 
@@ -148,6 +152,8 @@ def attention_pairs(length: int, step: int, mode: str = "useful", block: int = 1
         return m * (m + 1) // 2 + k * m
     if mode == "sdpa":
         return n * n
+    if mode == "fa":
+        return n * (n + 1) // 2
     if mode == "flex":
         nb = math.ceil(max(n - k, 0) / block)
         return block * block * (nb * (nb + 1) // 2 + k * nb)
@@ -213,7 +219,7 @@ def step_flops(
         "loss_softmax": 0,
         "embedding": 0,
     }
-    core_bwd = fwd["attn_core"] * 5 // 2 if attention == "flex" else 2 * fwd["attn_core"]
+    core_bwd = fwd["attn_core"] * 5 // 2 if attention in ("flex", "fa") else 2 * fwd["attn_core"]
     bwd = {
         "fc": fwd["fc"],  # weight grad only: the captured features need no grad
         "attn_proj": 2 * fwd["attn_proj"],

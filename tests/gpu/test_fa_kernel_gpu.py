@@ -1,0 +1,110 @@
+"""The fa-kernel seam on a GPU: what the CPU cannot show (tests/unit/test_fa_kernel.py has the rest).
+
+On CUDA the seam's function runs cuDNN's attention (or PyTorch's flash kernel where cuDNN refuses the shapes) with
+its log-sum-exp, and that kernel's backward with the merged output and log-sum-exp. Here, in bf16 at the K2.5
+draft's head shapes (56 query / 8 key-value heads of 128) over 1,024 positions with two samples, one right-padded:
+the output and the gradients of the query and of every key and value block against dense attention in fp32 over
+every block with the EAGLE-3 mask, and against SpecForge's own flex-attention path with its ``generate_eagle3_mask``
+(the recipes' default backend), at 1 and 4 key blocks. Which kernel ran is recorded in ``fa_kernel_gpu.json``
+under ``$SPECFORGE_KIMI_GPU_OUT`` (or a tmp dir). Expected wall time: well under a minute (flex compiles).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+B, S, H, H_KV, D = 2, 1024, 56, 8, 128
+PAD = 100  # the second sample's padding
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    d = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or tmp_path)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _dense(q, ck, cv, valid, scale):
+    b, s, h, d = q.shape
+    n, h_kv = ck.shape[1], ck.shape[3]
+    k = ck.float().permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
+    v = cv.float().permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
+    scores = torch.einsum("bshd,bhkd->bhsk", q.float(), k) * scale
+    qi = torch.arange(s, device=q.device).view(s, 1)
+    kv = torch.arange(n * s, device=q.device).view(1, n * s)
+    keep = ((kv < s) & (kv <= qi)) | ((kv >= s) & (kv % s == qi))
+    rows = torch.arange(s, device=q.device).view(1, s, 1) < valid.view(b, 1, 1)
+    keep = (keep.unsqueeze(0) & rows).unsqueeze(1)
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhsk,bhkd->bshd", p, v)
+
+
+def _flex(q, ck, cv, valid, scale):
+    """SpecForge's flex path for the same attention: its mask, keys of all blocks concatenated (its KV cache)."""
+    from specforge.modeling.draft.flex_attention import generate_eagle3_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, s, h, d = q.shape
+    n = ck.shape[1]
+    k = ck.permute(0, 3, 1, 2, 4).reshape(b, H_KV, n * s, d)
+    v = cv.permute(0, 3, 1, 2, 4).reshape(b, H_KV, n * s, d)
+    mask = create_block_mask(
+        generate_eagle3_mask(seq_lengths=valid, Q_LEN=s, KV_LEN=n * s, lck=n - 1), B=b, H=1, Q_LEN=s,
+        KV_LEN=n * s, device=q.device,
+    )  # fmt: skip
+    o = torch.compile(flex_attention)(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True, scale=scale)
+    return o.transpose(1, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
+    from specforge_kimi.drafts import eagle3_fa_kernel as fk
+
+    fk.install_fa_kernel(force=True)
+    try:
+        fn = fk._make_function()
+        g = torch.Generator(device="cuda").manual_seed(blocks)
+        kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
+        q = torch.randn(B, S, H, D, **kw).requires_grad_()
+        ck = torch.randn(B, blocks, S, H_KV, D, **kw).requires_grad_()
+        cv = torch.randn(B, blocks, S, H_KV, D, **kw).requires_grad_()
+        valid = torch.tensor([S, S - PAD], device="cuda")
+        scale = 1 / math.sqrt(D)
+        w = torch.randn(B, S, H, D, device="cuda", generator=g)
+        got = fn.apply(q, ck, cv, valid, scale)
+        grads = torch.autograd.grad((got.float() * w).sum(), (q, ck, cv))
+        ref = _dense(q, ck, cv, valid, scale)
+        refs = torch.autograd.grad((ref * w).sum(), (q, ck, cv))
+        flex = _flex(q, ck, cv, valid, scale)
+        flex_grads = torch.autograd.grad((flex.float() * w).sum(), (q, ck, cv))
+        kernel = "flash" if fk._CUDNN_REFUSED else "cudnn"
+        path = out / "fa_kernel_gpu.json"
+        rec = json.loads(path.read_text()) if path.is_file() else {}
+        rec[f"blocks_{blocks}"] = {
+            "kernel": kernel,
+            "cudnn_refused": list(fk._CUDNN_REFUSED),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "out_max_abs_vs_dense": float((got.float() - ref).abs().max()),
+            "out_max_abs_vs_flex": float((got.float() - flex.float()).abs().max()),
+            "grad_max_abs_vs_dense": [float((a.float() - b.float()).abs().max()) for a, b in zip(grads, refs)],
+            "grad_max_abs_vs_flex": [float((a.float() - b.float()).abs().max()) for a, b in zip(grads, flex_grads)],
+        }
+        path.write_text(json.dumps(rec, indent=2))
+        assert got[1, S - PAD :].abs().max() == 0
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.float(), flex.float(), rtol=2e-2, atol=2e-2)
+        for a, b, c in zip(grads, refs, flex_grads):
+            torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+            torch.testing.assert_close(a.float(), c.float(), rtol=5e-2, atol=5e-2)
+    finally:
+        fk.uninstall_fa_kernel()
