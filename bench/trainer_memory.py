@@ -383,7 +383,9 @@ def _against(r: dict, base: dict, *, backend: str, **against) -> dict:
         "variant": r["variant"],
         **against,
         "tokens_per_s": r.get("tokens_per_s"),
-        "speed_ratio": r["tokens_per_s"] / base["tokens_per_s"] if r.get("tokens_per_s") and base.get("tokens_per_s") else None,
+        "speed_ratio": r["tokens_per_s"] / base["tokens_per_s"]
+        if r.get("tokens_per_s") and base.get("tokens_per_s")
+        else None,
         "mfu": r.get("mfu"),
         "mfu_vs_measured_gemm": r.get("mfu_vs_measured_gemm"),
         "peak_reserved_gib": r.get("peak_reserved_gib"),
@@ -1074,7 +1076,11 @@ def measure(s: Settings, recipe) -> dict:
         rows = []
         with open(log, "w") as fh:
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=fh, text=True, env=variant_env(recipe, v, dict(os.environ), backend=b)
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=fh,
+                text=True,
+                env=variant_env(recipe, v, dict(os.environ), backend=b),
             )
             for line in proc.stdout:  # each row is kept as it comes (a killed run keeps what it measured)
                 if line.startswith("{"):

@@ -96,14 +96,18 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
             "torch": torch.__version__,
             "out_max_abs_vs_dense": float((got.float() - ref).abs().max()),
             "out_max_abs_vs_flex": float((got.float() - flex.float()).abs().max()),
-            "grad_max_abs_vs_dense": [float((a.float() - b.float()).abs().max()) for a, b in zip(grads, refs)],
-            "grad_max_abs_vs_flex": [float((a.float() - b.float()).abs().max()) for a, b in zip(grads, flex_grads)],
+            "grad_max_abs_vs_dense": [
+                float((a.float() - b.float()).abs().max()) for a, b in zip(grads, refs, strict=True)
+            ],
+            "grad_max_abs_vs_flex": [
+                float((a.float() - b.float()).abs().max()) for a, b in zip(grads, flex_grads, strict=True)
+            ],
         }
         path.write_text(json.dumps(rec, indent=2))
         assert got[1, S - PAD :].abs().max() == 0
         torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got.float(), flex.float(), rtol=2e-2, atol=2e-2)
-        for a, b, c in zip(grads, refs, flex_grads):
+        for a, b, c in zip(grads, refs, flex_grads, strict=True):
             torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
             torch.testing.assert_close(a.float(), c.float(), rtol=5e-2, atol=5e-2)
     finally:

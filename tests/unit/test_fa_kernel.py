@@ -63,7 +63,7 @@ def test_the_function_is_dense_eagle3_attention_with_gqa_and_padding(seam, block
     assert out[1, s - 4 :].abs().max() == 0  # the padded rows are zero
     grads = torch.autograd.grad((out * w).sum(), (q, ck, cv))
     refs = torch.autograd.grad((ref * w.double()).sum(), (q, ck, cv))
-    for got, want in zip(grads, refs):
+    for got, want in zip(grads, refs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert grads[0][1, s - 4 :].abs().max() == 0
 

@@ -64,14 +64,27 @@ def _attention_forward(q, k, v, scale: float):
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
                 qt, kt, vt, None, True, 0.0, True, False, scale=scale
             )
-            return out.transpose(1, 2), lse.reshape(b, h, s), ("cudnn", tuple(lse.shape), (cum_q, cum_k, max_q, max_k, seed, offset))
-        except RuntimeError as exc:
+            return (
+                out.transpose(1, 2),
+                lse.reshape(b, h, s),
+                ("cudnn", tuple(lse.shape), (cum_q, cum_k, max_q, max_k, seed, offset)),
+            )
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # cuDNN has no engine for these shapes, strides or this build
             _CUDNN_REFUSED.append(str(exc))
-            warnings.warn(f"fa-kernel: cuDNN attention refused {tuple(qt.shape)}; PyTorch's flash kernel instead: {exc}")
+            warnings.warn(
+                f"fa-kernel: cuDNN attention refused {tuple(qt.shape)}; PyTorch's flash kernel instead: {exc}",
+                stacklevel=2,
+            )
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         qt, kt, vt, 0.0, True, False, scale=scale
     )
-    return out.transpose(1, 2), lse.reshape(b, h, s), ("flash", tuple(lse.shape), (cum_q, cum_k, max_q, max_k, seed, offset))
+    return (
+        out.transpose(1, 2),
+        lse.reshape(b, h, s),
+        ("flash", tuple(lse.shape), (cum_q, cum_k, max_q, max_k, seed, offset)),
+    )
 
 
 def _heads_of(q, k, v):
@@ -168,7 +181,9 @@ def _make_function():
             b, s, h, d = q.shape
             blocks, h_kv = cache_k.shape[1], cache_k.shape[3]
             g = h // h_kv
-            grad_out = torch.where(valid, grad_out.reshape(b, s, h, d), torch.zeros((), dtype=grad_out.dtype, device=q.device))
+            grad_out = torch.where(
+                valid, grad_out.reshape(b, s, h, d), torch.zeros((), dtype=grad_out.dtype, device=q.device)
+            )
             lse_kernel = lse.permute(0, 2, 3, 1).reshape(b, h, s)
             dq, dk0, dv0 = _attention_backward(
                 ctx.state, grad_out, q, cache_k[:, 0], cache_v[:, 0], out, lse_kernel, scale
@@ -184,7 +199,7 @@ def _make_function():
                 go = grad_out.float().reshape(b, s, h_kv, g, d)
                 delta = (go * out.float().reshape(b, s, h_kv, g, d)).sum(-1, keepdim=True)
                 ds = wd * (torch.einsum("bshgd,bnshd->bshgn", go, vd) - delta) * scale
-                dq = (dq.float() + torch.einsum("bshgn,bnshd->bshgd", ds, cache_k[:, 1:].float()).reshape(b, s, h, d))
+                dq = dq.float() + torch.einsum("bshgn,bnshd->bshgd", ds, cache_k[:, 1:].float()).reshape(b, s, h, d)
                 dq = dq.to(q.dtype)
                 dk[:, 1:] = torch.einsum("bshgn,bshgd->bnshd", ds, qf).to(dk.dtype)
                 dv[:, 1:] = torch.einsum("bshgn,bshgd->bnshd", wd, go).to(dv.dtype)
