@@ -1,7 +1,7 @@
 """A torch.profiler trace of EAGLE-3 trainer steps, summarised by class of work (``bench/trainer_memory.py --profile-steps``).
 
 Scope: one process's profile of ``N`` ``TrainerCore.train_step`` calls after the timed steps. Classes:
-``gemm`` (the draft's other GEMMs: fc, attention projections, MLP), ``attention`` (flex / sdpa / flash
+``gemm`` (the draft's other GEMMs: fc, attention projections, MLP), ``attention`` (flex / sdpa / flash / cuDNN sdpa
 kernels, inductor template kernels ``triton_tem_*`` -- flex is the only template here --, and ``bmm``
 on the sdpa path's ``L x L`` products), ``draft_head_loss`` (GEMMs with a dimension equal to the draft
 vocabulary, softmax / log-softmax / cross-entropy kernels including SpecForge's ``LogSoftmaxLoss``
@@ -43,7 +43,7 @@ CLASSES = (
 TEACHER, OPTIMIZER = "kimi:teacher", "kimi:optimizer"
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"}
 _GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(tn|nt|nn|tt)", re.I)
-_ATTENTION = re.compile(r"flex|attention|attn|fmha|flash|triton_tem_", re.I)
+_ATTENTION = re.compile(r"flex|attention|attn|fmha|flash|sdpa|triton_tem_", re.I)
 _LOSS = re.compile(r"softmax|cross_entropy|nll_loss|logsumexp", re.I)
 _OPTIMIZER = re.compile(r"multi_tensor|foreach|adam", re.I)
 _COPY = re.compile(r"memcpy|memset|copy|cat_|catarray|cat\b", re.I)
