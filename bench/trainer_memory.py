@@ -609,6 +609,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "eagle3_block_mask": trainer["eagle3_block_mask"],
         "flex_autotune": trainer["flex_autotune"],
         "eagle3_fused_wgrad": trainer["eagle3_fused_wgrad"],
+        "fa_kernel": trainer["fa_kernel"],
         "optimizer_fused_clip": trainer["optimizer_fused_clip"],
         "backend": args.backend,
         "length": length,

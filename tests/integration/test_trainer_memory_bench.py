@@ -179,6 +179,37 @@ def test_eagle3_only_variants_are_refused_for_a_block_draft_in_one_line(tmp_path
 
 
 @pytest.mark.slow
+def test_the_fa_backend_trains_specforges_step_through_the_fa_kernel_seam(tmp_path):
+    """``--backends sdpa,fa``: the fa row's child gets SPECFORGE_KIMI_EAGLE3_FA_KERNEL=1 from ``variant_env``, its
+    ``register()`` installs the seam, and SpecForge builds and trains its ``fa`` backend (``LlamaFlashAttention``)
+    without flash_attn; the same seeded data and init as the sdpa row, so the same losses to bf16 rounding; the
+    comparisons read the fa row against the sdpa row (``against_backend``)."""
+    out = tmp_path / "tm.json"
+    res = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa,fa", "--lengths", "32"),
+            *("--steps", "2", "--variants", "recipe", "--workdir", str(tmp_path / "work"), "--out", str(out)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [(r["backend"], r.get("error"), r["fa_kernel"]) for r in rows] == [("sdpa", None, False), ("fa", None, True)]
+    key = "SPECFORGE_KIMI_EAGLE3_FA_KERNEL"
+    assert [r["step_env"][key] for r in rows] == ["0", "1"]
+    assert [r["flops_executed_attention"] for r in rows] == ["sdpa", "fa"]
+    sdpa, fa = (r["losses"] for r in rows)
+    assert len(fa) == 2 and fa == pytest.approx(sdpa, rel=2e-3), (fa, sdpa)
+    across = [c for c in doc["comparisons"] if "against_backend" in c]
+    assert [(c["backend"], c["against_backend"], c["variant"]) for c in across] == [("fa", "sdpa", "recipe")]
+    assert across[0]["loss_max_abs_diff"] == max(abs(a - b) for a, b in zip(fa, sdpa, strict=True))
+
+
+@pytest.mark.slow
 def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
     """``--variants``: each variant's child gets its step variables (and no inherited allocator setting); with our
     SpecForge patches applied (a patched copy first on the path) the fused variant's optimizer is fused; both train
@@ -242,7 +273,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         "fused_wgrad",
     ]
     assert [r["variant"] for r in rows] == variants, rows
-    cache, fused, syncs, chunked, comp, mask, tune, wgrad, clip, alloc = (
+    cache, fused, syncs, chunked, comp, mask, tune, wgrad, fa, clip, alloc = (
         "SPECFORGE_EAGLE3_EMPTY_CACHE",
         "SPECFORGE_ADAMW_FUSED",
         "SPECFORGE_EAGLE3_FEWER_SYNCS",
@@ -251,10 +282,11 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD",
+        "SPECFORGE_KIMI_EAGLE3_FA_KERNEL",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP",
         "PYTORCH_CUDA_ALLOC_CONF",
     )
-    off = {comp: "0", mask: "0", tune: "0", wgrad: "0", clip: "0"}  # our seams: spelled out, off
+    off = {comp: "0", mask: "0", tune: "0", wgrad: "0", fa: "0", clip: "0"}  # our seams: spelled out, off
     assert [r["step_env"] for r in rows] == [
         {cache: "1", fused: "0", syncs: "0", chunked: "0", **off, alloc: None},
         {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, alloc: None},
@@ -350,7 +382,7 @@ def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):
     import torch
 
     cases = [
-        (["--backends", "eager"], "is not flex_attention or sdpa"),
+        (["--backends", "eager"], "is not flex_attention, fa or sdpa"),
         (["--lengths", "64,x"], "not a comma-separated list"),
         (["--lengths", "128,64"], "ascending"),
         (["--steps", "1"], "at least 2"),

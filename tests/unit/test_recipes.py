@@ -132,7 +132,7 @@ def _raw():
         (lambda r: r["server"].update(host=""), "server.host: String should match pattern"),
         # SpecForge's eager (sdpa) TTT attention at 4k tokens: 6 B x 56 heads x 7 steps x 4096^2 = 36.8 GiB more
         (lambda r: r["trainer"].update(attention_backend="sdpa"), "trainer peak ~91.1 GiB"),
-        (lambda r: r["trainer"].update(attention_backend="fa"), "attention_backend"),
+        (lambda r: r["trainer"].update(attention_backend="usp"), "attention_backend"),
         (
             lambda r: r["trainer"]["draft"].update(
                 kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128

@@ -372,6 +372,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
@@ -391,6 +392,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }
     assert step_knobs.patches_needed(shipped) == []
