@@ -21,7 +21,10 @@ with a warning), PyTorch's CPU flash kernel on the CPU. The diagonal terms are m
 all blocks at once (one score tensor [B, S, H_kv, groups, blocks - 1]) instead of a loop with an fp32 copy of the
 query per block; the backward recomputes those scores. It lifts ``LlamaFlashAttention``'s ``flash_attn`` import
 check (the seam needs no ``flash_attn``). Rows past the valid length are zero, as SpecForge's and flex's are;
-their log-sum-exp stays the first block's, so the kernel's backward never exponentiates against a placeholder.
+their log-sum-exp is the merged one like every row's (finite: every row has its causal keys), not a placeholder
+(SpecForge's 0), so the kernel's backward never exponentiates against one; their gradient is zeroed before it. A
+cuDNN backward that raises falls back to PyTorch's flash kernel (its forward recomputed for its state) as the
+forward does.
 
 Without the variable (or with ``0``) nothing is replaced. :func:`uninstall_fa_kernel` puts SpecForge's back (tests).
 """
@@ -44,6 +47,16 @@ _CUDNN_REFUSED: list = []
 def requested() -> bool:
     """Whether this process was asked for the seam (the variable is ``1``)."""
     return os.environ.get(FA_KERNEL_ENV, "0") == "1"
+
+
+def _fatal(torch) -> tuple:
+    """Errors that are no refusal of cuDNN's: out of memory, a CUDA fault."""
+    return tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None)) if t)
+
+
+def _refused(exc, shape) -> None:
+    _CUDNN_REFUSED.append(str(exc))
+    warnings.warn(f"fa-kernel: cuDNN attention refused {shape}; PyTorch's flash kernel instead: {exc}", stacklevel=3)
 
 
 def _attention_forward(q, k, v, scale: float):
@@ -69,14 +82,10 @@ def _attention_forward(q, k, v, scale: float):
                 lse.reshape(b, h, s),
                 ("cudnn", tuple(lse.shape), (cum_q, cum_k, max_q, max_k, seed, offset)),
             )
-        except torch.OutOfMemoryError:
+        except _fatal(torch):
             raise
         except RuntimeError as exc:  # cuDNN has no engine for these shapes, strides or this build
-            _CUDNN_REFUSED.append(str(exc))
-            warnings.warn(
-                f"fa-kernel: cuDNN attention refused {tuple(qt.shape)}; PyTorch's flash kernel instead: {exc}",
-                stacklevel=2,
-            )
+            _refused(exc, tuple(qt.shape))
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         qt, kt, vt, 0.0, True, False, scale=scale
     )
@@ -101,22 +110,29 @@ def _attention_backward(state, grad_out, q, k, v, out, lse, scale: float):
 
     aten = torch.ops.aten
     kind, lse_shape, extra = state
-    lse = lse.reshape(lse_shape).contiguous()
+    lse_kernel = lse.reshape(lse_shape).contiguous()
     go, o = grad_out.transpose(1, 2), out.transpose(1, 2)
     if kind == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            go, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse, 0.0, True, scale=scale
+            go, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse_kernel, 0.0, True, scale=scale
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, *_heads_of(q, k, v)))
     cum_q, cum_k, max_q, max_k, seed, offset = extra
     if kind == "cudnn":
-        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            go, qt, kt, vt, o, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
-        )
+        try:
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                go, qt, kt, vt, o, lse_kernel, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+            )
+        except _fatal(torch):
+            raise
+        except RuntimeError as exc:
+            _refused(exc, tuple(qt.shape))
+            _, _, state = _attention_forward(q, k, v, scale)  # the flash kernel's own state for its backward
+            return _attention_backward(state, grad_out, q, k, v, out, lse, scale)
     else:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            go, qt, kt, vt, o, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+            go, qt, kt, vt, o, lse_kernel, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
         )
     dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
     h, h_kv = q.shape[2], k.shape[2]
@@ -181,9 +197,9 @@ def _make_function():
             b, s, h, d = q.shape
             blocks, h_kv = cache_k.shape[1], cache_k.shape[3]
             g = h // h_kv
-            grad_out = torch.where(
+            grad_out = torch.where(  # contiguous: cuDNN's cached backward graph fixes its strides
                 valid, grad_out.reshape(b, s, h, d), torch.zeros((), dtype=grad_out.dtype, device=q.device)
-            )
+            ).contiguous()
             lse_kernel = lse.permute(0, 2, 3, 1).reshape(b, h, s)
             dq, dk0, dv0 = _attention_backward(
                 ctx.state, grad_out, q, cache_k[:, 0], cache_v[:, 0], out, lse_kernel, scale
