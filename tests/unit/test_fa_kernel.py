@@ -5,7 +5,7 @@ choice is checked here: the function against dense attention in fp64 over every 
 (causal over the first block, the own-position key of each later block, rows past the valid length zero), values
 and the gradients of the query and of every key and value block, with GQA and right padding; and SpecForge's whole
 eagle3 step with ``attention_backend: fa`` through the seam against the same step on SpecForge's ``sdpa`` path (its
-eager TTT attention): the same loss and gradients, padded or not. The CUDA kernels (cuDNN, PyTorch's flash) are
+eager TTT attention): the same loss and gradients, padded or not. The CUDA kernel (PyTorch's flash) is
 checked on a GPU (tests/gpu/test_fa_kernel_gpu.py).
 """
 
