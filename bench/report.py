@@ -398,6 +398,12 @@ _ECHO_EVAL = "eval_offline_twin_echo_tp1_h200.json on 2026-12-01"
 #: vs our spec-capture-staging-buffer), online_run_h200x2.json (SGLang's memory outside its static pool), and
 #: online_run_{4800,taps}_tp1_h200_eval_draft.json (the deep vs SGLang-default taps comparison).
 SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
+    # the trainer step
+    "trainer_step_fa_cudnn_k25_b200_h100.json": "a failed experiment: the fa backend on cuDNN's attention, whose "
+    "backward gave wrong query/key gradients with a merged output (its GPU test failed at 4 key blocks), so its fa "
+    "rows (x1.022 at 4k, x1.125 at 16k against flex) are an upper bound for a correct cuDNN path, not a result; the "
+    "seam runs PyTorch's flash kernel since: trainer_step_fa_flash_k25_b200_h100_16k.json (archive/gpu-runs/RUNS.md "
+    "2026-12-07 (second))",
     # the overlap rates
     "overlap_rates_k25_slice_h100_stages.json": "its stage rates are the ones overlap_rates_k25_slice_h100.json "
     "took (--stages-from); its two launches were refused by launch's disk check (the trainer stage's 4.4 GiB "
