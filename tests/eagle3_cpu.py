@@ -4,7 +4,8 @@ Scope: a tiny draft (any ``Eagle3DraftModel``), a random frozen target head and 
 batch; the caller picks the ``OnlineEagle3Model`` class (SpecForge's, or one loaded from a patched copy by
 ``setup_patches.load_patched_specforge_module``). SpecForge's CPU path needs ``training.cpu_shims`` installed
 (the ``cpu_shims`` fixture in conftest.py). Also the tiny draft configs the step tests share (:data:`LLAMA_H64`,
-:data:`MLA_H16`, :func:`mla_draft`).
+:data:`MLA_H16`, :func:`mla_draft`) and the EAGLE-3 TTT attention written out densely (:func:`dense_eagle3_attention`,
+the fa-kernel seam's reference on the CPU and the GPU).
 """
 
 from __future__ import annotations
@@ -124,3 +125,23 @@ def mla_draft():
         target_hidden_size=16,
     )
     return Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
+
+
+def dense_eagle3_attention(q, cache_k, cache_v, valid, scale, dtype):
+    """The EAGLE-3 TTT attention computed densely in ``dtype``: query [B, S, H, D] over the keys and values of every
+    block [B, blocks, S, H_kv, D] with the mask written out -- causal over block 0, the query's own position in each
+    later block, rows at or past ``valid`` [B] zero -- output [B, S, H, D]."""
+    import torch
+
+    b, s, h, d = q.shape
+    n, h_kv = cache_k.shape[1], cache_k.shape[3]
+    k, v = (t.to(dtype).permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
+            for t in (cache_k, cache_v))  # fmt: skip
+    scores = torch.einsum("bshd,bhkd->bhsk", q.to(dtype), k) * scale
+    qi = torch.arange(s, device=q.device).view(s, 1)
+    kv = torch.arange(n * s, device=q.device).view(1, n * s)
+    keep = ((kv < s) & (kv <= qi)) | ((kv >= s) & (kv % s == qi))
+    rows = torch.arange(s, device=q.device).view(1, s, 1) < valid.view(b, 1, 1)
+    keep = (keep.unsqueeze(0) & rows).unsqueeze(1)  # [B, 1, S, blocks x S]
+    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhsk,bhkd->bshd", p, v)

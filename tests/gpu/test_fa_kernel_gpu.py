@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle3_cpu import dense_eagle3_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -30,21 +31,6 @@ def out(tmp_path) -> Path:
     d = Path(os.environ.get("SPECFORGE_KIMI_GPU_OUT") or tmp_path)
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def _dense(q, ck, cv, valid, scale):
-    b, s, h, d = q.shape
-    n, h_kv = ck.shape[1], ck.shape[3]
-    k = ck.float().permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
-    v = cv.float().permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
-    scores = torch.einsum("bshd,bhkd->bhsk", q.float(), k) * scale
-    qi = torch.arange(s, device=q.device).view(s, 1)
-    kv = torch.arange(n * s, device=q.device).view(1, n * s)
-    keep = ((kv < s) & (kv <= qi)) | ((kv >= s) & (kv % s == qi))
-    rows = torch.arange(s, device=q.device).view(1, s, 1) < valid.view(b, 1, 1)
-    keep = (keep.unsqueeze(0) & rows).unsqueeze(1)
-    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhsk,bhkd->bshd", p, v)
 
 
 def _flex(q, ck, cv, valid, scale):
@@ -82,7 +68,7 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
         w = torch.randn(B, S, H, D, device="cuda", generator=g)
         got = fn.apply(q, ck, cv, valid, scale)
         grads = torch.autograd.grad((got.float() * w).sum(), (q, ck, cv))
-        ref = _dense(q, ck, cv, valid, scale)
+        ref = dense_eagle3_attention(q, ck, cv, valid, scale, torch.float32)
         refs = torch.autograd.grad((ref * w).sum(), (q, ck, cv))
         flex = _flex(q, ck, cv, valid, scale)
         flex_grads = torch.autograd.grad((flex.float() * w).sum(), (q, ck, cv))

@@ -19,14 +19,17 @@ SCRIPT = REPO / "bench" / "trainer_memory.py"
 RECIPE = "recipes/tiny-k25-tp1-h200.yaml"
 
 
-def _cpu_run(tmp_path: Path, recipe: str, *, profile_steps: int) -> dict:
-    """The script on the CPU at lengths 32 and 48, two steps each, sdpa; its JSON document."""
+def _cpu_run(
+    tmp_path: Path, recipe: str, *, profile_steps: int, backends: str = "sdpa", lengths: str = "32,48", extra=()
+) -> dict:
+    """The script on the CPU at ``lengths`` (default 32 and 48), two steps each, on ``backends`` (default sdpa), with
+    ``extra`` arguments; its JSON document."""
     out = tmp_path / "tm.json"
     res = subprocess.run(
         [
-            *(sys.executable, str(SCRIPT), "--recipe", recipe, "--backends", "sdpa", "--lengths", "32,48"),
+            *(sys.executable, str(SCRIPT), "--recipe", recipe, "--backends", backends, "--lengths", lengths),
             *("--steps", "2", "--profile-steps", str(profile_steps), "--workdir", str(tmp_path / "work")),
-            *("--out", str(out)),
+            *("--out", str(out), *extra),
         ],
         cwd=REPO,
         capture_output=True,
@@ -184,19 +187,7 @@ def test_the_fa_backend_trains_specforges_step_through_the_fa_kernel_seam(tmp_pa
     ``register()`` installs the seam, and SpecForge builds and trains its ``fa`` backend (``LlamaFlashAttention``)
     without flash_attn; the same seeded data and init as the sdpa row, so the same losses to bf16 rounding; the
     comparisons read the fa row against the sdpa row (``against_backend``)."""
-    out = tmp_path / "tm.json"
-    res = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), "--recipe", RECIPE, "--backends", "sdpa,fa", "--lengths", "32"),
-            *("--steps", "2", "--variants", "recipe", "--workdir", str(tmp_path / "work"), "--out", str(out)),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    doc = _cpu_run(tmp_path, RECIPE, profile_steps=0, backends="sdpa,fa", lengths="32", extra=("--variants", "recipe"))
     rows = doc["rows"]
     assert [(r["backend"], r.get("error"), r["fa_kernel"]) for r in rows] == [("sdpa", None, False), ("fa", None, True)]
     key = "SPECFORGE_KIMI_EAGLE3_FA_KERNEL"

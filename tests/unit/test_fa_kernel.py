@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from eagle3_cpu import LLAMA_H64 as LLAMA
-from eagle3_cpu import eagle3_step
+from eagle3_cpu import dense_eagle3_attention, eagle3_step
 
 from specforge_kimi.drafts import eagle3_fa_kernel as fk
 from specforge_kimi.training import step_knobs
@@ -28,21 +28,6 @@ def seam(cpu_shims, monkeypatch):
     monkeypatch.delenv(fk.FA_KERNEL_ENV, raising=False)
     yield
     fk.uninstall_fa_kernel()
-
-
-def _dense(q, cache_k, cache_v, valid, scale):
-    """The EAGLE-3 TTT attention computed densely in fp64: keys of all blocks, the mask written out."""
-    b, s, h, d = q.shape
-    n, h_kv = cache_k.shape[1], cache_k.shape[3]
-    k = cache_k.double().permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
-    v = cache_v.double().permute(0, 3, 1, 2, 4).reshape(b, h_kv, n * s, d).repeat_interleave(h // h_kv, dim=1)
-    scores = torch.einsum("bshd,bhkd->bhsk", q.double(), k) * scale
-    qi, kv = torch.arange(s).view(s, 1), torch.arange(n * s).view(1, n * s)
-    keep = ((kv < s) & (kv <= qi)) | ((kv >= s) & (kv % s == qi))
-    rows = torch.arange(s).view(1, s, 1) < valid.view(b, 1, 1)
-    keep = (keep.unsqueeze(0) & rows).unsqueeze(1)  # [B, 1, S, n S]
-    p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhsk,bhkd->bshd", p, v)
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 4])
@@ -57,7 +42,7 @@ def test_the_function_is_dense_eagle3_attention_with_gqa_and_padding(seam, block
     scale = 1 / math.sqrt(d)
     w = torch.randn(b, s, h, d, generator=g)
     out = fn.apply(q, ck, cv, valid, scale)
-    ref = _dense(q, ck, cv, valid, scale)
+    ref = dense_eagle3_attention(q, ck, cv, valid, scale, torch.float64)
     assert out.shape == (b, s, h, d) and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert out[1, s - 4 :].abs().max() == 0  # the padded rows are zero
