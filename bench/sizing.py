@@ -286,20 +286,22 @@ def _same_step(row_env: dict, step: dict[str, str]) -> bool:
     return _norm_step(row_env) == _norm_step(step)
 
 
-def _trainer_rate(trainer_bench: dict, length: int, step: dict[str, str]) -> tuple[int, float]:
-    """The flex_attention row nearest ``length`` of the step ``step`` (its ``step_env``), its batch on the GPU
-    (``feed: cuda``), from the first bench file that has that length (rows carry ``_pref``: the file's place in
-    ``TRAINER_FILES``); a bench without such a row is one line naming the step."""
+def _trainer_rate(
+    trainer_bench: dict, length: int, step: dict[str, str], backend: str = "flex_attention"
+) -> tuple[int, float]:
+    """The ``backend`` row (the recipe's ``trainer.attention_backend``) nearest ``length`` of the step ``step`` (its
+    ``step_env``), its batch on the GPU (``feed: cuda``), from the first bench file that has that length (rows carry
+    ``_pref``: the file's place in ``TRAINER_FILES``); a bench without such a row is one line naming the step."""
     rows = [
         r
         for r in trainer_bench["rows"]
-        if r["backend"] == "flex_attention"
+        if r["backend"] == backend
         and "tokens_per_s" in r
         and r.get("feed") == "cuda"
         and _same_step(r.get("step_env", {}), step)
     ]
     if not rows:
-        raise SystemExit(f"error: the trainer bench has no flex_attention row fed from the GPU of the step {step}")
+        raise SystemExit(f"error: the trainer bench has no {backend} row fed from the GPU of the step {step}")
     row = min(rows, key=lambda r: (abs(r["length"] - length), r["length"], r.get("_pref", 0)))
     return row["length"], row["tokens_per_s"]
 
@@ -313,7 +315,7 @@ def _recipe_rates(r: dict, a: dict, fit: dict, trainer_bench: dict) -> dict:
         prefill *= a["width_probe_fixed_part"]["prefill_scale"]
     if r["max_length"] > a["prompt_length"]["value"]:
         prefill *= a["prompt_length"]["prefill_scale_16k"]
-    length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"], r["step"])
+    length, trainer_h200 = _trainer_rate(trainer_bench, r["max_length"], r["step"], r["backend"])
     trainer = a["trainer_speed_vs_h200"][r["kind"]] * trainer_h200
     tax_scale = 1.0
     if r.get("flops_ratio"):
@@ -480,6 +482,7 @@ def _recipe_inputs(slice_peaks: dict, slice_transport: str) -> tuple[dict, dict,
             "kind": r.gpus.kind,
             "max_length": r.trainer.max_length,
             "step": _recipe_step(r),
+            "backend": r.trainer.attention_backend,
             "transports": transports,
             "transport": r.server.transport if explicit else "not set (single node: cuda_ipc-capable)",
             "family": r.trainer.family,
@@ -562,6 +565,7 @@ def _block_terms(r, twin) -> dict:
     return {
         "twin": twin.name,
         "step": _recipe_step(twin),
+        "backend": twin.trainer.attention_backend,
         "flops_ratio": mine["total"] / theirs["total"],
         "feature_scale": feature_bytes_per_token(r) / feature_bytes_per_token(twin),
         "block_trainer": {

@@ -539,3 +539,17 @@ def test_the_newer_trainer_bench_is_read_first(sizing, results, tmp_path):
     assert res["recipes"]["kimi-k25-8xb200-lowered"]["trainer_tokens_per_s_per_gpu"] == pytest.approx(2 * 13_000)
     assert res["recipes"]["kimi-k25-8xb300"]["trainer_tokens_per_s_per_gpu"] == pytest.approx(2 * 25_000)
     assert res["inputs"]["trainer"] == "trainer_step_k25_b200_h200.json + trainer_step_lifts_k25_b200_h200.json"
+
+
+def test_a_recipes_trainer_rate_is_read_from_its_own_attention_backends_rows(sizing):
+    """A recipe on ``fa`` is sized from the bench's ``fa`` rows, not flex's; without one it is refused in one line."""
+    bench = {
+        "rows": [
+            {"backend": "flex_attention", "length": 4096, "tokens_per_s": 10_000.0, "feed": "cuda", "step_env": RECIPE},
+            {"backend": "fa", "length": 4096, "tokens_per_s": 11_000.0, "feed": "cuda", "step_env": RECIPE},
+        ]
+    }
+    assert sizing._trainer_rate(bench, 4096, RECIPE) == (4096, 10_000.0)
+    assert sizing._trainer_rate(bench, 4096, RECIPE, "fa") == (4096, 11_000.0)
+    with pytest.raises(SystemExit, match="no sdpa row"):
+        sizing._trainer_rate(bench, 4096, RECIPE, "sdpa")
