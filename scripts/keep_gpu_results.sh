@@ -16,7 +16,7 @@ cd "${KEEP_ROOT:-$(dirname "$0")/..}"
 SRC="$SRC_ABS"
 case "$NAME" in 20[0-9][0-9]-[01][0-9]-[0-3][0-9]-*) ;; *) echo "error: NAME must start with a date (2026-12-03-...), not $NAME" >&2; exit 2;; esac
 LOGS="archive/gpu-runs/logs/$NAME"; mkdir -p "$LOGS" bench/results
-RESULT='^(online_pipeline|prefill_depth|online_run|capture_parity|trainer_memory|trainer_step|acceptance|eval|sizing|draft_logits|fault_drills|bench_sglang|regenerate|target_select|tiny_target|offline_twin|mla_vs_llama|cuda_ipc|resume|soak|draft_comparison|overlap_rates|capture_overhead|pretrain_repro)_?.*\.json$'
+RESULT='^(online_pipeline|prefill_depth|online_run|capture_parity|trainer_memory|trainer_step|acceptance|eval|sizing|draft_logits|fault_drills|bench_sglang|regenerate|target_select|tiny_target|offline_twin|mla_vs_llama|cuda_ipc|resume|soak|draft_comparison|overlap_rates|capture_overhead|pretrain_repro|cudnn_merged_backward)_?.*\.json$'
 kept=0; logged=0; skipped=()
 while IFS= read -r -d '' f; do
   rel="${f#"$SRC"/}"; base="$(basename "$f")"
