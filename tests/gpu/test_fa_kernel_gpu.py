@@ -1,7 +1,7 @@
 """The fa-kernel seam on a GPU: what the CPU cannot show (tests/unit/test_fa_kernel.py has the rest).
 
-On CUDA the seam's function runs PyTorch's flash attention kernel with its log-sum-exp, and that kernel's backward
-with the merged output and log-sum-exp. Here, in bf16 at the K2.5
+On CUDA the seam's function runs cuDNN's attention kernel with its log-sum-exp (PyTorch's flash kernel where cuDNN
+refuses), and that kernel's backward with the merged output and log-sum-exp. Here, in bf16 at the K2.5
 draft's head shapes (56 query / 8 key-value heads of 128) over 1,024 positions with two samples, one right-padded:
 the output and the gradients of the query and of every key and value block against dense attention in fp32 over
 every block with the EAGLE-3 mask, and against SpecForge's own flex-attention path with its ``generate_eagle3_mask``
@@ -75,7 +75,8 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
         path = out / "fa_kernel_gpu.json"
         rec = json.loads(path.read_text()) if path.is_file() else {}
         rec[f"blocks_{blocks}"] = {
-            "kernel": "flash",
+            "kernel": "flash (cuDNN refused)" if fk._CUDNN_REFUSED else "cudnn",
+            "cudnn_refused": list(fk._CUDNN_REFUSED),
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "out_max_abs_vs_dense": float((got.float() - ref).abs().max()),
@@ -88,6 +89,7 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
             ],
         }
         path.write_text(json.dumps(rec, indent=2))
+        assert not fk._CUDNN_REFUSED, fk._CUDNN_REFUSED
         assert got[1, S - PAD :].abs().max() == 0
         torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got.float(), flex.float(), rtol=2e-2, atol=2e-2)
@@ -96,3 +98,39 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
             torch.testing.assert_close(a.float(), c.float(), rtol=5e-2, atol=5e-2)
     finally:
         fk.uninstall_fa_kernel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_kernels_backward_is_right_whatever_layout_the_merged_output_comes_in():
+    """PyTorch caches cuDNN's backward graph by q/k/v shapes and strides only: the seam's backward, handed the same
+    merged output once contiguous in [B, S, H, D] and once in [B, H, S, D] memory (after a call that built the graph
+    with the first), gives the flash kernel's gradients both times."""
+    from specforge_kimi.drafts import eagle3_fa_kernel as fk
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
+    q = torch.randn(B, S, H, D, **kw)
+    k, v = (torch.randn(B, S, H_KV, D, **kw) for _ in range(2))
+    go = torch.randn(B, S, H, D, **kw)
+    scale = 1 / math.sqrt(D)
+    out0, lse0, state = fk._attention_forward(q, k, v, scale)
+    assert state[0] == "cudnn", fk._CUDNN_REFUSED
+    extra = torch.randn(B, H, S, device="cuda", generator=g)  # a merge: a larger log-sum-exp, another output
+    lse = torch.logaddexp(lse0, extra)
+    out = (out0.float() * torch.exp(lse0 - lse).transpose(1, 2).unsqueeze(-1)).to(q.dtype)
+    flash = fk._attention_backward(_flash_state(q, k, v, scale), go, q, k, v, out, lse, scale)
+    for layout in (out.contiguous(), out.transpose(1, 2).contiguous().transpose(1, 2)):
+        got = fk._attention_backward(state, go, q, k, v, layout, lse, scale)
+        for a, b in zip(got, flash, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+def _flash_state(q, k, v, scale):
+    """The flash kernel's backward state for the same call (the seam's fallback path)."""
+    from specforge_kimi.drafts import eagle3_fa_kernel as fk
+
+    fk._CUDNN_REFUSED.append("test: the flash kernel's state")
+    try:
+        return fk._attention_forward(q, k, v, scale)[2]
+    finally:
+        fk._CUDNN_REFUSED.clear()

@@ -15,17 +15,19 @@ With ``SPECFORGE_KIMI_EAGLE3_FA_KERNEL=1`` in the process (set by ``training.ste
 ``trainer.attention_backend`` is ``fa``), :func:`install_fa_kernel` replaces ``_FlashCachedMergeFunc`` in that
 module (``LlamaFlashAttention.forward`` looks it up at each call) by :class:`TorchFlashCachedMerge`, the same
 contract -- (query [B, S, H, D], cache keys and values [B, blocks, S, H_kv, D], valid lengths [B], scale) -> output
-[B, S, H, D] -- on PyTorch's kernels: its flash attention (``aten._scaled_dot_product_flash_attention``, the
-FlashAttention-2 kernels, with their log-sum-exp, and their backward, which takes the output it differentiates
-against as an input: the merged one) on CUDA, its CPU flash kernel on the CPU. cuDNN's attention
-(``_scaled_dot_product_cudnn_attention``) is not used: given the merged output and log-sum-exp, its backward returned
-wrong query and key gradients once two or more key blocks were merged (value gradients right) on an H100 with
-torch 2.11 (tests/gpu/test_fa_kernel_gpu.py; archive/gpu-runs/RUNS.md). The diagonal terms are merged with batched
+[B, S, H, D] -- on PyTorch's kernels: cuDNN's attention (``aten._scaled_dot_product_cudnn_attention`` with its
+log-sum-exp, and its backward, which takes the output it differentiates against as an input: the merged one) on
+CUDA, PyTorch's flash attention (the FlashAttention-2 kernels) where cuDNN refuses the shapes (once, with a warning),
+its CPU flash kernel on the CPU. cuDNN's backward is handed the output, its gradient and the log-sum-exp in the
+forward's own strides, always: PyTorch caches cuDNN's backward graph by the query's, key's and value's shapes and
+strides only, and a graph built for one output layout reads another wrongly (bench/cudnn_merged_backward.py; the GPU
+test tests/gpu/test_fa_kernel_gpu.py). The diagonal terms are merged with batched
 products over all blocks at once (one score tensor [B, S, H_kv, groups, blocks - 1]) instead of a loop with an fp32 copy of the
 query per block; the backward recomputes those scores. It lifts ``LlamaFlashAttention``'s ``flash_attn`` import
 check (the seam needs no ``flash_attn``). Rows past the valid length are zero, as SpecForge's and flex's are;
 their log-sum-exp is the merged one like every row's (finite: every row has its causal keys), not a placeholder
-(SpecForge's 0), so the kernel's backward never exponentiates against one; their gradient is zeroed before it.
+(SpecForge's 0), so the kernel's backward never exponentiates against one; their gradient is zeroed before it. A
+cuDNN backward that raises falls back to the flash kernel (its forward recomputed for its state) as the forward does.
 
 Without the variable (or with ``0``) nothing is replaced. :func:`uninstall_fa_kernel` puts SpecForge's back (tests).
 """
@@ -33,6 +35,7 @@ Without the variable (or with ``0``) nothing is replaced. :func:`uninstall_fa_ke
 from __future__ import annotations
 
 import os
+import warnings
 
 import specforge_kimi.environment as _env
 
@@ -40,6 +43,8 @@ FA_KERNEL_ENV = _env.EAGLE3_FA_KERNEL.name
 _FLAG = "__specforge_kimi_fa_kernel__"
 #: SpecForge's (``_FlashCachedMergeFunc``, ``LlamaFlashAttention.__init__``) while the seam is installed
 _ORIGINAL: list = []
+#: cuDNN's refusals (their messages): after the first one the flash kernel runs
+_CUDNN_REFUSED: list = []
 
 
 def requested() -> bool:
@@ -47,9 +52,20 @@ def requested() -> bool:
     return os.environ.get(FA_KERNEL_ENV, "0") == "1"
 
 
+def _fatal(torch) -> tuple:
+    """Errors that are no refusal of cuDNN's: out of memory, a CUDA fault."""
+    return tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None)) if t)
+
+
+def _refused(exc, shape) -> None:
+    _CUDNN_REFUSED.append(str(exc))
+    warnings.warn(f"fa-kernel: cuDNN attention refused {shape}; PyTorch's flash kernel instead: {exc}", stacklevel=3)
+
+
 def _attention_forward(q, k, v, scale: float):
     """Causal attention of ``q`` [B, S, H, D] over ``k``/``v`` [B, S, H_kv, D] -> (output [B, S, H, D] in q's dtype,
-    log-sum-exp [B, H, S] fp32, the backward's state: the kernel, its log-sum-exp's shape, its other outputs)."""
+    log-sum-exp [B, H, S] fp32, the backward's state: the kernel, its output's and log-sum-exp's shapes and strides,
+    its other outputs)."""
     import torch
 
     aten = torch.ops.aten
@@ -58,16 +74,39 @@ def _attention_forward(q, k, v, scale: float):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=scale
         )
-        return out.transpose(1, 2), lse.reshape(b, h, s), ("cpu", tuple(lse.shape), ())
+        return out.transpose(1, 2), lse.reshape(b, h, s), ("cpu", _layout(out, lse), ())
     qt, kt, vt = (t.transpose(1, 2) for t in (q, *_heads_of(q, k, v)))  # one layout for all three
+    if not _CUDNN_REFUSED:
+        try:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+                qt, kt, vt, None, True, 0.0, True, False, scale=scale
+            )
+            state = ("cudnn", _layout(out, lse), (cum_q, cum_k, max_q, max_k, seed, offset))
+            return out.transpose(1, 2), lse.reshape(b, h, s), state
+        except _fatal(torch):
+            raise
+        except RuntimeError as exc:  # cuDNN has no engine for these shapes, strides or this build
+            _refused(exc, tuple(qt.shape))
     out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = aten._scaled_dot_product_flash_attention(
         qt, kt, vt, 0.0, True, False, scale=scale
     )
     return (
         out.transpose(1, 2),
         lse.reshape(b, h, s),
-        ("flash", tuple(lse.shape), (cum_q, cum_k, max_q, max_k, rng, unused)),
+        ("flash", _layout(out, lse), (cum_q, cum_k, max_q, max_k, rng, unused)),
     )
+
+
+def _layout(out, lse) -> tuple:
+    """The kernel's output [B, H, S, D] and log-sum-exp: their shapes and strides, which the backward hands back."""
+    return tuple(out.shape), tuple(out.stride()), tuple(lse.shape), tuple(lse.stride())
+
+
+def _as_forward(t, shape, stride):
+    """``t`` (viewable as ``shape``) copied into a new tensor of the forward's ``shape`` and ``stride``."""
+    import torch
+
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t.reshape(shape))
 
 
 def _heads_of(q, k, v):
@@ -79,23 +118,41 @@ def _heads_of(q, k, v):
 
 def _attention_backward(state, grad_out, q, k, v, out, lse, scale: float):
     """The gradients (q [B, S, H, D], k, v [B, S, H_kv, D]) of :func:`_attention_forward`'s call for ``grad_out``,
-    taken against ``out`` [B, S, H, D] and ``lse`` [B, H, S] (the merged output and log-sum-exp)."""
+    taken against ``out`` [B, S, H, D] and ``lse`` [B, H, S] (the merged output and log-sum-exp).
+
+    The output, its gradient and the log-sum-exp reach the kernel in the forward's own shapes and strides: PyTorch
+    caches cuDNN's backward graph by the query's, key's and value's shapes and strides alone, so a later call whose
+    output or gradient has other strides than the first call's would run a graph that reads them wrongly (measured:
+    wrong gradients, bench/cudnn_merged_backward.py)."""
     import torch
 
     aten = torch.ops.aten
-    kind, lse_shape, extra = state
-    lse_kernel = lse.reshape(lse_shape).contiguous()
-    go, o = grad_out.transpose(1, 2), out.transpose(1, 2)
+    kind, (o_shape, o_stride, lse_shape, lse_stride), extra = state
+    lse_kernel = _as_forward(lse, lse_shape, lse_stride)
+    o = _as_forward(out.transpose(1, 2), o_shape, o_stride)
+    go = _as_forward(grad_out.transpose(1, 2), o_shape, o_stride)  # the gradient in the output's layout
     if kind == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             go, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse_kernel, 0.0, True, scale=scale
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, *_heads_of(q, k, v)))
-    cum_q, cum_k, max_q, max_k, rng, unused = extra
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        go, qt, kt, vt, o, lse_kernel, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale
-    )
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    if kind == "cudnn":
+        try:
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                go, qt, kt, vt, o, lse_kernel, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+            )
+        except _fatal(torch):
+            raise
+        except RuntimeError as exc:
+            _refused(exc, tuple(qt.shape))
+            _, _, state = _attention_forward(q, k, v, scale)  # the flash kernel's own state for its backward
+            return _attention_backward(state, grad_out, q, k, v, out, lse, scale)
+    else:
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            go, qt, kt, vt, o, lse_kernel, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        )
     dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
     h, h_kv = q.shape[2], k.shape[2]
     if h_kv != h:  # the repeated heads' gradients summed back onto their key/value head
@@ -159,9 +216,9 @@ def _make_function():
             b, s, h, d = q.shape
             blocks, h_kv = cache_k.shape[1], cache_k.shape[3]
             g = h // h_kv
-            grad_out = torch.where(  # contiguous, in the output's layout
+            grad_out = torch.where(
                 valid, grad_out.reshape(b, s, h, d), torch.zeros((), dtype=grad_out.dtype, device=q.device)
-            ).contiguous()
+            )
             lse_kernel = lse.permute(0, 2, 3, 1).reshape(b, h, s)
             dq, dk0, dv0 = _attention_backward(
                 ctx.state, grad_out, q, cache_k[:, 0], cache_v[:, 0], out, lse_kernel, scale
@@ -224,3 +281,4 @@ def uninstall_fa_kernel() -> None:
     llama3_eagle._FlashCachedMergeFunc = func
     llama3_eagle.LlamaFlashAttention.__init__ = init
     _ORIGINAL.clear()
+    _CUDNN_REFUSED.clear()

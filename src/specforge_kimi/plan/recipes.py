@@ -269,8 +269,9 @@ class TrainerSection(_Strict):
         description="SpecForge's training.attention_backend. flex_attention (SpecForge's default) keeps TTT "
         "attention memory linear in max_length; fa is SpecForge's flash path (per TTT position one causal kernel "
         "over the first key block, the earlier positions' own keys merged by log-sum-exp), also linear, run on "
-        "PyTorch's own attention kernels by our seam fa-kernel (its flash kernel on CUDA; no flash_attn package; "
-        "SPECFORGE_KIMI_EAGLE3_FA_KERNEL=1, set from this field; tests/unit/test_fa_kernel.py); sdpa is SpecForge's "
+        "PyTorch's own attention kernels by our seam fa-kernel (cuDNN's attention on CUDA, its flash kernel where "
+        "cuDNN refuses; no flash_attn package; SPECFORGE_KIMI_EAGLE3_FA_KERNEL=1, set from this field; "
+        "tests/unit/test_fa_kernel.py); sdpa is SpecForge's "
         "eager TTT path, which keeps heads x max_length^2 softmax weights (fp32 + bf16) per TTT step for the "
         "backward: fine for short samples, needed on the CPU (flex has no CPU backward) and by the MLA draft (sdpa "
         "only)",
