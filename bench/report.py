@@ -59,6 +59,8 @@ measurement lands, edit those two places. A file is recognised by its content:
   acceptance length of the EAGLE-3 and the block draft, their ratio against the goal, speedups, trained tokens;
 - the co-located stages' three rates and each overlap option (``bench/overlap_rates.py``: ``"bench":
   "overlap_rates"``): prefill alone, trainer alone, their serial sum and ``overlap_vs_serial`` per option;
+- which attention kernel's backward is right for a merged partial (``bench/cudnn_merged_backward.py``: ``"bench":
+  "cudnn_merged_backward"``): each case's gradient errors against the fp32 formula, the kernels' times;
 - capture overhead, pipeline efficiency, trainer memory written by anything else:
   ``{"benchmark": "capture_overhead" | "pipeline_efficiency" | "trainer_memory", "command": "...",
   "rows": [{flat key: value}, ...]}``, shown as a table of their rows.
@@ -486,7 +488,7 @@ def classify(data: Any) -> str:
     bench = data.get("benchmark")
     if bench == "acceptance":
         return "acceptance"
-    if data.get("bench") in ("draft_comparison", "overlap_rates"):
+    if data.get("bench") in ("draft_comparison", "overlap_rates", "cudnn_merged_backward"):
         return data["bench"]
     if bench in PLANNED:
         return bench
@@ -1602,6 +1604,42 @@ def section_overlap_rates(files: list[tuple[str, dict]]) -> list[str]:
     )  # fmt: skip
 
 
+def section_cudnn_merged_backward(files: list[tuple[str, dict]]) -> list[str]:
+    def rows(n, r):
+        env = r.get("environment") or {}
+        times = {t.get("length"): t for t in r.get("timing") or []}
+        return [
+            [
+                n,
+                env.get("device"),
+                env.get("cudnn"),
+                c.get("case"),
+                "right" if c.get("right") else "**wrong**",
+                " / ".join(_num(c.get(f"{g}_max_abs"), "{:.3f}") for g in ("dq", "dk", "dv")),
+                _num(c.get("ref_max_abs"), "{:.2f}"),
+            ]
+            for c in r.get("cases") or []
+        ] + [
+            [n, env.get("device"), env.get("cudnn"), f"time at {s} tokens, 56 heads", "-",
+             f"fwd flash {_num(t.get('flash_fwd_ms'), '{:.2f}')} / cuDNN {_num(t.get('cudnn_fwd_ms'), '{:.2f}')} ms; "
+             f"bwd flash {_num(t.get('flash_bwd_ms'), '{:.2f}')} / cuDNN {_num(t.get('cudnn_bwd_ms'), '{:.2f}')} ms",
+             "-"]
+            for s, t in times.items()
+        ]  # fmt: skip
+
+    return _tabled(
+        "Attention backward of a merged partial (the fa-kernel seam's kernel)",
+        "`bench/cudnn_merged_backward.py`: PyTorch's flash and cuDNN attention backwards handed a causal block's output "
+        "merged with one more key per row (and the merged log-sum-exp), against the fp32 split-softmax formula; "
+        "cuDNN's backward graph is cached by q/k/v shapes and strides only, so the cases vary the output's layout and "
+        "the call order. Errors are max abs of dq / dk / dv; a case is right within the file's tolerance.",
+        files,
+        "`python bench/cudnn_merged_backward.py --out bench/results/cudnn_merged_backward_<gpu>.json --time`",
+        ["file", "device", "cuDNN", "case", "verdict", "dq / dk / dv max abs error", "largest reference gradient"],
+        rows,
+    )
+
+
 def section_mooncake_put(files: list[tuple[str, dict]]) -> list[str]:
     def rows(n, r):
         cfg, gil = r.get("config") or {}, [g.get("main_thread_progress") for g in r.get("gil") or []]
@@ -2186,6 +2224,7 @@ def _sections(plots: Path | None) -> list[tuple[str, tuple[str, ...], Callable[.
         ],
         ("k25_pipeline", ("online_pipeline_k25",), section_k25_pipeline),
         ("overlap_rates", ("overlap_rates",), section_overlap_rates),
+        ("cudnn_merged_backward", ("cudnn_merged_backward",), section_cudnn_merged_backward),
         ("prefill_depth", ("prefill_depth",), section_prefill_depth),
         ("sizing", ("sizing",), section_sizing),
         ("capture_parity", ("capture_parity",), lambda a: section_capture_parity(a, plots)),

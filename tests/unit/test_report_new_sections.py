@@ -67,3 +67,27 @@ def test_both_sections_tabulate_their_files(tmp_path):
         assert cells[-3] == (f"**{ratio:.3f}**" if ratio else r["error"])
         hidden = r["hidden_fraction"]
         assert cells[-2] == (f"{hidden:+.2f}" if hidden is not None else "-") and cells[-1] == "1.250"
+
+
+def test_the_merged_backward_probe_is_tabulated_with_its_verdicts(tmp_path):
+    """bench/cudnn_merged_backward.py's JSON: one row per case (a wrong one in bold) and one per timed length."""
+    report = _module("bench_report_probe", REPO / "bench" / "report.py")
+    results = tmp_path / "results"
+    results.mkdir()
+    case = {"dq_max_abs": 0.01, "dk_max_abs": 0.02, "dv_max_abs": 0.03, "ref_max_abs": 4.0}
+    doc = {
+        "bench": "cudnn_merged_backward",
+        "command": ["python", "bench/cudnn_merged_backward.py"],
+        "environment": {"device": "GPU X", "cudnn": 91900},
+        "cases": [{**case, "case": "cudnn_merged", "right": True}, {**case, "case": "cudnn_bhsd", "right": False}],
+        "timing": [
+            {"length": 4096, "flash_fwd_ms": 0.9, "cudnn_fwd_ms": 0.5, "flash_bwd_ms": 2.4, "cudnn_bwd_ms": 1.4}
+        ],
+    }
+    (results / "cudnn_merged_backward_x.json").write_text(json.dumps(doc))
+    md = report.build_report(results, tmp_path / "REPORT.md", tmp_path / "plots")
+    assert "## Unrecognised results files" not in md
+    rows = [line for line in md.splitlines() if line.startswith("| cudnn_merged_backward_x.json")]
+    assert rows[0].endswith("| cudnn_merged | right | 0.010 / 0.020 / 0.030 | 4.00 |")
+    assert "| cudnn_bhsd | **wrong** |" in rows[1]
+    assert "fwd flash 0.90 / cuDNN 0.50 ms; bwd flash 2.40 / cuDNN 1.40 ms" in rows[2] and len(rows) == 3
