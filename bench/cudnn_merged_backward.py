@@ -17,9 +17,11 @@ Cases (each a kernel's backward against :func:`reference_backward` for the same 
   cudnn_merged_first    a shape whose first cuDNN backward in the process is a merged one (no graph cached from an
                         unmerged call: PyTorch caches cuDNN's backward graph by q/k/v shapes and strides only)
   flash_after_cudnn     cuDNN's forward, the flash kernel's backward on its merged pair (the forward's speed only)
+  cudnn_merged_gqa      cuDNN with 4 query heads per key/value head handed as they are (no repeat; or its refusal)
 
-and, with ``--time``, the forward and backward of each kernel at the K2.5 draft's heads (56 of 128, no GQA in the
-kernel: the seam repeats key/value heads) for ``--lengths`` (CUDA events, median of ``--iters``), informational.
+and, with ``--time``, the forward and backward of each kernel at the K2.5 draft's heads (56 of 128, key/value heads
+repeated as the seam does; cuDNN also with 8 key/value heads as they are) for ``--lengths`` (CUDA events, median of
+``--iters``), informational.
 
     python bench/cudnn_merged_backward.py --out bench/results/cudnn_merged_backward_<gpu>.json --time
 
@@ -98,15 +100,27 @@ def _cudnn_bwd(go, q, k, v, o, lse, state, scale, lse_shape):
     )  # fmt: skip
 
 
-def _inputs(b, h, s, d, seed):
-    """q, k, v in the [B, H, S, D] view of [B, S, H, D] memory (the seam's layout), the diagonal key/value, the
-    loss weight (dO) in the same layout."""
+def _inputs(b, h, s, d, seed, h_kv: int | None = None):
+    """q, k, v in the [B, H, S, D] view of [B, S, H, D] memory (the seam's layout; k and v with ``h_kv`` heads when
+    given: grouped-query attention), the diagonal key/value, the loss weight (dO) in the same layout."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     kw = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
-    q, k, v, kd, vd, go = (torch.randn(b, s, h, d, **kw).transpose(1, 2) for _ in range(6))
+    heads = (h, h_kv or h, h_kv or h, h, h, h)
+    q, k, v, kd, vd, go = (torch.randn(b, s, n, d, **kw).transpose(1, 2) for n in heads)
     return q, k, v, kd, vd, go
+
+
+def _grouped_reference(q, k, v, o, lse, go, scale):
+    """:func:`reference_backward` with k/v heads repeated for their query heads, their gradients summed back."""
+    h, h_kv = q.shape[1], k.shape[1]
+    if h == h_kv:
+        return reference_backward(q, k, v, o, lse, go, scale)
+    g = h // h_kv
+    dq, dk, dv = reference_backward(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), o, lse, go, scale)
+    b, _, s, d = dk.shape
+    return dq, dk.reshape(b, h_kv, g, s, d).sum(2), dv.reshape(b, h_kv, g, s, d).sum(2)
 
 
 def _errors(got, ref) -> dict:
@@ -116,14 +130,19 @@ def _errors(got, ref) -> dict:
     }
 
 
-def _case(kind: str, *, b, h, s, d, seed, scale, layout: str = "kernel") -> dict:
+def _case(kind: str, *, b, h, s, d, seed, scale, layout: str = "kernel", h_kv: int | None = None) -> dict:
     """One row: ``kind`` is flash | cudnn | cudnn_fwd_flash_bwd; ``layout`` kernel (the merged output in the
-    forward's layout) | bhsd (contiguous [B, H, S, D]) | own (no merge)."""
+    forward's layout) | bhsd (contiguous [B, H, S, D]) | own (no merge); ``h_kv``: key/value heads handed to the
+    kernel as they are (grouped-query attention; a kernel that refuses them is a row with its error)."""
     import torch
 
-    q, k, v, kd, vd, go = _inputs(b, h, s, d, seed)
+    q, k, v, kd, vd, go = _inputs(b, h, s, d, seed, h_kv)
     fwd = _flash_fwd if kind == "flash" else _cudnn_fwd
-    o0, lse0, state = fwd(q, k, v, scale)
+    head = {"kernel": kind, "layout": layout, "shape_bhsd": [b, h, s, d], "kv_heads": h_kv or h}
+    try:
+        o0, lse0, state = fwd(q, k, v, scale)
+    except RuntimeError as exc:  # no engine for these shapes (e.g. grouped key/value heads)
+        return {**head, "refused": str(exc).strip().splitlines()[0][:300]}
     lse_shape = tuple(lse0.shape)
     lse0 = lse0.reshape(b, h, s)
     if layout == "own":
@@ -136,18 +155,19 @@ def _case(kind: str, *, b, h, s, d, seed, scale, layout: str = "kernel") -> dict
         else:
             o = torch.empty_like(o0).copy_(o)  # the forward's strides
     if kind == "cudnn":
-        got = _cudnn_bwd(go, q, k, v, o, lse, state, scale, lse_shape)
+        try:
+            got = _cudnn_bwd(go, q, k, v, o, lse, state, scale, lse_shape)
+        except RuntimeError as exc:
+            return {**head, "refused": "backward: " + str(exc).strip().splitlines()[0][:300]}
     else:
         if kind == "cudnn_fwd_flash_bwd":  # the flash backward wants its own (empty) rng state; dropout is 0
             _, _, flash_state = _flash_fwd(q[:, :, :1], k[:, :, :1], v[:, :, :1], scale)
             cq, ck, _, _, rng, unused = flash_state
             state = (cq, ck, s, s, rng, unused)
         got = _flash_bwd(go, q, k, v, o, lse, state, scale)
-    ref = reference_backward(q, k, v, o, lse, go, scale)
+    ref = _grouped_reference(q, k, v, o, lse, go, scale)
     return {
-        "kernel": kind,
-        "layout": layout,
-        "shape_bhsd": [b, h, s, d],
+        **head,
         "o_strides": list(o.stride()),
         "grad_out_strides": list(go.stride()),
         **_errors(got, ref),
@@ -182,7 +202,23 @@ def _timing_row(s: int, iters: int, h: int, d: int) -> dict:
         "flash_bwd_ms": _time(lambda: _flash_bwd(go, q, k, v, fo, flse, fstate, scale), iters),
         "cudnn_fwd_ms": _time(lambda: _cudnn_fwd(q, k, v, scale), iters),
         "cudnn_bwd_ms": _time(lambda: _cudnn_bwd(go, q, k, v, co, clse, cstate, scale, lse_shape), iters),
+        **_gqa_times(s, iters, h, d, scale),
     }
+
+
+def _gqa_times(s: int, iters: int, h: int, d: int, scale: float, h_kv: int = 8) -> dict:
+    """cuDNN's forward and backward with ``h_kv`` key/value heads handed as they are (no repeat), or why not."""
+    q, k, v, _, _, go = _inputs(1, h, s, d, 0, h_kv)
+    try:
+        co, clse, cstate = _cudnn_fwd(q, k, v, scale)
+        lse_shape = tuple(clse.shape)
+        return {
+            "kv_heads": h_kv,
+            "cudnn_gqa_fwd_ms": _time(lambda: _cudnn_fwd(q, k, v, scale), iters),
+            "cudnn_gqa_bwd_ms": _time(lambda: _cudnn_bwd(go, q, k, v, co, clse, cstate, scale, lse_shape), iters),
+        }
+    except RuntimeError as exc:
+        return {"kv_heads": h_kv, "cudnn_gqa_refused": str(exc).strip().splitlines()[0][:300]}
 
 
 def timing(lengths: list[int], iters: int, h: int = 56, d: int = 128) -> list[dict]:
@@ -205,10 +241,15 @@ def run(args) -> dict:
         _case("cudnn", b=b, s=s, seed=4, layout="kernel", **kw) | {"case": "cudnn_merged"},
         _case("cudnn", b=b, s=s, seed=5, layout="bhsd", **kw) | {"case": "cudnn_merged_bhsd"},
         _case("cudnn_fwd_flash_bwd", b=b, s=s, seed=6, layout="kernel", **kw) | {"case": "flash_after_cudnn"},
+        _case("cudnn", b=b, s=s, seed=7, layout="kernel", **{**kw, "h": 4 * h}, h_kv=h) | {"case": "cudnn_merged_gqa"},
     ]
     tol = args.tolerance
     for c in cases:
-        c["right"] = all(c[f"{n}_max_abs"] <= tol * max(1.0, c["ref_max_abs"]) for n in ("dq", "dk", "dv"))
+        c["right"] = (
+            None
+            if "refused" in c
+            else all(c[f"{n}_max_abs"] <= tol * max(1.0, c["ref_max_abs"]) for n in ("dq", "dk", "dv"))
+        )
     return {
         "bench": "cudnn_merged_backward",
         "command": [sys.executable, *sys.argv],
@@ -240,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
     for c in res["cases"]:
-        print(c["case"], "right" if c["right"] else "WRONG", {k: round(v, 4) for k, v in c.items() if "max_abs" in k})
+        verdict = c.get("refused") or ("right" if c["right"] else "WRONG")
+        print(c["case"], verdict, {k: round(v, 4) for k, v in c.items() if "max_abs" in k})
     for t in res["timing"] or []:
         print(t)
     return 0

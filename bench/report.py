@@ -1614,7 +1614,7 @@ def section_cudnn_merged_backward(files: list[tuple[str, dict]]) -> list[str]:
                 env.get("device"),
                 env.get("cudnn"),
                 c.get("case"),
-                "right" if c.get("right") else "**wrong**",
+                f"refused: {c['refused']}" if c.get("refused") else ("right" if c.get("right") else "**wrong**"),
                 " / ".join(_num(c.get(f"{g}_max_abs"), "{:.3f}") for g in ("dq", "dk", "dv")),
                 _num(c.get("ref_max_abs"), "{:.2f}"),
             ]

@@ -68,3 +68,25 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="needs CUDA"):
         bench.main(["--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_grouped_reference_sums_each_key_value_heads_query_heads():
+    """With fewer key/value heads than query heads the reference is causal attention's own gradient (autograd, fp64)
+    with each key/value head shared by its query heads."""
+    bench = _bench()
+    g = torch.Generator().manual_seed(3)
+    b, h, h_kv, s, d = 1, 6, 2, 9, 4
+    scale = 1 / math.sqrt(d)
+    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, s, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    kr, vr = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    scores = ((q @ kr.transpose(-1, -2)) * scale).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), -1e30)
+    out = torch.softmax(scores, -1) @ vr
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    with torch.no_grad():
+        lse = torch.logsumexp(scores, -1)
+        got = bench._grouped_reference(q, k, v, out, lse, w, scale)
+    for a, r in zip(got, grads, strict=True):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-5)
