@@ -107,3 +107,22 @@ def test_the_recipe_backend_fa_asks_the_trainer_for_the_seam():
     assert step_knobs.trainer_env(r.trainer).get(fk.FA_KERNEL_ENV) in (None, "0")
     fa = r.trainer.model_copy(update={"attention_backend": "fa"})
     assert step_knobs.trainer_env(fa)[fk.FA_KERNEL_ENV] == "1"
+
+
+def test_the_backward_hands_the_kernel_its_forwards_strides_whatever_it_is_given():
+    """cuDNN's cached backward graph reads the output and its gradient with the strides of the call that built it, so
+    the seam hands them over in the forward's strides: the tensor itself when it has them, else a copy that does."""
+    from specforge_kimi.drafts import eagle3_fa_kernel as fk
+
+    b, s, h, d = 2, 5, 3, 4
+    bshd = torch.randn(b, s, h, d)  # the forward's memory: [B, S, H, D]
+    shape, stride = (b, h, s, d), tuple(bshd.transpose(1, 2).stride())
+    same = fk._as_forward(bshd.transpose(1, 2), shape, stride)
+    assert same.data_ptr() == bshd.data_ptr() and tuple(same.stride()) == stride
+    other = bshd.transpose(1, 2).contiguous()  # the same values in [B, H, S, D] memory
+    got = fk._as_forward(other, shape, stride)
+    assert tuple(got.stride()) == stride and got.data_ptr() != other.data_ptr()
+    torch.testing.assert_close(got, other)
+    lse = torch.randn(b, h, s)
+    got = fk._as_forward(lse, (b, h, s, 1), (h * s, s, 1, 1))
+    assert got.shape == (b, h, s, 1) and got.data_ptr() == lse.data_ptr()

@@ -103,10 +103,13 @@ def _layout(out, lse) -> tuple:
 
 
 def _as_forward(t, shape, stride):
-    """``t`` (viewable as ``shape``) copied into a new tensor of the forward's ``shape`` and ``stride``."""
+    """``t`` as the forward's ``shape`` and ``stride``: itself (a view) when it already has them, else a copy."""
     import torch
 
-    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t.reshape(shape))
+    view = t.reshape(shape)
+    if tuple(view.stride()) == tuple(stride):
+        return view
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(view)
 
 
 def _heads_of(q, k, v):
