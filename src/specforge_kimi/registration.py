@@ -47,8 +47,9 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
 - ``fa-kernel``: ``_FlashCachedMergeFunc`` and ``LlamaFlashAttention.__init__`` of
   ``specforge.modeling.draft.llama3_eagle``, only in a process with ``SPECFORGE_KIMI_EAGLE3_FA_KERNEL=1`` (recipe
   ``trainer.attention_backend: fa``): SpecForge's ``fa`` TTT attention on PyTorch's own kernels (cuDNN's attention
-  with its log-sum-exp on CUDA, its flash attention where cuDNN refuses) instead of the ``flash_attn`` package, the diagonal terms merged in batched products
-  (:mod:`specforge_kimi.drafts.eagle3_fa_kernel`). Without the variable nothing is replaced.
+  with its log-sum-exp on CUDA, its flash attention where cuDNN refuses) instead of the ``flash_attn`` package, the
+  diagonal terms merged in batched products (:mod:`specforge_kimi.drafts.eagle3_fa_kernel`). Without the variable
+  nothing is replaced.
 - ``allocator-retries``: SpecForge's ``TrainerCore.train_step``, in every process: after each optimizer step on CUDA,
   the caching allocator's retries since the previous one (``perf/cuda_alloc_retries``: each a device sync and a
   release of cached memory, the sign of a trainer whose GPU room is smaller than what its allocator reserves) and
