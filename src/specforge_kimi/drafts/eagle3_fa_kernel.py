@@ -23,11 +23,11 @@ forward's own strides, always: PyTorch caches cuDNN's backward graph by the quer
 strides only, and a graph built for one output layout reads another wrongly (bench/cudnn_merged_backward.py; the GPU
 test tests/gpu/test_fa_kernel_gpu.py). The diagonal terms are merged with batched products over all blocks at once
 (one score tensor [B, S, H_kv, groups, blocks - 1]) instead of a loop with an fp32 copy of the query per block; the
-backward recomputes those scores. It lifts ``LlamaFlashAttention``'s ``flash_attn`` import
-check (the seam needs no ``flash_attn``). Rows past the valid length are zero, as SpecForge's and flex's are;
-their log-sum-exp is the merged one like every row's (finite: every row has its causal keys), not a placeholder
-(SpecForge's 0), so the kernel's backward never exponentiates against one; their gradient is zeroed before it. A
-cuDNN backward that raises falls back to the flash kernel (its forward recomputed for its state) as the forward does.
+backward recomputes those scores. It lifts ``LlamaFlashAttention``'s ``flash_attn`` import check (the seam needs
+no ``flash_attn``). Rows past the valid length are zero, as SpecForge's and flex's are; their log-sum-exp is the
+merged one like every row's (finite: every row has its causal keys), not a placeholder (SpecForge's 0), so the
+kernel's backward never exponentiates against one; their gradient is zeroed before it. A cuDNN backward that raises
+falls back to the flash kernel (its forward recomputed for its state) as the forward does.
 
 Without the variable (or with ``0``) nothing is replaced. :func:`uninstall_fa_kernel` puts SpecForge's back (tests).
 """
