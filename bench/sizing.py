@@ -18,7 +18,8 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   ``fused_adamw`` / ``cuda_alloc_conf`` as the slice recipe ships them) and any other run ran SpecForge's own (all
   runs before 2026-12-04; ``step_specforge`` says so explicitly). The memory carried to the recipes is a run of the
   recipe's step, one whose report names its step first;
-- ``trainer_step_k25_b200_h200.json`` (optional, preferred) and ``trainer_step_lifts_k25_b200_h200.json``
+- ``trainer_step_seams_k25_b200_h200.json`` (optional, preferred: the step's seams stacked, both attention
+  backends), ``trainer_step_k25_b200_h200.json`` (optional) and ``trainer_step_lifts_k25_b200_h200.json``
   (``TRAINER_FILES``): one trainer rank alone on the GPU at the recipes' draft, 4k and 16k tokens, the batch already
   on the GPU (``--feed cuda``: both transports hand the step device tensors), one row per step variant
   (``step_env``); a (length, step) row is read from the first file that has it. A recipe's trainer rate is the row
@@ -73,7 +74,11 @@ RUN_NAME = re.compile(r"^online_run_k25_slice_(?:(cuda_ipc|mooncake)(?:_[A-Za-z0
 #: a run-report with fewer timed steps than this (after its warm-up) measured start-up, not a rate: left out
 MIN_RUN_STEPS = 5
 #: trainer step benches, the preferred first: a row (length, step) is read from the first file that has it
-TRAINER_FILES = ("trainer_step_k25_b200_h200.json", "trainer_step_lifts_k25_b200_h200.json")
+TRAINER_FILES = (
+    "trainer_step_seams_k25_b200_h200.json",
+    "trainer_step_k25_b200_h200.json",
+    "trainer_step_lifts_k25_b200_h200.json",
+)
 #: the block draft's step measured alone at K2.5's width (the slice's DFlash twin, bench/trainer_memory.py): with it
 #: ``block_step_vs_flops`` is measured, not assumed (:func:`block_step_calibration`)
 BLOCK_STEP_FILE = "trainer_memory_k25_slice_dflash_h200.json"
