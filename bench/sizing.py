@@ -14,8 +14,8 @@ Reads only files under ``bench/results`` (``--results``), found by name:
   report with fewer than ``MIN_RUN_STEPS`` timed steps, and a block draft's run: its report's ``draft.strategy`` is not
   ``eagle3``): run-reports of the slice recipe's co-located runs, every one
   used, per transport. The trainer step a run ran is its report's ``trainer_step_env`` (from the launch sheet); for
-  a report without it, a tag holding ``step_recipe`` marks the recipe's step (``trainer.step_empty_cache`` /
-  ``fused_adamw`` / ``cuda_alloc_conf`` as the slice recipe ships them) and any other run ran SpecForge's own (all
+  a report without it, a tag holding ``step_recipe`` marks the slice recipe's step of then (``LEGACY_RECIPE_STEP``:
+  the allocator's cache kept, fused AdamW, no later switch or seam) and any other run ran SpecForge's own (all
   runs before 2026-12-04; ``step_specforge`` says so explicitly). The memory carried to the recipes is a run of the
   recipe's step, one whose report names its step first;
 - ``trainer_step_seams_k25_b200_h200.json`` (optional, preferred: the step's seams stacked, both attention
@@ -267,6 +267,11 @@ SPECFORGE_STEP = {
     "SPECFORGE_EAGLE3_FEWER_SYNCS": "0",
     "SPECFORGE_EAGLE3_CHUNKED_LOSS": "0",
 }
+
+
+#: the slice recipe's step when run-reports did not yet name theirs (a ``step_recipe`` tag): the allocator's cache
+#: kept and fused AdamW, every later switch and seam off
+LEGACY_RECIPE_STEP = {"SPECFORGE_EAGLE3_EMPTY_CACHE": "0", "SPECFORGE_ADAMW_FUSED": "1"}
 
 
 def _norm_step(env: dict) -> dict[str, str]:
@@ -781,8 +786,8 @@ def run_step(name: str, run: dict, recipe_step: dict[str, str]) -> tuple[str, di
     name's tag (module docstring; run-reports written before the field existed do not carry it). Named ``recipe``,
     ``specforge`` or ``other``."""
     step = run.get("trainer_step_env")
-    if step is None:  # a run-report from before the field, so from before patch eagle3-fewer-host-syncs' switch too
-        step = {**recipe_step, "SPECFORGE_EAGLE3_FEWER_SYNCS": "0"} if "step_recipe" in name else SPECFORGE_STEP
+    if step is None:  # a run-report from before the field, so from before every switch after fused AdamW's too
+        step = LEGACY_RECIPE_STEP if "step_recipe" in name else SPECFORGE_STEP
     step = _norm_step(step)
     name = (
         "recipe" if step == _norm_step(recipe_step) else "specforge" if step == _norm_step(SPECFORGE_STEP) else "other"
