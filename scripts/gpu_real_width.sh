@@ -19,8 +19,8 @@
 # usage: [RECIPE=...] [TRANSPORT=mooncake|cuda_ipc [IPC_POOL_GIB=N]] [MAX_STEPS=N] [STAGE=all|target|data|depth|train|bench]
 #        [TRAINER_SET=key=value,...] [OUT=...] bash scripts/gpu_real_width.sh [LAUNCH_TIMEOUT_S]
 # TRANSPORT / IPC_POOL_GIB / MAX_STEPS / TRAINER_SET run a copy of the recipe (OUT/recipe-run.yaml) with those changed;
-# TRAINER_SET sets trainer fields, each value read as YAML (e.g. TRAINER_SET=step_empty_cache=true,fused_adamw=false:
-# SpecForge's step as shipped). The copy is validated as the recipe is.
+# TRAINER_SET sets trainer fields, each value read as YAML (e.g. TRAINER_SET=step_empty_cache=true,fused_adamw=false,
+# step_optimizer_fused_clip=false: SpecForge's allocator and optimizer). The copy is validated as the recipe is.
 # After each call: bash scripts/keep_gpu_results.sh <files_at> <date>-real-width, then commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."

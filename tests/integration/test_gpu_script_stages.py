@@ -392,15 +392,18 @@ def test_real_width_train_stage_runs_a_copy_with_the_transport_pool_and_steps(tm
 
 
 def test_real_width_trainer_set_changes_trainer_fields_and_refuses_unknown_ones(tmp_path):
-    """``TRAINER_SET=step_empty_cache=true,fused_adamw=false``: SpecForge's step as shipped, in a copy; a field the
-    recipe does not have stops before launch with the recipe's own error."""
+    """``TRAINER_SET=step_empty_cache=true,fused_adamw=false,step_optimizer_fused_clip=false``: SpecForge's
+    allocator and optimizer, in a copy; a field the recipe does not have stops before launch with the recipe's own
+    error."""
     import yaml
 
     box, env = _sandbox(tmp_path)
     (box / "runs" / "k25-slice-data").mkdir(parents=True)
     (box / "runs" / "k25-slice-data" / "prompts.jsonl").write_text("{}\n")
     out = tmp_path / "out"
-    env.update(STAGE="train", OUT=str(out), TRAINER_SET="step_empty_cache=true,fused_adamw=false")
+    env.update(
+        STAGE="train", OUT=str(out), TRAINER_SET="step_empty_cache=true,fused_adamw=false,step_optimizer_fused_clip=false"
+    )
     res = subprocess.run(
         ["bash", "scripts/gpu_real_width.sh", "30"], cwd=box, env=env, capture_output=True, text=True, timeout=180
     )
@@ -408,7 +411,8 @@ def test_real_width_trainer_set_changes_trainer_fields_and_refuses_unknown_ones(
     copy = yaml.safe_load((out / "recipe-run.yaml").read_text())
     orig = yaml.safe_load((box / "recipes" / "kimi-k25-slice-h200.yaml").read_text())
     assert copy["trainer"]["step_empty_cache"] is True and copy["trainer"]["fused_adamw"] is False
-    for k in ("step_empty_cache", "fused_adamw"):
+    assert copy["trainer"]["step_optimizer_fused_clip"] is False
+    for k in ("step_empty_cache", "fused_adamw", "step_optimizer_fused_clip"):
         copy["trainer"].pop(k), orig["trainer"].pop(k, None)
     assert copy == orig
     res = subprocess.run(

@@ -319,6 +319,7 @@ def test_the_recipe_switch_reaches_the_trainer_and_is_checked():
     from specforge_kimi.plan.run_plan import compile_plan
 
     raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered.yaml"))
+    raw["trainer"]["step_eagle3_fused_wgrad"] = False
     assert dict(compile_plan(raw).process_env)[step_knobs.FUSED_WGRAD_ENV] == "0"
     raw["trainer"]["step_eagle3_fused_wgrad"] = True
     env = dict(compile_plan(raw).process_env)

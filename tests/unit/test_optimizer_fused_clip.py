@@ -129,14 +129,13 @@ def test_recipe_knob_needs_fused_adamw_and_reaches_every_family(recipe):
     from specforge_kimi.training import step_knobs
 
     raw = yaml.safe_load(open(recipe))
-    assert dict(compile_plan(raw).process_env)[step_knobs.FUSED_CLIP_ENV] == "0"  # off by default
+    raw["trainer"]["step_optimizer_fused_clip"] = False
+    off_plan = compile_plan(raw)
+    assert dict(off_plan.process_env)[step_knobs.FUSED_CLIP_ENV] == "0"
     raw["trainer"]["step_optimizer_fused_clip"] = True
     plan = compile_plan(raw)
     assert dict(plan.process_env)[step_knobs.FUSED_CLIP_ENV] == "1"
-    on, off = (
-        step_knobs.trainer_env(plan.recipe.trainer),
-        step_knobs.trainer_env(compile_plan(yaml.safe_load(open(recipe))).recipe.trainer),
-    )
+    on, off = step_knobs.trainer_env(plan.recipe.trainer), step_knobs.trainer_env(off_plan.recipe.trainer)
     assert step_knobs.patches_needed(on) == step_knobs.patches_needed(off)  # a seam: no patch of its own
     raw["trainer"]["fused_adamw"] = False
     with pytest.raises((KimiInputError, ValueError), match="step_optimizer_fused_clip needs trainer.fused_adamw: true"):

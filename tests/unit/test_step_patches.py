@@ -414,15 +414,17 @@ def test_recipe_fields_reach_the_specforge_processes():
     assert r.trainer.step_empty_cache is False and r.trainer.fused_adamw is True and r.trainer.cuda_alloc_conf is None
     env = dict(compile_plan(r).process_env)
     assert env["SPECFORGE_EAGLE3_EMPTY_CACHE"] == "0" and env["SPECFORGE_ADAMW_FUSED"] == "1"
-    assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == "0"  # not measured on a GPU yet: off in the recipes
-    assert r.trainer.step_chunked_head_loss is None and env["SPECFORGE_EAGLE3_CHUNKED_LOSS"] == "0"  # likewise
+    assert env["SPECFORGE_EAGLE3_FEWER_SYNCS"] == ("1" if r.trainer.step_fewer_host_syncs else "0")
+    assert r.trainer.step_chunked_head_loss is None and env["SPECFORGE_EAGLE3_CHUNKED_LOSS"] == "0"  # slower: off
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
     raw = r.model_dump()
     raw["trainer"].update(
         step_empty_cache=True,
         fused_adamw=False,
+        step_optimizer_fused_clip=False,  # the clip is fused AdamW's grad_scale
         cuda_alloc_conf="expandable_segments:True",
         step_fewer_host_syncs=True,
+        step_eagle3_fused_wgrad=False,  # the chunked loss recomputes the head: not beside fused weight gradients
         step_chunked_head_loss=2048,
     )
     env = dict(compile_plan(raw).process_env)
@@ -443,6 +445,7 @@ def test_the_flex_seams_are_recipe_knobs_that_need_no_patch():
     from specforge_kimi.plan.run_plan import compile_plan
 
     raw = yaml.safe_load(open("recipes/kimi-k25-8xb200-lowered.yaml"))
+    raw["trainer"].update(step_eagle3_block_mask=False, step_flex_autotune=False)
     env = dict(compile_plan(raw).process_env)
     assert (env[step_knobs.BLOCK_MASK_ENV], env[step_knobs.FLEX_AUTOTUNE_ENV]) == ("0", "0")
     raw["trainer"].update(step_eagle3_block_mask=True, step_flex_autotune=True)
