@@ -402,7 +402,9 @@ def test_real_width_trainer_set_changes_trainer_fields_and_refuses_unknown_ones(
     (box / "runs" / "k25-slice-data" / "prompts.jsonl").write_text("{}\n")
     out = tmp_path / "out"
     env.update(
-        STAGE="train", OUT=str(out), TRAINER_SET="step_empty_cache=true,fused_adamw=false,step_optimizer_fused_clip=false"
+        STAGE="train",
+        OUT=str(out),
+        TRAINER_SET="step_empty_cache=true,fused_adamw=false,step_optimizer_fused_clip=false",
     )
     res = subprocess.run(
         ["bash", "scripts/gpu_real_width.sh", "30"], cwd=box, env=env, capture_output=True, text=True, timeout=180
