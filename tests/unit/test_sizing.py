@@ -553,3 +553,15 @@ def test_a_recipes_trainer_rate_is_read_from_its_own_attention_backends_rows(siz
     assert sizing._trainer_rate(bench, 4096, RECIPE, "fa") == (4096, 11_000.0)
     with pytest.raises(SystemExit, match="no sdpa row"):
         sizing._trainer_rate(bench, 4096, RECIPE, "sdpa")
+
+
+def test_a_step_recipe_run_naming_no_step_ran_the_slice_recipes_step_of_then(sizing):
+    """A ``step_recipe``-tagged run-report without ``trainer_step_env`` (written before run-reports named their step)
+    is paired with ``LEGACY_RECIPE_STEP``, whatever step the slice recipe ships now; a report naming its step is paired
+    by it."""
+    name = "online_run_k25_slice_cuda_ipc_step_recipe_h200.json"
+    seamed = {**sizing.LEGACY_RECIPE_STEP, "SPECFORGE_EAGLE3_FEWER_SYNCS": "1"}
+    assert sizing.run_step(name, {}, seamed) == ("other", sizing._norm_step(sizing.LEGACY_RECIPE_STEP))
+    assert sizing.run_step(name, {}, sizing.LEGACY_RECIPE_STEP)[0] == "recipe"
+    assert sizing.run_step(name, {"trainer_step_env": seamed}, seamed) == ("recipe", sizing._norm_step(seamed))
+    assert sizing.run_step("online_run_k25_slice_cuda_ipc_h200.json", {}, seamed)[0] == "specforge"
