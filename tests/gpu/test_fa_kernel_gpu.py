@@ -1,8 +1,7 @@
 """The fa-kernel seam on a GPU: what the CPU cannot show (tests/unit/test_fa_kernel.py has the rest).
 
-On CUDA the seam's function runs cuDNN's attention kernel with its log-sum-exp, the key/value heads grouped as they
-are (repeated where cuDNN refuses that; PyTorch's flash kernel where cuDNN refuses the shapes), and that kernel's
-backward with the merged output and log-sum-exp. Here, in bf16 at the K2.5
+On CUDA the seam's function runs cuDNN's attention kernel with its log-sum-exp (PyTorch's flash kernel where cuDNN
+refuses), and that kernel's backward with the merged output and log-sum-exp. Here, in bf16 at the K2.5
 draft's head shapes (56 query / 8 key-value heads of 128) over 1,024 positions with two samples, one right-padded:
 the output and the gradients of the query and of every key and value block against dense attention in fp32 over
 every block with the EAGLE-3 mask, and against SpecForge's own flex-attention path with its ``generate_eagle3_mask``
@@ -78,8 +77,6 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
         rec[f"blocks_{blocks}"] = {
             "kernel": "flash (cuDNN refused)" if fk._CUDNN_REFUSED else "cudnn",
             "cudnn_refused": list(fk._CUDNN_REFUSED),
-            "kv_heads": "repeated (cuDNN refused them grouped)" if fk._GQA_REFUSED else "grouped, as they are",
-            "cudnn_grouped_refused": list(fk._GQA_REFUSED),
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "out_max_abs_vs_dense": float((got.float() - ref).abs().max()),
@@ -107,8 +104,7 @@ def test_the_cuda_kernels_give_dense_and_flex_eagle3_attention(out, blocks):
 def test_the_kernels_backward_is_right_whatever_layout_the_merged_output_comes_in():
     """PyTorch caches cuDNN's backward graph by q/k/v shapes and strides only: the seam's backward, handed the same
     merged output once contiguous in [B, S, H, D] and once in [B, H, S, D] memory (after a call that built the graph
-    with the first), gives the flash kernel's gradients (its key/value heads repeated) both times, cuDNN's with the
-    8 key/value heads grouped as they are."""
+    with the first), gives the flash kernel's gradients both times."""
     from specforge_kimi.drafts import eagle3_fa_kernel as fk
 
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -119,7 +115,6 @@ def test_the_kernels_backward_is_right_whatever_layout_the_merged_output_comes_i
     scale = 1 / math.sqrt(D)
     out0, lse0, state = fk._attention_forward(q, k, v, scale)
     assert state[0] == "cudnn", fk._CUDNN_REFUSED
-    assert state[3] is bool(fk._GQA_REFUSED), fk._GQA_REFUSED  # repeated only where cuDNN refused them grouped
     extra = torch.randn(B, H, S, device="cuda", generator=g)  # a merge: a larger log-sum-exp, another output
     lse = torch.logaddexp(lse0, extra)
     out = (out0.float() * torch.exp(lse0 - lse).transpose(1, 2).unsqueeze(-1)).to(q.dtype)

@@ -17,9 +17,8 @@ module (``LlamaFlashAttention.forward`` looks it up at each call) by :class:`Tor
 contract -- (query [B, S, H, D], cache keys and values [B, blocks, S, H_kv, D], valid lengths [B], scale) -> output
 [B, S, H, D] -- on PyTorch's kernels: cuDNN's attention (``aten._scaled_dot_product_cudnn_attention`` with its
 log-sum-exp, and its backward, which takes the output it differentiates against as an input: the merged one) on
-CUDA, with the key/value heads as they are (grouped-query attention; repeated per query head where cuDNN refuses
-that), PyTorch's flash attention (the FlashAttention-2 kernels, heads repeated) where cuDNN refuses the shapes (once,
-with a warning), its CPU flash kernel on the CPU. cuDNN's backward is handed the output, its gradient and the log-sum-exp in the
+CUDA, PyTorch's flash attention (the FlashAttention-2 kernels) where cuDNN refuses the shapes (once, with a warning),
+its CPU flash kernel on the CPU. cuDNN's backward is handed the output, its gradient and the log-sum-exp in the
 forward's own strides, always: PyTorch caches cuDNN's backward graph by the query's, key's and value's shapes and
 strides only, and a graph built for one output layout reads another wrongly (bench/cudnn_merged_backward.py; the GPU
 test tests/gpu/test_fa_kernel_gpu.py). The diagonal terms are merged with batched products over all blocks at once
@@ -46,8 +45,6 @@ _FLAG = "__specforge_kimi_fa_kernel__"
 _ORIGINAL: list = []
 #: cuDNN's refusals (their messages): after the first one the flash kernel runs
 _CUDNN_REFUSED: list = []
-#: cuDNN's refusals of key/value heads fewer than the query's (their messages): after the first one they are repeated
-_GQA_REFUSED: list = []
 
 
 def requested() -> bool:
@@ -60,31 +57,15 @@ def _fatal(torch) -> tuple:
     return tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None)) if t)
 
 
-def _refused(exc, shape, *, grouped: bool = False) -> None:
-    (_GQA_REFUSED if grouped else _CUDNN_REFUSED).append(str(exc))
-    instead = "the key/value heads repeated per query head" if grouped else "PyTorch's flash kernel"
-    warnings.warn(f"fa-kernel: cuDNN attention refused {shape}; {instead} instead: {exc}", stacklevel=3)
-
-
-def _cudnn_forward(qt, kt, vt, scale: float):
-    """cuDNN's causal attention of ``qt`` [B, H, S, D] over ``kt``/``vt`` [B, H_kv, S, D] -> (output, log-sum-exp,
-    the backward's other inputs)."""
-    import torch
-
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        qt, kt, vt, None, True, 0.0, True, False, scale=scale
-    )
-    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+def _refused(exc, shape) -> None:
+    _CUDNN_REFUSED.append(str(exc))
+    warnings.warn(f"fa-kernel: cuDNN attention refused {shape}; PyTorch's flash kernel instead: {exc}", stacklevel=3)
 
 
 def _attention_forward(q, k, v, scale: float):
     """Causal attention of ``q`` [B, S, H, D] over ``k``/``v`` [B, S, H_kv, D] -> (output [B, S, H, D] in q's dtype,
     log-sum-exp [B, H, S] fp32, the backward's state: the kernel, its output's and log-sum-exp's shapes and strides,
-    its other outputs, whether the key/value heads were repeated per query head).
-
-    cuDNN takes fewer key/value heads than query heads as they are (grouped-query attention: no [B, S, H, D] copy
-    of each, forward or backward); where it refuses them they are repeated, and the flash kernel always has them
-    repeated."""
+    its other outputs)."""
     import torch
 
     aten = torch.ops.aten
@@ -93,34 +74,26 @@ def _attention_forward(q, k, v, scale: float):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=scale
         )
-        return out.transpose(1, 2), lse.reshape(b, h, s), ("cpu", _layout(out, lse), (), False)
-    qt = q.transpose(1, 2)
-    grouped = k.shape[2] != h
+        return out.transpose(1, 2), lse.reshape(b, h, s), ("cpu", _layout(out, lse), ())
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, *_heads_of(q, k, v)))  # one layout for all three
     if not _CUDNN_REFUSED:
-        if grouped and not _GQA_REFUSED:
-            try:
-                out, lse, extra = _cudnn_forward(qt, k.transpose(1, 2), v.transpose(1, 2), scale)
-                return out.transpose(1, 2), lse.reshape(b, h, s), ("cudnn", _layout(out, lse), extra, False)
-            except _fatal(torch):
-                raise
-            except RuntimeError as exc:  # no engine for grouped heads here: repeat them
-                _refused(exc, (tuple(qt.shape), tuple(k.shape)), grouped=True)
-        kt, vt = (t.transpose(1, 2) for t in _heads_of(q, k, v))  # one layout for all three
         try:
-            out, lse, extra = _cudnn_forward(qt, kt, vt, scale)
-            return out.transpose(1, 2), lse.reshape(b, h, s), ("cudnn", _layout(out, lse), extra, grouped)
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+                qt, kt, vt, None, True, 0.0, True, False, scale=scale
+            )
+            state = ("cudnn", _layout(out, lse), (cum_q, cum_k, max_q, max_k, seed, offset))
+            return out.transpose(1, 2), lse.reshape(b, h, s), state
         except _fatal(torch):
             raise
         except RuntimeError as exc:  # cuDNN has no engine for these shapes, strides or this build
             _refused(exc, tuple(qt.shape))
-    kt, vt = (t.transpose(1, 2) for t in _heads_of(q, k, v))
     out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = aten._scaled_dot_product_flash_attention(
         qt, kt, vt, 0.0, True, False, scale=scale
     )
     return (
         out.transpose(1, 2),
         lse.reshape(b, h, s),
-        ("flash", _layout(out, lse), (cum_q, cum_k, max_q, max_k, rng, unused), grouped),
+        ("flash", _layout(out, lse), (cum_q, cum_k, max_q, max_k, rng, unused)),
     )
 
 
@@ -141,7 +114,7 @@ def _as_forward(t, shape, stride):
 
 def _heads_of(q, k, v):
     """``k``, ``v`` [B, S, H_kv, D] with each key/value head repeated for its query heads (GQA) -> [B, S, H, D]:
-    PyTorch's flash kernel takes the query's head count (and cuDNN where it refuses grouped heads)."""
+    the CUDA kernels take the query's head count."""
     h, h_kv = q.shape[2], k.shape[2]
     return (k, v) if h == h_kv else (k.repeat_interleave(h // h_kv, dim=2), v.repeat_interleave(h // h_kv, dim=2))
 
@@ -157,7 +130,7 @@ def _attention_backward(state, grad_out, q, k, v, out, lse, scale: float):
     import torch
 
     aten = torch.ops.aten
-    kind, (o_shape, o_stride, lse_shape, lse_stride), extra, repeated = state
+    kind, (o_shape, o_stride, lse_shape, lse_stride), extra = state
     lse_kernel = _as_forward(lse, lse_shape, lse_stride)
     o = _as_forward(out.transpose(1, 2), o_shape, o_stride)
     go = _as_forward(grad_out.transpose(1, 2), o_shape, o_stride)  # the gradient in the output's layout
@@ -166,7 +139,7 @@ def _attention_backward(state, grad_out, q, k, v, out, lse, scale: float):
             go, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse_kernel, 0.0, True, scale=scale
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, *(_heads_of(q, k, v) if repeated else (k, v))))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, *_heads_of(q, k, v)))
     cum_q, cum_k, max_q, max_k, seed, offset = extra
     if kind == "cudnn":
         try:
@@ -175,9 +148,9 @@ def _attention_backward(state, grad_out, q, k, v, out, lse, scale: float):
             )
         except _fatal(torch):
             raise
-        except RuntimeError as exc:  # grouped heads refused: cuDNN with them repeated next, else the flash kernel
-            _refused(exc, tuple(qt.shape), grouped=not repeated and k.shape[2] != q.shape[2])
-            _, _, state = _attention_forward(q, k, v, scale)  # the next kernel's own state for its backward
+        except RuntimeError as exc:
+            _refused(exc, tuple(qt.shape))
+            _, _, state = _attention_forward(q, k, v, scale)  # the flash kernel's own state for its backward
             return _attention_backward(state, grad_out, q, k, v, out, lse, scale)
     else:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
@@ -185,7 +158,7 @@ def _attention_backward(state, grad_out, q, k, v, out, lse, scale: float):
         )
     dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
     h, h_kv = q.shape[2], k.shape[2]
-    if repeated:  # the repeated heads' gradients summed back onto their key/value head
+    if h_kv != h:  # the repeated heads' gradients summed back onto their key/value head
         b, s, _, d = dk.shape
         dk, dv = (t.reshape(b, s, h_kv, h // h_kv, d).sum(dim=3) for t in (dk, dv))
     return dq, dk, dv
@@ -312,4 +285,3 @@ def uninstall_fa_kernel() -> None:
     llama3_eagle.LlamaFlashAttention.__init__ = init
     _ORIGINAL.clear()
     _CUDNN_REFUSED.clear()
-    _GQA_REFUSED.clear()
