@@ -162,12 +162,13 @@ def test_the_recipe_field_reaches_the_trainer_processes_and_the_bench():
 
     raw = load_recipe("recipes/kimi-k25-8xb200-lowered.yaml").model_dump()
     raw["trainer"]["step_compile_elementwise"] = False
-    r = compile_plan(raw).recipe
-    assert dict(compile_plan(r).process_env)[step_knobs.COMPILE_ELEMENTWISE_ENV] == "0"
-    raw = r.model_dump()
+    off_plan = compile_plan(raw)
+    r = off_plan.recipe
+    assert dict(off_plan.process_env)[step_knobs.COMPILE_ELEMENTWISE_ENV] == "0"
     raw["trainer"]["step_compile_elementwise"] = True
-    assert dict(compile_plan(raw).process_env)[step_knobs.COMPILE_ELEMENTWISE_ENV] == "1"
-    on = step_knobs.trainer_env(compile_plan(raw).recipe.trainer)
+    on_plan = compile_plan(raw)
+    assert dict(on_plan.process_env)[step_knobs.COMPILE_ELEMENTWISE_ENV] == "1"
+    on = step_knobs.trainer_env(on_plan.recipe.trainer)
     assert step_knobs.patches_needed(on) == step_knobs.patches_needed(step_knobs.trainer_env(r.trainer))  # no patch
     import yaml
 
