@@ -406,6 +406,13 @@ SUPERSEDED: dict[str, str | tuple[str, tuple[str, ...]]] = {
     "rows (x1.022 at 4k, x1.125 at 16k against flex) are an upper bound for a correct cuDNN path, not a result; the "
     "seam runs PyTorch's flash kernel since: trainer_step_fa_flash_k25_b200_h100_16k.json (archive/gpu-runs/RUNS.md "
     "2026-12-07 (second))",
+    "trainer_step_fa_gqa_k25_b200_h100.json": "an experiment not kept: the fa-kernel seam handing cuDNN the 8 "
+    "key/value heads grouped instead of repeated per query head (right on the GPU test and in "
+    "cudnn_merged_backward_gqa_h100.json) measured no gain: fa 16k 1.252 s against 1.250 s with the heads repeated "
+    "(trainer_step_fa_cudnn_strides_k25_b200_h100.json), 4k 0.299 against 0.301, the same peaks and losses; the seam "
+    "keeps repeating them (archive/gpu-runs/RUNS.md 2026-12-07 (fifth))",
+    "trainer_step_fa_gqa_k25_b200_h100_16k_run2.json": "the same experiment's second 16k run (fa 1.255 s, flex "
+    "1.337 s): no gain from grouped key/value heads; not kept (archive/gpu-runs/RUNS.md 2026-12-07 (fifth))",
     # the overlap rates
     "overlap_rates_k25_slice_h100_stages.json": "its stage rates are the ones overlap_rates_k25_slice_h100.json "
     "took (--stages-from); its two launches were refused by launch's disk check (the trainer stage's 4.4 GiB "
