@@ -18,7 +18,8 @@ memcpy/memset), the annotated ranges among that op's ancestors (teacher, optimiz
 when it is a GEMM op (``aten::mm/addmm/bmm/baddbmm``: classed by its recorded input shapes, hence
 ``record_shapes``), then kernel-name patterns. GEMM time is the kernels' device time. Busy time is the
 union of all device-kernel intervals; the idle gap (wall - busy) is launch, synchronisation and allocator
-time. Each top kernel names its launching ops (``sources``: op, input shapes, and the autograd node whose backward
+time. A kernel name's linked time is capped at its time on the device timeline (:func:`overlink_scale`: the profiler
+can link one kernel to several ops); ``overlinked_ms_per_step`` is what the cap took off. Each top kernel names its launching ops (``sources``: op, input shapes, and the autograd node whose backward
 ran it), so an elementwise kernel's time is traced to the tensors and the layer that cost it. On a host without
 CUDA the same classes are filled from CPU ops' self times (no busy timeline).
 """
@@ -148,6 +149,21 @@ def _union_us(intervals) -> float:
     return total
 
 
+def overlink_scale(links: list, on_device: dict) -> dict[str, float]:
+    """Per kernel name, the factor its linked time is scaled by so that it is at most that name's time on the device
+    timeline, where each kernel appears once (names absent from it, or not over it, are left out: factor 1).
+
+    The profiler can attach one device kernel to more than one CPU op (seen: fused AdamW's multi-tensor kernel linked
+    many times more often than the step launches it, the classes' sum above the wall time). ``links``: (kernel name, class, microseconds, source) per link; ``on_device``: kernel
+    name -> microseconds on the device timeline."""
+    linked: dict = {}
+    for name, _, us, _ in links:
+        linked[name] = linked.get(name, 0.0) + us
+    return {
+        n: on_device[n] / us for n, us in linked.items() if on_device.get(n, 0.0) > 0 and us > on_device[n] * (1 + 1e-9)
+    }
+
+
 def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, draft_vocab: int, top: int = 25):
     """The profile's summary, per step (milliseconds): classes, wall, busy, idle, runtime calls, top kernels."""
     from torch.autograd import DeviceType
@@ -157,14 +173,14 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
     by_class = dict.fromkeys(CLASSES, 0.0)
     kernels: dict = {}
 
-    def add(name: str, cls: str, us: float, where: tuple) -> None:
+    def add(name: str, cls: str, us: float, where: tuple, n: float = 1.0) -> None:
         by_class[cls] += us
         k = kernels.setdefault((name, cls), [0.0, 0, {}])
         k[0] += us
-        k[1] += 1
+        k[1] += n
         src = k[2].setdefault(where, [0.0, 0])
         src[0] += us
-        src[1] += 1
+        src[1] += n
 
     if cuda:
         # record_function ranges (ProfilerStep#N, the kimi: ranges) also appear on the device timeline as
@@ -178,12 +194,22 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             and not e.name.startswith(("ProfilerStep", "kimi:"))
         ]
         device_us = sum(e.time_range.elapsed_us() for e in device)
-        linked = 0.0
+        on_device: dict = {}
+        for e in device:
+            on_device[e.name] = on_device.get(e.name, 0.0) + e.time_range.elapsed_us()
+        links = []
         for op in cpu_events:
             where = source(op) if op.kernels else None  # once per op, not per kernel
             for k in op.kernels:
-                add(k.name, classify(k.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab), k.duration, where)
-                linked += k.duration
+                cls = classify(k.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab)
+                links.append((k.name, cls, k.duration, where))
+        scale = overlink_scale(links, on_device)
+        linked = 0.0
+        for name, cls, us, where in links:
+            f = scale.get(name, 1.0)
+            add(name, cls, us * f, where, f)
+            linked += us * f
+        overlinked_us = sum(us for _, _, us, _ in links) - linked
         by_class["unattributed"] += max(device_us - linked, 0.0)
         busy_us = _union_us((e.time_range.start, e.time_range.end) for e in device)
     else:  # the CPU path: ops' self times (annotations excluded), classed the same way
@@ -192,7 +218,7 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
                 continue
             cls = classify(op.name, op, target_vocab=target_vocab, draft_vocab=draft_vocab)
             add(op.name, cls, op.self_cpu_time_total, source(op))
-        busy_us = None
+        busy_us, overlinked_us = None, 0.0
     total_us = sum(by_class.values())
     runtime: dict = {}
     for e in cpu_events:
@@ -209,6 +235,7 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
         "busy_ms_per_step": None if busy_us is None else busy_us / 1e3 / steps,
         "idle_ms_per_step": None if busy_us is None else wall_ms - busy_us / 1e3 / steps,
         "total_ms_per_step": total_us / 1e3 / steps,
+        "overlinked_ms_per_step": overlinked_us / 1e3 / steps,
         "class_ms_per_step": {c: v / 1e3 / steps for c, v in by_class.items()},
         "runtime_calls_per_step": {
             n: {"calls": r["calls"] / steps, "ms": r["ms"] / steps} for n, r in sorted(runtime.items())

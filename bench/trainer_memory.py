@@ -1047,7 +1047,12 @@ def _print_row(v: str, b: str, r: dict) -> None:
         print(
             f"  profile ms/step: wall {p['wall_ms_per_step']:.1f}, "
             + (f"busy {p['busy_ms_per_step']:.1f}, " if p["busy_ms_per_step"] is not None else "")
-            + classes,
+            + classes
+            + (
+                f" (linked time over the device's taken off: {p['overlinked_ms_per_step']:.1f})"
+                if p.get("overlinked_ms_per_step")
+                else ""
+            ),
             flush=True,
         )
     elif "profile_error" in r:

@@ -189,3 +189,32 @@ def test_annotate_names_the_optimizer_of_a_block_step_without_a_teacher():
     assert len(ranges) == 1
     inside = [e.name for e in prof.events() if e.cpu_parent is ranges[0]]
     assert "aten::mul_" in inside or "aten::ones" in inside
+
+
+def test_a_kernel_linked_to_several_ops_counts_its_device_time_once():
+    """The profiler can attach one device kernel to more than one CPU op; the summary caps each kernel name's linked
+    time at its time on the device timeline (each kernel once there), scales its calls alike and says how much it
+    took off, so the classes never add up to more than the kernels ran."""
+    sp = _module()
+    opt = _op(sp.OPTIMIZER)
+    adam = "multi_tensor_apply_kernel_FusedAdamMathFunctor"
+    ops = [
+        opt,
+        # one launch on the device, linked to three ops
+        *(_op("aten::_fused_adamw_", opt, [], [(adam, 10.0)]) for _ in range(3)),
+        # a GEMM linked once, as it ran
+        _op("aten::addmm", None, [(7168,), (4096, 21504), (21504, 7168)], [("nvjet_tst_128x256", 20.0)]),
+    ]
+    device = [_dev(adam, 0.0, 10.0), _dev("nvjet_tst_128x256", 10.0, 30.0)]
+    prof = SimpleNamespace(events=lambda: ops + device)
+    s = sp.summarize(prof, steps=1, wall_s=[30e-6], cuda=True, target_vocab=163840, draft_vocab=32000)
+    c = {k: round(v * 1e3, 6) for k, v in s["class_ms_per_step"].items()}
+    assert c["optimizer"] == 10.0 and c["gemm"] == 20.0 and c["unattributed"] == 0.0
+    assert s["overlinked_ms_per_step"] == pytest.approx(20.0 / 1e3)
+    assert s["total_ms_per_step"] == pytest.approx(s["busy_ms_per_step"]) == pytest.approx(30.0 / 1e3)
+    top = {t["name"]: t for t in s["top"]}
+    assert top[adam]["calls_per_step"] == pytest.approx(1.0)
+    assert sum(src["calls_per_step"] for src in top[adam]["sources"]) == pytest.approx(1.0)
+    # a name linked no more than it ran is left as it is
+    assert sp.overlink_scale([("k", "gemm", 5.0, None)], {"k": 5.0}) == {}
+    assert sp.overlink_scale([("k", "gemm", 5.0, None)], {}) == {}
