@@ -19,8 +19,8 @@ when it is a GEMM op (``aten::mm/addmm/bmm/baddbmm``: classed by its recorded in
 ``record_shapes``), then kernel-name patterns. GEMM time is the kernels' device time. Busy time is the
 union of all device-kernel intervals; the idle gap (wall - busy) is launch, synchronisation and allocator
 time. A kernel name's linked time is capped at its time on the device timeline (:func:`overlink_scale`: the profiler
-can link one kernel to several ops); ``overlinked_ms_per_step`` is what the cap took off. Each top kernel names its launching ops (``sources``: op, input shapes, and the autograd node whose backward
-ran it), so an elementwise kernel's time is traced to the tensors and the layer that cost it. On a host without
+can link one kernel to several ops); ``overlinked_ms_per_step`` is what the cap took off. Each top kernel names its
+launching ops (``sources``: op, input shapes, and the autograd node whose backward ran it), so an elementwise kernel's time is traced to the tensors and the layer that cost it. On a host without
 CUDA the same classes are filled from CPU ops' self times (no busy timeline).
 """
 
@@ -154,8 +154,8 @@ def overlink_scale(links: list, on_device: dict) -> dict[str, float]:
     timeline, where each kernel appears once (names absent from it, or not over it, are left out: factor 1).
 
     The profiler can attach one device kernel to more than one CPU op (seen: fused AdamW's multi-tensor kernel linked
-    many times more often than the step launches it, the classes' sum above the wall time). ``links``: (kernel name, class, microseconds, source) per link; ``on_device``: kernel
-    name -> microseconds on the device timeline."""
+    many times more often than the step launches it, the classes' sum above the wall time). ``links``: (kernel name,
+    class, microseconds, source) per link; ``on_device``: kernel name -> microseconds on the device timeline."""
     linked: dict = {}
     for name, _, us, _ in links:
         linked[name] = linked.get(name, 0.0) + us
