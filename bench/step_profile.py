@@ -193,10 +193,10 @@ def summarize(prof, *, steps: int, wall_s: list, cuda: bool, target_vocab: int, 
             and not getattr(e, "is_user_annotation", False)
             and not e.name.startswith(("ProfilerStep", "kimi:"))
         ]
-        device_us = sum(e.time_range.elapsed_us() for e in device)
-        on_device: dict = {}
+        on_device: dict = {}  # kernel name -> its device time, each kernel once
         for e in device:
             on_device[e.name] = on_device.get(e.name, 0.0) + e.time_range.elapsed_us()
+        device_us = sum(on_device.values())
         links = []
         for op in cpu_events:
             where = source(op) if op.kernels else None  # once per op, not per kernel
