@@ -81,7 +81,10 @@ its first step also autotunes), ``fused_clip`` (the recipe's own with ``trainer.
 our seam optimizer-fused-clip, ``SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP=1``: the optimizer's clip in fused AdamW's
 ``grad_scale``; every draft family), ``fused_wgrad`` (the recipe's own with ``trainer.step_eagle3_fused_wgrad:
 true``, our seam eagle3-fused-wgrad, ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1``: each draft weight's gradient summed
-over the TTT positions inside its weight-gradient GEMM; rows list the linears it wrapped) and ``stacked`` (the
+over the TTT positions inside its weight-gradient GEMM; rows list the linears it wrapped), ``fused_proj`` (the
+recipe's own with ``trainer.step_eagle3_fused_proj: true``, our seam eagle3-fused-proj,
+``SPECFORGE_KIMI_EAGLE3_FUSED_PROJ=1``: the draft layer's q/k/v and gate/up projections one GEMM per group; rows list
+the groups it fused; not in ``stacked``: ``stacked_untuned+fused_proj`` adds it) and ``stacked`` (the
 recipe's own with ``step_fewer_host_syncs``, ``step_compile_elementwise``, ``step_eagle3_block_mask``,
 ``step_flex_autotune``, ``step_eagle3_fused_wgrad`` and ``step_optimizer_fused_clip`` all on) and
 ``stacked_untuned`` (``stacked`` without ``step_flex_autotune``: no minutes of tuning in its first step), and any
@@ -236,6 +239,7 @@ RECIPE_VARIANTS = {
     "flex_autotune": {"step_flex_autotune": True},
     "fused_clip": {"step_optimizer_fused_clip": True},
     "fused_wgrad": {"step_eagle3_fused_wgrad": True},
+    "fused_proj": {"step_eagle3_fused_proj": True},
     "stacked": {
         "step_fewer_host_syncs": True,
         "step_compile_elementwise": True,
@@ -278,6 +282,7 @@ EAGLE3_ONLY_VARIANTS = (
     "block_mask",
     "flex_autotune",
     "fused_wgrad",
+    "fused_proj",
     "stacked",
     "stacked_untuned",
 )
@@ -321,6 +326,7 @@ def variant_env(recipe, name: str, base: dict[str, str], backend: str | None = N
                 "step_eagle3_block_mask": False,
                 "step_flex_autotune": False,
                 "step_eagle3_fused_wgrad": False,
+                "step_eagle3_fused_proj": False,
                 "step_optimizer_fused_clip": False,
                 **VARIANTS[name],
             }
@@ -470,12 +476,18 @@ def _step_switches(backend, family: str) -> dict:
     fused_clip = optimizer_fused_clip.installed() and optimizer_fused_clip.applies(backend.optimizer)
     if family != "eagle3":
         return {"adamw_fused": adamw_fused, "fewer_syncs": False, "chunked_loss": 0, "compile_elementwise": False,
-                "eagle3_block_mask": False, "flex_autotune": False, "eagle3_fused_wgrad": False, "fa_kernel": False,
-                "optimizer_fused_clip": fused_clip}  # fmt: skip
+                "eagle3_block_mask": False, "flex_autotune": False, "eagle3_fused_wgrad": False,
+                "eagle3_fused_proj": False, "fa_kernel": False, "optimizer_fused_clip": fused_clip}  # fmt: skip
     import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.modeling.draft.llama3_eagle import LlamaDecoderLayer
 
-    from specforge_kimi.drafts import eagle3_block_mask, eagle3_fa_kernel, eagle3_fused_wgrad, flex_autotune
+    from specforge_kimi.drafts import (
+        eagle3_block_mask,
+        eagle3_fa_kernel,
+        eagle3_fused_proj,
+        eagle3_fused_wgrad,
+        flex_autotune,
+    )
     from specforge_kimi.drafts.compile_elementwise import installed
 
     return {
@@ -486,6 +498,7 @@ def _step_switches(backend, family: str) -> dict:
         "eagle3_block_mask": eagle3_block_mask.installed(),
         "flex_autotune": flex_autotune.installed(),
         "eagle3_fused_wgrad": eagle3_fused_wgrad.installed(eagle3_model.OnlineEagle3Model),
+        "eagle3_fused_proj": eagle3_fused_proj.installed(eagle3_model.OnlineEagle3Model),
         "fa_kernel": eagle3_fa_kernel.installed(),
         "optimizer_fused_clip": fused_clip,
     }
@@ -590,7 +603,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
     import step_profile
     import torch
 
-    from specforge_kimi.drafts import eagle3_fused_wgrad
+    from specforge_kimi.drafts import eagle3_fused_proj, eagle3_fused_wgrad
     from specforge_kimi.plan.trainer_terms import trainer_terms
     from specforge_kimi.training.step_knobs import STEP_ENV_NAMES
 
@@ -609,6 +622,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         "eagle3_block_mask": trainer["eagle3_block_mask"],
         "flex_autotune": trainer["flex_autotune"],
         "eagle3_fused_wgrad": trainer["eagle3_fused_wgrad"],
+        "eagle3_fused_proj": trainer["eagle3_fused_proj"],
         "fa_kernel": trainer["fa_kernel"],
         "optimizer_fused_clip": trainer["optimizer_fused_clip"],
         "backend": args.backend,
@@ -646,6 +660,7 @@ def _measure_length(args, trainer: dict, base, length: int, *, rank: int, workdi
         row["step_s"] = times
         row["losses"] = losses
         row["eagle3_fused_wgrad_linears"] = eagle3_fused_wgrad.wrapped_names(trainer["draft"])
+        row["eagle3_fused_proj_groups"] = eagle3_fused_proj.wrapped_groups(trainer["draft"])
         if len(times) > 1:
             med = sorted(times[1:])[len(times[1:]) // 2]
             row["median_step_s_after_first"] = med

@@ -92,6 +92,14 @@ EAGLE3_FUSED_WGRAD = EnvVar(
     writers=("training.step_knobs",),
     readers=("drafts.eagle3_fused_wgrad",),
 )
+EAGLE3_FUSED_PROJ = EnvVar(
+    "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ",
+    "1: the eagle3-fused-proj seam runs the EAGLE-3 Llama draft layer's q/k/v and gate/up projections as one GEMM per "
+    "group (recipe trainer step knob)",
+    OURS,
+    writers=("training.step_knobs",),
+    readers=("drafts.eagle3_fused_proj",),
+)
 EAGLE3_COMPILE_ELEMENTWISE = EnvVar(
     "SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE",
     "1: the compile-elementwise seam compiles the EAGLE-3 Llama draft layer's norms, MLP and residual adds and the "

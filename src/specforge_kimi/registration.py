@@ -44,6 +44,10 @@ imports transformers/specforge lazily. The seams, each by its name (code, tests 
   ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1`` (recipe ``trainer.step_eagle3_fused_wgrad``): the draft layer's and head's
   linears sum their weight gradients over the TTT positions inside the weight-gradient GEMM
   (:mod:`specforge_kimi.drafts.eagle3_fused_wgrad`). Without the variable SpecForge's forward is untouched.
+- ``eagle3-fused-proj``: SpecForge's ``OnlineEagle3Model.forward``, only in a process with
+  ``SPECFORGE_KIMI_EAGLE3_FUSED_PROJ=1`` (recipe ``trainer.step_eagle3_fused_proj``): the Llama draft layer's q/k/v
+  and gate/up projections run as one GEMM per group (:mod:`specforge_kimi.drafts.eagle3_fused_proj`). Without the
+  variable SpecForge's forward is untouched.
 - ``fa-kernel``: ``_FlashCachedMergeFunc`` and ``LlamaFlashAttention.__init__`` of
   ``specforge.modeling.draft.llama3_eagle``, only in a process with ``SPECFORGE_KIMI_EAGLE3_FA_KERNEL=1`` (recipe
   ``trainer.attention_backend: fa``): SpecForge's ``fa`` TTT attention on PyTorch's own kernels (cuDNN's attention
@@ -517,13 +521,16 @@ def _install_checkpoint_completion() -> None:
 
 #: the step seams (module, install function): each installs only when its variable asks for it
 #: (SPECFORGE_KIMI_EAGLE3_COMPILE_ELEMENTWISE, SPECFORGE_KIMI_EAGLE3_BLOCK_MASK, SPECFORGE_KIMI_FLEX_AUTOTUNE,
-#: SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP, SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD, SPECFORGE_KIMI_EAGLE3_FA_KERNEL)
+#: SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP, SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD, SPECFORGE_KIMI_EAGLE3_FUSED_PROJ,
+#: SPECFORGE_KIMI_EAGLE3_FA_KERNEL)
 _STEP_SEAMS = (
     ("specforge_kimi.drafts.compile_elementwise", "install_compile_elementwise"),
     ("specforge_kimi.drafts.eagle3_block_mask", "install_eagle3_block_mask"),
     ("specforge_kimi.drafts.flex_autotune", "install_flex_autotune"),
     ("specforge_kimi.drafts.optimizer_fused_clip", "install_optimizer_fused_clip"),
     ("specforge_kimi.drafts.eagle3_fused_wgrad", "install_eagle3_fused_wgrad"),
+    # after fused-wgrad: its forward runs outside that seam's, so it takes the siblings before that seam's wrap
+    ("specforge_kimi.drafts.eagle3_fused_proj", "install_eagle3_fused_proj"),
     ("specforge_kimi.drafts.eagle3_fa_kernel", "install_fa_kernel"),
 )
 

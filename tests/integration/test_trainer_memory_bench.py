@@ -342,7 +342,7 @@ def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
             "--nproc",
             "2",
             "--variants",
-            "recipe,fused_wgrad",
+            "recipe,fused_wgrad,fused_wgrad+fused_proj",
             "--workdir",
             str(tmp_path / "work"),
             "--out",
@@ -356,8 +356,8 @@ def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["config"]["world_size"] == 2
-    row, wgrad = doc["rows"]  # rank 0 alone prints the merged row of each variant
-    for r in (row, wgrad):
+    row, wgrad, proj = doc["rows"]  # rank 0 alone prints the merged row of each variant
+    for r in (row, wgrad, proj):
         assert "error" not in r and r["world_size"] == 2
         per_rank = r["per_rank_median_step_s_after_first"]
         assert len(per_rank) == 2 and r["median_step_s_after_first"] == max(per_rank)
@@ -367,6 +367,16 @@ def test_two_ranks_under_torchrun_merge_into_one_row_per_length(tmp_path):
     assert (row["eagle3_fused_wgrad"], wgrad["eagle3_fused_wgrad"]) == (False, True)
     assert "lm_head" in wgrad["eagle3_fused_wgrad_linears"]
     assert wgrad["losses"] == pytest.approx(row["losses"], rel=1e-5) and row["losses"][0] != row["losses"][1]
+    # with eagle3-fused-proj as well: the layer's q/k/v and gate/up one GEMM per group, the other linears summing
+    assert (row["eagle3_fused_proj"], wgrad["eagle3_fused_proj"], proj["eagle3_fused_proj"]) == (False, False, True)
+    assert proj["eagle3_fused_proj_groups"] == [
+        "midlayer.self_attn.q_proj+k_proj+v_proj",
+        "midlayer.mlp.gate_proj+up_proj",
+    ]
+    assert (
+        row["eagle3_fused_proj_groups"] == [] and "midlayer.self_attn.q_proj" not in proj["eagle3_fused_wgrad_linears"]
+    )
+    assert proj["losses"] == pytest.approx(row["losses"], rel=1e-5)
 
 
 def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path):

@@ -399,6 +399,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ": "0",
         "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
@@ -414,6 +415,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ": "0",
         "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }
@@ -431,6 +433,7 @@ def test_run_report_names_the_trainer_step(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ": "0",
         "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }

@@ -372,6 +372,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ": "0",
         "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
@@ -392,6 +393,7 @@ def test_step_env_spells_every_switch_and_names_the_patches():
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK": "0",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE": "0",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD": "0",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ": "0",
         "SPECFORGE_KIMI_EAGLE3_FA_KERNEL": "0",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP": "0",
     }
@@ -475,6 +477,7 @@ def test_block_drafts_get_no_eagle3_step_switches(family):
         step_knobs.BLOCK_MASK_ENV,
         step_knobs.FLEX_AUTOTUNE_ENV,
         step_knobs.FUSED_WGRAD_ENV,
+        step_knobs.FUSED_PROJ_ENV,
     }
     assert not eagle3_only & set(env)
     assert env[step_knobs.FUSED_ADAMW_ENV] == "1"

@@ -59,6 +59,9 @@ def test_a_composed_variant_sets_the_step_variables_a_recipe_with_its_fields_set
     )
     assert env == want, env
     assert env[step_knobs.FUSED_WGRAD_ENV] == "1" and env[step_knobs.COMPILE_ELEMENTWISE_ENV] == "1"
+    # the fused projections on top of the stack: stacked_untuned's variables and the seam's
+    on_top = tm.variant_env(r, "stacked_untuned+fused_proj", {})
+    assert on_top == {**tm.variant_env(r, "stacked_untuned", {}), step_knobs.FUSED_PROJ_ENV: "1"}
     # the stacked rows without flex autotune, named by parts, are the same step as stacked_untuned
     assert tm.variant_env(r, "fewer_syncs+compiled+block_mask+fused_wgrad+fused_clip", {}) == tm.variant_env(
         r, "stacked_untuned", {}

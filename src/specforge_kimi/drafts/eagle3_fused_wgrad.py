@@ -110,31 +110,44 @@ def _impl():
             grad_w, acc.buf = acc.buf, None
             return grad_x, grad_w, None
 
-    @torch.compiler.disable
-    def linear_forward(module, input):  # nn.Linear.forward's own parameter name
-        """A wrapped linear's ``forward``: the accumulating function inside the eagle3 forward, else ``F.linear``."""
+    def linear(input, weight, key, name):
+        """``F.linear(input, weight)``; inside :func:`summing` with gradients on (and no autocast) the accumulating
+        function, the uses of one ``key`` sharing one sum."""
         accs = getattr(_ACTIVE, "accs", None)
-        weight = module.weight
         if (
             accs is None
             or not (weight.requires_grad and torch.is_grad_enabled())
             or torch.is_autocast_enabled(weight.device.type)
         ):
-            return F.linear(input, weight, module.bias)
-        acc = accs.get(id(module))
+            return F.linear(input, weight)
+        acc = accs.get(id(key))
         if acc is None:
-            acc = accs[id(module)] = _Sum(getattr(module, _NAME))
+            acc = accs[id(key)] = _Sum(name)
         acc.uses += 1
         acc.pending += 1
         return AccumulatingLinear.apply(input, weight, acc)
 
-    _IMPL.update(function=AccumulatingLinear, forward=linear_forward)
+    @torch.compiler.disable
+    def linear_forward(module, input):  # nn.Linear.forward's own parameter name
+        """A wrapped linear's ``forward``: the accumulating function inside the eagle3 forward, else ``F.linear``."""
+        return linear(input, module.weight, module, getattr(module, _NAME))
+
+    _IMPL.update(function=AccumulatingLinear, forward=linear_forward, linear=linear)
     return _IMPL
+
+
+def linear(input, weight, *, key, name: str):
+    """``F.linear(input, weight)`` (no bias) for another seam's GEMM of the eagle3 draft (``drafts.eagle3_fused_proj``):
+    inside this seam's eagle3 forward its weight gradient is summed in place over the uses of ``key`` (an object
+    alive for the step, one per weight) like a wrapped linear's, ``name`` naming it in the check's message; outside it
+    ``F.linear``."""
+    return _impl()["linear"](input, weight, key, name)
 
 
 def wrap_draft_linears(draft) -> list[str]:
     """Route the bias-free ``nn.Linear`` modules of ``draft.midlayer`` and ``draft.lm_head`` through the seam's
-    forward (idempotent); returns the names of those it wraps now."""
+    forward (idempotent); returns the names of those it wraps now. A linear whose ``forward`` another seam set
+    (``drafts.eagle3_fused_proj``'s siblings, which sum through :func:`linear`) is left to it."""
     import types
     import weakref
 
@@ -147,7 +160,7 @@ def wrap_draft_linears(draft) -> list[str]:
         if not isinstance(root, nn.Module):
             continue
         for name, m in root.named_modules(prefix=part):
-            if type(m) is nn.Linear and m.bias is None and not hasattr(m, _NAME):
+            if type(m) is nn.Linear and m.bias is None and not hasattr(m, _NAME) and "forward" not in m.__dict__:
                 setattr(m, _NAME, name)
                 m.forward = types.MethodType(linear_forward, m)
                 _WRAPPED.append(weakref.ref(m))

@@ -44,6 +44,7 @@ EAGLE3_ONLY_TRAINER_FIELDS = (
     "step_eagle3_block_mask",
     "step_flex_autotune",
     "step_eagle3_fused_wgrad",
+    "step_eagle3_fused_proj",
 )
 #: the mask token of a K2.5 block draft: <|reserved_token_163824|>, unused by K2.5 (SpecForge's K3 config's choice)
 K25_MASK_TOKEN_ID = 163824
@@ -346,6 +347,16 @@ class TrainerSection(_Strict):
         "the draft layer's and head's bias-free linears; not with trainer.step_chunked_head_loss). The same "
         "gradients to fp32 rounding (tests/unit/test_eagle3_fused_wgrad.py). Measured by bench/trainer_memory.py "
         "--variants recipe,fused_wgrad. Off by default",
+    )
+    step_eagle3_fused_proj: bool = Field(
+        default=False,
+        description="true runs the eagle3 Llama draft layer's q/k/v projections as one GEMM and its MLP's gate/up "
+        "projections as one GEMM, over their weights concatenated once per step, so the backward runs one "
+        "input-gradient GEMM per group instead of one per projection and the adds of their input gradients "
+        "(SPECFORGE_KIMI_EAGLE3_FUSED_PROJ=1; our registration seam eagle3-fused-proj, no patch; the checkpoint "
+        "keeps SpecForge's parameters; holds the concatenated weights for the step). The same loss and gradients to "
+        "fp32 rounding (tests/unit/test_eagle3_fused_proj.py). Measured by bench/trainer_memory.py --variants "
+        "recipe,fused_proj. Off by default",
     )
     step_optimizer_fused_clip: bool = Field(
         default=False,

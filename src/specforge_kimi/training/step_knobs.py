@@ -49,6 +49,9 @@ FUSED_CLIP_ENV = _env.OPTIMIZER_FUSED_CLIP.name
 #: the eagle3-fused-wgrad seam (``drafts.eagle3_fused_wgrad``, no patch): "1" sums each eagle3 draft weight's gradient
 #: over the TTT positions inside its weight-gradient GEMM; "0": autograd's adds, as shipped
 FUSED_WGRAD_ENV = _env.EAGLE3_FUSED_WGRAD.name
+#: the eagle3-fused-proj seam (``drafts.eagle3_fused_proj``, no patch): "1" runs the eagle3 Llama draft layer's q/k/v
+#: and gate/up projections as one GEMM per group; "0": one GEMM per projection, as shipped
+FUSED_PROJ_ENV = _env.EAGLE3_FUSED_PROJ.name
 #: the fa-kernel seam (``drafts.eagle3_fa_kernel``, no patch): "1" runs SpecForge's ``fa`` EAGLE-3 attention on
 #: PyTorch's own attention kernels; set from the recipe's ``trainer.attention_backend: fa``, not a knob of its own
 FA_KERNEL_ENV = _env.EAGLE3_FA_KERNEL.name
@@ -65,6 +68,7 @@ STEP_ENV_NAMES = (
     BLOCK_MASK_ENV,
     FLEX_AUTOTUNE_ENV,
     FUSED_WGRAD_ENV,
+    FUSED_PROJ_ENV,
     FA_KERNEL_ENV,
     FUSED_CLIP_ENV,
     ALLOC_CONF_ENV,
@@ -94,12 +98,13 @@ def step_env(
     block_mask: bool | None = False,
     flex_autotune: bool | None = False,
     fused_wgrad: bool | None = False,
+    fused_proj: bool | None = False,
     fa_kernel: bool | None = False,
     fused_clip: bool = False,
 ) -> dict[str, str]:
     """The variables for SpecForge's trainer processes: every patch switch always spelled out (so an
     inherited shell variable never decides), the allocator setting only when given. ``chunked_loss``: tokens per
-    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss``, ``compile_elementwise``, ``block_mask``, ``flex_autotune``, ``fused_wgrad`` and ``fa_kernel`` None: the eagle3 step's switches left out
+    chunk, 0 off. ``empty_cache``, ``fewer_syncs``, ``chunked_loss``, ``compile_elementwise``, ``block_mask``, ``flex_autotune``, ``fused_wgrad``, ``fused_proj`` and ``fa_kernel`` None: the eagle3 step's switches left out
     (a block draft's step reads none of them); ``fused_clip`` is every family's (the optimizer)."""
     env = {FUSED_ADAMW_ENV: "1" if fused_adamw else "0"}
     if empty_cache is not None:
@@ -116,6 +121,8 @@ def step_env(
         env[FLEX_AUTOTUNE_ENV] = "1" if flex_autotune else "0"
     if fused_wgrad is not None:
         env[FUSED_WGRAD_ENV] = "1" if fused_wgrad else "0"
+    if fused_proj is not None:
+        env[FUSED_PROJ_ENV] = "1" if fused_proj else "0"
     if fa_kernel is not None:
         env[FA_KERNEL_ENV] = "1" if fa_kernel else "0"
     env[FUSED_CLIP_ENV] = "1" if fused_clip else "0"
@@ -128,11 +135,11 @@ def trainer_env(trainer) -> dict[str, str]:
     """:func:`step_env` of a recipe's ``trainer`` section (``plan.recipes.TrainerSection``: its
     ``step_empty_cache``, ``fused_adamw``, ``cuda_alloc_conf``, ``step_fewer_host_syncs`` and
     ``step_chunked_head_loss``, ``step_compile_elementwise``, ``step_eagle3_block_mask``, ``step_flex_autotune``,
-    ``step_eagle3_fused_wgrad``, ``step_optimizer_fused_clip``; the fa-kernel seam when ``attention_backend`` is
+    ``step_eagle3_fused_wgrad``, ``step_eagle3_fused_proj``, ``step_optimizer_fused_clip``; the fa-kernel seam when ``attention_backend`` is
     ``fa``). A block draft (``trainer.family`` dflash or dspark) gets no eagle3 step switches:
     patches eagle3-keep-allocator-cache, eagle3-fewer-host-syncs and eagle3-chunked-head-loss change SpecForge's
     eagle3 step only, so the launch needs none of them; the compile-elementwise seam changes the eagle3 Llama draft's
-    layer only, the eagle3-fused-wgrad seam the eagle3 step's linears. The optimizer-fused-clip seam changes SpecForge's optimizer, which every family's trainer runs."""
+    layer only, the eagle3-fused-wgrad and eagle3-fused-proj seams the eagle3 step's linears. The optimizer-fused-clip seam changes SpecForge's optimizer, which every family's trainer runs."""
     eagle3 = getattr(trainer, "family", "eagle3") == "eagle3"
     return step_env(
         empty_cache=trainer.step_empty_cache if eagle3 else None,
@@ -144,6 +151,7 @@ def trainer_env(trainer) -> dict[str, str]:
         block_mask=trainer.step_eagle3_block_mask if eagle3 else None,
         flex_autotune=trainer.step_flex_autotune if eagle3 else None,
         fused_wgrad=trainer.step_eagle3_fused_wgrad if eagle3 else None,
+        fused_proj=trainer.step_eagle3_fused_proj if eagle3 else None,
         fa_kernel=(trainer.attention_backend == "fa") if eagle3 else None,
         fused_clip=trainer.step_optimizer_fused_clip,
     )
