@@ -94,8 +94,8 @@ EAGLE3_FUSED_WGRAD = EnvVar(
 )
 EAGLE3_FUSED_PROJ = EnvVar(
     "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ",
-    "1: the eagle3-fused-proj seam runs the EAGLE-3 Llama draft layer's q/k/v and gate/up projections as one GEMM per "
-    "group (recipe trainer step knob)",
+    "1: the eagle3-fused-proj seam runs the EAGLE-3 draft layer's sibling projections (q/k/v and gate/up; the MLA "
+    "draft's q/kv down-projections) as one GEMM per group (recipe trainer step knob)",
     OURS,
     writers=("training.step_knobs",),
     readers=("drafts.eagle3_fused_proj",),

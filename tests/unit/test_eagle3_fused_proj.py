@@ -79,7 +79,7 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam):
     draft, loss, grads = _step()
     assert fp.wrapped_groups(draft) == GROUPS
     assert [s.fused_calls for s in seam] == [2 * 3]  # both groups at each of the three TTT positions
-    assert not seam[0].pending  # every sibling took its part
+    assert not seam[0].pending and seam[0].own_calls == 0  # every sibling took its part
     assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
     _same(grads, plain)
 
@@ -87,6 +87,8 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam):
 def test_beside_fused_weight_gradients(cpu_shims, seam, monkeypatch):
     """With eagle3-fused-wgrad too: the siblings are this seam's, each group's weight gradient is summed in its GEMM
     over the TTT positions (one hand-on per group and step), every other linear is that seam's as before."""
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+
     _, plain_loss, plain = _step()
     fw.install_eagle3_fused_wgrad(force=True)
     fp.install_eagle3_fused_proj(force=True)
@@ -101,6 +103,9 @@ def test_beside_fused_weight_gradients(cpu_shims, seam, monkeypatch):
     monkeypatch.setattr(fn, "backward", staticmethod(counting))
     draft, loss, grads = _step()
     assert fp.wrapped_groups(draft) == GROUPS
+    assert fw.installed(OnlineEagle3Model) and fp.installed(OnlineEagle3Model)  # fused-proj's forward wraps the other
+    outer = OnlineEagle3Model.forward
+    assert fw.install_eagle3_fused_wgrad(force=True) and OnlineEagle3Model.forward is outer  # installed: not again
     others = ["midlayer.self_attn.o_proj", "midlayer.mlp.down_proj", "lm_head"]
     assert fw.wrapped_names(draft) == others
     assert Counter(handed) == {**{(n, True): 1 for n in GROUPS + others}, **{(n, False): 2 for n in GROUPS + others}}
@@ -143,7 +148,7 @@ def test_the_mla_draft_fuses_its_down_projections_and_mlp(cpu_shims, seam):
         "midlayer.self_attn.q_a_proj+kv_a_proj_with_mqa",
         "midlayer.mlp.gate_proj+up_proj",
     ]
-    assert [s.fused_calls for s in seam] == [2 * 3] and not seam[0].pending
+    assert [s.fused_calls for s in seam] == [2 * 3] and not seam[0].pending and seam[0].own_calls == 0
     assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6) and grads.keys() == plain.keys()
     for name, g in plain.items():
         assert torch.allclose(grads[name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item()), name
@@ -178,7 +183,7 @@ def test_each_part_once_and_only_for_its_own_input(seam):
         q = attn.q_proj(x)
         assert step.fused_calls == 1 and set(step.pending[next(iter(step.pending))][2]) == {1, 2}
         k = attn.k_proj(other)  # another input: its own linear, the group's parts still waiting
-        assert torch.allclose(k, _plain(attn, other, "k_proj")) and step.fused_calls == 1
+        assert torch.allclose(k, _plain(attn, other, "k_proj")) and (step.fused_calls, step.own_calls) == (1, 1)
         k = attn.k_proj(x)
         v = attn.v_proj(x)
         assert not step.pending
@@ -186,6 +191,19 @@ def test_each_part_once_and_only_for_its_own_input(seam):
         assert step.fused_calls == 2
     for out, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj"), (v_again, "v_proj")):
         assert torch.allclose(out, _plain(attn, x, name), atol=1e-6), name
+
+
+def test_the_key_and_value_parts_do_not_keep_the_group_output(seam):
+    """The attention keeps its key and value across the TTT positions: they are copies, so the group output (the
+    query's columns) is freed with the query."""
+    attn = _toy()
+    x = torch.randn(5, 12)
+    with fp.fusing():
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert not q.is_contiguous()  # the query is a view of the group output
+    storage = q.untyped_storage().data_ptr()
+    assert k.is_contiguous() and v.is_contiguous()
+    assert storage not in (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
 
 
 def test_an_input_changed_in_place_is_not_served(seam):

@@ -11,16 +11,17 @@ projections are narrow GEMMs (8 heads of 128 on the K2.5 draft).
 With ``SPECFORGE_KIMI_EAGLE3_FUSED_PROJ=1`` in the process (recipe ``trainer.step_eagle3_fused_proj``, set by
 ``training.step_knobs``), :func:`install_eagle3_fused_proj` wraps ``OnlineEagle3Model.forward``: while it runs with
 gradients on, each group of siblings (q/k/v, gate/up: bias-free ``nn.Linear`` with one input width) runs as one
-``F.linear`` over their weights concatenated on the output dimension (the concatenation made once per step and
-reused by every TTT position while the weights are unchanged), split back into each sibling's output (views of
-the one output). The first sibling called computes the group's output and returns its own part; a sibling called
+``F.linear`` over their weights concatenated on the output dimension (the concatenation made once per eagle3 forward,
+a micro-batch, and reused by its every TTT position while the weights are unchanged), split back into each sibling's
+output (views of the one output; the attention's key and value parts copies: :data:`GROUPS`). The first sibling called computes the group's output and returns its own part; a sibling called
 next on the same input tensor (the same object, not modified in place since) gets its part of that output, once; a
 sibling called on another input while parts wait runs its own ``F.linear``. So the backward runs one input-gradient GEMM and one
 weight-gradient GEMM per group, with one concatenation of the siblings' output gradients instead of the adds, and the
 concatenation's backward hands each sibling weight its rows of the group's weight gradient. The same mathematics: in
 fp32 the losses and gradients differ by the GEMMs' summation order only; the checkpoint keeps SpecForge's own
-parameters and names. It holds each group's concatenated weight for the step (264 + 528 MB in bf16 on the K2.5
-draft) and one activation of the group's output width per position, as the siblings' outputs were.
+parameters and names. It holds each group's concatenated weight for the forward and its backward (264 + 528 MB in
+bf16 on the K2.5 draft) and, per position, the attention group's output until the rotary embedding has consumed the
+query, besides the key and value copies the attention keeps.
 
 Beside ``eagle3-fused-wgrad`` (``drafts.eagle3_fused_wgrad``) each group's GEMM sums its weight gradient over the
 TTT positions in place as that seam's linears do (:func:`~specforge_kimi.drafts.eagle3_fused_wgrad.linear`), and
@@ -41,13 +42,23 @@ import os
 import threading
 
 import specforge_kimi.environment as _env
+from specforge_kimi.drafts.eagle3_fused_wgrad import WRAPS
 
 FUSED_PROJ_ENV = _env.EAGLE3_FUSED_PROJ.name
 _FLAG = "__specforge_kimi_fused_proj__"
 #: the attribute a sibling carries: (its group, its index in the group, its own name in the draft)
 _MEMBER = "_specforge_kimi_fused_proj_member"
-#: the sibling groups: each the attribute names, in output order, of linears one module calls on one input
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
+#: the sibling groups: the attribute names, in output order, of linears one module calls on one input, and the
+#: indices of the parts handed out as copies of their own. A view keeps the whole group output alive: the attention
+#: keeps its key and value (the KV cache of the TTT positions, saved for the backward) while the query is consumed
+#: by the rotary embedding, so the narrow key and value parts are copied (2 x 1,024 columns on the K2.5 draft) and
+#: the group output is freed with the query; the MLP's parts, and the MLA down-projections' (each normed, the norms
+#: saving their inputs), are all kept by the backward anyway.
+GROUPS = (
+    (("q_proj", "k_proj", "v_proj"), (1, 2)),
+    (("gate_proj", "up_proj"), ()),
+    (("q_a_proj", "kv_a_proj_with_mqa"), ()),
+)
 #: SpecForge's ``OnlineEagle3Model.forward`` while the seam is installed
 _ORIGINAL: list = []
 #: the siblings whose ``forward`` the seam set (weak: a freed draft is not kept alive)
@@ -65,12 +76,12 @@ def requested() -> bool:
 
 class _Group:
     """One group of siblings: its name (``midlayer.self_attn.q_proj+k_proj+v_proj``), its modules (weak) in output
-    order and their output widths."""
+    order, their output widths and the parts handed out as copies (:data:`GROUPS`)."""
 
-    __slots__ = ("name", "members", "widths", "__weakref__")
+    __slots__ = ("name", "members", "widths", "copied", "__weakref__")
 
-    def __init__(self, name: str, members: list, widths: list[int]):
-        self.name, self.members, self.widths = name, members, widths
+    def __init__(self, name: str, members: list, widths: list[int], copied: tuple[int, ...]):
+        self.name, self.members, self.widths, self.copied = name, members, widths, copied
 
     def modules(self) -> list | None:
         """The sibling modules, or None when one of them is gone."""
@@ -82,12 +93,13 @@ class _Step:
     """One eagle3 forward's state: each group's concatenated weight (with the identities and versions it was made
     from) and each group's outputs not yet handed to their sibling (with the input they were computed on)."""
 
-    __slots__ = ("weights", "pending", "fused_calls")
+    __slots__ = ("weights", "pending", "fused_calls", "own_calls")
 
     def __init__(self):
         self.weights: dict = {}
         self.pending: dict = {}
         self.fused_calls = 0
+        self.own_calls = 0  # siblings that ran their own linear inside the forward (SpecForge's drafts: none)
 
 
 def _weight(step: _Step, group: _Group, mods: list):
@@ -123,12 +135,14 @@ def _impl():
                     del step.pending[id(group)]
                 return part
             if pending[1] == pending[0]._version:  # the parts still wait for their input: left to it
+                step.own_calls += 1
                 return eagle3_fused_wgrad.linear(input, module.weight, key=module, name=own)
         mods = group.modules()
         if mods is None:
+            step.own_calls += 1
             return eagle3_fused_wgrad.linear(input, module.weight, key=module, name=own)
         out = eagle3_fused_wgrad.linear(input, _weight(step, group, mods), key=group, name=group.name)
-        parts = out.split(group.widths, dim=-1)
+        parts = [p.contiguous() if i in group.copied else p for i, p in enumerate(out.split(group.widths, dim=-1))]
         step.pending[id(group)] = (input, input._version, {i: p for i, p in enumerate(parts) if i != index})
         step.fused_calls += 1
         return parts[index]
@@ -152,14 +166,14 @@ def wrap_draft_siblings(draft) -> list[str]:
         return []
     wrapped = []
     for prefix, holder in root.named_modules(prefix="midlayer"):
-        for names in GROUPS:
+        for names, copied in GROUPS:
             mods = [getattr(holder, n, None) for n in names]
             if not all(type(m) is nn.Linear and m.bias is None for m in mods):
                 continue
             if len({m.in_features for m in mods}) != 1 or any(_MEMBER in m.__dict__ for m in mods):
                 continue
             name = f"{prefix}.{names[0]}+" + "+".join(names[1:])
-            group = _Group(name, [weakref.ref(m) for m in mods], [m.out_features for m in mods])
+            group = _Group(name, [weakref.ref(m) for m in mods], [m.out_features for m in mods], copied)
             for index, m in enumerate(mods):
                 setattr(m, _MEMBER, (group, index, f"{prefix}.{names[index]}"))
                 m.forward = types.MethodType(sibling_forward, m)
@@ -204,7 +218,12 @@ def _forward(self, *args, **kwargs):
 
 def installed(model_cls) -> bool:
     """Whether ``model_cls`` (SpecForge's ``OnlineEagle3Model``) runs the seam's forward."""
-    return bool(getattr(model_cls.forward, _FLAG, False))
+    fn = model_cls.forward
+    while fn is not None:  # another seam's forward may wrap this one's (eagle3-fused-proj wraps fused-wgrad's)
+        if getattr(fn, _FLAG, False):
+            return True
+        fn = getattr(fn, WRAPS, None)
+    return False
 
 
 def install_eagle3_fused_proj(*, force: bool = False) -> bool:
@@ -218,6 +237,7 @@ def install_eagle3_fused_proj(*, force: bool = False) -> bool:
         return True
     _ORIGINAL[:] = [OnlineEagle3Model.forward]
     setattr(_forward, _FLAG, True)
+    setattr(_forward, WRAPS, _ORIGINAL[0])
     OnlineEagle3Model.forward = _forward
     return True
 

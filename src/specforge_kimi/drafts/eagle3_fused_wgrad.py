@@ -5,6 +5,8 @@ runs the draft's decoder layer (``draft_model.midlayer``) and its head (``draft_
 position. Every bias-free ``nn.Linear`` of those two modules (the Llama draft: q/k/v/o, gate/up/down and the head)
 is therefore used ``ttt_length`` times a step, and autograd computes ``ttt_length`` weight gradients, one GEMM each,
 and sums them with ``ttt_length - 1`` weight-sized adds, each reading two weight-sized tensors and writing one.
+Beside ``eagle3-fused-proj`` the sibling projections (q/k/v, gate/up) are that seam's, one GEMM per group, whose
+weight gradient it sums here through :func:`linear`.
 
 With ``SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD=1`` in the process (recipe ``trainer.step_eagle3_fused_wgrad``, set by
 ``training.step_knobs``), :func:`install_eagle3_fused_wgrad` wraps ``OnlineEagle3Model.forward``: while it runs with
@@ -39,6 +41,8 @@ import specforge_kimi.environment as _env
 
 FUSED_WGRAD_ENV = _env.EAGLE3_FUSED_WGRAD.name
 _FLAG = "__specforge_kimi_fused_wgrad__"
+#: the attribute of a seam's ``OnlineEagle3Model.forward`` naming the forward it wraps (:func:`installed` walks it)
+WRAPS = "__specforge_kimi_wraps__"
 #: the attribute a wrapped linear carries: its name in the draft, for the check's message
 _NAME = "_specforge_kimi_wgrad_name"
 #: SpecForge's ``OnlineEagle3Model.forward`` while the seam is installed
@@ -199,7 +203,12 @@ def _forward(self, *args, **kwargs):
 
 def installed(model_cls) -> bool:
     """Whether ``model_cls`` (SpecForge's ``OnlineEagle3Model``) runs the seam's forward."""
-    return bool(getattr(model_cls.forward, _FLAG, False))
+    fn = model_cls.forward
+    while fn is not None:  # another seam's forward may wrap this one's (eagle3-fused-proj wraps fused-wgrad's)
+        if getattr(fn, _FLAG, False):
+            return True
+        fn = getattr(fn, WRAPS, None)
+    return False
 
 
 def install_eagle3_fused_wgrad(*, force: bool = False) -> bool:
@@ -213,6 +222,7 @@ def install_eagle3_fused_wgrad(*, force: bool = False) -> bool:
         return True
     _ORIGINAL[:] = [OnlineEagle3Model.forward]
     setattr(_forward, _FLAG, True)
+    setattr(_forward, WRAPS, _ORIGINAL[0])
     OnlineEagle3Model.forward = _forward
     return True
 

@@ -351,12 +351,12 @@ class TrainerSection(_Strict):
     step_eagle3_fused_proj: bool = Field(
         default=False,
         description="true runs the eagle3 Llama draft layer's q/k/v projections as one GEMM and its MLP's gate/up "
-        "projections as one GEMM, over their weights concatenated once per step, so the backward runs one "
-        "input-gradient GEMM per group instead of one per projection and the adds of their input gradients "
-        "(SPECFORGE_KIMI_EAGLE3_FUSED_PROJ=1; our registration seam eagle3-fused-proj, no patch; the checkpoint "
-        "keeps SpecForge's parameters; holds the concatenated weights for the step). The same loss and gradients to "
-        "fp32 rounding (tests/unit/test_eagle3_fused_proj.py). Measured by bench/trainer_memory.py --variants "
-        "recipe,fused_proj. Off by default",
+        "projections as one GEMM (the MLA draft: its q/kv down-projections and gate/up), over their weights "
+        "concatenated once per forward, so the backward runs one input-gradient GEMM per group instead of one per "
+        "projection and the adds of their input gradients (SPECFORGE_KIMI_EAGLE3_FUSED_PROJ=1; our registration seam "
+        "eagle3-fused-proj, no patch; the checkpoint keeps SpecForge's parameters; holds the concatenated weights "
+        "through the backward). The same loss and gradients to fp32 rounding (tests/unit/test_eagle3_fused_proj.py). "
+        "Its bench: bench/trainer_memory.py --variants recipe,fused_proj. Off by default",
     )
     step_optimizer_fused_clip: bool = Field(
         default=False,
