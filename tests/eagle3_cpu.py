@@ -127,6 +127,16 @@ def mla_draft():
     return Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
 
 
+def mla_step():
+    """One eagle3 step of :func:`mla_draft` (seed 0, 10 tokens, TTT length 3): (draft, loss, {name: gradient})."""
+    import torch
+
+    torch.manual_seed(0)
+    draft = mla_draft()
+    loss = eagle3_step(draft, length=10, ttt=3, vocab=MLA_H16["vocab_size"], target_hidden=16)()
+    return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
 def dense_eagle3_attention(q, cache_k, cache_v, valid, scale, dtype):
     """The EAGLE-3 TTT attention computed densely in ``dtype``: query [B, S, H, D] over the keys and values of every
     block [B, blocks, S, H_kv, D] with the mask written out -- causal over block 0, the query's own position in each

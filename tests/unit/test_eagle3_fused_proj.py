@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from eagle3_cpu import LLAMA_H64 as LLAMA
-from eagle3_cpu import MLA_H16 as MLA
-from eagle3_cpu import eagle3_step, mla_draft
+from eagle3_cpu import eagle3_step, mla_step
 
 from specforge_kimi.drafts import eagle3_fused_proj as fp
 from specforge_kimi.drafts import eagle3_fused_wgrad as fw
@@ -135,15 +134,9 @@ def test_with_the_compiled_layer_regions(cpu_shims, seam):
 def test_the_mla_draft_fuses_its_down_projections_and_mlp(cpu_shims, seam):
     """Our MLA EAGLE-3 draft (``drafts.mla_eagle3``): its attention's q/kv down-projections and its MLP's gate/up."""
 
-    def step():
-        torch.manual_seed(0)
-        draft = mla_draft()
-        loss = eagle3_step(draft, length=10, ttt=3, vocab=MLA["vocab_size"], target_hidden=16)()
-        return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-
-    _, plain_loss, plain = step()
+    _, plain_loss, plain = mla_step()
     fp.install_eagle3_fused_proj(force=True)
-    draft, loss, grads = step()
+    draft, loss, grads = mla_step()
     assert fp.wrapped_groups(draft) == [
         "midlayer.self_attn.q_a_proj+kv_a_proj_with_mqa",
         "midlayer.mlp.gate_proj+up_proj",

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from eagle3_cpu import LLAMA_H64 as LLAMA
-from eagle3_cpu import MLA_H16 as MLA
-from eagle3_cpu import eagle3_step, mla_draft
+from eagle3_cpu import eagle3_step, mla_step
 
 from specforge_kimi.drafts import eagle3_fused_wgrad as fw
 from specforge_kimi.training import step_knobs
@@ -87,15 +86,9 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam, monkeypa
 def test_the_mla_draft_same_loss_and_gradients(cpu_shims, seam):
     """Our MLA EAGLE-3 draft (``drafts.mla_eagle3``) through the same step: its layer's linears and head wrapped."""
 
-    def step():
-        torch.manual_seed(0)
-        draft = mla_draft()
-        loss = eagle3_step(draft, length=10, ttt=3, vocab=MLA["vocab_size"], target_hidden=16)()
-        return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-
-    _, plain_loss, plain = step()
+    _, plain_loss, plain = mla_step()
     fw.install_eagle3_fused_wgrad(force=True)
-    draft, loss, grads = step()
+    draft, loss, grads = mla_step()
     names = fw.wrapped_names(draft)
     assert "lm_head" in names and len(names) >= 5 and all(n.startswith("midlayer.") for n in names[:-1])
     assert loss == plain_loss and grads.keys() == plain.keys()

@@ -42,7 +42,7 @@ import os
 import threading
 
 import specforge_kimi.environment as _env
-from specforge_kimi.drafts.eagle3_fused_wgrad import WRAPS
+from specforge_kimi.drafts import eagle3_forward_chain
 
 FUSED_PROJ_ENV = _env.EAGLE3_FUSED_PROJ.name
 _FLAG = "__specforge_kimi_fused_proj__"
@@ -217,13 +217,8 @@ def _forward(self, *args, **kwargs):
 
 
 def installed(model_cls) -> bool:
-    """Whether ``model_cls`` (SpecForge's ``OnlineEagle3Model``) runs the seam's forward."""
-    fn = model_cls.forward
-    while fn is not None:  # another seam's forward may wrap this one's (eagle3-fused-proj wraps fused-wgrad's)
-        if getattr(fn, _FLAG, False):
-            return True
-        fn = getattr(fn, WRAPS, None)
-    return False
+    """Whether ``model_cls`` (SpecForge's ``OnlineEagle3Model``) runs the seam's forward (under another seam's too)."""
+    return eagle3_forward_chain.installed(_FLAG, model_cls)
 
 
 def install_eagle3_fused_proj(*, force: bool = False) -> bool:
@@ -231,14 +226,7 @@ def install_eagle3_fused_proj(*, force: bool = False) -> bool:
     Idempotent."""
     if not (force or requested()):
         return False
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-
-    if installed(OnlineEagle3Model):
-        return True
-    _ORIGINAL[:] = [OnlineEagle3Model.forward]
-    setattr(_forward, _FLAG, True)
-    setattr(_forward, WRAPS, _ORIGINAL[0])
-    OnlineEagle3Model.forward = _forward
+    eagle3_forward_chain.install(_forward, _FLAG, _ORIGINAL)
     return True
 
 
@@ -251,8 +239,4 @@ def uninstall_eagle3_fused_proj() -> None:
             m.__dict__.pop("forward", None)
             m.__dict__.pop(_MEMBER, None)
     _WRAPPED.clear()
-    if not _ORIGINAL:
-        return
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-
-    OnlineEagle3Model.forward = _ORIGINAL.pop()
+    eagle3_forward_chain.uninstall(_ORIGINAL)

@@ -38,11 +38,10 @@ import os
 import threading
 
 import specforge_kimi.environment as _env
+from specforge_kimi.drafts import eagle3_forward_chain
 
 FUSED_WGRAD_ENV = _env.EAGLE3_FUSED_WGRAD.name
 _FLAG = "__specforge_kimi_fused_wgrad__"
-#: the attribute of a seam's ``OnlineEagle3Model.forward`` naming the forward it wraps (:func:`installed` walks it)
-WRAPS = "__specforge_kimi_wraps__"
 #: the attribute a wrapped linear carries: its name in the draft, for the check's message
 _NAME = "_specforge_kimi_wgrad_name"
 #: SpecForge's ``OnlineEagle3Model.forward`` while the seam is installed
@@ -202,13 +201,8 @@ def _forward(self, *args, **kwargs):
 
 
 def installed(model_cls) -> bool:
-    """Whether ``model_cls`` (SpecForge's ``OnlineEagle3Model``) runs the seam's forward."""
-    fn = model_cls.forward
-    while fn is not None:  # another seam's forward may wrap this one's (eagle3-fused-proj wraps fused-wgrad's)
-        if getattr(fn, _FLAG, False):
-            return True
-        fn = getattr(fn, WRAPS, None)
-    return False
+    """Whether ``model_cls`` (SpecForge's ``OnlineEagle3Model``) runs the seam's forward (under another seam's too)."""
+    return eagle3_forward_chain.installed(_FLAG, model_cls)
 
 
 def install_eagle3_fused_wgrad(*, force: bool = False) -> bool:
@@ -216,14 +210,7 @@ def install_eagle3_fused_wgrad(*, force: bool = False) -> bool:
     Idempotent."""
     if not (force or requested()):
         return False
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-
-    if installed(OnlineEagle3Model):
-        return True
-    _ORIGINAL[:] = [OnlineEagle3Model.forward]
-    setattr(_forward, _FLAG, True)
-    setattr(_forward, WRAPS, _ORIGINAL[0])
-    OnlineEagle3Model.forward = _forward
+    eagle3_forward_chain.install(_forward, _FLAG, _ORIGINAL)
     return True
 
 
@@ -236,8 +223,4 @@ def uninstall_eagle3_fused_wgrad() -> None:
             m.__dict__.pop("forward", None)
             m.__dict__.pop(_NAME, None)
     _WRAPPED.clear()
-    if not _ORIGINAL:
-        return
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-
-    OnlineEagle3Model.forward = _ORIGINAL.pop()
+    eagle3_forward_chain.uninstall(_ORIGINAL)
