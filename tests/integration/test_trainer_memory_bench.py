@@ -264,7 +264,7 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         "fused_wgrad",
     ]
     assert [r["variant"] for r in rows] == variants, rows
-    cache, fused, syncs, chunked, comp, mask, tune, wgrad, fa, clip, alloc = (
+    cache, fused, syncs, chunked, comp, mask, tune, wgrad, proj, fa, clip, alloc = (
         "SPECFORGE_EAGLE3_EMPTY_CACHE",
         "SPECFORGE_ADAMW_FUSED",
         "SPECFORGE_EAGLE3_FEWER_SYNCS",
@@ -273,11 +273,12 @@ def test_variants_run_apart_on_the_same_data_and_init(tmp_path):
         "SPECFORGE_KIMI_EAGLE3_BLOCK_MASK",
         "SPECFORGE_KIMI_FLEX_AUTOTUNE",
         "SPECFORGE_KIMI_EAGLE3_FUSED_WGRAD",
+        "SPECFORGE_KIMI_EAGLE3_FUSED_PROJ",
         "SPECFORGE_KIMI_EAGLE3_FA_KERNEL",
         "SPECFORGE_KIMI_OPTIMIZER_FUSED_CLIP",
         "PYTORCH_CUDA_ALLOC_CONF",
     )
-    off = {comp: "0", mask: "0", tune: "0", wgrad: "0", fa: "0", clip: "0"}  # our seams: spelled out, off
+    off = {comp: "0", mask: "0", tune: "0", wgrad: "0", proj: "0", fa: "0", clip: "0"}  # our seams: spelled out, off
     assert [r["step_env"] for r in rows] == [
         {cache: "1", fused: "0", syncs: "0", chunked: "0", **off, alloc: None},
         {cache: "0", fused: "1", syncs: "0", chunked: "0", **off, alloc: None},
