@@ -127,6 +127,19 @@ def mla_draft():
     return Eagle3DeepseekV2ForCausalLM(cfg, attention_backend="sdpa")
 
 
+def llama_step():
+    """One eagle3 step of SpecForge's Llama draft at :data:`LLAMA_H64` (seed 0, sdpa, 24 tokens, TTT length 3,
+    target hidden 64): (draft, loss, {name: gradient})."""
+    import torch
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    draft = LlamaForCausalLMEagle3(LlamaConfig(**LLAMA_H64), attention_backend="sdpa")
+    loss = eagle3_step(draft, length=24, ttt=3, vocab=LLAMA_H64["vocab_size"], target_hidden=64)()
+    return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
 def mla_step():
     """One eagle3 step of :func:`mla_draft` (seed 0, 10 tokens, TTT length 3): (draft, loss, {name: gradient})."""
     import torch

@@ -14,8 +14,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-from eagle3_cpu import LLAMA_H64 as LLAMA
-from eagle3_cpu import eagle3_step, mla_step
+from eagle3_cpu import llama_step, mla_step
 
 from specforge_kimi.drafts import eagle3_fused_proj as fp
 from specforge_kimi.drafts import eagle3_fused_wgrad as fw
@@ -50,16 +49,6 @@ def seam(monkeypatch):
     fw.uninstall_eagle3_fused_wgrad()
 
 
-def _step(ttt: int = 3):
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
-    from transformers import LlamaConfig
-
-    torch.manual_seed(0)
-    draft = LlamaForCausalLMEagle3(LlamaConfig(**LLAMA), attention_backend="sdpa")
-    loss = eagle3_step(draft, length=24, ttt=ttt, vocab=LLAMA["vocab_size"], target_hidden=64)()
-    return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-
-
 def _same(grads: dict, plain: dict, rtol: float = 1e-5) -> None:
     assert grads.keys() == plain.keys() and {f"{n}.weight" for n in SIBLINGS} <= grads.keys()
     for name, g in plain.items():  # the same products, summed in another order by the wider GEMMs: fp32 rounding
@@ -72,10 +61,10 @@ def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam):
     alike."""
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
 
-    plain_draft, plain_loss, plain = _step()
+    plain_draft, plain_loss, plain = llama_step()
     assert fp.wrapped_groups(plain_draft) == [] and seam == []
     assert fp.install_eagle3_fused_proj(force=True) and fp.installed(OnlineEagle3Model)
-    draft, loss, grads = _step()
+    draft, loss, grads = llama_step()
     assert fp.wrapped_groups(draft) == GROUPS
     assert [s.fused_calls for s in seam] == [2 * 3]  # both groups at each of the three TTT positions
     assert not seam[0].pending and seam[0].own_calls == 0  # every sibling took its part
@@ -88,7 +77,7 @@ def test_beside_fused_weight_gradients(cpu_shims, seam, monkeypatch):
     over the TTT positions (one hand-on per group and step), every other linear is that seam's as before."""
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
 
-    _, plain_loss, plain = _step()
+    _, plain_loss, plain = llama_step()
     fw.install_eagle3_fused_wgrad(force=True)
     fp.install_eagle3_fused_proj(force=True)
     fn = fw._impl()["function"]
@@ -100,7 +89,7 @@ def test_beside_fused_weight_gradients(cpu_shims, seam, monkeypatch):
         return out
 
     monkeypatch.setattr(fn, "backward", staticmethod(counting))
-    draft, loss, grads = _step()
+    draft, loss, grads = llama_step()
     assert fp.wrapped_groups(draft) == GROUPS
     assert fw.installed(OnlineEagle3Model) and fp.installed(OnlineEagle3Model)  # fused-proj's forward wraps the other
     outer = OnlineEagle3Model.forward
@@ -119,9 +108,9 @@ def test_with_the_compiled_layer_regions(cpu_shims, seam):
 
     try:
         ce.install_compile_elementwise(backend="aot_eager", force=True)
-        _, compiled_loss, compiled = _step()
+        _, compiled_loss, compiled = llama_step()
         fp.install_eagle3_fused_proj(force=True)
-        draft, loss, grads = _step()
+        draft, loss, grads = llama_step()
     finally:
         ce.uninstall_compile_elementwise()
         torch._dynamo.reset()

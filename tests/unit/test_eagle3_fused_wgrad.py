@@ -15,8 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-from eagle3_cpu import LLAMA_H64 as LLAMA
-from eagle3_cpu import eagle3_step, mla_step
+from eagle3_cpu import llama_step, mla_step
 
 from specforge_kimi.drafts import eagle3_fused_wgrad as fw
 from specforge_kimi.training import step_knobs
@@ -41,16 +40,6 @@ def seam(monkeypatch):
     fw.uninstall_eagle3_fused_wgrad()
 
 
-def _step(ttt: int = 3):
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
-    from transformers import LlamaConfig
-
-    torch.manual_seed(0)
-    draft = LlamaForCausalLMEagle3(LlamaConfig(**LLAMA), attention_backend="sdpa")
-    loss = eagle3_step(draft, length=24, ttt=ttt, vocab=LLAMA["vocab_size"], target_hidden=64)()
-    return draft, loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-
-
 def _handed(monkeypatch) -> list:
     """(weight name, whether a gradient was handed to autograd) for every backward of the seam's function."""
     fn = fw._impl()["function"]
@@ -68,11 +57,11 @@ def _handed(monkeypatch) -> list:
 def test_specforge_eagle3_step_same_loss_and_gradients(cpu_shims, seam, monkeypatch):
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
 
-    plain_draft, plain_loss, plain = _step()
+    plain_draft, plain_loss, plain = llama_step()
     assert fw.wrapped_names(plain_draft) == []
     assert fw.install_eagle3_fused_wgrad(force=True) and fw.installed(OnlineEagle3Model)
     handed = _handed(monkeypatch)
-    draft, loss, grads = _step()
+    draft, loss, grads = llama_step()
     assert fw.wrapped_names(draft) == LINEARS
     # three TTT positions: three backwards per weight, one of them hands the sum on
     assert Counter(handed) == {**{(n, True): 1 for n in LINEARS}, **{(n, False): 2 for n in LINEARS}}
@@ -103,9 +92,9 @@ def test_with_the_compiled_layer_regions(cpu_shims, seam):
 
     try:
         ce.install_compile_elementwise(backend="aot_eager", force=True)
-        _, compiled_loss, compiled = _step()
+        _, compiled_loss, compiled = llama_step()
         fw.install_eagle3_fused_wgrad(force=True)
-        draft, loss, grads = _step()
+        draft, loss, grads = llama_step()
     finally:
         ce.uninstall_compile_elementwise()
         torch._dynamo.reset()
@@ -118,7 +107,7 @@ def test_with_the_compiled_layer_regions(cpu_shims, seam):
 def test_handing_the_sum_from_every_use_would_count_it_again(cpu_shims, seam, monkeypatch):
     """The check above can fail: a seam that hands its running sum on from each backward changes the gradients."""
     fw.install_eagle3_fused_wgrad(force=True)
-    _, _, good = _step()
+    _, _, good = llama_step()
     fn = fw._impl()["function"]
     original = fn.backward
 
@@ -130,7 +119,7 @@ def test_handing_the_sum_from_every_use_would_count_it_again(cpu_shims, seam, mo
         return gx, gw, None
 
     monkeypatch.setattr(fn, "backward", staticmethod(every_use))
-    _, _, bad = _step()
+    _, _, bad = llama_step()
     assert not torch.allclose(bad["lm_head.weight"], good["lm_head.weight"], rtol=1e-3)
 
 
